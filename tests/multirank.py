@@ -1,0 +1,67 @@
+"""Run a function on N ranks (gloo, CPU) in spawned processes, with a hard timeout.
+
+Each rank joins a process group backed by a FileStore in a temp dir (no ports), uses
+one thread, runs ``fn(rank, world_size, *args)`` and writes its JSON-serializable
+return value to a file the parent reads back. A rank that raises fails the call with
+that rank's traceback; a hang past ``timeout`` kills every rank and fails.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+import traceback
+
+import torch
+import torch.multiprocessing as mp
+
+
+def _entry(rank: int, world_size: int, tmp: str, fn, args) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    try:
+        dist.init_process_group(
+            "gloo", store=dist.FileStore(os.path.join(tmp, "store"), world_size),
+            rank=rank, world_size=world_size,
+        )
+        result = fn(rank, world_size, *args)
+        with open(os.path.join(tmp, f"result{rank}.json"), "w") as f:
+            json.dump(result, f)
+        dist.destroy_process_group()
+    except BaseException:
+        with open(os.path.join(tmp, f"error{rank}.txt"), "w") as f:
+            f.write(traceback.format_exc())
+        raise
+
+
+def run(fn, world_size: int, *args, timeout: float = 300.0) -> list:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks; return each rank's result."""
+    with tempfile.TemporaryDirectory(prefix="zs-test-") as tmp:
+        ctx = mp.start_processes(
+            _entry, args=(world_size, tmp, fn, args), nprocs=world_size, join=False,
+            start_method="spawn",
+        )
+        deadline = time.monotonic() + timeout
+        try:
+            while not ctx.join(timeout=0.5):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"ranks did not finish within {timeout:.0f} s")
+        except Exception as exc:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.kill()
+            errors = []
+            for r in range(world_size):
+                path = os.path.join(tmp, f"error{r}.txt")
+                if os.path.exists(path):
+                    errors.append(f"--- rank {r} ---\n" + open(path).read())
+            raise AssertionError("\n".join(errors) or str(exc)) from exc
+        out = []
+        for r in range(world_size):
+            with open(os.path.join(tmp, f"result{r}.json")) as f:
+                out.append(json.load(f))
+        return out

@@ -1,0 +1,131 @@
+"""Shared parity harness: the same GPT, data and optimizer, trained by zeroshard on N
+ranks and by plain single-process PyTorch on the full batch.
+
+A *case* is a dict: stage, gas (accumulation steps), micro (micro-batch), clip, steps,
+client (pass a torch optimizer instead of a config section), dtype ("fp32"|"bf16"|"fp16"),
+bucket (reduce/allgather bucket elements), extra (merged into the config).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F  # noqa: F401  (kept for case authors)
+
+from zeroshard.models import GPT, GPTConfig
+
+SEQ = 16
+LR, LR_NODECAY, WD = 1e-3, 2e-3, 0.1
+
+
+def build_model(case: dict) -> GPT:
+    torch.manual_seed(1234)
+    cfg = GPTConfig(vocab_size=64, seq_len=SEQ, n_layer=2, n_head=2, d_model=32,
+                    tie_embeddings=case.get("tied", True))
+    model = GPT(cfg)
+    if case.get("frozen", True):
+        model.pos_emb.weight.requires_grad_(False)
+    return model
+
+
+def param_groups(model: torch.nn.Module, with_hyper: bool = True) -> list[dict]:
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    if not with_hyper:
+        return [{"params": decay}, {"params": no_decay}]
+    return [
+        {"params": decay, "weight_decay": WD},
+        {"params": no_decay, "weight_decay": 0.0, "lr": LR_NODECAY},
+    ]
+
+
+def batch(step: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + step)
+    data = torch.randint(0, 64, (rows, SEQ + 1), generator=g)
+    return data[:, :-1], data[:, 1:]
+
+
+def ds_config(case: dict) -> dict:
+    cfg = {
+        "train_micro_batch_size_per_gpu": case.get("micro", 2),
+        "gradient_accumulation_steps": case.get("gas", 1),
+        "gradient_clipping": case.get("clip", 0.0),
+        "zero_optimization": {
+            "stage": case["stage"],
+            "reduce_bucket_size": case.get("bucket", 3000),
+            "allgather_bucket_size": case.get("bucket", 3000),
+            "overlap_comm": True,
+        },
+        "steps_per_print": 10**6,
+    }
+    if not case.get("client"):
+        cfg["optimizer"] = {"type": "AdamW", "params": {"lr": LR, "weight_decay": WD}}
+    dtype = case.get("dtype", "fp32")
+    if dtype == "bf16":
+        cfg["bf16"] = {"enabled": True}
+    if dtype == "fp16":
+        cfg["fp16"] = {"enabled": True, "initial_scale_power": 8, "hysteresis": 1}
+    for k, v in case.get("extra", {}).items():
+        if isinstance(v, dict) and isinstance(cfg.get(k), dict):
+            cfg[k] = {**cfg[k], **v}
+        else:
+            cfg[k] = v
+    return cfg
+
+
+def reference(case: dict, world: int) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Single-process fp32 PyTorch AdamW on the whole global batch."""
+    model = build_model(case)
+    opt = torch.optim.AdamW(
+        [g for g in param_groups(model) if any(p.requires_grad for p in g["params"])],
+        lr=LR,
+    )
+    rows = case.get("micro", 2) * case.get("gas", 1) * world
+    losses = []
+    for step in range(case.get("steps", 4)):
+        x, y = batch(step, rows)
+        loss = model(x, y)
+        loss.backward()
+        if case.get("clip", 0.0) > 0:
+            torch.nn.utils.clip_grad_norm_(
+                [p for p in model.parameters() if p.requires_grad], case["clip"]
+            )
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def train(case: dict, rank: int, world: int):
+    """Train with zeroshard on this rank; returns (per-step mean micro loss, engine)."""
+    import zeroshard
+
+    model = build_model(case)
+    kwargs = {}
+    if case.get("client"):
+        kwargs["optimizer"] = torch.optim.AdamW(param_groups(model), lr=LR)
+    else:
+        kwargs["model_parameters"] = param_groups(model)
+    engine, _, _, _ = zeroshard.initialize(model=model, config=ds_config(case), **kwargs)
+    micro, gas = case.get("micro", 2), case.get("gas", 1)
+    losses = []
+    for step in range(case.get("steps", 4)):
+        x, y = batch(step, micro * gas * world)
+        total = 0.0
+        for m in range(gas):
+            lo = (m * world + rank) * micro
+            loss = engine(x[lo : lo + micro], y[lo : lo + micro])
+            engine.backward(loss)
+            engine.step()
+            total += loss.item()
+        losses.append(total / gas)
+    return losses, engine
+
+
+def full_params(engine) -> dict[str, torch.Tensor]:
+    """Every parameter of the engine's module, whole, in fp32."""
+    return {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}
+
+
+def max_param_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys(), (a.keys() ^ b.keys())
+    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)

@@ -1,0 +1,160 @@
+"""Engine behaviour on 2 ranks: the communication ledger, memory_stats, fp16 overflow,
+and the DeepSpeed-style accessors. One spawn runs every check."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+import textwrap
+
+import torch
+
+import multirank
+import parity
+
+BIG = 10**9  # one bucket: padding is negligible against the tolerance
+
+
+def _psi(engine) -> int:
+    return sum(p.numel() for p in engine.module.parameters() if p.requires_grad)
+
+
+def _one_step(case: dict, rank: int, world: int):
+    losses, engine = parity.train({**case, "steps": 1}, rank, world)
+    engine.reset_comm_stats()
+    x, y = parity.batch(99, case.get("micro", 2) * world)
+    lo = rank * case.get("micro", 2)
+    engine.backward(engine(x[lo : lo + 2], y[lo : lo + 2]))
+    engine.step()
+    return engine, engine.comm_stats()
+
+
+def _ledger_and_memory(rank: int, world: int) -> dict:
+    out = {}
+    for stage in (0, 1, 2):
+        engine, stats = _one_step({"stage": stage, "bucket": BIG, "frozen": False}, rank, world)
+        out[f"ledger{stage}"] = {"stats": stats, "psi": _psi(engine)}
+        out[f"memory{stage}"] = engine.memory_stats()
+    # a small bucket at stage 0: still exactly 2 x 4 Psi, in several all-reduces
+    engine, stats = _one_step({"stage": 0, "bucket": 3000}, rank, world)
+    out["ledger0_buckets"] = {"stats": stats, "psi": _psi(engine)}
+    return out
+
+
+def _fp16_overflow(rank: int, world: int) -> dict:
+    case = {"stage": 1, "dtype": "fp16", "steps": 1}
+    _, engine = parity.train(case, rank, world)
+    before = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    scale = engine.cur_scale
+    x, y = parity.batch(7, 2 * world)
+    loss = engine(x[2 * rank : 2 * rank + 2], y[2 * rank : 2 * rank + 2])
+    if rank == 1:
+        loss = loss * float("inf")  # only one rank overflows
+    engine.backward(loss)
+    engine.step()
+    unchanged = all(torch.equal(before[n], p) for n, p in engine.module.named_parameters())
+    result = {
+        "unchanged": unchanged,
+        "scale_before": scale,
+        "scale_after": engine.cur_scale,
+        "skipped": engine.skipped_steps,
+        "applied": engine.was_step_applied(),
+        "global_steps": engine.global_steps,
+    }
+    # the next clean step applies
+    loss = engine(x[2 * rank : 2 * rank + 2], y[2 * rank : 2 * rank + 2])
+    engine.backward(loss)
+    engine.step()
+    result["applied_next"] = engine.was_step_applied()
+    result["finite_next"] = all(torch.isfinite(p).all().item() for p in engine.module.parameters())
+    return result
+
+
+def _accessors(rank: int, world: int) -> dict:
+    case = {"stage": 2, "gas": 2, "micro": 1}
+    _, engine = parity.train({**case, "steps": 2}, rank, world)
+    return {
+        "global_steps": engine.global_steps,
+        "micro_steps": engine.micro_steps,
+        "boundary": engine.is_gradient_accumulation_boundary(),
+        "train_batch_size": engine.train_batch_size(),
+        "lr": engine.get_lr(),
+        "device": str(engine.device),
+        "world": engine.world_size,
+    }
+
+
+def _all(rank: int, world: int) -> dict:
+    return {
+        "lm": _ledger_and_memory(rank, world),
+        "fp16": _fp16_overflow(rank, world),
+        "acc": _accessors(rank, world),
+    }
+
+
+def test_engine_two_ranks() -> None:
+    results = multirank.run(_all, 2, timeout=300)
+    for r in results:
+        lm = r["lm"]
+        # Stage 0: an all-reduce of every gradient, exactly 2 x 4 Psi bytes, nothing else.
+        for key in ("ledger0", "ledger0_buckets"):
+            stats, psi = lm[key]["stats"], lm[key]["psi"]
+            assert set(stats) == {"all_reduce"}, stats
+            assert stats["all_reduce"]["bytes"] == 2 * 4 * psi
+        assert lm["ledger0_buckets"]["stats"]["all_reduce"]["calls"] > 1
+        # Stages 1 and 2: reduce-scatter + all-gather of the whole model, 2 x 4 Psi (+-2%).
+        for stage in (1, 2):
+            stats, psi = lm[f"ledger{stage}"]["stats"], lm[f"ledger{stage}"]["psi"]
+            assert set(stats) == {"reduce_scatter", "all_gather"}, stats
+            moved = stats["reduce_scatter"]["bytes"] + stats["all_gather"]["bytes"]
+            assert abs(moved - 8 * psi) <= 0.02 * 8 * psi, (stage, moved, 8 * psi)
+        # memory: fp32 Adam -> 8 Psi / N optimizer bytes from stage 1; grads 4 Psi / N at stage 2.
+        psi = lm["ledger0"]["psi"]
+        pad = 2 * 16 * 4 * 3  # one segment, alignment padding, a few step scalars
+        m0, m1, m2 = lm["memory0"], lm["memory1"], lm["memory2"]
+        assert m0["optimizer_states"] >= 8 * psi
+        assert m1["optimizer_states"] <= 8 * psi / 2 + pad
+        assert m2["optimizer_states"] <= 8 * psi / 2 + pad
+        assert m0["grads"] == 4 * psi and m1["grads"] >= 4 * psi
+        bucket = 4 * (psi + 32)  # the staging bucket (the whole model here)
+        assert m2["grads"] <= 4 * psi / 2 + bucket + pad
+        assert m2["params"] >= 4 * psi  # stage 2 keeps whole parameters
+        for m in (m0, m1, m2):
+            assert sum(m["by_location"].values()) == m["params"] + m["grads"] + m["optimizer_states"]
+            assert set(m["by_location"]) == {"cpu"}
+        # fp16: an inf on one rank skips the step everywhere and halves the scale.
+        f = r["fp16"]
+        assert f["unchanged"] and not f["applied"] and f["skipped"] == 1
+        assert f["scale_after"] == f["scale_before"] / 2
+        assert f["applied_next"] and f["finite_next"]
+        assert f["global_steps"] == 2
+        a = r["acc"]
+        assert a["global_steps"] == 2 and a["micro_steps"] == 4 and not a["boundary"]
+        assert a["train_batch_size"] == 1 * 2 * 2 and a["world"] == 2 and a["device"] == "cpu"
+        assert math.isclose(a["lr"][0], parity.LR) and math.isclose(a["lr"][1], parity.LR_NODECAY)
+
+
+def test_single_process_without_launcher() -> None:
+    """World size 1, no launcher environment: initialize() sets everything up itself."""
+    code = textwrap.dedent(
+        """
+        import os, torch, zeroshard
+        for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
+            os.environ.pop(k, None)
+        model = torch.nn.Linear(8, 8)
+        cfg = {"train_batch_size": 4, "optimizer": {"type": "AdamW", "params": {"lr": 0.1}},
+               "zero_optimization": {"stage": 2}}
+        engine, opt, loader, sched = zeroshard.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+        w0 = model.weight.detach().clone()
+        loss = engine(torch.randn(4, 8)).pow(2).mean()
+        engine.backward(loss)
+        engine.step()
+        assert not torch.equal(w0, model.weight), "no update"
+        assert torch.distributed.get_world_size() == 1
+        print("OK", engine.global_steps, engine.train_micro_batch_size_per_gpu())
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "OK 1 4" in out.stdout

@@ -1,0 +1,30 @@
+"""zeroshard: ZeRO sharded training on PyTorch, with DeepSpeed's config and API.
+
+Public API (everything else is private)::
+
+    engine, optimizer, loader, scheduler = zeroshard.initialize(model=..., config=...)
+    zeroshard.init_distributed()
+    zeroshard.add_config_arguments(parser)
+
+Names are imported on first use, so the command-line tools start quickly.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "initialize": "zeroshard.api",
+    "add_config_arguments": "zeroshard.api",
+    "init_distributed": "zeroshard.distributed",
+}
+
+__all__ = ["__version__", "add_config_arguments", "init_distributed", "initialize"]
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'zeroshard' has no attribute {name!r}")

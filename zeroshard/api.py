@@ -1,0 +1,147 @@
+"""``initialize`` and the argparse helper: the DeepSpeed-compatible entry points.
+
+Communication: initializes ``torch.distributed`` if needed (see ``distributed.py``);
+the engine then broadcasts rank 0's initial parameters.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+
+import torch
+from torch import nn
+
+from zeroshard.comm import Comm
+from zeroshard.config import ConfigError, load_config
+from zeroshard.distributed import init_distributed
+from zeroshard.engine import Engine
+from zeroshard.optim import hyperparams
+
+
+def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add DeepSpeed's ``--deepspeed`` / ``--deepspeed_config`` flags to ``parser``.
+
+    ``--deepspeed`` takes an optional value, so both DeepSpeed's flag form
+    (``--deepspeed --deepspeed_config cfg.json``) and Hugging Face's
+    ``--deepspeed cfg.json`` work.
+    """
+    group = parser.add_argument_group("zeroshard", "zeroshard / DeepSpeed configuration")
+    group.add_argument(
+        "--deepspeed", nargs="?", const=True, default=False,
+        help="enable zeroshard; optionally the config path (Hugging Face style)",
+    )
+    group.add_argument("--deepspeed_config", default=None, help="path to the DeepSpeed JSON config")
+    group.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)),
+                       help="set by the launcher")
+    return parser
+
+
+def _config_from_args(args, config, config_params):
+    given = [c for c in (config, config_params) if c is not None]
+    from_args = None
+    if args is not None:
+        from_args = getattr(args, "deepspeed_config", None)
+        ds = getattr(args, "deepspeed", None)
+        if from_args is None and isinstance(ds, str):
+            from_args = ds
+        if from_args is not None:
+            given.append(from_args)
+    if len(given) > 1:
+        raise ConfigError(
+            "config: given more than once (config=, config_params= or args.deepspeed_config); "
+            "pass exactly one"
+        )
+    if not given:
+        raise ConfigError(
+            "config: no configuration; pass config='ds_config.json' (or a dict) to initialize()"
+        )
+    return given[0]
+
+
+def _collect_groups(module: nn.Module, optimizer, model_parameters, opt_cfg):
+    """Param groups as ``[{"params": [...], **hyperparams}]`` plus the client optimizer."""
+    if optimizer is not None and opt_cfg is not None:
+        raise ConfigError(
+            "optimizer: the config has an 'optimizer' section and an optimizer was passed "
+            "to initialize(); remove one"
+        )
+    client = None
+    if optimizer is not None:
+        if isinstance(optimizer, torch.optim.Optimizer):
+            client = optimizer
+        elif callable(optimizer):
+            client = optimizer(model_parameters if model_parameters is not None else module.parameters())
+        else:
+            raise TypeError(f"initialize: optimizer must be a torch optimizer or a callable, got {type(optimizer)}")
+        groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": list(g["params"])}
+                  for g in client.param_groups]
+    elif opt_cfg is not None:
+        defaults = hyperparams(opt_cfg)
+        source = list(model_parameters) if model_parameters is not None else list(module.parameters())
+        if source and isinstance(source[0], dict):
+            groups = [{**defaults, **{k: v for k, v in g.items() if k != "params"},
+                       "params": list(g["params"])} for g in source]
+        else:
+            groups = [{**defaults, "params": source}]
+    else:
+        raise ConfigError(
+            "optimizer: no optimizer; add an \"optimizer\" section to the config, e.g. "
+            "{\"type\": \"AdamW\", \"params\": {\"lr\": 1e-4}}, or pass optimizer= to initialize()"
+        )
+    owned = {id(p) for p in module.parameters()}
+    seen: set[int] = set()
+    for gi, g in enumerate(groups):
+        for p in g["params"]:
+            if id(p) not in owned:
+                raise ValueError(f"initialize: param group {gi} holds a tensor that is not a parameter of the model")
+            if id(p) in seen:
+                raise ValueError(f"initialize: a parameter appears in more than one param group (group {gi})")
+            seen.add(id(p))
+    return groups, client
+
+
+def initialize(
+    args=None,
+    model: nn.Module | None = None,
+    optimizer=None,
+    model_parameters=None,
+    training_data=None,
+    lr_scheduler=None,
+    distributed_port: int = 29500,
+    mpu=None,
+    dist_init_required: bool | None = None,
+    collate_fn=None,
+    config=None,
+    mesh_param=None,
+    config_params=None,
+):
+    """Wrap ``model`` for sharded training; returns ``(engine, optimizer, loader, scheduler)``.
+
+    Same signature and return value as ``deepspeed.initialize``. ``config`` is a dict or a
+    JSON path (or comes from ``args.deepspeed_config``).
+    """
+    if model is None:
+        raise ValueError("initialize: model is required")
+    if mpu is not None or mesh_param is not None:
+        raise NotImplementedError("initialize: mpu / mesh_param (model parallelism) is not built yet in zeroshard")
+    source = _config_from_args(args, config, config_params)
+    init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
+    comm = Comm()
+    cfg = load_config(source, dp_world_size=comm.world_size)
+    if cfg.seed is not None:
+        random.seed(cfg.seed)
+        torch.manual_seed(cfg.seed)
+    groups, client = _collect_groups(model, optimizer, model_parameters, cfg.optimizer)
+    engine = Engine(
+        model,
+        cfg,
+        comm,
+        param_groups=groups,
+        client_optimizer=client,
+        lr_scheduler=lr_scheduler,
+        training_data=training_data,
+        collate_fn=collate_fn,
+    )
+    return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler

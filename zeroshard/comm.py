@@ -1,0 +1,197 @@
+"""The only door to ``torch.distributed`` collectives, and the ledger that counts them.
+
+Every collective zeroshard issues goes through a :class:`Comm` (a process group plus a
+:class:`Ledger`). The ledger records, per op, the number of calls, the bytes moved and
+the seconds the caller was blocked (issue time plus time spent in ``wait()``; work that
+overlaps compute therefore shows up as little time).
+
+Byte convention (the ZeRO paper's): all-reduce counts 2x the buffer (it is a
+reduce-scatter plus an all-gather), reduce-scatter counts the full unsharded input,
+all-gather the full gathered output, broadcast / all-to-all / send / recv the buffer.
+
+With world size 1 every collective is a local copy (or nothing) and nothing is recorded:
+no bytes leave the process.
+
+Gloo gaps filled here: ``ReduceOp.AVG`` (sum then divide), and the ``*_single`` names
+introduced in torch 2.13 versus the ``*_tensor`` names older torch has.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+@dataclass
+class OpStats:
+    """Totals for one collective op on one rank."""
+
+    calls: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+
+
+class Ledger:
+    """Per-op call, byte and blocked-time totals for this rank."""
+
+    def __init__(self) -> None:
+        self._ops: dict[str, OpStats] = defaultdict(OpStats)
+
+    def record(self, op: str, nbytes: int, seconds: float) -> None:
+        s = self._ops[op]
+        s.calls += 1
+        s.bytes += int(nbytes)
+        s.seconds += seconds
+
+    def add_seconds(self, op: str, seconds: float) -> None:
+        self._ops[op].seconds += seconds
+
+    def snapshot(self) -> dict[str, dict[str, float | int]]:
+        return {
+            op: {"calls": s.calls, "bytes": s.bytes, "seconds": s.seconds}
+            for op, s in sorted(self._ops.items())
+        }
+
+    def total_bytes(self) -> int:
+        return sum(s.bytes for s in self._ops.values())
+
+    def reset(self) -> None:
+        self._ops.clear()
+
+
+class Handle:
+    """An in-flight collective. ``wait()`` blocks until it is done, then runs ``then``."""
+
+    def __init__(
+        self,
+        work: dist.Work | None,
+        ledger: Ledger | None,
+        op: str,
+        then: Callable[[], None] | None = None,
+    ) -> None:
+        self._work, self._ledger, self._op, self._then = work, ledger, op, then
+        self.done = work is None and then is None
+
+    def wait(self) -> None:
+        if self.done:
+            return
+        t0 = time.perf_counter()
+        if self._work is not None:
+            self._work.wait()
+        if self._then is not None:
+            self._then()
+        if self._ledger is not None:
+            self._ledger.add_seconds(self._op, time.perf_counter() - t0)
+        self.done = True
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class Comm:
+    """A process group with a ledger. All zeroshard collectives go through here.
+
+    ``async_op=True`` returns a :class:`Handle`; otherwise the op completes before
+    returning (and ``None`` is returned).
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None = None, ledger: Ledger | None = None):
+        self.group = group
+        self.ledger = ledger if ledger is not None else Ledger()
+        initialized = dist.is_available() and dist.is_initialized()
+        self.world_size = dist.get_world_size(group) if initialized else 1
+        self.rank = dist.get_rank(group) if initialized else 0
+        self._avg_native = initialized and dist.get_backend(group) == "nccl"
+
+    # -- helpers --------------------------------------------------------------------
+    def _run(self, op: str, nbytes: int, fn: Callable[[], dist.Work | None], async_op: bool,
+             then: Callable[[], None] | None = None) -> Handle | None:
+        t0 = time.perf_counter()
+        work = fn()
+        self.ledger.record(op, nbytes, time.perf_counter() - t0)
+        handle = Handle(work, self.ledger, op, then)
+        if async_op:
+            return handle
+        handle.wait()
+        return None
+
+    @staticmethod
+    def _local(then: Callable[[], None] | None, async_op: bool) -> Handle | None:
+        if then is not None:
+            then()
+        return Handle(None, None, "") if async_op else None
+
+    # -- collectives ----------------------------------------------------------------
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum", async_op: bool = False) -> Handle | None:
+        """In-place all-reduce; ``op`` is "sum", "avg" or "max". Counts 2x the buffer."""
+        if self.world_size == 1:
+            return self._local(None, async_op)
+        then = None
+        if op == "avg" and not self._avg_native:
+            red, then = dist.ReduceOp.SUM, lambda: tensor.div_(self.world_size)
+        else:
+            red = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "max": dist.ReduceOp.MAX}[op]
+        return self._run(
+            "all_reduce", 2 * _nbytes(tensor),
+            lambda: dist.all_reduce(tensor, op=red, group=self.group, async_op=async_op),
+            async_op, then)
+
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False) -> Handle | None:
+        """Sum ``input`` (world_size equal chunks) across ranks; this rank's chunk to ``output``."""
+        if self.world_size == 1:
+            return self._local(lambda: output.copy_(input.view_as(output)), async_op)
+        return self._run(
+            "reduce_scatter", _nbytes(input),
+            lambda: _reduce_scatter_flat(output, input, group=self.group, async_op=async_op),
+            async_op)
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False) -> Handle | None:
+        """Concatenate every rank's ``input`` into ``output`` (rank order)."""
+        if self.world_size == 1:
+            if output.data_ptr() == input.data_ptr():
+                return self._local(None, async_op)
+            return self._local(lambda: output.copy_(input.view_as(output)), async_op)
+        return self._run(
+            "all_gather", _nbytes(output),
+            lambda: _all_gather_flat(output, input, group=self.group, async_op=async_op),
+            async_op)
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0, async_op: bool = False) -> Handle | None:
+        """Broadcast from group rank ``src`` (the global rank is looked up here)."""
+        if self.world_size == 1:
+            return self._local(None, async_op)
+        gsrc = dist.get_global_rank(self.group, src) if self.group is not None else src
+        return self._run(
+            "broadcast", _nbytes(tensor),
+            lambda: dist.broadcast(tensor, gsrc, group=self.group, async_op=async_op),
+            async_op)
+
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False) -> Handle | None:
+        """Equal-split all-to-all of flat buffers."""
+        if self.world_size == 1:
+            return self._local(lambda: output.copy_(input), async_op)
+        return self._run(
+            "all_to_all", _nbytes(input),
+            lambda: dist.all_to_all_single(output, input, group=self.group, async_op=async_op),
+            async_op)
+
+    def barrier(self) -> None:
+        if self.world_size > 1:
+            dist.barrier(group=self.group)
+
+    def all_gather_object(self, obj: object) -> list[object]:
+        """Gather a small picklable object from every rank (used for consistency checks)."""
+        if self.world_size == 1:
+            return [obj]
+        out: list[object] = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self.group)
+        return out

@@ -1,0 +1,332 @@
+"""The training engine: forward, scaled backward, and the step at accumulation boundaries.
+
+The engine orchestrates strategy objects chosen once from the config and holds no
+stage-specific branches: what is sharded (:class:`Sharding`) decides the flat layout's
+world size, the gradient reducer's mode and, at stage 3, the parameter gatherer.
+
+Communication it issues itself: at construction, one broadcast per flat group, frozen
+parameter and buffer (rank 0's initial values). Everything else comes from the reducer
+(backward) and the sharded optimizer (step); see their module docstrings.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from zeroshard.comm import Comm
+from zeroshard.distributed import default_device
+from zeroshard.optim import optimizer_factory
+from zeroshard.precision import DtypePolicy, LossScaler
+from zeroshard.schedulers import build_scheduler
+from zeroshard.zero.flat import FlatParams
+from zeroshard.zero.gradients import GradReducer
+from zeroshard.zero.optimizer import ShardedOptimizer, build_inner_optimizer
+from zeroshard.zero.partition import FlatLayout, greedy_segments
+
+log = logging.getLogger("zeroshard")
+
+_ALIGN = 16  # chunk sizes are multiples of 16 elements (vector-friendly offsets)
+
+
+@dataclass(frozen=True)
+class Sharding:
+    """Which model states are split across data-parallel ranks (the ZeRO stage)."""
+
+    optimizer: bool
+    gradients: bool
+    parameters: bool
+
+    @classmethod
+    def for_stage(cls, stage: int) -> Sharding:
+        return cls(optimizer=stage >= 1, gradients=stage >= 2, parameters=stage >= 3)
+
+
+def _cast_floating(obj, dtype: torch.dtype):
+    if torch.is_tensor(obj):
+        return obj.to(dtype) if obj.is_floating_point() else obj
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_cast_floating(o, dtype) for o in obj)
+    if isinstance(obj, dict):
+        return {k: _cast_floating(v, dtype) for k, v in obj.items()}
+    return obj
+
+
+class Engine(nn.Module):
+    """What ``zeroshard.initialize`` returns first; call it like the model."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        config,
+        comm: Comm,
+        *,
+        param_groups: list[dict],
+        client_optimizer: torch.optim.Optimizer | None = None,
+        lr_scheduler=None,
+        training_data=None,
+        collate_fn=None,
+    ) -> None:
+        super().__init__()
+        self.module = module
+        self._config = config
+        self.comm = comm
+        self.device = default_device()
+        self.policy = DtypePolicy.from_config(config)
+        self.sharding = Sharding.for_stage(config.zero_optimization.stage)
+        self.micro_steps = 0
+        self.global_steps = 0
+        self.global_samples = 0
+        self.skipped_steps = 0
+        self._step_applied = False
+        with torch.no_grad():
+            module.to(self.device)
+            if self.policy.compute != torch.float32:
+                module.to(self.policy.compute)
+                module.register_forward_pre_hook(self._cast_inputs, with_kwargs=True)
+        self.flat = self._flatten(param_groups)
+        self._broadcast_initial_state()
+        zc = config.zero_optimization
+        registration = {id(p): i for i, p in enumerate(module.parameters())}
+        self.reducer = GradReducer(
+            self.flat,
+            comm,
+            dtype=self.policy.grad,
+            sharded=self.sharding.gradients,
+            overlap=zc.overlap_comm or not self.sharding.optimizer,
+            registration_index=registration,
+            predivide=config.gradient_predivide_factor if config.prescale_gradients else 1.0,
+        )
+        factory = optimizer_factory(config.optimizer, self.device) if config.optimizer else None
+        inner, masters = build_inner_optimizer(
+            self.flat, self.policy, client=client_optimizer, factory=factory
+        )
+        self.loss_scaler = LossScaler.from_config(config.fp16)
+        self.optimizer = ShardedOptimizer(
+            self.flat,
+            self.reducer,
+            inner,
+            masters,
+            comm,
+            policy=self.policy,
+            scaler=self.loss_scaler,
+            clip=config.gradient_clipping,
+            check_overflow=config.fp16.enabled,
+        )
+        self.lr_scheduler = self._make_scheduler(lr_scheduler)
+        self.training_dataloader = self._make_loader(training_data, collate_fn)
+        for name in config.ignored_enabled:
+            if comm.rank == 0:
+                log.warning("zeroshard: config section %r is accepted but has no effect", name)
+
+    # -- construction -------------------------------------------------------------------
+    def _flatten(self, param_groups: list[dict]) -> FlatParams:
+        """All trainable parameters in one flat layout (segments = gradient buckets)."""
+        zc = self._config.zero_optimization
+        world = self.comm.world_size if self.sharding.optimizer else 1
+        bucket = int(min(zc.reduce_bucket_size, zc.allgather_bucket_size))
+        order = {id(p): i for i, p in enumerate(self.module.parameters())}
+        group_of = {id(p): gi for gi, spec in enumerate(param_groups) for p in spec["params"]}
+        trainable = [p for spec in param_groups for p in spec["params"] if p.requires_grad]
+        trainable.sort(key=lambda p: -order.get(id(p), -1))  # backward order: last layers first
+        segments = greedy_segments([p.numel() for p in trainable], bucket)
+        # inside a segment, each param group's parameters sit together
+        segments = [sorted(s, key=lambda i: group_of[id(trainable[i])]) for s in segments]
+        params = [trainable[i] for s in segments for i in s]
+        at = 0
+        index_segments = []
+        for s in segments:
+            index_segments.append(list(range(at, at + len(s))))
+            at += len(s)
+        layout = FlatLayout(
+            [p.numel() for p in params], world, groups=index_segments,
+            align=_ALIGN if world > 1 else 1,
+        )
+        return FlatParams(
+            params,
+            [group_of[id(p)] for p in params],
+            [{k: v for k, v in spec.items() if k != "params"} for spec in param_groups],
+            layout,
+            self.comm.rank,
+            device=self.device,
+            dtype=self.policy.compute,
+            full=not self.sharding.parameters,
+        )
+
+    def _broadcast_initial_state(self) -> None:
+        """Every rank starts from rank 0's parameters and buffers."""
+        flat_ids = {id(p) for p in self.flat.params}
+        self.comm.broadcast(self.flat.storage(), src=0)
+        for p in self.module.parameters():
+            if id(p) not in flat_ids:
+                self.comm.broadcast(p.data, src=0)
+        for b in self.module.buffers():
+            self.comm.broadcast(b, src=0)
+
+    def _make_scheduler(self, client):
+        sc = self._config.scheduler
+        if sc is not None:
+            if client is not None:
+                raise ValueError(
+                    "initialize: both the config's 'scheduler' section and an lr_scheduler "
+                    "argument were given; use one"
+                )
+            return build_scheduler(sc.type, sc.params, self.optimizer.inner)
+        if callable(client) and not hasattr(client, "step"):
+            return client(self.optimizer.inner)
+        return client
+
+    def _make_loader(self, data, collate_fn):
+        if data is None:
+            return None
+        from torch.utils.data import DataLoader, DistributedSampler
+
+        sampler = DistributedSampler(data, num_replicas=self.comm.world_size, rank=self.comm.rank)
+        return DataLoader(
+            data,
+            batch_size=self._config.train_micro_batch_size_per_gpu,
+            sampler=sampler,
+            collate_fn=collate_fn,
+        )
+
+    def _cast_inputs(self, module, args, kwargs):
+        dtype = self.policy.compute
+        return _cast_floating(args, dtype), _cast_floating(kwargs, dtype)
+
+    # -- the training loop --------------------------------------------------------------
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
+
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True):
+        """Backward of ``loss / accumulation steps`` (times the fp16 loss scale); on the
+        reducing micro-steps, gradients are reduced while backward runs."""
+        scaled = loss
+        gas = self.gradient_accumulation_steps()
+        if scale_wrt_gas and gas > 1:
+            scaled = scaled / gas
+        if self.loss_scaler.scale != 1.0:
+            scaled = scaled * self.loss_scaler.scale
+        self.reducer.begin(self.is_gradient_accumulation_boundary())
+        scaled.backward(retain_graph=retain_graph)
+        self.reducer.finish()
+        return loss
+
+    def step(self, lr_kwargs: dict | None = None) -> None:
+        """Count a micro-step; at the accumulation boundary, update the model."""
+        self._step_applied = False
+        if self.is_gradient_accumulation_boundary():
+            self._step_applied = self.optimizer.step()
+            if self._step_applied:
+                if self.lr_scheduler is not None:
+                    self.lr_scheduler.step(**(lr_kwargs or {}))
+            else:
+                self.skipped_steps += 1
+            self.reducer.zero_grad()
+            self.global_steps += 1
+            self.global_samples += self.train_batch_size()
+            self._report_progress()
+        self.micro_steps += 1
+
+    def _report_progress(self) -> None:
+        every = self._config.steps_per_print
+        if every and self.global_steps % every == 0 and self.comm.rank == 0:
+            log.info("step=%d skipped=%d lr=%s", self.global_steps, self.skipped_steps, self.get_lr())
+
+    def zero_grad(self) -> None:
+        self.reducer.zero_grad()
+
+    # -- DeepSpeed-compatible accessors ---------------------------------------------
+    def train_batch_size(self) -> int:
+        return self._config.train_batch_size
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self._config.train_micro_batch_size_per_gpu
+
+    def gradient_accumulation_steps(self) -> int:
+        return self._config.gradient_accumulation_steps
+
+    def get_lr(self) -> list[float]:
+        return [g["lr"] for g in self.optimizer.param_groups]
+
+    def get_global_grad_norm(self) -> float | None:
+        return self.optimizer.global_grad_norm
+
+    def was_step_applied(self) -> bool:
+        return self._step_applied
+
+    def zero_optimization_stage(self) -> int:
+        return self._config.zero_optimization.stage
+
+    def fp16_enabled(self) -> bool:
+        return self._config.fp16.enabled
+
+    def bfloat16_enabled(self) -> bool:
+        return self._config.bf16.enabled
+
+    @property
+    def config(self):
+        return self._config
+
+    @property
+    def cur_scale(self) -> float:
+        return self.loss_scaler.scale
+
+    loss_scale = cur_scale
+
+    @property
+    def global_rank(self) -> int:
+        return self.comm.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.comm.world_size
+
+    @property
+    def dp_world_size(self) -> int:
+        return self.comm.world_size
+
+    @property
+    def local_rank(self) -> int:
+        return self.device.index or 0
+
+    # -- the ledger and the memory report -------------------------------------------
+    def comm_stats(self) -> dict[str, dict[str, float | int]]:
+        """``{op: {"calls", "bytes", "seconds"}}`` on this rank since the last reset."""
+        return self.comm.ledger.snapshot()
+
+    def reset_comm_stats(self) -> None:
+        self.comm.ledger.reset()
+
+    def memory_stats(self) -> dict:
+        """Bytes of the persistent buffers this rank holds, by kind and by location."""
+        flat_ids = {id(p) for p in self.flat.params}
+        kinds: dict[str, Iterable[torch.Tensor]] = {
+            "params": [
+                self.flat.storage(),
+                *(p for p in self.module.parameters() if id(p) not in flat_ids),
+            ],
+            "grads": self.reducer.buffers(),
+            "optimizer_states": self.optimizer.buffers(),
+        }
+        out: dict = {"by_location": {}}
+        seen: set[tuple[int, int]] = set()
+        for kind, tensors in kinds.items():
+            total = 0
+            for t in tensors:
+                key = (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+                if key in seen or t.numel() == 0:
+                    continue
+                seen.add(key)
+                nbytes = t.untyped_storage().nbytes()
+                total += nbytes
+                loc = str(t.device)
+                out["by_location"][loc] = out["by_location"].get(loc, 0) + nbytes
+            out[kind] = total
+        return out

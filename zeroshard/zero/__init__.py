@@ -1,0 +1,1 @@
+"""ZeRO: which model states are sharded across data-parallel ranks, and how."""

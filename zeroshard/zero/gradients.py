@@ -1,0 +1,266 @@
+"""Bucketed gradient reduction, driven by autograd hooks and overlapped with backward.
+
+Each segment of the :class:`~zeroshard.zero.flat.FlatParams` layout is a bucket. A
+``post_accumulate_grad`` hook on every trainable parameter drops its gradient into the
+bucket; when a bucket is complete it is reduced asynchronously while backward goes on.
+Buckets are launched in one fixed global order (by position in the model, last layers
+first), so every rank issues the same collectives in the same order even when
+gradients arrive in a different order or some parameters get none.
+
+Two modes, chosen once from what is sharded:
+
+* **full gradients** (stages 0 and 1): a flat gradient buffer the size of the group.
+  In the common case (gradient dtype == parameter dtype) ``param.grad`` *is* a view of
+  it, so autograd accumulates micro-steps in place and nothing is copied. Communication
+  happens only on the accumulation boundary: an all-reduce per bucket (stage 0,
+  2x bucket bytes) or an in-place reduce-scatter (stage 1, bucket bytes) that leaves
+  each rank its averaged chunk.
+* **sharded gradients** (stages 2 and 3): only this rank's chunks are kept. Every
+  micro-step each gradient is copied into a pooled staging bucket and freed; the full
+  bucket is reduce-scattered in place and the rank's chunk accumulated into the owned
+  gradient shard. Memory: the shard plus the staging pool (about two buckets).
+
+Either way :attr:`GradReducer.grad_chunks` ``[segment]`` is the reduced,
+averaged gradient of this rank's chunk, what the sharded optimizer consumes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from zeroshard.comm import Comm, Handle
+from zeroshard.zero.flat import FlatParams
+
+
+@dataclass(eq=False)
+class _Bucket:
+    segment: int
+    order_key: int
+    slots: dict[int, tuple[int, int]]  # param index -> (lo, hi) within the segment
+    ready: set[int] = field(default_factory=set)
+    launched: bool = False
+    staging: torch.Tensor | None = None
+    filled: set[int] = field(default_factory=set)
+
+
+class GradReducer:
+    """Reduce gradients bucket by bucket as backward produces them.
+
+    Args:
+        flat: the flat parameters.
+        comm: the data-parallel communicator.
+        dtype: gradient buffer / communication dtype.
+        sharded: keep only this rank's gradient chunks (stages 2, 3).
+        overlap: launch a bucket's collective as soon as it is complete; otherwise the
+            collective runs synchronously at that point (no overlap, bounded memory).
+        registration_index: position of each parameter in ``module.parameters()``,
+            used to order buckets like backward produces them.
+        predivide: divide gradients by this before communication and by
+            ``world_size / predivide`` after (DeepSpeed's gradient_predivide_factor).
+    """
+
+    def __init__(
+        self,
+        flat: FlatParams,
+        comm: Comm,
+        *,
+        dtype: torch.dtype,
+        sharded: bool,
+        overlap: bool = True,
+        registration_index: dict[int, int] | None = None,
+        predivide: float = 1.0,
+    ) -> None:
+        self.flat, self.comm, self.dtype = flat, comm, dtype
+        self.sharded, self.overlap, self.predivide = sharded, overlap, predivide
+        self._boundary = True
+        self._hooks = []
+        self._pending: list[tuple[_Bucket, Handle | None]] = []
+        self._free_staging: list[torch.Tensor] = []
+        layout = flat.layout
+        self._staging_numel = max((seg.numel for seg in layout.segments), default=0)
+        self._accumulated = False  # whether grad_shard already holds a micro-step
+        own = comm.rank if flat.sharded else 0
+        self.grad_full: torch.Tensor | None = None
+        self.grad_shard: torch.Tensor | None = None
+        self._views: list[torch.Tensor | None] = [None] * len(flat.params)
+        if sharded:
+            self.grad_shard = torch.zeros(layout.shard_numel, dtype=dtype, device=flat.device)
+            self.grad_chunks = [
+                self.grad_shard[s.shard_start : s.shard_start + s.chunk] for s in layout.segments
+            ]
+        else:
+            self.grad_full = torch.zeros(layout.total_numel, dtype=dtype, device=flat.device)
+            self.grad_chunks = [self.grad_full[slice(*s.chunk_range(own))] for s in layout.segments]
+            for pi, p in enumerate(flat.params):
+                lo, hi = layout.param_range(pi)
+                self._views[pi] = self.grad_full[lo:hi].view_as(p)
+        reg = registration_index or {}
+        self._buckets: list[_Bucket] = []
+        self._bucket_of: list[_Bucket] = [None] * len(flat.params)  # type: ignore[list-item]
+        for seg in layout.segments:
+            slots = {p: (lo, hi) for p, lo, hi in layout.segment_param_pieces(seg.index)}
+            key = min((reg.get(id(flat.params[p]), 1 << 30) for p in seg.params), default=0)
+            bucket = _Bucket(seg.index, key, slots)
+            self._buckets.append(bucket)
+            for p in seg.params:
+                self._bucket_of[p] = bucket
+        # Last layers first: a bucket is complete when its earliest parameter's grad lands.
+        self._buckets.sort(key=lambda b: (-b.order_key, b.segment))
+        self._next = 0
+        self._zero_copy = not sharded and all(p.dtype == dtype for p in flat.params)
+        for pi, p in enumerate(flat.params):
+            if self._zero_copy:
+                p.grad = self._views[pi]
+            self._hooks.append(p.register_post_accumulate_grad_hook(self._make_hook(pi)))
+
+    # -- backward -----------------------------------------------------------------------
+    def begin(self, boundary: bool) -> None:
+        """Called before each backward: whether this micro-step ends an accumulation."""
+        self._boundary = boundary
+
+    @property
+    def communicates_now(self) -> bool:
+        return self.sharded or self._boundary
+
+    def _make_hook(self, pi: int):
+        def hook(p: torch.Tensor) -> None:
+            self._on_grad(pi, p)
+
+        return hook
+
+    def _on_grad(self, pi: int, p: torch.Tensor) -> None:
+        if p.grad is None:
+            return
+        bucket = self._bucket_of[pi]
+        if bucket.launched:
+            name = f"parameter {pi} (shape {tuple(p.shape)})"
+            raise RuntimeError(
+                f"{name} received a gradient after its bucket was already reduced in this "
+                "backward; a parameter must receive its gradient once per backward "
+                "(reentrant checkpointing or a second backward through it?)"
+            )
+        if not self.sharded:
+            view = self._views[pi]
+            if p.grad.data_ptr() != view.data_ptr():
+                view.add_(p.grad)
+                p.grad = view if self._zero_copy else None
+        else:
+            staging = self._staging_for(bucket)
+            lo, hi = bucket.slots[pi]
+            slot = staging[lo:hi].view_as(p.grad)
+            if pi in bucket.filled:
+                slot.add_(p.grad)
+            else:
+                slot.copy_(p.grad)
+                bucket.filled.add(pi)
+            p.grad = None
+        if not self.communicates_now:
+            return
+        bucket.ready.add(pi)
+        if len(bucket.ready) == len(bucket.slots):
+            self._launch_in_order(upto=None)
+
+    def _launch_in_order(self, upto: int | None) -> None:
+        """Launch complete buckets in global order (all of them when ``upto`` is None
+        and the bucket is complete; everything when finishing)."""
+        while self._next < len(self._buckets):
+            b = self._buckets[self._next]
+            if upto is None and len(b.ready) < len(b.slots):
+                return
+            self._launch(b)
+            self._next += 1
+
+    def _launch(self, b: _Bucket) -> None:
+        g = self.flat
+        seg = g.layout.segments[b.segment]
+        b.launched = True
+        if self.sharded:
+            src = self._staging_for(b)[: seg.numel]
+            for pi, (lo, hi) in b.slots.items():  # parameters that got no gradient
+                if pi not in b.filled:
+                    src[lo:hi].zero_()
+            src[seg.used :].zero_()
+        else:
+            src = self.grad_full[seg.start : seg.start + seg.numel]
+        if self.predivide != 1.0:
+            src.div_(self.predivide)
+        if g.sharded:
+            rank = self.comm.rank
+            out = src[rank * seg.chunk : (rank + 1) * seg.chunk]
+            handle = self.comm.reduce_scatter(out, src, async_op=True)
+        else:
+            handle = self.comm.all_reduce(src, async_op=True)
+        self._pending.append((b, handle))
+        if not self.overlap:
+            self._complete_oldest()
+
+    def _complete_oldest(self) -> None:
+        b, handle = self._pending.pop(0)
+        handle.wait()
+        g = self.flat
+        seg = g.layout.segments[b.segment]
+        post = self.comm.world_size / self.predivide
+        chunk = self.grad_chunks[b.segment]
+        if self.sharded:
+            rank = self.comm.rank if g.sharded else 0
+            reduced = b.staging[rank * seg.chunk : (rank + 1) * seg.chunk]
+            if post != 1.0:
+                reduced.div_(post)
+            if self._accumulated:
+                chunk.add_(reduced)
+            else:
+                chunk.copy_(reduced)
+            self._free_staging.append(b.staging)
+            b.staging = None
+            b.filled.clear()
+        elif post != 1.0:
+            src = self.grad_full[seg.start : seg.start + seg.numel]
+            (src if not g.sharded else chunk).div_(post)
+
+    def _staging_for(self, b: _Bucket) -> torch.Tensor:
+        if b.staging is None:
+            if not self._free_staging and self._pending:
+                self._complete_oldest()
+            if self._free_staging:
+                b.staging = self._free_staging.pop()
+            else:
+                b.staging = torch.empty(self._staging_numel, dtype=self.dtype, device=self.flat.device)
+        return b.staging
+
+    def finish(self) -> None:
+        """After backward: launch what is left (in order) and wait for everything."""
+        if not self.communicates_now:
+            return
+        self._launch_in_order(upto=len(self._buckets))
+        while self._pending:
+            self._complete_oldest()
+        for b in self._buckets:
+            b.ready.clear()
+            b.launched = False
+        self._next = 0
+        if self.sharded:
+            self._accumulated = True
+
+    # -- step boundary ------------------------------------------------------------------
+    def zero_grad(self) -> None:
+        """Clear accumulated gradients (after an optimizer step or a skipped one)."""
+        for buf in (self.grad_full, self.grad_shard):
+            if buf is not None:
+                buf.zero_()
+        self._accumulated = False
+        for pi, p in enumerate(self.flat.params):
+            p.grad = self._views[pi] if self._zero_copy else None
+
+    def remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+
+    def buffers(self) -> list[torch.Tensor]:
+        """Persistent gradient buffers: the full buffer or the shard, plus the staging pool."""
+        bufs = [b for b in (self.grad_full, self.grad_shard) if b is not None]
+        bufs += self._free_staging
+        bufs += [b.staging for b in self._buckets if b.staging is not None]
+        return bufs

@@ -1,0 +1,188 @@
+"""The sharded optimizer: an inner torch optimizer stepping this rank's fp32 master chunks.
+
+Communication at the step, per accumulation boundary:
+
+* one all-reduce of a single fp32 scalar (the squared gradient norm) when gradients are
+  sharded and clipping or fp16 overflow detection needs the global norm (8 bytes);
+* when parameters are whole on every rank but optimizer state is sharded (stages 1, 2),
+  one all-gather per segment of the updated chunks (the full parameter bytes).
+
+Master weights: with fp32 training the master chunks *are* the parameter storage (views,
+no copy); in bf16/fp16 training they are an fp32 copy of this rank's chunks only, and the
+updated values are cast back into the parameters after the step.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from zeroshard.comm import Comm
+from zeroshard.precision import DtypePolicy, LossScaler
+from zeroshard.zero.flat import FlatParams
+from zeroshard.zero.gradients import GradReducer
+
+_EAGER_STATE = (torch.optim.Adam, torch.optim.AdamW)
+
+
+class ShardedOptimizer:
+    """Unscale, check overflow, clip by global norm, step, write back, re-gather.
+
+    ``inner`` is a torch optimizer whose param groups hold this rank's master views
+    (built by :func:`build_inner_optimizer`); its ``param_groups`` are exposed so
+    schedulers and users can change ``lr``.
+    """
+
+    def __init__(
+        self,
+        flat: FlatParams,
+        reducer: GradReducer,
+        inner: torch.optim.Optimizer,
+        masters: list[torch.Tensor],
+        comm: Comm,
+        *,
+        policy: DtypePolicy,
+        scaler: LossScaler,
+        clip: float = 0.0,
+        check_overflow: bool = False,
+    ) -> None:
+        self.flat, self.reducer, self.inner, self.masters = flat, reducer, inner, masters
+        self.comm, self.policy, self.scaler = comm, policy, scaler
+        self.clip, self.check_overflow = clip, check_overflow
+        self.global_grad_norm: float | None = None
+        self.overflow = False
+        self._init_state()
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.inner.param_groups
+
+    @property
+    def state(self):
+        return self.inner.state
+
+    def _init_state(self) -> None:
+        """Create Adam's moment buffers now, so memory is reserved and reported up front."""
+        if type(self.inner) not in _EAGER_STATE:
+            return
+        saved = [(g["lr"], g.get("weight_decay", 0.0)) for g in self.inner.param_groups]
+        for g in self.inner.param_groups:
+            g["lr"], g["weight_decay"] = 0.0, 0.0
+            for m in g["params"]:
+                m.grad = torch.zeros_like(m)
+        self.inner.step()
+        for g, (lr, wd) in zip(self.inner.param_groups, saved, strict=True):
+            g["lr"], g["weight_decay"] = lr, wd
+            for m in g["params"]:
+                m.grad = None
+                self.inner.state[m]["step"].zero_()
+
+    # -- the step -------------------------------------------------------------------
+    def _attach_grads(self) -> list[torch.Tensor]:
+        """Point every master view's ``.grad`` at the reduced gradient (fp32)."""
+        chunks = self.reducer.grad_chunks
+        if chunks and chunks[0].dtype != self.policy.master:
+            chunks = [c.to(self.policy.master) for c in chunks]
+        grads = []
+        for gi, group in enumerate(self.inner.param_groups):
+            for m, g in zip(group["params"], self.flat.group_views(chunks, gi), strict=True):
+                m.grad = g
+                grads.append(g)
+        return grads
+
+    def _global_norm(self) -> float:
+        """L2 norm of the whole (averaged) gradient: local chunks, summed over shards."""
+        chunks = self.reducer.grad_chunks
+        if chunks:
+            norms = torch.stack([torch.linalg.vector_norm(c, dtype=torch.float32) for c in chunks])
+            local = norms.square().sum().reshape(1)
+        else:
+            local = torch.zeros(1, dtype=torch.float32, device=self.flat.device)
+        if self.flat.sharded:
+            self.comm.all_reduce(local)
+        return math.sqrt(float(local))
+
+    def step(self) -> bool:
+        """One optimizer step on the reduced gradients; False if skipped (fp16 overflow)."""
+        inv_scale = 1.0 / self.scaler.scale
+        self.overflow = False
+        if self.clip > 0 or self.check_overflow:
+            self.global_grad_norm = self._global_norm() * inv_scale
+            self.overflow = self.check_overflow and not math.isfinite(self.global_grad_norm)
+        if self.overflow:
+            self.scaler.update(overflow=True)
+            return False
+        grads = self._attach_grads()
+        factor = inv_scale
+        if self.clip > 0:
+            factor *= min(1.0, self.clip / (self.global_grad_norm + 1e-6))
+        if factor != 1.0 and grads:
+            torch._foreach_mul_(grads, factor)
+        self.inner.step()
+        for group in self.inner.param_groups:
+            for m in group["params"]:
+                m.grad = None
+        self._write_back()
+        self.scaler.update(overflow=False)
+        return True
+
+    def _write_back(self) -> None:
+        """Cast master chunks into the parameters, then re-assemble whole parameters."""
+        flat = self.flat
+        if self.policy.separate_master:
+            torch._foreach_copy_(flat.chunks, self.masters)
+        if flat.full is None or not flat.sharded:
+            return
+        handles = [
+            self.comm.all_gather(flat.segment_view(seg.index), flat.chunks[seg.index], async_op=True)
+            for seg in flat.layout.segments
+        ]
+        for h in handles:
+            h.wait()
+
+    # -- accounting -----------------------------------------------------------------
+    def buffers(self) -> list[torch.Tensor]:
+        """Master copies (when separate) plus every tensor in the inner optimizer's state."""
+        out = list(self.masters) if self.policy.separate_master else []
+        for st in self.inner.state.values():
+            out += [v for v in st.values() if torch.is_tensor(v)]
+        return out
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Gradients are owned by the engine's reducer; cleared after each step."""
+        self.reducer.zero_grad()
+
+
+def build_inner_optimizer(
+    flat: FlatParams,
+    policy: DtypePolicy,
+    *,
+    client: torch.optim.Optimizer | None = None,
+    factory=None,
+) -> tuple[torch.optim.Optimizer, list[torch.Tensor]]:
+    """Make this rank's master chunks (one per segment) and the torch optimizer that
+    steps them, one param group per ``flat`` group holding that group's master views.
+
+    ``client``: a user's optimizer instance, re-pointed at the masters in place (so an
+    lr scheduler already bound to it keeps working). ``factory(param_groups)``: builds
+    a new one.
+    """
+    if policy.separate_master:
+        buf = torch.empty(flat.layout.shard_numel, dtype=policy.master, device=flat.device)
+        masters = [buf[s.shard_start : s.shard_start + s.chunk] for s in flat.layout.segments]
+        torch._foreach_copy_(masters, flat.chunks)
+    else:
+        masters = [c.detach() for c in flat.chunks]
+    groups = [
+        {**hyper, "params": flat.group_views(masters, gi)}
+        for gi, hyper in enumerate(flat.hyperparams)
+    ]
+    if client is None:
+        return factory(groups), masters
+    if len(client.param_groups) != len(groups):
+        raise ValueError("internal: param group count changed")
+    for cg, g in zip(client.param_groups, groups, strict=True):
+        cg["params"] = g["params"]
+    client.state.clear()
+    return client, masters
