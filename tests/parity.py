@@ -123,7 +123,10 @@ def train(case: dict, rank: int, world: int):
 
 def full_params(engine) -> dict[str, torch.Tensor]:
     """Every parameter of the engine's module, whole, in fp32."""
-    return {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}
+    from zeroshard.zero import GatheredParameters
+
+    with GatheredParameters(list(engine.module.parameters())):
+        return {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}
 
 
 def max_param_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:

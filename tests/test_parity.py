@@ -15,7 +15,7 @@ import parity
 
 TOL = 2e-5
 
-STAGES = [0, 1, 2]
+STAGES = [0, 1, 2, 3]
 
 
 def _cases() -> list[dict]:
@@ -27,6 +27,20 @@ def _cases() -> list[dict]:
             {"stage": stage, "gas": 2, "clip": 0.05, "client": True, "tied": False},
             {"stage": stage, "gas": 1, "clip": 0.0, "bucket": 10**9, "frozen": False},
         ]
+    # Stage 3 with every parameter partitioned (the tiny model is below the default
+    # persistence threshold), with and without prefetch, with a live-parameter cap, and
+    # with small parameters persistent.
+    z3 = "zero_optimization"
+    cases += [
+        {"stage": 3, "gas": 1, "extra": {z3: {"stage3_param_persistence_threshold": 0}}},
+        {"stage": 3, "gas": 4, "micro": 1, "clip": 1.0, "extra": {z3: {
+            "stage3_param_persistence_threshold": 0, "stage3_prefetch_bucket_size": 0}}},
+        {"stage": 3, "gas": 2, "clip": 0.05, "client": True, "tied": False, "extra": {z3: {
+            "stage3_param_persistence_threshold": 100, "stage3_prefetch_bucket_size": 5000,
+            "stage3_max_live_parameters": 8000}}},
+        {"stage": 3, "gas": 1, "frozen": False, "extra": {z3: {
+            "stage3_param_persistence_threshold": 0, "stage3_prefetch_bucket_size": 10**9}}},
+    ]
     return cases
 
 

@@ -24,9 +24,12 @@ from zeroshard.optim import optimizer_factory
 from zeroshard.precision import DtypePolicy, LossScaler
 from zeroshard.schedulers import build_scheduler
 from zeroshard.zero.flat import FlatParams
+from zeroshard.zero.gathered import register_owner
 from zeroshard.zero.gradients import GradReducer
 from zeroshard.zero.optimizer import ShardedOptimizer, build_inner_optimizer
-from zeroshard.zero.partition import FlatLayout, greedy_segments
+from zeroshard.zero.parameters import ParamGatherer, WholeParams
+from zeroshard.zero.partition import FlatLayout
+from zeroshard.zero.plan import plan_buckets, plan_units
 
 log = logging.getLogger("zeroshard")
 
@@ -88,9 +91,20 @@ class Engine(nn.Module):
             if self.policy.compute != torch.float32:
                 module.to(self.policy.compute)
                 module.register_forward_pre_hook(self._cast_inputs, with_kwargs=True)
-        self.flat = self._flatten(param_groups)
         self._broadcast_initial_state()
+        self.flat, persistent = self._flatten(param_groups)
         zc = config.zero_optimization
+        if self.sharding.parameters:
+            self.params = ParamGatherer(
+                self.flat,
+                comm,
+                module,
+                persistent=persistent,
+                prefetch_numel=int(zc.stage3_prefetch_bucket_size),
+                max_live_numel=int(zc.stage3_max_live_parameters),
+            )
+        else:
+            self.params = WholeParams(self.flat, comm)
         registration = {id(p): i for i, p in enumerate(module.parameters())}
         self.reducer = GradReducer(
             self.flat,
@@ -100,6 +114,7 @@ class Engine(nn.Module):
             overlap=zc.overlap_comm or not self.sharding.optimizer,
             registration_index=registration,
             predivide=config.gradient_predivide_factor if config.prescale_gradients else 1.0,
+            on_bucket_ready=self.params.release,
         )
         factory = optimizer_factory(config.optimizer, self.device) if config.optimizer else None
         inner, masters = build_inner_optimizer(
@@ -117,6 +132,7 @@ class Engine(nn.Module):
             clip=config.gradient_clipping,
             check_overflow=config.fp16.enabled,
         )
+        register_owner(module.parameters(), self)
         self.lr_scheduler = self._make_scheduler(lr_scheduler)
         self.training_dataloader = self._make_loader(training_data, collate_fn)
         for name in config.ignored_enabled:
@@ -124,31 +140,26 @@ class Engine(nn.Module):
                 log.warning("zeroshard: config section %r is accepted but has no effect", name)
 
     # -- construction -------------------------------------------------------------------
-    def _flatten(self, param_groups: list[dict]) -> FlatParams:
-        """All trainable parameters in one flat layout (segments = gradient buckets)."""
+    def _flatten(self, param_groups: list[dict]) -> tuple[FlatParams, list[int]]:
+        """Lay parameters out flat: gradient buckets (stages 0-2) or module units (stage 3)."""
         zc = self._config.zero_optimization
         world = self.comm.world_size if self.sharding.optimizer else 1
         bucket = int(min(zc.reduce_bucket_size, zc.allgather_bucket_size))
-        order = {id(p): i for i, p in enumerate(self.module.parameters())}
-        group_of = {id(p): gi for gi, spec in enumerate(param_groups) for p in spec["params"]}
-        trainable = [p for spec in param_groups for p in spec["params"] if p.requires_grad]
-        trainable.sort(key=lambda p: -order.get(id(p), -1))  # backward order: last layers first
-        segments = greedy_segments([p.numel() for p in trainable], bucket)
-        # inside a segment, each param group's parameters sit together
-        segments = [sorted(s, key=lambda i: group_of[id(trainable[i])]) for s in segments]
-        params = [trainable[i] for s in segments for i in s]
-        at = 0
-        index_segments = []
-        for s in segments:
-            index_segments.append(list(range(at, at + len(s))))
-            at += len(s)
+        if self.sharding.parameters:
+            plan = plan_units(
+                self.module, param_groups, int(zc.stage3_param_persistence_threshold), bucket
+            )
+        else:
+            plan = plan_buckets(self.module, param_groups, bucket)
         layout = FlatLayout(
-            [p.numel() for p in params], world, groups=index_segments,
+            [p.numel() for p in plan.params],
+            world,
+            groups=plan.segments,
             align=_ALIGN if world > 1 else 1,
         )
-        return FlatParams(
-            params,
-            [group_of[id(p)] for p in params],
+        flat = FlatParams(
+            plan.params,
+            plan.group_of,
             [{k: v for k, v in spec.items() if k != "params"} for spec in param_groups],
             layout,
             self.comm.rank,
@@ -156,14 +167,12 @@ class Engine(nn.Module):
             dtype=self.policy.compute,
             full=not self.sharding.parameters,
         )
+        return flat, plan.persistent
 
     def _broadcast_initial_state(self) -> None:
         """Every rank starts from rank 0's parameters and buffers."""
-        flat_ids = {id(p) for p in self.flat.params}
-        self.comm.broadcast(self.flat.storage(), src=0)
         for p in self.module.parameters():
-            if id(p) not in flat_ids:
-                self.comm.broadcast(p.data, src=0)
+            self.comm.broadcast(p.data, src=0)
         for b in self.module.buffers():
             self.comm.broadcast(b, src=0)
 
@@ -214,8 +223,12 @@ class Engine(nn.Module):
         if self.loss_scaler.scale != 1.0:
             scaled = scaled * self.loss_scaler.scale
         self.reducer.begin(self.is_gradient_accumulation_boundary())
-        scaled.backward(retain_graph=retain_graph)
-        self.reducer.finish()
+        self.params.begin_backward()
+        try:
+            scaled.backward(retain_graph=retain_graph)
+            self.reducer.finish()
+        finally:
+            self.params.end_backward()
         return loss
 
     def step(self, lr_kwargs: dict | None = None) -> None:
@@ -224,6 +237,7 @@ class Engine(nn.Module):
         if self.is_gradient_accumulation_boundary():
             self._step_applied = self.optimizer.step()
             if self._step_applied:
+                self.params.after_step()
                 if self.lr_scheduler is not None:
                     self.lr_scheduler.step(**(lr_kwargs or {}))
             else:
@@ -241,6 +255,13 @@ class Engine(nn.Module):
 
     def zero_grad(self) -> None:
         self.reducer.zero_grad()
+
+    # -- zero.GatheredParameters support ----------------------------------------------
+    def gather_params(self, params: list[torch.Tensor]) -> None:
+        self.params.open(params)
+
+    def release_params(self, params: list[torch.Tensor], modifier_rank: int | None) -> None:
+        self.optimizer.refresh_masters(self.params.close(params, modifier_rank))
 
     # -- DeepSpeed-compatible accessors ---------------------------------------------
     def train_batch_size(self) -> int:
@@ -309,7 +330,7 @@ class Engine(nn.Module):
         flat_ids = {id(p) for p in self.flat.params}
         kinds: dict[str, Iterable[torch.Tensor]] = {
             "params": [
-                self.flat.storage(),
+                *self.params.buffers(),
                 *(p for p in self.module.parameters() if id(p) not in flat_ids),
             ],
             "grads": self.reducer.buffers(),

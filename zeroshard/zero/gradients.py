@@ -39,6 +39,7 @@ class _Bucket:
     segment: int
     order_key: int
     slots: dict[int, tuple[int, int]]  # param index -> (lo, hi) within the segment
+    trainable: int  # how many of its parameters receive gradients
     ready: set[int] = field(default_factory=set)
     launched: bool = False
     staging: torch.Tensor | None = None
@@ -59,6 +60,8 @@ class GradReducer:
             used to order buckets like backward produces them.
         predivide: divide gradients by this before communication and by
             ``world_size / predivide`` after (DeepSpeed's gradient_predivide_factor).
+        on_bucket_ready: called with a segment index once all its gradients are in (the
+            stage-3 gatherer frees that unit's parameters then).
     """
 
     def __init__(
@@ -71,8 +74,10 @@ class GradReducer:
         overlap: bool = True,
         registration_index: dict[int, int] | None = None,
         predivide: float = 1.0,
+        on_bucket_ready=None,
     ) -> None:
         self.flat, self.comm, self.dtype = flat, comm, dtype
+        self._on_bucket_ready = on_bucket_ready
         self.sharded, self.overlap, self.predivide = sharded, overlap, predivide
         self._boundary = True
         self._hooks = []
@@ -102,7 +107,8 @@ class GradReducer:
         for seg in layout.segments:
             slots = {p: (lo, hi) for p, lo, hi in layout.segment_param_pieces(seg.index)}
             key = min((reg.get(id(flat.params[p]), 1 << 30) for p in seg.params), default=0)
-            bucket = _Bucket(seg.index, key, slots)
+            trainable = sum(flat.group_of[p] >= 0 for p in seg.params)
+            bucket = _Bucket(seg.index, key, slots, trainable)
             self._buckets.append(bucket)
             for p in seg.params:
                 self._bucket_of[p] = bucket
@@ -111,6 +117,8 @@ class GradReducer:
         self._next = 0
         self._zero_copy = not sharded and all(p.dtype == dtype for p in flat.params)
         for pi, p in enumerate(flat.params):
+            if flat.group_of[pi] < 0:  # frozen (stage 3 keeps them in the layout)
+                continue
             if self._zero_copy:
                 p.grad = self._views[pi]
             self._hooks.append(p.register_post_accumulate_grad_hook(self._make_hook(pi)))
@@ -159,7 +167,9 @@ class GradReducer:
         if not self.communicates_now:
             return
         bucket.ready.add(pi)
-        if len(bucket.ready) == len(bucket.slots):
+        if len(bucket.ready) == bucket.trainable:
+            if self._on_bucket_ready is not None:
+                self._on_bucket_ready(bucket.segment)
             self._launch_in_order(upto=None)
 
     def _launch_in_order(self, upto: int | None) -> None:
@@ -167,7 +177,7 @@ class GradReducer:
         and the bucket is complete; everything when finishing)."""
         while self._next < len(self._buckets):
             b = self._buckets[self._next]
-            if upto is None and len(b.ready) < len(b.slots):
+            if upto is None and len(b.ready) < b.trainable:
                 return
             self._launch(b)
             self._next += 1
@@ -251,7 +261,8 @@ class GradReducer:
                 buf.zero_()
         self._accumulated = False
         for pi, p in enumerate(self.flat.params):
-            p.grad = self._views[pi] if self._zero_copy else None
+            if self.flat.group_of[pi] >= 0:
+                p.grad = self._views[pi] if self._zero_copy else None
 
     def remove_hooks(self) -> None:
         for h in self._hooks:

@@ -4,8 +4,8 @@ Communication at the step, per accumulation boundary:
 
 * one all-reduce of a single fp32 scalar (the squared gradient norm) when gradients are
   sharded and clipping or fp16 overflow detection needs the global norm (8 bytes);
-* when parameters are whole on every rank but optimizer state is sharded (stages 1, 2),
-  one all-gather per segment of the updated chunks (the full parameter bytes).
+and nothing else: re-assembling whole parameters from the updated chunks is the job of
+``zero/parameters.py``.
 
 Master weights: with fp32 training the master chunks *are* the parameter storage (views,
 no copy); in bf16/fp16 training they are an fp32 copy of this rank's chunks only, and the
@@ -128,18 +128,15 @@ class ShardedOptimizer:
         return True
 
     def _write_back(self) -> None:
-        """Cast master chunks into the parameters, then re-assemble whole parameters."""
-        flat = self.flat
+        """Cast the updated fp32 master chunks into this rank's parameter chunks."""
         if self.policy.separate_master:
-            torch._foreach_copy_(flat.chunks, self.masters)
-        if flat.full is None or not flat.sharded:
-            return
-        handles = [
-            self.comm.all_gather(flat.segment_view(seg.index), flat.chunks[seg.index], async_op=True)
-            for seg in flat.layout.segments
-        ]
-        for h in handles:
-            h.wait()
+            torch._foreach_copy_(self.flat.chunks, self.masters)
+
+    def refresh_masters(self, segments: list[int]) -> None:
+        """Parameters of ``segments`` were changed from outside: copy them into the masters."""
+        if self.policy.separate_master:
+            for s in segments:
+                self.masters[s].copy_(self.flat.chunks[s])
 
     # -- accounting -----------------------------------------------------------------
     def buffers(self) -> list[torch.Tensor]:

@@ -1,0 +1,1015 @@
+"""Tests of zeroshard.config: pure parsing, no processes, no devices.
+
+Real configs from public projects live in tests/configs/real/ (sources in its README).
+Where a real config asks for a feature that is not built yet, its test asserts the
+"not built yet" error and says which row of NOT_BUILT to flip when the feature lands.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import pickle
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from zeroshard._config_json import loads_relaxed
+from zeroshard._config_parse import parse_config
+from zeroshard.config import (
+    NOT_BUILT,
+    Config,
+    ConfigError,
+    OffloadConfig,
+    OptimizerConfig,
+    ZeroConfig,
+    load_config,
+    resolve_batch_sizes,
+)
+
+REAL = Path(__file__).parent / "configs" / "real"
+
+
+def real(name: str) -> dict[str, Any]:
+    """A real config as a dict (verbatim file, parsed)."""
+    return json.loads((REAL / name).read_text())
+
+
+def hf_filled(name: str, micro: int = 4) -> dict[str, Any]:
+    """A Hugging Face style config with its "auto" batch sizes filled in, as the Trainer
+    does before DeepSpeed sees it."""
+    raw = real(name)
+    raw["train_micro_batch_size_per_gpu"] = micro
+    raw.pop("train_batch_size", None)
+    raw.pop("gradient_accumulation_steps", None)
+    return raw
+
+
+def parsed(raw: dict[str, Any], world: int = 1) -> Config:
+    """Parse without the NOT_BUILT check, to inspect configs that use unbuilt features."""
+    return parse_config(copy.deepcopy(raw), world)
+
+
+def error_of(source: Any, world: int = 1) -> str:
+    with pytest.raises(ConfigError) as info:
+        load_config(source, dp_world_size=world)
+    return str(info.value)
+
+
+def assert_not_built(source: Any, path: str, world: int = 1) -> None:
+    message = error_of(source, world)
+    assert message.startswith(f"{path}: "), message
+    assert message.endswith("is not built yet in zeroshard"), message
+
+
+# ---------------------------------------------------------------------------------------
+# Real configs
+# ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("world", [1, 2, 3, 8])
+def test_real_megatron_zero3_examples_loads(world: int) -> None:
+    cfg = load_config(REAL / "dse_megatron_zero3_examples_ds_config.json", dp_world_size=world)
+    assert (cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu) == (8 * world, 8)
+    assert cfg.gradient_accumulation_steps == 1
+    assert cfg.fp16.enabled and cfg.fp16.dynamic_loss_scale
+    assert cfg.fp16.initial_scale_power == 10 and cfg.fp16.initial_loss_scale == 1024.0
+    assert cfg.compute_dtype == torch.float16
+    assert cfg.gradient_clipping == 1.0
+    assert cfg.optimizer is None and cfg.zero_optimization.stage == 0
+    assert cfg.ignored_enabled == ("wall_clock_breakdown",)
+
+
+@pytest.mark.parametrize(("world", "gas"), [(1, 16), (2, 8), (8, 2)])
+def test_real_qanet_one_cycle_loads(world: int, gas: int) -> None:
+    cfg = load_config(REAL / "dse_qanet_ds_bsz512_1cycle.json", dp_world_size=world)
+    assert (cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu) == (512, 32)
+    assert cfg.gradient_accumulation_steps == gas
+    opt = cfg.optimizer
+    assert opt is not None and opt.type == "Adam" and opt.decoupled_weight_decay
+    assert opt.betas == (0.8, 0.999) and opt.weight_decay == 3e-7
+    assert cfg.scheduler is not None and cfg.scheduler.type == "OneCycle"
+    assert cfg.scheduler.params == {
+        "cycle_min_lr": 0.004,
+        "cycle_max_lr": 0.015,
+        "cycle_first_step_size": 1000,
+        "cycle_second_step_size": 100,
+        "cycle_first_stair_count": 100,
+        "cycle_second_stair_count": 100,
+        "decay_step_size": 1000,
+        "decay_lr_rate": 0.01,
+    }
+
+
+def test_real_qanet_one_cycle_three_ranks_is_not_divisible() -> None:
+    message = error_of(REAL / "dse_qanet_ds_bsz512_1cycle.json", world=3)
+    assert message.startswith("train_batch_size: train_batch_size (512)")
+    assert "train_micro_batch_size_per_gpu (32)" in message
+    assert "gradient_accumulation_steps" in message and "world size (3)" in message
+
+
+@pytest.mark.parametrize(("world", "micro"), [(1, 32), (2, 16), (8, 4)])
+def test_real_qanet_warmup_loads(world: int, micro: int) -> None:
+    cfg = load_config(REAL / "dse_qanet_ds_bsz512_warmup.json", dp_world_size=world)
+    assert (cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps) == (micro, 1)
+    assert cfg.scheduler is not None and cfg.scheduler.type == "WarmupLR"
+    assert cfg.scheduler.params["warmup_num_steps"] == 1000
+    assert cfg.compute_dtype == torch.float32
+
+
+def test_real_llava_next_zero2() -> None:
+    # Verbatim, the "auto" batch sizes leave nothing to resolve.
+    message = error_of(REAL / "llava_next_zero2.json")
+    assert message.startswith("train_batch_size: ") and "'auto'" in message
+    # Filled in as Hugging Face's Trainer does, it loads.
+    cfg = load_config(hf_filled("llava_next_zero2.json", micro=4), dp_world_size=2)
+    assert (cfg.train_batch_size, cfg.gradient_accumulation_steps) == (8, 1)
+    zero = cfg.zero_optimization
+    assert zero.stage == 2 and not zero.offload_optimizer.enabled
+    assert zero.offload_optimizer.pin_memory is True
+    assert zero.reduce_bucket_size == zero.allgather_bucket_size == 200_000_000
+    assert isinstance(zero.reduce_bucket_size, int)
+    assert zero.overlap_comm is False and zero.contiguous_gradients
+    assert not cfg.fp16.enabled and not cfg.bf16.enabled  # "auto" reads as off
+    assert cfg.optimizer == OptimizerConfig(type="AdamW")  # "auto" params: torch defaults
+    assert cfg.gradient_clipping == 0.0 and cfg.steps_per_print == 100
+
+
+def test_real_hf_transformers_zero2() -> None:
+    assert "'auto'" in error_of(REAL / "hf_transformers_ds_config_zero2.json")
+    raw = hf_filled("hf_transformers_ds_config_zero2.json")
+    # Flip to load_config(...) when CPU optimizer offload lands (delete its NOT_BUILT row).
+    assert_not_built(raw, "zero_optimization.offload_optimizer.device")
+    cfg = parsed(raw)
+    assert cfg.zero_optimization.offload_optimizer == OffloadConfig(
+        kind="optimizer", device="cpu", pin_memory=True
+    )
+    assert cfg.scheduler is not None
+    assert cfg.scheduler.params == {
+        "warmup_min_lr": "auto",
+        "warmup_max_lr": "auto",
+        "warmup_num_steps": "auto",
+    }
+
+
+def test_real_hf_transformers_zero2_bf16_legacy_key() -> None:
+    raw = hf_filled("hf_transformers_ds_config_zero2_bf16.json")
+    # Flip when CPU optimizer offload lands.
+    assert_not_built(raw, "zero_optimization.offload_optimizer.device")
+    raw["bfloat16"]["enabled"] = True  # the legacy section name still means bf16
+    assert parsed(raw).compute_dtype == torch.bfloat16
+
+
+def test_real_hf_transformers_zero3() -> None:
+    raw = hf_filled("hf_transformers_ds_config_zero3.json", micro=2)
+    # ZeRO-3 is built; CPU offload is next (flip when it lands).
+    assert_not_built(raw, "zero_optimization.offload_optimizer.device", world=4)
+    zero = parsed(raw, world=4).zero_optimization
+    assert zero.stage == 3 and zero.overlap_comm is True
+    assert zero.sub_group_size == 10**14 and zero.reduce_bucket_size == 0
+    assert zero.stage3_prefetch_bucket_size == 0 and zero.stage3_param_persistence_threshold == 0
+    assert zero.stage3_gather_16bit_weights_on_model_save is True  # via the fp16 alias
+    assert zero.offload_param.device == zero.offload_optimizer.device == "cpu"
+    assert zero.offload_param.buffer_count == 5 and zero.offload_optimizer.buffer_count == 4
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_real_deepspeed_examples_cifar(world: int) -> None:
+    # Flip when CPU optimizer offload lands; then fp16_master_weights_and_grads is next.
+    assert_not_built(REAL / "dse_cifar_ds_config.json", "zero_optimization.cpu_offload", world)
+    cfg = parsed(real("dse_cifar_ds_config.json"), world)
+    assert cfg.train_micro_batch_size_per_gpu == 4 // world
+    assert cfg.zero_optimization.offload_optimizer.device == "cpu"  # the deprecated switch
+    assert cfg.fp16.loss_scale_window == 500 and cfg.fp16.initial_scale_power == 15
+    assert cfg.zero_optimization.reduce_bucket_size == 50_000_000
+
+
+def test_real_deepspeed_examples_cifar_three_ranks() -> None:
+    message = error_of(REAL / "dse_cifar_ds_config.json", world=3)
+    assert message.startswith("train_batch_size: ") and "world size (3)" in message
+
+
+def test_real_megatron_zero2_partitioned_activations() -> None:
+    # Flip when partitioned activation checkpoints land.
+    path = REAL / "dse_megatron_ds_zero2_config.json"
+    assert_not_built(path, "activation_checkpointing.partition_activations", world=2)
+    cfg = parsed(real(path.name), world=8)
+    assert (cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps) == (2, 1)
+    assert cfg.zero_optimization.stage == 2 and cfg.optimizer is not None
+    assert cfg.optimizer.lr == 0.00015
+
+
+def test_real_megatron_legacy_config() -> None:
+    message = error_of(REAL / "dse_megatron_ds_config_legacy.json")
+    assert message.startswith("optimizer.params.max_grad_norm: ") and "gradient_clipping" in message
+    raw = real("dse_megatron_ds_config_legacy.json")
+    del raw["optimizer"]["params"]["max_grad_norm"]
+    cfg = load_config(raw, dp_world_size=4)
+    assert cfg.zero_optimization.stage == 1  # "zero_optimization": true, the old form
+    assert cfg.train_micro_batch_size_per_gpu == 4
+
+
+def test_real_zero_infinity_config_has_a_typo() -> None:
+    message = error_of(REAL / "dse_megatron_zero3_ds_zero_stage_infinity_config.json")
+    assert message == (
+        "zero_optimization.stage3_param_persitance_threshold: unknown key; "
+        "did you mean 'stage3_param_persistence_threshold'?"
+    )
+    raw = real("dse_megatron_zero3_ds_zero_stage_infinity_config.json")
+    zero = raw["zero_optimization"]
+    zero["stage3_param_persistence_threshold"] = zero.pop("stage3_param_persitance_threshold")
+    # ZeRO-3 is built; NVMe offload is next (flip when it lands).
+    assert_not_built(raw, "zero_optimization.offload_optimizer.device")
+    cfg = parsed(raw)
+    assert cfg.aio.queue_depth == 16 and cfg.aio.intra_op_parallelism == 2  # legacy thread_count
+    assert cfg.zero_optimization.offload_param.max_in_cpu == 1
+    assert cfg.zero_optimization.offload_optimizer.nvme_path == "/nvme_data"
+    assert cfg.fp16.loss_scale == 1024 and not cfg.fp16.dynamic_loss_scale
+
+
+def test_real_bing_bert_squad_max_grad_norm() -> None:
+    message = error_of(REAL / "dse_bingbertsquad_deepspeed_bsz24_config.json")
+    assert message.startswith("optimizer.params.max_grad_norm: ")
+
+
+@pytest.mark.parametrize(
+    ("name", "kind"),
+    [
+        ("dse_bing_bert_deepspeed_bsz64k_lamb_config_seq128.json", "Lamb"),
+        ("dse_cifar_ds_config_onebitlamb.json", "OneBitLamb"),
+    ],
+)
+def test_real_deepspeed_only_optimizers(name: str, kind: str) -> None:
+    assert error_of(REAL / name) == (
+        f"optimizer.type: '{kind}' is a DeepSpeed optimizer zeroshard does not provide (yet); "
+        "use Adam, AdamW or SGD, or pass a torch optimizer to initialize()"
+    )
+
+
+def test_real_bing_bert_no_bias_correction() -> None:
+    path = REAL / "dse_bing_bert_deepspeed_bsz4k_progressive_layer_drop_config_seq128.json"
+    # Flip when Adam without bias correction lands.
+    assert_not_built(path, "optimizer.params.bias_correction", world=8)
+    cfg = parsed(real(path.name), world=8)
+    assert cfg.gradient_accumulation_steps == 32
+    assert cfg.prescale_gradients and cfg.gradient_predivide_factor == 8.0
+
+
+def test_real_stanford_alpaca_zero3_offload() -> None:
+    raw = hf_filled("stanford_alpaca_default_offload_opt_param.json")
+    assert_not_built(raw, "zero_optimization.offload_optimizer.device")  # flip with CPU offload
+    cfg = parsed(raw)
+    assert cfg.scheduler is not None and cfg.scheduler.type == "WarmupDecayLR"
+    assert set(cfg.scheduler.params.values()) == {"auto"}
+    assert cfg.zero_optimization.reduce_bucket_size == 500_000_000  # "auto": default
+    assert cfg.zero_optimization.stage3_prefetch_bucket_size == 50_000_000
+    assert not cfg.bf16.enabled
+
+
+def test_real_fastchat_stage2_offload() -> None:
+    assert "'auto'" in error_of(REAL / "fastchat_deepspeed_config_s2.json")
+    raw = hf_filled("fastchat_deepspeed_config_s2.json")
+    # Flip when CPU optimizer offload lands.
+    assert_not_built(raw, "zero_optimization.offload_optimizer.device")
+
+
+def test_every_real_config_is_documented_and_tested() -> None:
+    readme = (REAL / "README.md").read_text()
+    source = Path(__file__).read_text()
+    for path in REAL.glob("*.json"):
+        assert f"`{path.name}`" in readme, path.name
+        assert path.name in source, path.name
+
+
+# ---------------------------------------------------------------------------------------
+# Bad configs: one clear error naming the key
+# ---------------------------------------------------------------------------------------
+def _with(**changes: Any) -> dict[str, Any]:
+    config: dict[str, Any] = {"train_batch_size": 8}
+    config.update(changes)
+    return config
+
+
+def _zero(**zero: Any) -> dict[str, Any]:
+    return _with(zero_optimization={"stage": 2, **zero})
+
+
+def _adam(**params: Any) -> dict[str, Any]:
+    return _with(optimizer={"type": "Adam", "params": params})
+
+
+BAD = {
+    # misspellings get a suggestion
+    "train_batch_szie": (
+        {"train_batch_szie": 8},
+        "train_batch_szie",
+        "did you mean 'train_batch_size'?",
+    ),
+    "zero_optimisation": (
+        _with(zero_optimisation={"stage": 2}),
+        "zero_optimisation",
+        "did you mean 'zero_optimization'?",
+    ),
+    "offload_optimiser": (
+        _zero(offload_optimiser={"device": "cpu"}),
+        "zero_optimization.offload_optimiser",
+        "did you mean 'offload_optimizer'?",
+    ),
+    "stgae": (
+        _with(zero_optimization={"stgae": 2}),
+        "zero_optimization.stgae",
+        "did you mean 'stage'?",
+    ),
+    "cpu_offload_params": (
+        _zero(cpu_offload_params=True),
+        "zero_optimization.cpu_offload_params",
+        "did you mean 'cpu_offload_param'?",
+    ),
+    "tensorboard_enabeld": (
+        _with(tensorboard={"enabeld": True}),
+        "tensorboard.enabeld",
+        "did you mean 'enabled'?",
+    ),
+    "optimizer_type_typo": (
+        _with(optimizer={"type": "Adma"}),
+        "optimizer.type",
+        "did you mean 'Adam'?",
+    ),
+    "stage_at_top_level": (_with(stage=2), "stage", "belongs under 'zero_optimization'"),
+    "lr_at_top_level": (_with(lr=0.1), "lr", "belongs under 'optimizer.params'"),
+    # wrong types and impossible values
+    "stage_word": (
+        _with(zero_optimization={"stage": "two"}),
+        "zero_optimization.stage",
+        "0, 1, 2, 3",
+    ),
+    "stage_4": (_with(zero_optimization={"stage": 4}), "zero_optimization.stage", "got 4"),
+    "zero_not_object": (_with(zero_optimization=[2]), "zero_optimization", "expected an object"),
+    "fp16_enabled_yes": (_with(fp16={"enabled": "yes"}), "fp16.enabled", "expected true or false"),
+    "bf16_enabled_1": (_with(bf16={"enabled": 1}), "bf16.enabled", "expected true or false"),
+    "overlap_comm_string": (
+        _zero(overlap_comm="true"),
+        "zero_optimization.overlap_comm",
+        "true or false",
+    ),
+    "bucket_negative": (
+        _zero(reduce_bucket_size=-1),
+        "zero_optimization.reduce_bucket_size",
+        ">= 0",
+    ),
+    "bucket_fraction": (
+        _zero(allgather_bucket_size=2.5),
+        "zero_optimization.allgather_bucket_size",
+        "whole number",
+    ),
+    "bucket_string": (
+        _zero(reduce_bucket_size="5e8"),
+        "zero_optimization.reduce_bucket_size",
+        "whole number",
+    ),
+    "betas_single": (_adam(betas=[0.9]), "optimizer.params.betas", "pair"),
+    "betas_out_of_range": (_adam(betas=[0.9, 1.5]), "optimizer.params.betas", "[0, 1)"),
+    "lr_negative": (_adam(lr=-1e-3), "optimizer.params.lr", ">= 0"),
+    "lr_nan": (_adam(lr=float("nan")), "optimizer.params.lr", "finite"),
+    "momentum_for_adam": (
+        _adam(momentum=0.9),
+        "optimizer.params.momentum",
+        "not a parameter of Adam",
+    ),
+    "max_grad_norm": (
+        _adam(max_grad_norm=1.0),
+        "optimizer.params.max_grad_norm",
+        "gradient_clipping",
+    ),
+    "optimizer_without_type": (
+        _with(optimizer={"params": {"lr": 1}}),
+        "optimizer.type",
+        "required",
+    ),
+    "lamb": (_with(optimizer={"type": "Lamb"}), "optimizer.type", "does not provide (yet)"),
+    "adamw_l2": (
+        _with(optimizer={"type": "AdamW", "params": {"adam_w_mode": False}}),
+        "optimizer.params.adam_w_mode",
+        "AdamW always decouples",
+    ),
+    "nesterov_without_momentum": (
+        _with(optimizer={"type": "SGD", "params": {"nesterov": True}}),
+        "optimizer.params.nesterov",
+        "momentum > 0",
+    ),
+    "scheduler_type": (_with(scheduler={"type": "CosineLR"}), "scheduler.type", "WarmupCosineLR"),
+    "scheduler_missing_total": (
+        _with(scheduler={"type": "WarmupDecayLR", "params": {"warmup_num_steps": 10}}),
+        "scheduler.params.total_num_steps",
+        "required for WarmupDecayLR",
+    ),
+    "scheduler_warmup_type": (
+        _with(scheduler={"type": "WarmupLR", "params": {"warmup_type": "cosine"}}),
+        "scheduler.params.warmup_type",
+        "'log', 'linear'",
+    ),
+    "scheduler_foreign_param": (
+        _with(scheduler={"type": "WarmupLR", "params": {"cycle_max_lr": 0.1}}),
+        "scheduler.params.cycle_max_lr",
+        "unknown key",
+    ),
+    "scheduler_negative_steps": (
+        _with(scheduler={"type": "WarmupLR", "params": {"warmup_num_steps": -5}}),
+        "scheduler.params.warmup_num_steps",
+        ">= 0",
+    ),
+    "fp16_and_bf16": (
+        _with(fp16={"enabled": True}, bf16={"enabled": True}),
+        "bf16.enabled",
+        "cannot both be enabled",
+    ),
+    "bf16_and_bfloat16": (_with(bf16={}, bfloat16={}), "bfloat16", "same setting"),
+    "gradient_clipping_negative": (_with(gradient_clipping=-1.0), "gradient_clipping", ">= 0"),
+    "predivide_zero": (_with(gradient_predivide_factor=0), "gradient_predivide_factor", "> 0"),
+    "fp16_loss_scale_negative": (_with(fp16={"loss_scale": -1}), "fp16.loss_scale", ">= 0"),
+    "fp16_hysteresis_zero": (_with(fp16={"hysteresis": 0}), "fp16.hysteresis", ">= 1"),
+    "offload_device": (
+        _zero(offload_optimizer={"device": "gpu"}),
+        "zero_optimization.offload_optimizer.device",
+        "'none', 'cpu', 'nvme'",
+    ),
+    "nvme_without_path": (
+        _with(zero_optimization={"stage": 3, "offload_param": {"device": "nvme"}}),
+        "zero_optimization.offload_param.nvme_path",
+        "needs nvme_path",
+    ),
+    "param_key_in_optimizer_offload": (
+        _zero(offload_optimizer={"device": "cpu", "max_in_cpu": 10}),
+        "zero_optimization.offload_optimizer.max_in_cpu",
+        "is an offload_param setting",
+    ),
+    "partial_offload_stage2": (
+        _zero(offload_optimizer={"device": "cpu", "ratio": 0.5}),
+        "zero_optimization.offload_optimizer.ratio",
+        "needs ZeRO stage 3",
+    ),
+    "alias_and_canonical": (
+        _zero(prefetch_bucket_size=1, stage3_prefetch_bucket_size=2),
+        "zero_optimization.",
+        "name the same setting",
+    ),
+    "deprecated_and_new_offload": (
+        _zero(cpu_offload=True, offload_optimizer={"device": "cpu"}),
+        "zero_optimization.cpu_offload",
+        "deprecated alias of offload_optimizer",
+    ),
+    "communication_dtype": (
+        _with(communication_data_type="fp8"),
+        "communication_data_type",
+        "'fp32'",
+    ),
+    "grad_accum_dtype": (
+        _with(data_types={"grad_accum_dtype": "int8"}),
+        "data_types.grad_accum_dtype",
+        "expected one of",
+    ),
+    "number_checkpoints_zero": (
+        _with(activation_checkpointing={"number_checkpoints": 0}),
+        "activation_checkpointing.number_checkpoints",
+        ">= 1",
+    ),
+    "contiguous_without_partition": (
+        _with(activation_checkpointing={"contiguous_memory_optimization": True}),
+        "activation_checkpointing.contiguous_memory_optimization",
+        "partition_activations",
+    ),
+    "steps_per_print_zero": (_with(steps_per_print=0), "steps_per_print", ">= 1"),
+    "seed_negative": (_with(seed=-1), "seed", ">= 0"),
+    "tag_validation": (
+        _with(checkpoint={"tag_validation": "Maybe"}),
+        "checkpoint.tag_validation",
+        "'Warn'",
+    ),
+    "aio_two_names": (
+        _with(aio={"thread_count": 2, "intra_op_parallelism": 2}),
+        "aio.",
+        "name the same setting",
+    ),
+    "amp_enabled_string": (_with(amp={"enabled": "yes"}), "amp.enabled", "true or false"),
+    "monitor_not_object": (_with(wandb=True), "wandb", "expected an object"),
+    "batch_negative": (_with(train_batch_size=-8), "train_batch_size", ">= 0"),
+    "batch_string": (
+        {"train_micro_batch_size_per_gpu": "8"},
+        "train_micro_batch_size_per_gpu",
+        "whole number",
+    ),
+    "batch_fraction": (
+        {"train_micro_batch_size_per_gpu": 2.5},
+        "train_micro_batch_size_per_gpu",
+        "whole number",
+    ),
+    "loco_key": (
+        _zero(zeropp_loco_param={"err_beta": 0.8, "reset_t": 10}),
+        "zero_optimization.zeropp_loco_param.reset_t",
+        "did you mean 'reset_T'?",
+    ),
+}
+
+
+@pytest.mark.parametrize(("config", "path", "fragment"), BAD.values(), ids=BAD.keys())
+def test_bad_config_names_the_key(config: dict[str, Any], path: str, fragment: str) -> None:
+    message = error_of(config)
+    assert message.startswith(path), message
+    assert fragment in message, message
+
+
+def test_there_are_many_distinct_bad_configs() -> None:
+    assert len(BAD) >= 25
+
+
+def test_keys_must_be_strings() -> None:
+    assert error_of({"train_batch_size": 8, 3: 4}).startswith("config: keys must be strings")
+
+
+# ---------------------------------------------------------------------------------------
+# Not built yet
+# ---------------------------------------------------------------------------------------
+NOT_BUILT_CASES = {
+    "cpu_offload": (_zero(cpu_offload=True), "zero_optimization.cpu_offload"),
+    "offload_optimizer_cpu": (
+        _zero(offload_optimizer={"device": "cpu"}),
+        "zero_optimization.offload_optimizer.device",
+    ),
+    "hpz": (_zero(zero_hpz_partition_size=8), "zero_optimization.zero_hpz_partition_size"),
+    "qwz": (_zero(zero_quantized_weights=True), "zero_optimization.zero_quantized_weights"),
+    "qgz": (_zero(zero_quantized_gradients=True), "zero_optimization.zero_quantized_gradients"),
+    "mics": (_zero(mics_shard_size=4), "zero_optimization.mics_shard_size"),
+    "partition_activations": (
+        _with(activation_checkpointing={"partition_activations": True}),
+        "activation_checkpointing.partition_activations",
+    ),
+    "cpu_checkpointing": (
+        _with(activation_checkpointing={"cpu_checkpointing": True}),
+        "activation_checkpointing.cpu_checkpointing",
+    ),
+    "pipeline": (_with(pipeline={"stages": 2}), "pipeline"),
+    "amp": (_with(amp={"enabled": True, "opt_level": "O1"}), "amp"),
+    "torch_autocast": (_with(torch_autocast={"enabled": True}), "torch_autocast"),
+    "sparse_attention": (_with(sparse_attention={"mode": "fixed"}), "sparse_attention"),
+    "compression": (
+        _with(compression_training={"weight_quantization": {}}),
+        "compression_training",
+    ),
+    "data_efficiency": (_with(data_efficiency={"enabled": True}), "data_efficiency"),
+    "curriculum": (_with(curriculum_learning={"enabled": True}), "curriculum_learning"),
+    "elasticity": (_with(elasticity={"enabled": True}), "elasticity"),
+    "autotuning": (_with(autotuning={"enabled": True}), "autotuning"),
+    "hybrid_engine": (_with(hybrid_engine={"enabled": True}), "hybrid_engine"),
+    "pld": (
+        _with(progressive_layer_drop={"enabled": True, "theta": 0.5}),
+        "progressive_layer_drop",
+    ),
+    "eigenvalue": (_with(eigenvalue={"enabled": True}), "eigenvalue"),
+    "quantize_training": (_with(quantize_training={"enabled": True}), "quantize_training"),
+    "sparse_gradients": (_with(sparse_gradients=True), "sparse_gradients"),
+    "tensor_parallel": (_with(tensor_parallel={"autotp_size": 2}), "tensor_parallel"),
+    "sequence_parallel": (_with(sequence_parallel_size=2), "sequence_parallel_size"),
+    "bf16_master": (
+        _zero() | {"bf16": {"enabled": True, "bf16_master_weights_and_grads": True}},
+        "bf16.bf16_master_weights_and_grads",
+    ),
+    "allreduce_sum": (_with(gradient_allreduce_op="SUM"), "gradient_allreduce_op"),
+}
+
+
+@pytest.mark.parametrize(("config", "path"), NOT_BUILT_CASES.values(), ids=NOT_BUILT_CASES.keys())
+def test_not_built_features_fail_at_load(config: dict[str, Any], path: str) -> None:
+    assert_not_built(config, path)
+
+
+def test_not_built_table_shape() -> None:
+    assert NOT_BUILT, "delete this test once every feature has landed"
+    for path, predicate, feature in NOT_BUILT:
+        assert isinstance(path, str) and path and callable(predicate)
+        assert isinstance(feature, str) and feature
+    # A default config trips none of the rows.
+    assert not [row[0] for row in NOT_BUILT if row[1](load_config({"train_batch_size": 1}))]
+
+
+@pytest.mark.parametrize(
+    "section",
+    ["amp", "torch_autocast", "elasticity", "autotuning", "hybrid_engine", "eigenvalue"],
+)
+def test_disabled_feature_sections_are_accepted(section: str) -> None:
+    load_config(_with(**{section: {"enabled": False, "anything": 1}}))
+
+
+# ---------------------------------------------------------------------------------------
+# Defaults and semantics
+# ---------------------------------------------------------------------------------------
+def test_minimal_config_defaults() -> None:
+    cfg = load_config({"train_batch_size": 8})
+    assert (cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu) == (8, 8)
+    assert cfg.gradient_accumulation_steps == 1 and cfg.dp_world_size == 1
+    assert cfg.optimizer is None and cfg.scheduler is None
+    assert cfg.compute_dtype == torch.float32
+    zero = cfg.zero_optimization
+    assert zero.stage == 0 and zero.overlap_comm is False
+    assert zero.reduce_bucket_size == 500_000_000 and zero.stage3_prefetch_bucket_size == 50_000_000
+    assert zero.offload_param.buffer_count == 5 and zero.offload_optimizer.buffer_count == 4
+    assert not zero.offload_param.enabled and not zero.offload_optimizer.enabled
+    assert cfg.gradient_clipping == 0.0 and cfg.steps_per_print == 10
+    assert cfg.fp16.initial_loss_scale == 2.0**16
+    assert cfg.ignored_enabled == () and cfg.seed is None
+    assert cfg.checkpoint.tag_validation == "Warn" and cfg.aio.block_size == 1_048_576
+
+
+@pytest.mark.parametrize(
+    ("optimizer", "kind", "decoupled"),
+    [
+        ({"type": "adam"}, "Adam", True),
+        ({"type": "Adam", "params": {"adam_w_mode": False}}, "Adam", False),
+        ({"type": "ADAMW"}, "AdamW", True),
+        ({"type": "sgd", "params": {"lr": 0.1, "momentum": 0.9}}, "SGD", False),
+    ],
+)
+def test_optimizer_types(optimizer: dict[str, Any], kind: str, decoupled: bool) -> None:
+    opt = load_config(_with(optimizer=optimizer)).optimizer
+    assert opt is not None and opt.type == kind and opt.decoupled_weight_decay is decoupled
+
+
+def test_optimizer_auto_values_are_torch_defaults() -> None:
+    auto = {k: "auto" for k in ("lr", "betas", "eps", "weight_decay")}
+    opt = load_config(_with(optimizer={"type": "AdamW", "params": auto})).optimizer
+    assert opt == OptimizerConfig(type="AdamW", lr=1e-3, betas=(0.9, 0.999), eps=1e-8)
+    assert opt.weight_decay == 0.0
+    params = {"lr": 3e-4, "betas": [0.9, 0.95], "fused": True, "torch_adam": True, "amsgrad": True}
+    opt = load_config(_adam(**params)).optimizer
+    assert opt is not None and opt.betas == (0.9, 0.95) and opt.fused and opt.amsgrad
+
+
+def test_zero_aliases_and_integral_floats() -> None:
+    cfg = load_config(
+        _zero(
+            prefetch_bucket_size=1e7,
+            param_persistence_threshold=1e4,
+            max_live_parameters=3e8,
+            gather_16bit_weights_on_model_save=True,
+            reduce_bucket_size=5e8,
+        )
+    )
+    zero = cfg.zero_optimization
+    assert zero.stage3_prefetch_bucket_size == 10_000_000
+    assert zero.stage3_param_persistence_threshold == 10_000
+    assert zero.stage3_max_live_parameters == 300_000_000
+    assert zero.stage3_gather_16bit_weights_on_model_save is True
+    assert type(zero.reduce_bucket_size) is int
+
+
+def test_stage3_defaults_overlap_comm_on() -> None:
+    assert ZeroConfig(stage=3).overlap_comm is True
+    assert ZeroConfig(stage=3, overlap_comm=False).overlap_comm is False
+    assert ZeroConfig(stage=2).overlap_comm is False
+
+
+def test_deprecated_cpu_offload_param_folds_into_offload_param() -> None:
+    raw = _with(zero_optimization={"stage": 3, "cpu_offload_param": True})
+    raw["zero_optimization"]["cpu_offload_use_pin_memory"] = True
+    offload = parsed(raw).zero_optimization.offload_param
+    assert offload == OffloadConfig(kind="param", device="cpu", pin_memory=True)
+
+
+def test_offload_the_stage_does_not_use_is_ignored_as_in_deepspeed() -> None:
+    # The shape of DeepSpeed-Chat's generated configs (dschat utils/ds_utils.py
+    # get_train_ds_config / get_eval_ds_config): offload sections at every stage.
+    def ds_chat(stage: int, device: str) -> dict[str, Any]:
+        return {
+            "train_batch_size": 32,
+            "train_micro_batch_size_per_gpu": 4,
+            "steps_per_print": 10,
+            "zero_optimization": {
+                "stage": stage,
+                "offload_param": {"device": device, "pin_memory": True},
+                "offload_optimizer": {"device": device, "pin_memory": True},
+                "stage3_param_persistence_threshold": 1e4,
+                "stage3_max_live_parameters": 3e7,
+                "stage3_prefetch_bucket_size": 3e7,
+                "memory_efficient_linear": False,
+            },
+            "bf16": {"enabled": True},
+            "gradient_clipping": 1.0,
+            "prescale_gradients": False,
+            "wall_clock_breakdown": False,
+            "hybrid_engine": {
+                "enabled": False,
+                "max_out_tokens": 512,
+                "inference_tp_size": 1,
+                "release_inference_cache": False,
+                "pin_parameters": True,
+                "tp_gather_partition_size": 8,
+            },
+            "tensorboard": {"enabled": False, "output_path": "./ds_logs/", "job_name": "x"},
+        }
+
+    cfg = load_config(ds_chat(2, "none"), dp_world_size=4)
+    assert cfg.gradient_accumulation_steps == 2 and cfg.ignored_enabled == ()
+    assert cfg.zero_optimization.stage3_max_live_parameters == 30_000_000
+    # Reference model: stage 0 with offload asked for; DeepSpeed ignores both sections.
+    cfg = load_config(ds_chat(0, "cpu"), dp_world_size=8)
+    assert not cfg.zero_optimization.offload_param.enabled
+    assert not cfg.zero_optimization.offload_optimizer.enabled
+    assert cfg.ignored_enabled == (
+        "zero_optimization.offload_optimizer",
+        "zero_optimization.offload_param",
+    )
+    # Stage 2 with offload: parameter offload ignored, optimizer offload not built yet.
+    assert_not_built(ds_chat(2, "cpu"), "zero_optimization.offload_optimizer.device", world=8)
+    assert parsed(ds_chat(2, "cpu"), 8).ignored_enabled == ("zero_optimization.offload_param",)
+    deprecated = _with(zero_optimization={"stage": 1, "cpu_offload_param": True})
+    assert load_config(deprecated).ignored_enabled == ("zero_optimization.cpu_offload_param",)
+    # Built directly (not parsed), the same combination is a programming error.
+    with pytest.raises(ConfigError, match=r"^offload_param\.device: .*needs ZeRO stage 3"):
+        ZeroConfig(stage=2, offload_param=OffloadConfig(kind="param", device="cpu"))
+
+
+def test_ignored_enabled_records_monitoring_switched_on() -> None:
+    cfg = load_config(
+        _with(
+            wall_clock_breakdown=True,
+            memory_breakdown=False,
+            tensorboard={"enabled": True, "output_path": "logs/", "job_name": "x"},
+            wandb={"enabled": False, "project": "p"},
+            csv_monitor={"enabled": True},
+            comms_logger={"enabled": True, "prof_ops": ["all_reduce"]},
+            flops_profiler={"enabled": True, "profile_step": 1},
+            timers={"throughput": {"enabled": True, "synchronized": False}},
+            steps_per_print=50,
+        )
+    )
+    assert cfg.ignored_enabled == (
+        "wall_clock_breakdown",
+        "tensorboard",
+        "csv_monitor",
+        "comms_logger",
+        "flops_profiler",
+        "timers.throughput",
+    )
+    assert cfg.wall_clock_breakdown and cfg.steps_per_print == 50
+
+
+def test_harmless_known_keys_are_accepted() -> None:
+    cfg = load_config(
+        _with(
+            zero_allow_untested_optimizer=True,
+            zero_force_ds_cpu_optimizer=False,
+            checkpoint={
+                "tag_validation": "fail",
+                "load_universal": True,
+                "use_node_local_storage": False,
+                "parallel_write": {"pipeline_stage": True},
+            },
+            aio={"block_size": 262144, "queue_depth": 32, "single_submit": True, "use_gds": False},
+            disable_allgather=False,
+            prescale_gradients=True,
+            dataloader_drop_last=True,
+            vocabulary_size=50304,
+            gradient_allreduce_op="mean",
+            amp={"enabled": False},
+            sequence_parallel_size=1,
+            tensor_parallel={"autotp_size": 1},
+            seed=1234,
+        )
+    )
+    assert cfg.checkpoint.tag_validation == "Fail" and cfg.checkpoint.parallel_write_pipeline_stage
+    assert cfg.aio.queue_depth == 32 and cfg.aio.single_submit
+    assert cfg.zero_allow_untested_optimizer and not cfg.zero_force_ds_cpu_optimizer
+    assert cfg.dataloader_drop_last and cfg.seed == 1234
+
+
+def test_dtype_names_are_normalized() -> None:
+    cfg = load_config(
+        _with(
+            communication_data_type="FP16",
+            data_types={"grad_accum_dtype": "bfloat16"},
+            bf16={"enabled": True},
+        )
+    )
+    assert cfg.communication_data_type == "fp16" and cfg.grad_accum_dtype == "bf16"
+    assert cfg.compute_dtype == torch.bfloat16
+
+
+def test_scheduler_params_keep_given_keys_and_auto() -> None:
+    cfg = load_config(
+        _with(
+            scheduler={
+                "type": "warmupcosinelr",
+                "params": {
+                    "total_num_steps": 1e4,
+                    "warmup_num_steps": "auto",
+                    "cos_min_ratio": 0.1,
+                },
+            }
+        )
+    )
+    assert cfg.scheduler is not None and cfg.scheduler.type == "WarmupCosineLR"
+    assert cfg.scheduler.params == {
+        "total_num_steps": 10_000,
+        "warmup_num_steps": "auto",
+        "cos_min_ratio": 0.1,
+    }
+    per_group = {"warmup_min_lr": [0, 0], "warmup_max_lr": [1e-3, 1e-4]}
+    cfg = load_config(_with(scheduler={"type": "WarmupLR", "params": per_group}))
+    assert cfg.scheduler is not None and cfg.scheduler.params["warmup_max_lr"] == [1e-3, 1e-4]
+
+
+def test_raw_is_kept_apart_from_equality_and_the_input_is_not_changed() -> None:
+    source = _zero(reduce_bucket_size="auto")
+    before = copy.deepcopy(source)
+    a = load_config(source)
+    b = load_config({**source, "steps_per_print": 10})
+    assert source == before and a.raw == before and a.raw is not source
+    assert a == b and "raw" not in repr(a)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        a.train_batch_size = 4  # type: ignore[misc]
+
+
+def test_sections_validate_when_built_directly() -> None:
+    with pytest.raises(ConfigError, match=r"^stage: expected one of 0, 1, 2, 3, got 5$"):
+        ZeroConfig(stage=5)
+    with pytest.raises(ConfigError, match=r"^nvme_path: "):
+        OffloadConfig(kind="optimizer", device="nvme")
+    with pytest.raises(ConfigError, match=r"^train_batch_size: "):
+        Config(train_batch_size=8, train_micro_batch_size_per_gpu=4, gradient_accumulation_steps=1)
+
+
+def test_config_error_shapes() -> None:
+    err = ConfigError("zero_optimization.stage", "bad")
+    assert str(err) == "zero_optimization.stage: bad" and isinstance(err, ValueError)
+    again = pickle.loads(pickle.dumps(err))
+    assert (again.path, again.problem, str(again)) == (err.path, err.problem, str(err))
+    one = ConfigError("optimizer: no optimizer given")
+    assert (one.path, one.problem) == ("optimizer", "no optimizer given")
+
+
+def test_bad_arguments_are_type_or_value_errors() -> None:
+    with pytest.raises(ValueError, match="dp_world_size"):
+        load_config({"train_batch_size": 8}, dp_world_size=0)
+    with pytest.raises(TypeError):
+        load_config(42)  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------------------------------
+# Batch-size rule
+# ---------------------------------------------------------------------------------------
+# (train_batch_size, train_micro_batch_size_per_gpu, gradient_accumulation_steps, world)
+# -> (train, micro, gas); MISSING entries are left out of the config.
+MISSING = object()
+BATCH_OK = [
+    ((32, 4, 2, 4), (32, 4, 2)),
+    ((32, 4, MISSING, 1), (32, 4, 8)),
+    ((32, 4, MISSING, 2), (32, 4, 4)),
+    ((32, 4, MISSING, 8), (32, 4, 1)),
+    ((48, 4, MISSING, 3), (48, 4, 4)),
+    ((32, MISSING, MISSING, 1), (32, 32, 1)),
+    ((32, MISSING, MISSING, 2), (32, 16, 1)),
+    ((32, MISSING, MISSING, 8), (32, 4, 1)),
+    ((48, MISSING, 2, 3), (48, 8, 2)),
+    ((64, MISSING, 4, 8), (64, 2, 4)),
+    ((MISSING, 4, MISSING, 3), (12, 4, 1)),
+    ((MISSING, 4, 2, 3), (24, 4, 2)),
+    ((MISSING, 1, 16, 8), (128, 1, 16)),
+    (("auto", 4, "auto", 2), (8, 4, 1)),
+    ((0, 4, 0, 8), (32, 4, 1)),  # 0 means "computed", as in DeepSpeed's tutorials
+    ((None, 2, None, 3), (6, 2, 1)),
+    ((24, 4, 2, 3), (24, 4, 2)),
+]
+BATCH_BAD = [
+    ((32, 4, 2, 1), "train_batch_size", "= 8"),
+    ((25, 4, 2, 3), "train_batch_size", "= 24"),
+    ((32, 4, MISSING, 3), "train_batch_size", "not a multiple of 4 x 3 = 12"),
+    ((32, MISSING, MISSING, 3), "train_batch_size", "not a multiple of 1 x 3 = 3"),
+    ((48, MISSING, 5, 3), "train_batch_size", "not a multiple of 5 x 3 = 15"),
+    (
+        (MISSING, MISSING, 2, 1),
+        "train_micro_batch_size_per_gpu",
+        "only gradient_accumulation_steps",
+    ),
+    ((MISSING, MISSING, MISSING, 8), "train_batch_size", "no batch size given"),
+    (("auto", "auto", "auto", 2), "train_batch_size", "'auto'"),
+]
+
+
+def _batch_config(train: Any, micro: Any, gas: Any) -> dict[str, Any]:
+    values = zip(
+        ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"),
+        (train, micro, gas),
+        strict=True,
+    )
+    return {k: v for k, v in values if v is not MISSING}
+
+
+@pytest.mark.parametrize(("given", "expected"), BATCH_OK)
+def test_batch_rule_resolves(given: tuple[Any, ...], expected: tuple[int, int, int]) -> None:
+    *values, world = given
+    cfg = load_config(_batch_config(*values), dp_world_size=world)
+    resolved = (
+        cfg.train_batch_size,
+        cfg.train_micro_batch_size_per_gpu,
+        cfg.gradient_accumulation_steps,
+    )
+    assert resolved == expected
+    assert (
+        cfg.train_batch_size
+        == cfg.train_micro_batch_size_per_gpu * cfg.gradient_accumulation_steps * world
+    )
+
+
+@pytest.mark.parametrize(("given", "path", "fragment"), BATCH_BAD)
+def test_batch_rule_errors(given: tuple[Any, ...], path: str, fragment: str) -> None:
+    *values, world = given
+    message = error_of(_batch_config(*values), world)
+    assert message.startswith(f"{path}: "), message
+    assert fragment in message, message
+    if "must equal" in message:  # inconsistent or not divisible: all three keys and the world
+        for key in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps"):
+            assert key in message
+        assert f"world size ({world})" in message
+
+
+def test_resolve_batch_sizes_directly() -> None:
+    assert resolve_batch_sizes(None, 4, None, 2) == (8, 4, 1)
+    assert resolve_batch_sizes(16, None, None, 2) == (16, 8, 1)
+
+
+# ---------------------------------------------------------------------------------------
+# The JSON reader: comments, trailing commas, errors naming file:line
+# ---------------------------------------------------------------------------------------
+COMMENTED = """\
+// A DeepSpeed config with comments.
+{
+  /* batch: micro x accumulation x world */
+  "train_micro_batch_size_per_gpu": 2,  // per rank
+  "gradient_accumulation_steps": 4,     # hjson-style comment
+  "zero_optimization": {
+    "stage": 3,
+    "offload_param": {
+      "device": "nvme",
+      "nvme_path": "//mnt/nvme/*scratch*/",  /* the path keeps its slashes */
+    },
+  },
+  "wandb": {"enabled": false, "project": "a \\" // quoted", "group": "#1"},
+}
+"""
+
+
+def test_reader_strips_comments_and_trailing_commas(tmp_path: Path) -> None:
+    path = tmp_path / "ds_config.json"
+    path.write_text(COMMENTED)
+    raw = parsed(loads_relaxed(COMMENTED), world=2).raw
+    assert raw["zero_optimization"]["offload_param"]["nvme_path"] == "//mnt/nvme/*scratch*/"
+    assert raw["wandb"] == {"enabled": False, "project": 'a " // quoted', "group": "#1"}
+    # The file parses and stops at the first unbuilt feature it asks for.
+    assert_not_built(path, "zero_optimization.offload_param.device", world=2)
+    assert_not_built(str(path), "zero_optimization.offload_param.device", world=2)
+
+
+def test_reader_error_names_file_and_line(tmp_path: Path) -> None:
+    path = tmp_path / "broken.json"
+    path.write_text('{\n  /* a\n     b */\n  "train_batch_size": 8\n  "steps_per_print": 1\n}\n')
+    message = error_of(path)
+    assert message.startswith(f"{path}:5:"), message
+    assert "invalid JSON" in message
+
+
+def test_reader_unterminated_comment(tmp_path: Path) -> None:
+    path = tmp_path / "open.json"
+    path.write_text('{\n  "train_batch_size": 8\n  /* never closed\n}\n')
+    assert error_of(path).startswith(f"{path}:3: unterminated /* comment")
+
+
+def test_reader_duplicate_keys(tmp_path: Path) -> None:
+    path = tmp_path / "dup.json"
+    path.write_text('{\n  "train_batch_size": 8,\n  "train_batch_size": 16\n}\n')
+    message = error_of(path)
+    assert message.startswith(f"{path}:3: ") and "duplicate key 'train_batch_size'" in message
+
+
+def test_reader_missing_file_and_directory(tmp_path: Path) -> None:
+    missing = tmp_path / "nope" / "ds_config.json"
+    assert error_of(missing) == f"{missing}: config file not found"
+    assert error_of(str(missing)) == f"{missing}: config file not found"
+    assert error_of(tmp_path).startswith(f"{tmp_path}: is a directory")
+
+
+def test_reader_other_file_problems(tmp_path: Path) -> None:
+    top_list = tmp_path / "list.json"
+    top_list.write_text("[1, 2]")
+    assert error_of(top_list).startswith(f"{top_list}: expected a JSON object at the top level")
+    binary = tmp_path / "binary.json"
+    binary.write_bytes(b'{"train_batch_size": 8, "x": "\xff"}')
+    assert error_of(binary).startswith(f"{binary}: not UTF-8")
+    bom = tmp_path / "bom.json"
+    bom.write_bytes(b'\xef\xbb\xbf{"train_batch_size": 8}')
+    assert load_config(bom).train_batch_size == 8
+
+
+def test_reader_keeps_strict_json_otherwise() -> None:
+    with pytest.raises(ConfigError, match=r"^<string>:1:\d+: invalid JSON"):
+        loads_relaxed("{train_batch_size: 8}")
+    assert loads_relaxed('{"a": [1, 2,], "b": "x,]"}') == {"a": [1, 2], "b": "x,]"}

@@ -1,0 +1,73 @@
+"""``GatheredParameters``: whole parameters for user code, outside the training step.
+
+Communication: at stage 3, entering all-gathers the units holding the given parameters
+(stages 0-2: nothing, they are whole). With ``modifier_rank``, leaving broadcasts each
+parameter from that rank and every rank keeps its own slice of the new values (and
+refreshes its fp32 master copy), so the change survives the next gather and step.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterable
+
+import torch
+
+# id(parameter) -> (weakref to it, weakref to the engine owning it). Set by the engine;
+# lets the DeepSpeed-style context manager find the shards from the parameters alone.
+# (Tensors compare elementwise, so they cannot be WeakKeyDictionary keys.)
+_OWNER: dict[int, tuple[weakref.ref, weakref.ref]] = {}
+
+
+def register_owner(params: Iterable[torch.nn.Parameter], owner) -> None:
+    for k in [k for k, (p, o) in _OWNER.items() if p() is None or o() is None]:
+        del _OWNER[k]
+    for p in params:
+        _OWNER[id(p)] = (weakref.ref(p), weakref.ref(owner))
+
+
+def owner_of(param: torch.Tensor):
+    """The engine managing ``param``, or None."""
+    entry = _OWNER.get(id(param))
+    if entry is None or entry[0]() is not param:
+        return None
+    return entry[1]()
+
+
+def _as_list(params) -> list[torch.Tensor]:
+    if params is None:
+        return []
+    if torch.is_tensor(params):
+        return [params]
+    return [p for p in params if p is not None]
+
+
+class GatheredParameters:
+    """Context manager: inside it, ``params`` are whole on every rank.
+
+    Args:
+        params: a parameter or an iterable of parameters (of engine-managed modules;
+            others pass through untouched).
+        modifier_rank: if not None, the values this rank holds when the block exits
+            are written back to every rank's shard (as in DeepSpeed).
+        fwd_module: accepted for DeepSpeed compatibility; unused.
+        enabled: False makes it a no-op.
+    """
+
+    def __init__(self, params, modifier_rank: int | None = None, fwd_module=None, enabled: bool = True):
+        self.params = _as_list(params) if enabled else []
+        self.modifier_rank = modifier_rank
+        self._by_owner: dict[int, tuple[object, list[torch.Tensor]]] = {}
+        for p in self.params:
+            owner = owner_of(p)
+            if owner is not None:
+                self._by_owner.setdefault(id(owner), (owner, []))[1].append(p)
+
+    def __enter__(self) -> GatheredParameters:
+        for owner, ps in self._by_owner.values():
+            owner.gather_params(ps)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for owner, ps in self._by_owner.values():
+            owner.release_params(ps, None if exc[0] is not None else self.modifier_rank)

@@ -1,0 +1,321 @@
+"""How whole parameters are made from shards: after each step, or around each use.
+
+:class:`WholeParams` (stages 0-2): parameters are whole on every rank; when optimizer
+state is sharded, each rank's updated chunks are all-gathered after the step, one
+all-gather per segment (the full parameter bytes, Ψ).
+
+:class:`ParamGatherer` (stage 3): parameters live as shards and are gathered per unit
+around their use.
+
+A *unit* is one segment of the flat layout: the parameters a module owns directly
+(``recurse=False``). Parameters below ``stage3_param_persistence_threshold`` elements are
+packed into *persistent* segments that stay gathered on every rank.
+
+Communication (Ψ = parameter bytes of the non-persistent units):
+
+* forward: a module's pre-forward hook all-gathers the units of its own parameters
+  (shared ones included, e.g. tied embeddings) into that unit's buffer; the post-forward
+  hook frees the buffer. The next units in the order recorded on the first forward are
+  prefetched asynchronously up to ``stage3_prefetch_bucket_size`` elements, and no more
+  than ``stage3_max_live_parameters`` elements are held gathered by prefetching. (Ψ)
+* backward: an identity autograd function on each module's outputs gathers its units
+  again just before that module's backward (Ψ); a unit is freed as soon as all its
+  gradients have landed (the gradient reducer then reduce-scatters them, Ψ).
+* step: the persistent segments are all-gathered after each optimizer step.
+
+Freeing keeps tensor objects alive: the unit buffer's storage is resized to zero and
+the parameters point at an empty placeholder, so tensors autograd saved during forward
+(views of the buffer) see the re-gathered values in backward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from zeroshard.comm import Comm, Handle
+from zeroshard.zero.flat import FlatParams
+
+
+class WholeParams:
+    """Stages 0-2: every rank holds every parameter (views of ``flat.full``)."""
+
+    def __init__(self, flat: FlatParams, comm: Comm) -> None:
+        self.flat, self.comm = flat, comm
+
+    def after_step(self) -> None:
+        """Re-assemble whole parameters from every rank's updated chunks."""
+        flat = self.flat
+        if not flat.sharded:
+            return
+        handles = [
+            self.comm.all_gather(flat.segment_view(seg.index), flat.chunks[seg.index], async_op=True)
+            for seg in flat.layout.segments
+        ]
+        for h in handles:
+            h.wait()
+
+    def begin_backward(self) -> None:
+        pass
+
+    def end_backward(self) -> None:
+        pass
+
+    def release(self, segment: int) -> None:
+        pass
+
+    def open(self, params: list[torch.Tensor]) -> None:
+        """Parameters are whole already."""
+
+    def close(self, params: list[torch.Tensor], modifier_rank: int | None) -> list[int]:
+        """Broadcast modified parameters; returns the segments whose chunks changed."""
+        if modifier_rank is None:
+            return []
+        for p in params:
+            self.comm.broadcast(p.data, src=modifier_rank)
+        return _segments_of(self.flat, params)
+
+    def buffers(self) -> list[torch.Tensor]:
+        return [self.flat.full]
+
+
+def _segments_of(flat: FlatParams, params: list[torch.Tensor]) -> list[int]:
+    index = {id(p): pi for pi, p in enumerate(flat.params)}
+    return sorted({flat.layout.param_segment[index[id(p)]] for p in params if id(p) in index})
+
+
+class _PreBackward(torch.autograd.Function):
+    """Identity in forward; in backward, gathers a module's units before its backward runs."""
+
+    @staticmethod
+    def forward(ctx, gatherer, units, *tensors):
+        ctx.gatherer, ctx.units = gatherer, units
+        return tensors if len(tensors) > 1 else tensors[0]
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.gatherer.gather_for_backward(ctx.units)
+        return (None, None, *grads)
+
+
+class ParamGatherer:
+    """Gathers and frees stage-3 parameter units from module hooks."""
+
+    def __init__(
+        self,
+        flat: FlatParams,
+        comm: Comm,
+        module: nn.Module,
+        *,
+        persistent: Iterable[int],
+        prefetch_numel: int,
+        max_live_numel: int,
+    ) -> None:
+        self.flat, self.comm = flat, comm
+        self.persistent = set(persistent)
+        self.prefetch_numel, self.max_live_numel = prefetch_numel, max_live_numel
+        layout = flat.layout
+        self._placeholder = torch.empty(0, dtype=flat.dtype, device=flat.device)
+        self.buffers = [
+            torch.empty(seg.numel, dtype=flat.dtype, device=flat.device) for seg in layout.segments
+        ]
+        self._views = [None] * len(flat.params)
+        for pi, p in enumerate(flat.params):
+            lo, hi = layout.param_range(pi)
+            seg = layout.segments[layout.param_segment[pi]]
+            self._views[pi] = self.buffers[seg.index][lo - seg.start : hi - seg.start].view_as(p)
+        self._handles: dict[int, Handle] = {}
+        self._gathered: set[int] = set()
+        self._users = [0] * len(layout.segments)
+        self._fwd_order: list[int] | None = None
+        self._bwd_order: list[int] | None = None
+        self._recording_fwd: list[int] = []
+        self._recording_bwd: list[int] = []
+        self.in_backward = False
+        for s in range(len(layout.segments)):
+            if s not in self.persistent:
+                self._free(s)
+        self.refresh_persistent()
+        # module -> units of the parameters it owns directly (shared parameters included)
+        index = {id(p): pi for pi, p in enumerate(flat.params)}
+        self.units_of: dict[nn.Module, tuple[int, ...]] = {}
+        self._hooks = []
+        for m in module.modules():
+            units = sorted({
+                layout.param_segment[index[id(p)]]
+                for p in m.parameters(recurse=False)
+                if id(p) in index
+            } - self.persistent)
+            if units:
+                self.units_of[m] = tuple(units)
+                self._hooks.append(m.register_forward_pre_hook(self._pre_forward))
+                self._hooks.append(m.register_forward_hook(self._post_forward))
+
+    # -- gather / free ----------------------------------------------------------------
+    def _launch(self, s: int) -> None:
+        if s in self._gathered or s in self._handles:
+            return
+        buf = self.buffers[s]
+        buf.untyped_storage().resize_(buf.numel() * buf.element_size())
+        with torch.autograd._unsafe_preserve_version_counter(buf):
+            self._handles[s] = self.comm.all_gather(buf, self.flat.chunks[s], async_op=True)
+
+    def _wait(self, s: int) -> None:
+        handle = self._handles.pop(s, None)
+        if handle is not None:
+            with torch.autograd._unsafe_preserve_version_counter(self.buffers[s]):
+                handle.wait()
+        if s not in self._gathered:
+            self._gathered.add(s)
+            for pi in self.flat.layout.segments[s].params:
+                self.flat.params[pi].data = self._views[pi]
+
+    def gather(self, s: int) -> None:
+        self._launch(s)
+        self._wait(s)
+
+    def _free(self, s: int) -> None:
+        if s in self._handles:
+            self._wait(s)
+        self._gathered.discard(s)
+        for pi in self.flat.layout.segments[s].params:
+            self.flat.params[pi].data = self._placeholder
+        self.buffers[s].untyped_storage().resize_(0)
+
+    def release(self, s: int) -> None:
+        """Free unit ``s`` unless it is persistent or still in use by a running forward."""
+        if s not in self.persistent and self._users[s] == 0 and (s in self._gathered or s in self._handles):
+            self._free(s)
+
+    def release_all(self) -> None:
+        for s in list(self._gathered | set(self._handles)):
+            self._users[s] = 0
+            self.release(s)
+
+    def refresh_persistent(self) -> None:
+        """All-gather the persistent segments (at start-up and after each optimizer step)."""
+        for s in self.persistent:
+            self._gathered.discard(s)
+            self._launch(s)
+        for s in self.persistent:
+            self._wait(s)
+
+    def _live_numel(self) -> int:
+        segs = self.flat.layout.segments
+        return sum(segs[s].numel for s in self._gathered | set(self._handles) if s not in self.persistent)
+
+    def _prefetch(self, order: list[int] | None, after: Iterable[int]) -> None:
+        if not order or self.prefetch_numel <= 0:
+            return
+        last = max((order.index(s) for s in after if s in order), default=-1)
+        budget = self.prefetch_numel
+        segs = self.flat.layout.segments
+        for s in order[last + 1 :]:
+            if s in self._gathered or s in self._handles:
+                continue
+            if budget < segs[s].numel or self._live_numel() + segs[s].numel > self.max_live_numel:
+                break
+            budget -= segs[s].numel
+            self._launch(s)
+
+    # -- hooks --------------------------------------------------------------------------
+    def _pre_forward(self, module: nn.Module, args) -> None:
+        units = self.units_of[module]
+        recording = self._recording_fwd if self._fwd_order is None and not self.in_backward else None
+        for s in units:
+            self._users[s] += 1
+            self.gather(s)
+            if recording is not None and s not in recording:
+                recording.append(s)
+        if not self.in_backward:
+            self._prefetch(self._fwd_order, units)
+
+    def _post_forward(self, module: nn.Module, args, output):
+        units = self.units_of[module]
+        for s in units:
+            self._users[s] -= 1
+            if not self.in_backward:
+                self.release(s)
+        if torch.is_grad_enabled() and not self.in_backward:
+            return _wrap_outputs(output, self, units)
+        return output
+
+    def gather_for_backward(self, units: tuple[int, ...]) -> None:
+        recording = self._recording_bwd if self._bwd_order is None else None
+        for s in units:
+            self.gather(s)
+            if recording is not None and s not in recording:
+                recording.append(s)
+        self._prefetch(self._bwd_order, units)
+
+    def begin_backward(self) -> None:
+        self.in_backward = True
+        if self._fwd_order is None and self._recording_fwd:
+            self._fwd_order = self._recording_fwd
+
+    def end_backward(self) -> None:
+        self.in_backward = False
+        if self._bwd_order is None and self._recording_bwd:
+            self._bwd_order = self._recording_bwd
+        self.release_all()
+
+    def after_step(self) -> None:
+        self.refresh_persistent()
+
+    def open(self, params: list[torch.Tensor]) -> None:
+        """Gather the units holding ``params`` and keep them until :meth:`close`."""
+        for s in _segments_of(self.flat, params):
+            self._users[s] += 1
+            self.gather(s)
+
+    def close(self, params: list[torch.Tensor], modifier_rank: int | None) -> list[int]:
+        """Optionally take ``modifier_rank``'s values into every shard; free the units."""
+        segs = _segments_of(self.flat, params)
+        if modifier_rank is not None:
+            for p in params:
+                self.comm.broadcast(p.data, src=modifier_rank)
+            rank = self.flat.rank
+            for s in segs:
+                seg = self.flat.layout.segments[s]
+                self.flat.chunks[s].copy_(self.buffers[s][rank * seg.chunk : (rank + 1) * seg.chunk])
+        for s in segs:
+            self._users[s] -= 1
+            self.release(s)
+        return segs
+
+    def buffers(self) -> list[torch.Tensor]:
+        """The shard plus the always-gathered persistent segments."""
+        return [self.flat.shard, *(self.buffers[s] for s in self.persistent)]
+
+
+def _wrap_outputs(output, gatherer: ParamGatherer, units: tuple[int, ...]):
+    """Route the floating-point tensors of ``output`` through :class:`_PreBackward`."""
+    if torch.is_tensor(output):
+        if output.requires_grad:
+            return _PreBackward.apply(gatherer, units, output)
+        return output
+    if isinstance(output, (tuple, list)):
+        idx = [i for i, o in enumerate(output) if torch.is_tensor(o) and o.requires_grad]
+        if not idx:
+            return output
+        wrapped = _PreBackward.apply(gatherer, units, *(output[i] for i in idx))
+        wrapped = wrapped if isinstance(wrapped, tuple) else (wrapped,)
+        items = list(output)
+        for i, w in zip(idx, wrapped, strict=True):
+            items[i] = w
+        return type(output)(items) if isinstance(output, tuple) and not hasattr(output, "_fields") else (
+            type(output)(*items) if hasattr(output, "_fields") else items
+        )
+    if isinstance(output, dict):
+        keys = [k for k, v in output.items() if torch.is_tensor(v) and v.requires_grad]
+        if not keys:
+            return output
+        wrapped = _PreBackward.apply(gatherer, units, *(output[k] for k in keys))
+        wrapped = wrapped if isinstance(wrapped, tuple) else (wrapped,)
+        new = output.copy()  # keeps the mapping type (e.g. a transformers ModelOutput)
+        for k, w in zip(keys, wrapped, strict=True):
+            new[k] = w
+        return new
+    return output

@@ -1,0 +1,83 @@
+"""Which parameter goes in which segment of the flat layout. Pure planning, no tensors
+are allocated and nothing is communicated.
+
+* :func:`plan_buckets` (stages 0-2): trainable parameters in backward order (last
+  layers first), packed greedily into gradient buckets.
+* :func:`plan_units` (stage 3): one segment per module holding the parameters it owns
+  directly (trainable and frozen alike, since both are sharded); parameters smaller than
+  the persistence threshold are packed into persistent segments that stay gathered.
+
+Inside every segment each optimizer param group's parameters sit next to each other, so
+a group's share of any chunk is contiguous (see ``FlatParams.group_views``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+from zeroshard.zero.partition import greedy_segments
+
+FROZEN = -1  # group index of parameters no optimizer group updates
+
+
+@dataclass(frozen=True)
+class LayoutPlan:
+    params: list[nn.Parameter]  # in layout order
+    group_of: list[int]  # param-group index per parameter (FROZEN for frozen ones)
+    segments: list[list[int]]  # indices into ``params``, contiguous and in order
+    persistent: list[int]  # segment indices that stay gathered (stage 3)
+
+
+def _group_index(param_groups: list[dict]) -> dict[int, int]:
+    return {
+        id(p): gi if p.requires_grad else FROZEN
+        for gi, spec in enumerate(param_groups)
+        for p in spec["params"]
+    }
+
+
+def _assemble(members: list[list[nn.Parameter]], group: dict[int, int], persistent_from: int) -> LayoutPlan:
+    params, segments = [], []
+    for seg in members:
+        seg = sorted(seg, key=lambda p: group.get(id(p), FROZEN))  # stable: keeps order in a group
+        segments.append(list(range(len(params), len(params) + len(seg))))
+        params += seg
+    return LayoutPlan(
+        params=params,
+        group_of=[group.get(id(p), FROZEN) for p in params],
+        segments=segments,
+        persistent=list(range(persistent_from, len(segments))),
+    )
+
+
+def plan_buckets(module: nn.Module, param_groups: list[dict], bucket_numel: int) -> LayoutPlan:
+    """Stages 0-2: trainable parameters only, in gradient buckets."""
+    group = _group_index(param_groups)
+    order = {id(p): i for i, p in enumerate(module.parameters())}
+    trainable = [p for spec in param_groups for p in spec["params"] if p.requires_grad]
+    trainable.sort(key=lambda p: -order.get(id(p), -1))
+    members = [[trainable[i] for i in s] for s in greedy_segments([p.numel() for p in trainable], bucket_numel)]
+    return _assemble(members, group, persistent_from=len(members))
+
+
+def plan_units(
+    module: nn.Module, param_groups: list[dict], persistence_threshold: int, bucket_numel: int
+) -> LayoutPlan:
+    """Stage 3: a segment per module of its own parameters; small ones persistent."""
+    group = _group_index(param_groups)
+    seen: set[int] = set()
+    units: list[list[nn.Parameter]] = []
+    small: list[nn.Parameter] = []
+    for m in module.modules():
+        own = []
+        for p in m.parameters(recurse=False):
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            (small if p.numel() < persistence_threshold else own).append(p)
+        if own:
+            units.append(own)
+    packed = [[small[i] for i in s] for s in greedy_segments([p.numel() for p in small], bucket_numel)]
+    return _assemble(units + packed, group, persistent_from=len(units))
