@@ -52,7 +52,9 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     model = GPT(GPTConfig.preset(args.model, seq_len=args.seq))
-    engine, _, _, _ = zeroshard.initialize(args=args, model=model, model_parameters=model.parameters())
+    engine, _, _, _ = zeroshard.initialize(
+        args=args, model=model, model_parameters=model.parameters()
+    )
     micro, gas = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
 
     data = stdlib_bytes(4_000_000)
@@ -69,8 +71,11 @@ def main() -> None:
         Path(args.metrics).parent.mkdir(parents=True, exist_ok=True)
         metrics = open(args.metrics, "w")
         n = sum(p.numel() for p in model.parameters())
-        print(f"GPT {args.model}: {n / 1e6:.2f}M params, seq {args.seq}, micro {micro} x gas {gas} "
-              f"x {world} ranks, ZeRO stage {engine.zero_optimization_stage()}", flush=True)
+        print(
+            f"GPT {args.model}: {n / 1e6:.2f}M params, seq {args.seq}, micro {micro} x gas {gas} "
+            f"x {world} ranks, ZeRO stage {engine.zero_optimization_stage()}",
+            flush=True,
+        )
 
     tokens_per_step = micro * gas * world * args.seq
     t_start = time.perf_counter()
@@ -87,15 +92,20 @@ def main() -> None:
         dt = time.perf_counter() - t0
         comm = engine.comm_stats()
         record = {
-            "step": step, "loss": total / gas, "step_seconds": dt,
-            "tokens_per_s": tokens_per_step / dt, "lr": engine.get_lr()[0],
+            "step": step,
+            "loss": total / gas,
+            "step_seconds": dt,
+            "tokens_per_s": tokens_per_step / dt,
+            "lr": engine.get_lr()[0],
             "comm_bytes": sum(v["bytes"] for v in comm.values()),
         }
         if metrics is not None:
             metrics.write(json.dumps(record) + "\n")
             done = int(30 * step / args.steps)
-            sys.stdout.write(f"\r[{'#' * done}{'.' * (30 - done)}] step {step}/{args.steps} "
-                             f"loss {record['loss']:.3f} {record['tokens_per_s']:.0f} tok/s")
+            sys.stdout.write(
+                f"\r[{'#' * done}{'.' * (30 - done)}] step {step}/{args.steps} "
+                f"loss {record['loss']:.3f} {record['tokens_per_s']:.0f} tok/s"
+            )
             sys.stdout.flush()
     elapsed = time.perf_counter() - t_start
 
@@ -111,17 +121,27 @@ def main() -> None:
     dist.all_gather_object(mems, mem)
     if rank == 0:
         print()
-        print(f"trained {args.steps} steps in {elapsed:.1f} s: "
-              f"{args.steps * tokens_per_step / elapsed:.0f} tokens/s, final loss {record['loss']:.3f}, "
-              f"held-out loss {val:.3f} (uniform bytes: {torch.log(torch.tensor(256.0)):.3f})")
-        print("communication per step (rank 0): " + ", ".join(
-            f"{op} {v['calls']} calls {v['bytes'] / 1e6:.2f} MB" for op, v in comm.items()))
+        print(
+            f"trained {args.steps} steps in {elapsed:.1f} s: "
+            f"{args.steps * tokens_per_step / elapsed:.0f} tokens/s, final loss {record['loss']:.3f}, "
+            f"held-out loss {val:.3f} (uniform bytes: {torch.log(torch.tensor(256.0)):.3f})"
+        )
+        print(
+            "communication per step (rank 0): "
+            + ", ".join(
+                f"{op} {v['calls']} calls {v['bytes'] / 1e6:.2f} MB" for op, v in comm.items()
+            )
+        )
         for r, m in enumerate(mems):
-            print(f"rank {r} memory: params {m['params'] / 1e6:.2f} MB, grads {m['grads'] / 1e6:.2f} MB, "
-                  f"optimizer states {m['optimizer_states'] / 1e6:.2f} MB, by location "
-                  + ", ".join(f"{k} {v / 1e6:.2f} MB" for k, v in m["by_location"].items()))
-        metrics.write(json.dumps({"summary": True, "elapsed_s": elapsed, "val_loss": val,
-                                  "memory": mems}) + "\n")
+            print(
+                f"rank {r} memory: params {m['params'] / 1e6:.2f} MB, grads {m['grads'] / 1e6:.2f} MB, "
+                f"optimizer states {m['optimizer_states'] / 1e6:.2f} MB, by location "
+                + ", ".join(f"{k} {v / 1e6:.2f} MB" for k, v in m["by_location"].items())
+            )
+        metrics.write(
+            json.dumps({"summary": True, "elapsed_s": elapsed, "val_loss": val, "memory": mems})
+            + "\n"
+        )
         metrics.close()
         print(f"metrics: {args.metrics}")
 

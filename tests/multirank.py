@@ -25,8 +25,10 @@ def _entry(rank: int, world_size: int, tmp: str, fn, args) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     try:
         dist.init_process_group(
-            "gloo", store=dist.FileStore(os.path.join(tmp, "store"), world_size),
-            rank=rank, world_size=world_size,
+            "gloo",
+            store=dist.FileStore(os.path.join(tmp, "store"), world_size),
+            rank=rank,
+            world_size=world_size,
         )
         result = fn(rank, world_size, *args)
         with open(os.path.join(tmp, f"result{rank}.json"), "w") as f:
@@ -42,7 +44,10 @@ def run(fn, world_size: int, *args, timeout: float = 300.0) -> list:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks; return each rank's result."""
     with tempfile.TemporaryDirectory(prefix="zs-test-") as tmp:
         ctx = mp.start_processes(
-            _entry, args=(world_size, tmp, fn, args), nprocs=world_size, join=False,
+            _entry,
+            args=(world_size, tmp, fn, args),
+            nprocs=world_size,
+            join=False,
             start_method="spawn",
         )
         deadline = time.monotonic() + timeout

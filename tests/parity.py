@@ -19,8 +19,14 @@ LR, LR_NODECAY, WD = 1e-3, 2e-3, 0.1
 
 def build_model(case: dict) -> GPT:
     torch.manual_seed(1234)
-    cfg = GPTConfig(vocab_size=64, seq_len=SEQ, n_layer=2, n_head=2, d_model=32,
-                    tie_embeddings=case.get("tied", True))
+    cfg = GPTConfig(
+        vocab_size=64,
+        seq_len=SEQ,
+        n_layer=2,
+        n_head=2,
+        d_model=32,
+        tie_embeddings=case.get("tied", True),
+    )
     model = GPT(cfg)
     if case.get("frozen", True):
         model.pos_emb.weight.requires_grad_(False)
@@ -130,5 +136,5 @@ def full_params(engine) -> dict[str, torch.Tensor]:
 
 
 def max_param_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    assert a.keys() == b.keys(), (a.keys() ^ b.keys())
+    assert a.keys() == b.keys(), a.keys() ^ b.keys()
     return max((a[k].float() - b[k].float()).abs().max().item() for k in a)

@@ -8,10 +8,9 @@ import subprocess
 import sys
 import textwrap
 
-import torch
-
 import multirank
 import parity
+import torch
 
 BIG = 10**9  # one bucket: padding is negligible against the tolerance
 
@@ -21,7 +20,7 @@ def _psi(engine) -> int:
 
 
 def _one_step(case: dict, rank: int, world: int):
-    losses, engine = parity.train({**case, "steps": 1}, rank, world)
+    _, engine = parity.train({**case, "steps": 1}, rank, world)
     engine.reset_comm_stats()
     x, y = parity.batch(99, case.get("micro", 2) * world)
     lo = rank * case.get("micro", 2)
@@ -121,7 +120,9 @@ def test_engine_two_ranks() -> None:
         assert m2["grads"] <= 4 * psi / 2 + bucket + pad
         assert m2["params"] >= 4 * psi  # stage 2 keeps whole parameters
         for m in (m0, m1, m2):
-            assert sum(m["by_location"].values()) == m["params"] + m["grads"] + m["optimizer_states"]
+            assert (
+                sum(m["by_location"].values()) == m["params"] + m["grads"] + m["optimizer_states"]
+            )
             assert set(m["by_location"]) == {"cpu"}
         # fp16: an inf on one rank skips the step everywhere and halves the scale.
         f = r["fp16"]

@@ -8,10 +8,9 @@ cases; each rank compares its own final parameters and losses with the reference
 
 from __future__ import annotations
 
-import pytest
-
 import multirank
 import parity
+import pytest
 
 TOL = 2e-5
 
@@ -33,13 +32,37 @@ def _cases() -> list[dict]:
     z3 = "zero_optimization"
     cases += [
         {"stage": 3, "gas": 1, "extra": {z3: {"stage3_param_persistence_threshold": 0}}},
-        {"stage": 3, "gas": 4, "micro": 1, "clip": 1.0, "extra": {z3: {
-            "stage3_param_persistence_threshold": 0, "stage3_prefetch_bucket_size": 0}}},
-        {"stage": 3, "gas": 2, "clip": 0.05, "client": True, "tied": False, "extra": {z3: {
-            "stage3_param_persistence_threshold": 100, "stage3_prefetch_bucket_size": 5000,
-            "stage3_max_live_parameters": 8000}}},
-        {"stage": 3, "gas": 1, "frozen": False, "extra": {z3: {
-            "stage3_param_persistence_threshold": 0, "stage3_prefetch_bucket_size": 10**9}}},
+        {
+            "stage": 3,
+            "gas": 4,
+            "micro": 1,
+            "clip": 1.0,
+            "extra": {
+                z3: {"stage3_param_persistence_threshold": 0, "stage3_prefetch_bucket_size": 0}
+            },
+        },
+        {
+            "stage": 3,
+            "gas": 2,
+            "clip": 0.05,
+            "client": True,
+            "tied": False,
+            "extra": {
+                z3: {
+                    "stage3_param_persistence_threshold": 100,
+                    "stage3_prefetch_bucket_size": 5000,
+                    "stage3_max_live_parameters": 8000,
+                }
+            },
+        },
+        {
+            "stage": 3,
+            "gas": 1,
+            "frozen": False,
+            "extra": {
+                z3: {"stage3_param_persistence_threshold": 0, "stage3_prefetch_bucket_size": 10**9}
+            },
+        },
     ]
     return cases
 
@@ -49,12 +72,14 @@ def _worker(rank: int, world: int, cases: list[dict]) -> list[dict]:
     for case in cases:
         ref_losses, ref_params = parity.reference(case, world)
         losses, engine = parity.train(case, rank, world)
-        out.append({
-            "case": case,
-            "losses": losses,
-            "ref_losses": ref_losses,
-            "param_diff": parity.max_param_diff(parity.full_params(engine), ref_params),
-        })
+        out.append(
+            {
+                "case": case,
+                "losses": losses,
+                "ref_losses": ref_losses,
+                "param_diff": parity.max_param_diff(parity.full_params(engine), ref_params),
+            }
+        )
     return out
 
 
@@ -65,7 +90,9 @@ def test_stage_parity(world: int) -> None:
     failures = []
     for i, case in enumerate(cases):
         per_rank = [r[i] for r in results]
-        losses = [sum(r["losses"][s] for r in per_rank) / world for s in range(len(per_rank[0]["losses"]))]
+        losses = [
+            sum(r["losses"][s] for r in per_rank) / world for s in range(len(per_rank[0]["losses"]))
+        ]
         loss_diff = max(abs(a - b) for a, b in zip(losses, per_rank[0]["ref_losses"], strict=True))
         param_diff = max(r["param_diff"] for r in per_rank)
         if not (loss_diff <= TOL and param_diff <= TOL):

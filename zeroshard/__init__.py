@@ -21,10 +21,12 @@ _LAZY = {
     "init_distributed": "zeroshard.distributed",
 }
 
-__all__ = ["__version__", "add_config_arguments", "init_distributed", "initialize"]
+__all__ = ["__version__", "add_config_arguments", "init_distributed", "initialize", "zero"]
 
 
 def __getattr__(name: str):
+    if name == "zero":
+        return importlib.import_module("zeroshard.zero")
     if name in _LAZY:
         return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'zeroshard' has no attribute {name!r}")

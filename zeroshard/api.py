@@ -29,12 +29,19 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     """
     group = parser.add_argument_group("zeroshard", "zeroshard / DeepSpeed configuration")
     group.add_argument(
-        "--deepspeed", nargs="?", const=True, default=False,
+        "--deepspeed",
+        nargs="?",
+        const=True,
+        default=False,
         help="enable zeroshard; optionally the config path (Hugging Face style)",
     )
     group.add_argument("--deepspeed_config", default=None, help="path to the DeepSpeed JSON config")
-    group.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)),
-                       help="set by the launcher")
+    group.add_argument(
+        "--local_rank",
+        type=int,
+        default=int(os.environ.get("LOCAL_RANK", 0)),
+        help="set by the launcher",
+    )
     return parser
 
 
@@ -72,32 +79,50 @@ def _collect_groups(module: nn.Module, optimizer, model_parameters, opt_cfg):
         if isinstance(optimizer, torch.optim.Optimizer):
             client = optimizer
         elif callable(optimizer):
-            client = optimizer(model_parameters if model_parameters is not None else module.parameters())
+            client = optimizer(
+                model_parameters if model_parameters is not None else module.parameters()
+            )
         else:
-            raise TypeError(f"initialize: optimizer must be a torch optimizer or a callable, got {type(optimizer)}")
-        groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": list(g["params"])}
-                  for g in client.param_groups]
+            raise TypeError(
+                f"initialize: optimizer must be a torch optimizer or a callable, got {type(optimizer)}"
+            )
+        groups = [
+            {**{k: v for k, v in g.items() if k != "params"}, "params": list(g["params"])}
+            for g in client.param_groups
+        ]
     elif opt_cfg is not None:
         defaults = hyperparams(opt_cfg)
-        source = list(model_parameters) if model_parameters is not None else list(module.parameters())
+        source = (
+            list(model_parameters) if model_parameters is not None else list(module.parameters())
+        )
         if source and isinstance(source[0], dict):
-            groups = [{**defaults, **{k: v for k, v in g.items() if k != "params"},
-                       "params": list(g["params"])} for g in source]
+            groups = [
+                {
+                    **defaults,
+                    **{k: v for k, v in g.items() if k != "params"},
+                    "params": list(g["params"]),
+                }
+                for g in source
+            ]
         else:
             groups = [{**defaults, "params": source}]
     else:
         raise ConfigError(
-            "optimizer: no optimizer; add an \"optimizer\" section to the config, e.g. "
-            "{\"type\": \"AdamW\", \"params\": {\"lr\": 1e-4}}, or pass optimizer= to initialize()"
+            'optimizer: no optimizer; add an "optimizer" section to the config, e.g. '
+            '{"type": "AdamW", "params": {"lr": 1e-4}}, or pass optimizer= to initialize()'
         )
     owned = {id(p) for p in module.parameters()}
     seen: set[int] = set()
     for gi, g in enumerate(groups):
         for p in g["params"]:
             if id(p) not in owned:
-                raise ValueError(f"initialize: param group {gi} holds a tensor that is not a parameter of the model")
+                raise ValueError(
+                    f"initialize: param group {gi} holds a tensor that is not a parameter of the model"
+                )
             if id(p) in seen:
-                raise ValueError(f"initialize: a parameter appears in more than one param group (group {gi})")
+                raise ValueError(
+                    f"initialize: a parameter appears in more than one param group (group {gi})"
+                )
             seen.add(id(p))
     return groups, client
 
@@ -125,7 +150,9 @@ def initialize(
     if model is None:
         raise ValueError("initialize: model is required")
     if mpu is not None or mesh_param is not None:
-        raise NotImplementedError("initialize: mpu / mesh_param (model parallelism) is not built yet in zeroshard")
+        raise NotImplementedError(
+            "initialize: mpu / mesh_param (model parallelism) is not built yet in zeroshard"
+        )
     source = _config_from_args(args, config, config_params)
     init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
     comm = Comm()

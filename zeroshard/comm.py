@@ -113,8 +113,14 @@ class Comm:
         self._avg_native = initialized and dist.get_backend(group) == "nccl"
 
     # -- helpers --------------------------------------------------------------------
-    def _run(self, op: str, nbytes: int, fn: Callable[[], dist.Work | None], async_op: bool,
-             then: Callable[[], None] | None = None) -> Handle | None:
+    def _run(
+        self,
+        op: str,
+        nbytes: int,
+        fn: Callable[[], dist.Work | None],
+        async_op: bool,
+        then: Callable[[], None] | None = None,
+    ) -> Handle | None:
         t0 = time.perf_counter()
         work = fn()
         self.ledger.record(op, nbytes, time.perf_counter() - t0)
@@ -131,7 +137,9 @@ class Comm:
         return Handle(None, None, "") if async_op else None
 
     # -- collectives ----------------------------------------------------------------
-    def all_reduce(self, tensor: torch.Tensor, op: str = "sum", async_op: bool = False) -> Handle | None:
+    def all_reduce(
+        self, tensor: torch.Tensor, op: str = "sum", async_op: bool = False
+    ) -> Handle | None:
         """In-place all-reduce; ``op`` is "sum", "avg" or "max". Counts 2x the buffer."""
         if self.world_size == 1:
             return self._local(None, async_op)
@@ -141,48 +149,67 @@ class Comm:
         else:
             red = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "max": dist.ReduceOp.MAX}[op]
         return self._run(
-            "all_reduce", 2 * _nbytes(tensor),
+            "all_reduce",
+            2 * _nbytes(tensor),
             lambda: dist.all_reduce(tensor, op=red, group=self.group, async_op=async_op),
-            async_op, then)
+            async_op,
+            then,
+        )
 
-    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False) -> Handle | None:
+    def reduce_scatter(
+        self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False
+    ) -> Handle | None:
         """Sum ``input`` (world_size equal chunks) across ranks; this rank's chunk to ``output``."""
         if self.world_size == 1:
             return self._local(lambda: output.copy_(input.view_as(output)), async_op)
         return self._run(
-            "reduce_scatter", _nbytes(input),
+            "reduce_scatter",
+            _nbytes(input),
             lambda: _reduce_scatter_flat(output, input, group=self.group, async_op=async_op),
-            async_op)
+            async_op,
+        )
 
-    def all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False) -> Handle | None:
+    def all_gather(
+        self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False
+    ) -> Handle | None:
         """Concatenate every rank's ``input`` into ``output`` (rank order)."""
         if self.world_size == 1:
             if output.data_ptr() == input.data_ptr():
                 return self._local(None, async_op)
             return self._local(lambda: output.copy_(input.view_as(output)), async_op)
         return self._run(
-            "all_gather", _nbytes(output),
+            "all_gather",
+            _nbytes(output),
             lambda: _all_gather_flat(output, input, group=self.group, async_op=async_op),
-            async_op)
+            async_op,
+        )
 
-    def broadcast(self, tensor: torch.Tensor, src: int = 0, async_op: bool = False) -> Handle | None:
+    def broadcast(
+        self, tensor: torch.Tensor, src: int = 0, async_op: bool = False
+    ) -> Handle | None:
         """Broadcast from group rank ``src`` (the global rank is looked up here)."""
         if self.world_size == 1:
             return self._local(None, async_op)
         gsrc = dist.get_global_rank(self.group, src) if self.group is not None else src
         return self._run(
-            "broadcast", _nbytes(tensor),
+            "broadcast",
+            _nbytes(tensor),
             lambda: dist.broadcast(tensor, gsrc, group=self.group, async_op=async_op),
-            async_op)
+            async_op,
+        )
 
-    def all_to_all(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False) -> Handle | None:
+    def all_to_all(
+        self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False
+    ) -> Handle | None:
         """Equal-split all-to-all of flat buffers."""
         if self.world_size == 1:
             return self._local(lambda: output.copy_(input), async_op)
         return self._run(
-            "all_to_all", _nbytes(input),
+            "all_to_all",
+            _nbytes(input),
             lambda: dist.all_to_all_single(output, input, group=self.group, async_op=async_op),
-            async_op)
+            async_op,
+        )
 
     def barrier(self) -> None:
         if self.world_size > 1:

@@ -26,6 +26,7 @@ from zeroshard.schedulers import build_scheduler
 from zeroshard.zero.flat import FlatParams
 from zeroshard.zero.gathered import register_owner
 from zeroshard.zero.gradients import GradReducer
+from zeroshard.zero.init import is_sealed, take_value
 from zeroshard.zero.optimizer import ShardedOptimizer, build_inner_optimizer
 from zeroshard.zero.parameters import ParamGatherer, WholeParams
 from zeroshard.zero.partition import FlatLayout
@@ -59,6 +60,23 @@ def _cast_floating(obj, dtype: torch.dtype):
     return obj
 
 
+def _move_module(module: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+    """``module.to(device)`` and floating tensors to ``dtype``, leaving parameters built
+    under ``zero.Init`` (they hold no data here) for the flat layout to materialize."""
+    with torch.no_grad():
+        for m in module.modules():
+            for p in m._parameters.values():
+                if p is None or is_sealed(p):
+                    continue
+                target = dtype if p.is_floating_point() else p.dtype
+                if p.device != device or p.dtype != target:
+                    p.data = p.data.to(device=device, dtype=target)
+            for name, b in m._buffers.items():
+                if b is not None:
+                    target = dtype if b.is_floating_point() else b.dtype
+                    m._buffers[name] = b.to(device=device, dtype=target)
+
+
 class Engine(nn.Module):
     """What ``zeroshard.initialize`` returns first; call it like the model."""
 
@@ -86,11 +104,9 @@ class Engine(nn.Module):
         self.global_samples = 0
         self.skipped_steps = 0
         self._step_applied = False
-        with torch.no_grad():
-            module.to(self.device)
-            if self.policy.compute != torch.float32:
-                module.to(self.policy.compute)
-                module.register_forward_pre_hook(self._cast_inputs, with_kwargs=True)
+        _move_module(module, self.device, self.policy.compute)
+        if self.policy.compute != torch.float32:
+            module.register_forward_pre_hook(self._cast_inputs, with_kwargs=True)
         self._broadcast_initial_state()
         self.flat, persistent = self._flatten(param_groups)
         zc = config.zero_optimization
@@ -166,13 +182,15 @@ class Engine(nn.Module):
             device=self.device,
             dtype=self.policy.compute,
             full=not self.sharding.parameters,
+            value_of=take_value,
         )
         return flat, plan.persistent
 
     def _broadcast_initial_state(self) -> None:
         """Every rank starts from rank 0's parameters and buffers."""
         for p in self.module.parameters():
-            self.comm.broadcast(p.data, src=0)
+            if not is_sealed(p):  # zero.Init slices are rank 0's values already
+                self.comm.broadcast(p.data, src=0)
         for b in self.module.buffers():
             self.comm.broadcast(b, src=0)
 
@@ -251,7 +269,9 @@ class Engine(nn.Module):
     def _report_progress(self) -> None:
         every = self._config.steps_per_print
         if every and self.global_steps % every == 0 and self.comm.rank == 0:
-            log.info("step=%d skipped=%d lr=%s", self.global_steps, self.skipped_steps, self.get_lr())
+            log.info(
+                "step=%d skipped=%d lr=%s", self.global_steps, self.skipped_steps, self.get_lr()
+            )
 
     def zero_grad(self) -> None:
         self.reducer.zero_grad()

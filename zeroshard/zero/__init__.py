@@ -1,8 +1,9 @@
 """ZeRO: which model states are sharded across data-parallel ranks, and how.
 
-Public (DeepSpeed-compatible) names: ``GatheredParameters``.
+Public (DeepSpeed-compatible) names: ``Init``, ``GatheredParameters``.
 """
 
 from zeroshard.zero.gathered import GatheredParameters
+from zeroshard.zero.init import Init
 
-__all__ = ["GatheredParameters"]
+__all__ = ["GatheredParameters", "Init"]

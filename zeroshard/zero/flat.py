@@ -31,6 +31,8 @@ class FlatParams:
         group_of: each parameter's optimizer param-group index.
         hyperparams: per group, its hyperparameters (lr, weight_decay, ...).
         full: keep the whole buffer (stages 0-2); else only this rank's shard.
+        value_of: gives a parameter's whole flat value (default: its data); called once
+            per parameter, in layout order, on every rank (it may communicate).
     """
 
     def __init__(
@@ -44,6 +46,7 @@ class FlatParams:
         device: torch.device,
         dtype: torch.dtype,
         full: bool = True,
+        value_of=None,
     ) -> None:
         if layout.numels != tuple(p.numel() for p in params):
             raise ValueError("layout does not match the parameters")
@@ -53,21 +56,26 @@ class FlatParams:
         self.full: torch.Tensor | None = None
         self.shard: torch.Tensor | None = None
         segs = layout.segments
+        value_of = value_of or (lambda p: p.detach().reshape(-1))
         if full:
             self.full = torch.zeros(layout.total_numel, dtype=dtype, device=device)
             with torch.no_grad():
                 for i, p in enumerate(params):
                     lo, hi = layout.param_range(i)
-                    view = self.full[lo:hi].view_as(p)
-                    view.copy_(p.detach())
-                    p.data = view
+                    self.full[lo:hi].copy_(value_of(p))
+                    p.data = self.full[lo:hi].view_as(p)
             self.chunks = [self.full[slice(*seg.chunk_range(rank))] for seg in segs]
         else:
             self.shard = torch.zeros(layout.shard_numel, dtype=dtype, device=device)
+            owned = {}
+            for piece in layout.pieces(rank):
+                owned.setdefault(piece.param, []).append(piece)
             with torch.no_grad():
-                for piece in layout.pieces(rank):
-                    src = params[piece.param].detach().reshape(-1)[piece.param_lo : piece.param_hi]
-                    self.shard[piece.shard_lo : piece.shard_lo + piece.numel].copy_(src)
+                for i, p in enumerate(params):
+                    value = value_of(p)
+                    for piece in owned.get(i, ()):
+                        dst = self.shard[piece.shard_lo : piece.shard_lo + piece.numel]
+                        dst.copy_(value[piece.param_lo : piece.param_hi])
             self.chunks = [self.shard[s.shard_start : s.shard_start + s.chunk] for s in segs]
         # per group, per segment: this rank's owned range of the group, relative to the chunk
         self._spans: list[list[tuple[int, int, int]]] = []

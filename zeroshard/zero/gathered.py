@@ -54,7 +54,9 @@ class GatheredParameters:
         enabled: False makes it a no-op.
     """
 
-    def __init__(self, params, modifier_rank: int | None = None, fwd_module=None, enabled: bool = True):
+    def __init__(
+        self, params, modifier_rank: int | None = None, fwd_module=None, enabled: bool = True
+    ):
         self.params = _as_list(params) if enabled else []
         self.modifier_rank = modifier_rank
         self._by_owner: dict[int, tuple[object, list[torch.Tensor]]] = {}

@@ -236,7 +236,9 @@ class GradReducer:
             if self._free_staging:
                 b.staging = self._free_staging.pop()
             else:
-                b.staging = torch.empty(self._staging_numel, dtype=self.dtype, device=self.flat.device)
+                b.staging = torch.empty(
+                    self._staging_numel, dtype=self.dtype, device=self.flat.device
+                )
         return b.staging
 
     def finish(self) -> None:

@@ -51,7 +51,9 @@ class WholeParams:
         if not flat.sharded:
             return
         handles = [
-            self.comm.all_gather(flat.segment_view(seg.index), flat.chunks[seg.index], async_op=True)
+            self.comm.all_gather(
+                flat.segment_view(seg.index), flat.chunks[seg.index], async_op=True
+            )
             for seg in flat.layout.segments
         ]
         for h in handles:
@@ -138,20 +140,22 @@ class ParamGatherer:
             if s not in self.persistent:
                 self._free(s)
         self.refresh_persistent()
-        # module -> units of the parameters it owns directly (shared parameters included)
-        index = {id(p): pi for pi, p in enumerate(flat.params)}
+        # module -> units of the parameters it owns directly (shared parameters included),
+        # plus units of parameters it was seen using from other modules (see _on_access)
+        self._segment_of = {id(p): layout.param_segment[pi] for pi, p in enumerate(flat.params)}
         self.units_of: dict[nn.Module, tuple[int, ...]] = {}
+        self._stack: list[nn.Module] = []  # modules whose forward is running
         self._hooks = []
         for m in module.modules():
-            units = sorted({
-                layout.param_segment[index[id(p)]]
+            units = {
+                self._segment_of[id(p)]
                 for p in m.parameters(recurse=False)
-                if id(p) in index
-            } - self.persistent)
-            if units:
-                self.units_of[m] = tuple(units)
-                self._hooks.append(m.register_forward_pre_hook(self._pre_forward))
-                self._hooks.append(m.register_forward_hook(self._post_forward))
+                if id(p) in self._segment_of
+            }
+            self.units_of[m] = tuple(sorted(units - self.persistent))
+            self._hooks.append(m.register_forward_pre_hook(self._pre_forward))
+            self._hooks.append(m.register_forward_hook(self._post_forward))
+            m._parameters = _AccessTrackingDict(m._parameters, self._on_access)
 
     # -- gather / free ----------------------------------------------------------------
     def _launch(self, s: int) -> None:
@@ -186,7 +190,11 @@ class ParamGatherer:
 
     def release(self, s: int) -> None:
         """Free unit ``s`` unless it is persistent or still in use by a running forward."""
-        if s not in self.persistent and self._users[s] == 0 and (s in self._gathered or s in self._handles):
+        if (
+            s not in self.persistent
+            and self._users[s] == 0
+            and (s in self._gathered or s in self._handles)
+        ):
             self._free(s)
 
     def release_all(self) -> None:
@@ -204,7 +212,9 @@ class ParamGatherer:
 
     def _live_numel(self) -> int:
         segs = self.flat.layout.segments
-        return sum(segs[s].numel for s in self._gathered | set(self._handles) if s not in self.persistent)
+        return sum(
+            segs[s].numel for s in self._gathered | set(self._handles) if s not in self.persistent
+        )
 
     def _prefetch(self, order: list[int] | None, after: Iterable[int]) -> None:
         if not order or self.prefetch_numel <= 0:
@@ -221,9 +231,27 @@ class ParamGatherer:
             self._launch(s)
 
     # -- hooks --------------------------------------------------------------------------
+    def _on_access(self, param: torch.Tensor) -> None:
+        """A parameter read through ``module.name`` while some forward runs: if it is not
+        the running module's own, gather its unit and remember it as one the running
+        module uses (gathered up front next time, and again for its backward)."""
+        if not self._stack:
+            return
+        s = self._segment_of.get(id(param))
+        if s is None or s in self.persistent:
+            return
+        top = self._stack[-1]
+        if s not in self.units_of[top]:
+            self.units_of[top] = (*self.units_of[top], s)
+            self._users[s] += 1
+        self.gather(s)
+
     def _pre_forward(self, module: nn.Module, args) -> None:
+        self._stack.append(module)
         units = self.units_of[module]
-        recording = self._recording_fwd if self._fwd_order is None and not self.in_backward else None
+        recording = (
+            self._recording_fwd if self._fwd_order is None and not self.in_backward else None
+        )
         for s in units:
             self._users[s] += 1
             self.gather(s)
@@ -233,12 +261,14 @@ class ParamGatherer:
             self._prefetch(self._fwd_order, units)
 
     def _post_forward(self, module: nn.Module, args, output):
+        if self._stack and self._stack[-1] is module:
+            self._stack.pop()
         units = self.units_of[module]
         for s in units:
             self._users[s] -= 1
             if not self.in_backward:
                 self.release(s)
-        if torch.is_grad_enabled() and not self.in_backward:
+        if units and torch.is_grad_enabled() and not self.in_backward:
             return _wrap_outputs(output, self, units)
         return output
 
@@ -279,7 +309,9 @@ class ParamGatherer:
             rank = self.flat.rank
             for s in segs:
                 seg = self.flat.layout.segments[s]
-                self.flat.chunks[s].copy_(self.buffers[s][rank * seg.chunk : (rank + 1) * seg.chunk])
+                self.flat.chunks[s].copy_(
+                    self.buffers[s][rank * seg.chunk : (rank + 1) * seg.chunk]
+                )
         for s in segs:
             self._users[s] -= 1
             self.release(s)
@@ -288,6 +320,24 @@ class ParamGatherer:
     def buffers(self) -> list[torch.Tensor]:
         """The shard plus the always-gathered persistent segments."""
         return [self.flat.shard, *(self.buffers[s] for s in self.persistent)]
+
+
+class _AccessTrackingDict(dict):
+    """A module's ``_parameters`` that reports each ``module.name`` read (``nn.Module.
+    __getattr__`` indexes this dict), so parameters used outside their own module's
+    forward are gathered too. Iteration and ``parameters()`` do not report."""
+
+    __slots__ = ("_on_access",)
+
+    def __init__(self, params: dict, on_access) -> None:
+        super().__init__(params)
+        self._on_access = on_access
+
+    def __getitem__(self, name: str):
+        value = dict.__getitem__(self, name)
+        if value is not None:
+            self._on_access(value)
+        return value
 
 
 def _wrap_outputs(output, gatherer: ParamGatherer, units: tuple[int, ...]):
@@ -305,8 +355,10 @@ def _wrap_outputs(output, gatherer: ParamGatherer, units: tuple[int, ...]):
         items = list(output)
         for i, w in zip(idx, wrapped, strict=True):
             items[i] = w
-        return type(output)(items) if isinstance(output, tuple) and not hasattr(output, "_fields") else (
-            type(output)(*items) if hasattr(output, "_fields") else items
+        return (
+            type(output)(items)
+            if isinstance(output, tuple) and not hasattr(output, "_fields")
+            else (type(output)(*items) if hasattr(output, "_fields") else items)
         )
     if isinstance(output, dict):
         keys = [k for k, v in output.items() if torch.is_tensor(v) and v.requires_grad]

@@ -154,7 +154,9 @@ class FlatLayout:
                 p_lo, p_hi = self.param_range(p)
                 lo, hi = max(p_lo, c_lo), min(p_hi, c_hi)
                 if lo < hi:
-                    out.append(Piece(p, lo - p_lo, hi - p_lo, seg.shard_start + lo - c_lo, seg.index))
+                    out.append(
+                        Piece(p, lo - p_lo, hi - p_lo, seg.shard_start + lo - c_lo, seg.index)
+                    )
         return out
 
     def segment_param_pieces(self, segment: int) -> list[tuple[int, int, int]]:
@@ -180,4 +182,3 @@ class FlatLayout:
         if lo >= hi:
             return seg.shard_start, seg.shard_start
         return seg.shard_start + lo - c_lo, seg.shard_start + hi - c_lo
-

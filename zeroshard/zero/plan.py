@@ -38,7 +38,9 @@ def _group_index(param_groups: list[dict]) -> dict[int, int]:
     }
 
 
-def _assemble(members: list[list[nn.Parameter]], group: dict[int, int], persistent_from: int) -> LayoutPlan:
+def _assemble(
+    members: list[list[nn.Parameter]], group: dict[int, int], persistent_from: int
+) -> LayoutPlan:
     params, segments = [], []
     for seg in members:
         seg = sorted(seg, key=lambda p: group.get(id(p), FROZEN))  # stable: keeps order in a group
@@ -58,7 +60,10 @@ def plan_buckets(module: nn.Module, param_groups: list[dict], bucket_numel: int)
     order = {id(p): i for i, p in enumerate(module.parameters())}
     trainable = [p for spec in param_groups for p in spec["params"] if p.requires_grad]
     trainable.sort(key=lambda p: -order.get(id(p), -1))
-    members = [[trainable[i] for i in s] for s in greedy_segments([p.numel() for p in trainable], bucket_numel)]
+    members = [
+        [trainable[i] for i in s]
+        for s in greedy_segments([p.numel() for p in trainable], bucket_numel)
+    ]
     return _assemble(members, group, persistent_from=len(members))
 
 
@@ -79,5 +84,7 @@ def plan_units(
             (small if p.numel() < persistence_threshold else own).append(p)
         if own:
             units.append(own)
-    packed = [[small[i] for i in s] for s in greedy_segments([p.numel() for p in small], bucket_numel)]
+    packed = [
+        [small[i] for i in s] for s in greedy_segments([p.numel() for p in small], bucket_numel)
+    ]
     return _assemble(units + packed, group, persistent_from=len(units))

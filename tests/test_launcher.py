@@ -1,0 +1,258 @@
+"""`zeroshard run` and the DeepSpeed-style launcher: layout planning, then real launches.
+
+The launch tests start real ranks through the command line (gloo on CPU), each under a
+subprocess timeout so that a hang fails the test instead of stalling the suite.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from zeroshard.launcher import LaunchError, add_arguments, parse_hostfile, plan_layout
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = ROOT / "tests" / "scripts"
+ZEROSHARD = [sys.executable, "-m", "zeroshard.cli"]
+PIPES = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE}
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    return {**env, "PYTHONUNBUFFERED": "1", **extra}
+
+
+def zeroshard(*args: str, timeout: float = 60, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [*ZEROSHARD, *args], cwd=cwd, env=_env(), capture_output=True, text=True, timeout=timeout
+    )
+
+
+def ok_lines(stdout: str) -> dict[int, str]:
+    """rank -> the line ok.py printed."""
+    return {
+        int(m.group(1)): m.group(0)
+        for m in re.finditer(r"OK rank=(\d+) [^\n]*?argv=\[[^\]]*\]", stdout)
+    }
+
+
+# ----------------------------------------------------------------------------- layout
+
+
+def layout(*argv: str, device_count: int = 0):
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return plan_layout(parser.parse_args([*argv, "train.py"]), device_count)
+
+
+def write(tmp_path: Path, text: str) -> str:
+    path = tmp_path / "hostfile"
+    path.write_text(text)
+    return str(path)
+
+
+def test_hostfile_good(tmp_path):
+    hf = write(tmp_path, "node-a slots=4\nnode-b slots=4\n")
+    assert [(e.host, e.slots, e.line) for e in parse_hostfile(hf)] == [
+        ("node-a", 4, 1),
+        ("node-b", 4, 2),
+    ]
+    got = layout("--hostfile", hf, "--node-rank", "1")
+    assert (got.nnodes, got.nproc_per_node, got.node_rank) == (2, 4, 1)
+    assert (got.master_addr, got.master_port) == ("node-a", 29500)
+
+
+def test_hostfile_comments_and_blank_lines(tmp_path):
+    hf = write(tmp_path, "# cluster\n\n   \nlocalhost slots=2   # this box\n# end\n")
+    assert [(e.host, e.slots, e.line) for e in parse_hostfile(hf)] == [("localhost", 2, 4)]
+    got = layout("--hostfile", hf)
+    assert (got.nnodes, got.nproc_per_node, got.node_rank, got.master_port) == (1, 2, 0, None)
+
+
+@pytest.mark.parametrize(
+    "text, line",
+    [
+        ("node-a slots=4\nnode-b slots=four\n", 2),
+        ("node-a\n", 1),
+        ("# x\nnode-a slots=0\n", 2),
+        ("node-a slots=2 extra\n", 1),
+        ("node-a gpus=2\n", 1),
+        ("node-a slots=2\nnode-a slots=2\n", 2),
+    ],
+)
+def test_hostfile_bad_line(tmp_path, text, line):
+    hf = write(tmp_path, text)
+    with pytest.raises(LaunchError, match=rf"{re.escape(hf)}, line {line}"):
+        parse_hostfile(hf)
+
+
+def test_hostfile_unequal_slots_names_the_line(tmp_path):
+    hf = write(tmp_path, "node-a slots=2\n# gpu box\nnode-b slots=4\n")
+    with pytest.raises(LaunchError, match=r"line 3: node-b gets 4 processes but node-a gets 2"):
+        layout("--hostfile", hf, "--node-rank", "0")
+    # filtering the slots down to equal counts is fine
+    got = layout("--hostfile", hf, "--node-rank", "1", "--include", "node-a@node-b:0,1")
+    assert (got.nnodes, got.nproc_per_node) == (2, 2)
+
+
+def test_hostfile_missing_or_empty(tmp_path):
+    with pytest.raises(LaunchError, match=r"hostfile .*nope.*cannot read"):
+        parse_hostfile(tmp_path / "nope")
+    with pytest.raises(LaunchError, match="no hosts"):
+        parse_hostfile(write(tmp_path, "# only a comment\n"))
+
+
+def test_hostfile_finds_this_node(tmp_path):
+    hf = write(tmp_path, "node-a.invalid slots=1\nlocalhost slots=1\n")
+    assert layout("--hostfile", hf).node_rank == 1
+    hf = write(tmp_path, "node-a.invalid slots=1\nnode-b.invalid slots=1\n")
+    with pytest.raises(LaunchError, match="pass --node-rank"):
+        layout("--hostfile", hf)
+
+
+def test_hostfile_nnodes_nproc_and_exclude(tmp_path):
+    hf = write(tmp_path, "a slots=4\nb slots=4\nc slots=4\n")
+    got = layout("--hostfile", hf, "--num_nodes", "2", "--num_gpus", "3", "--node_rank", "0")
+    assert (got.nnodes, got.nproc_per_node, got.master_addr) == (2, 3, "a")
+    got = layout("--hostfile", hf, "--exclude", "a@b:3@c:3", "--node-rank", "0")
+    assert (got.nnodes, got.nproc_per_node, got.master_addr) == (2, 3, "b")
+    with pytest.raises(LaunchError, match="has no slot 7"):
+        layout("--hostfile", hf, "--include", "a:7")
+    with pytest.raises(LaunchError, match="not in the hostfile"):
+        layout("--hostfile", hf, "--include", "zz")
+
+
+def test_single_node_defaults_and_include():
+    assert layout().nproc_per_node == 1  # no GPUs: one process
+    assert layout(device_count=3).nproc_per_node == 3  # default: one per device
+    assert layout("--nproc_per_node", "5", device_count=3).nproc_per_node == 5
+    got = layout("--include", "localhost:0,1")  # on CPU the list sets the count
+    assert (got.nproc_per_node, got.master_port, got.local_slots) == (2, None, None)
+    got = layout("--include", "localhost:1,3", device_count=4)
+    assert (got.nproc_per_node, got.local_slots) == (2, [1, 3])
+    got = layout("--exclude", "localhost:0", device_count=4)
+    assert (got.nproc_per_node, got.local_slots) == (3, [1, 2, 3])
+    with pytest.raises(LaunchError, match="cannot be combined"):
+        layout("--include", "localhost:0", "--num_gpus", "2")
+    with pytest.raises(LaunchError, match="--master-addr"):
+        layout("--nnodes", "2")
+    with pytest.raises(LaunchError, match="outside"):
+        layout("--nnodes", "2", "--node-rank", "2", "--master-addr", "h")
+
+
+# ----------------------------------------------------------------------------- launches
+
+
+@pytest.mark.timeout(90)
+def test_run_two_ranks():
+    res = zeroshard("run", "--nproc", "2", "tests/scripts/ok.py", "--flag", "x")
+    assert res.returncode == 0, res.stderr
+    lines = ok_lines(res.stdout)
+    assert sorted(lines) == [0, 1], res.stdout
+    cores = len(os.sched_getaffinity(0))
+    for line in lines.values():
+        assert "world=2 " in line and "sum=3 " in line
+        assert f"omp={max(1, cores // 2)} " in line
+        assert line.endswith("argv=['--flag', 'x']")  # no --local_rank in the torchrun spelling
+
+
+@pytest.mark.timeout(90)
+def test_failing_rank_stops_the_job():
+    start = time.monotonic()
+    res = zeroshard("run", "--nproc", "2", "tests/scripts/fail.py", timeout=60)
+    elapsed = time.monotonic() - start
+    assert res.returncode != 0
+    assert elapsed < 30, f"took {elapsed:.1f}s"
+    assert "boom-rank-1" in res.stderr
+    # the summary names the rank that raised, not the one stopped in the barrier
+    assert "FAILED: rank 1 " in res.stderr, res.stderr
+    assert "rank 1 error: ValueError: boom-rank-1" in res.stderr
+
+
+@pytest.mark.timeout(90)
+def test_deepspeed_spelling(tmp_path):
+    res = zeroshard("--num_gpus", "2", "tests/scripts/ok.py", "--deepspeed", "cfg.json")
+    assert res.returncode == 0, res.stderr
+    lines = ok_lines(res.stdout)
+    assert sorted(lines) == [0, 1], res.stdout
+    for rank, line in lines.items():  # DeepSpeed passes --local_rank first, then the args
+        assert line.endswith(f"argv=['--local_rank={rank}', '--deepspeed', 'cfg.json']"), line
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.timeout(90)
+def test_two_nodes_on_one_machine():
+    """Two launchers, as on two nodes: static rendezvous, node 1 runs the module form."""
+    common = ["run", "--nnodes", "2", "--nproc", "1", "--master-addr", "127.0.0.1"]
+    common += ["--master-port", str(_free_port())]
+    procs = []
+    for rank, target in ((1, ["-m", "ok"]), (0, ["ok.py"])):
+        argv = [*ZEROSHARD, *common, "--node-rank", str(rank), *target, f"node{rank}"]
+        procs.append(subprocess.Popen(argv, cwd=SCRIPTS, env=_env(), text=True, **PIPES))
+    try:
+        outs = [p.communicate(timeout=60) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for p, (_, err) in zip(procs, outs, strict=True):
+        assert p.returncode == 0, err
+    (node1_out, _), (node0_out, _) = outs
+    assert "OK rank=0 world=2 " in node0_out and "argv=['node0']" in node0_out
+    assert "OK rank=1 world=2 " in node1_out and "argv=['node1']" in node1_out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
+    except OSError:
+        return False
+    return state not in ("Z", "X")
+
+
+@pytest.mark.timeout(90)
+def test_sigterm_stops_all_ranks():
+    argv = [*ZEROSHARD, "run", "--nproc", "2", "tests/scripts/hang.py"]
+    proc = subprocess.Popen(argv, cwd=ROOT, env=_env(), text=True, **PIPES)
+    pids = []
+    try:
+        deadline = time.monotonic() + 45
+        while len(pids) < 2 and time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            pids += [int(pid) for pid in re.findall(r"READY rank=\d+ pid=(\d+)", line)]
+        assert len(pids) == 2, "ranks did not start"
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)
+        assert proc.returncode != 0
+        deadline = time.monotonic() + 10
+        while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(_alive(p) for p in pids)
+    finally:  # ranks run in their own sessions: kill them by pid, then the launcher
+        for pid in pids:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        proc.kill()
+        proc.communicate(timeout=30)
+
+
+def test_usage_errors():
+    res = zeroshard("run", "--nproc", "2", "tests/scripts/no_such_script.py", timeout=60)
+    assert res.returncode == 2 and "script not found" in res.stderr
+    res = zeroshard("--version", timeout=60)
+    assert res.returncode == 0 and res.stdout.startswith("zeroshard ")
+    res = zeroshard("run", "--help", timeout=60)
+    assert res.returncode == 0 and "every node" in res.stdout

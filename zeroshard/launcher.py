@@ -1,0 +1,471 @@
+"""`zeroshard run`: start the training processes of one node, over `torch.distributed.run`.
+
+This is a thin layer over torchrun's elastic agent (run in this process): it translates
+zeroshard's and DeepSpeed's command-line spellings, reads a DeepSpeed hostfile, and
+chooses the rendezvous:
+
+* one node: a standalone c10d rendezvous on a free port (no fixed ports), unless
+  ``--master-port`` is given;
+* several nodes with a known node rank (``--node-rank`` or this host found in the
+  hostfile): torchrun's static rendezvous, a TCP store at master_addr:master_port hosted by
+  node 0, so global rank = node_rank * nproc_per_node + local_rank, as with DeepSpeed;
+* several nodes without a node rank: torch's c10d rendezvous at master_addr:master_port
+  (node ranks then come from the rendezvous).
+
+Nothing is started on other machines (no ssh/pdsh): like torchrun, the same command is run
+on every node.
+
+Failures: every worker runs under a small bootstrap (``python -m zeroshard.launcher``) that
+records an uncaught exception into torchelastic's per-worker error file. The agent polls
+the workers every 0.1 s; when one exits non-zero it stops the rest (SIGTERM, then SIGKILL
+after ``--shutdown-timeout``) and this module prints the root-cause rank with its exception
+and traceback, exiting with that rank's exit code. SIGINT/SIGTERM to the launcher stop every
+worker (torchrun forwards them). This module issues no collectives itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import faulthandler
+import json
+import os
+import runpy
+import signal
+import socket
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+DEFAULT_MULTINODE_PORT = 29500
+_MODULE_FLAG, _RANK_FLAG = "--zeroshard-module", "--zeroshard-local-rank"  # worker bootstrap
+_PEER_DIED = ("closed by peer", "reset by peer", "remote worker", "broken pipe", "aborted")
+
+HELP_EPILOG = """\
+multi-node: zeroshard does not log in to other machines; run this same command on every node
+(like torchrun), each with its --node-rank or with a --hostfile that lists this host.
+
+DeepSpeed spellings also work without the `run` word, e.g.
+  zeroshard --num_gpus 2 train.py --deepspeed ds_config.json
+That form passes --local_rank=N to the script, as DeepSpeed does (--no_local_rank: don't)."""
+
+
+class LaunchError(Exception):
+    """A mistake in the launch command or hostfile; printed as one line, exit status 2."""
+
+
+# ----------------------------------------------------------------------------- arguments
+
+
+def add_arguments(parser: argparse.ArgumentParser, deepspeed_style: bool = False) -> None:
+    """Add the launcher's options (zeroshard, torchrun and DeepSpeed spellings) to `parser`."""
+    parser.description = "Start the training processes of this node, over torch.distributed.run."
+    parser.epilog = HELP_EPILOG
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    a = parser.add_argument
+    nproc = ("--nproc", "--nproc-per-node", "--nproc_per_node", "--num_gpus", "--num-gpus")
+    a(*nproc, type=int, help="processes on this node (default: CUDA devices, else 1)")
+    a("--nnodes", "--num_nodes", "--num-nodes", type=int, help="nodes (default: hostfile, else 1)")
+    a("--node-rank", "--node_rank", type=int, help="this node's rank (default: from hostfile)")
+    a("--master-addr", "--master_addr", help="node 0's address (default: first hostfile host)")
+    a("--master-port", "--master_port", type=int, help="node 0's port (default: free / 29500)")
+    a("-H", "--hostfile", help="DeepSpeed hostfile: lines 'hostname slots=N', '#' comments")
+    a("-i", "--include", default="", help="hosts/slots to use: 'host1:0,1@host2', 'localhost:0,1'")
+    a("-e", "--exclude", default="", help="hosts/slots to leave out, same format as --include")
+    a("-m", "--module", action="store_true", help="run the target as a module, like python -m")
+    a("--no-python", "--no_python", action="store_true", help="run the target as an executable")
+    a("--local-rank-arg", action="store_true", default=deepspeed_style, help="pass --local_rank=N")
+    a("--no-local-rank", "--no_local_rank", dest="local_rank_arg", action="store_false")
+    a("--log-dir", "--log_dir", "--enable_each_rank_log", help="per-rank log files; [rankN] echo")
+    a("--rdzv-backend", choices=["static", "c10d"], help="default: static if node rank known")
+    a("--rdzv-id", default="zeroshard", help="job id for the c10d rendezvous")
+    a("--max-restarts", type=int, default=0, help="worker group restarts before failing")
+    a("--shutdown-timeout", type=int, default=10, help="seconds from SIGTERM to SIGKILL")
+    for flag in ("--launcher", "--launcher_args", "--ssh_port"):  # DeepSpeed's; unused here
+        a(flag, help=argparse.SUPPRESS)
+    a("--force_multi", action="store_true", help=argparse.SUPPRESS)
+    a("script", help="training script (or module with -m, executable with --no-python)")
+    a("script_args", nargs=argparse.REMAINDER, help="arguments passed to the script")
+
+
+# ----------------------------------------------------------------------------- hostfile
+
+
+@dataclass(frozen=True)
+class HostEntry:
+    """One hostfile line: a host and its process slots."""
+
+    host: str
+    slots: int
+    line: int
+
+
+def parse_hostfile(path: str | os.PathLike) -> list[HostEntry]:
+    """Read a DeepSpeed hostfile (``hostname slots=N`` per line, ``#`` comments)."""
+    try:
+        text = Path(path).read_text()
+    except OSError as e:
+        raise LaunchError(f"hostfile {path}: cannot read it ({e.strerror or e})") from None
+    entries: list[HostEntry] = []
+    for lineno, raw in enumerate(text.splitlines(), 1):
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        parts = line.split()
+        slots = parts[1][len("slots=") :] if len(parts) == 2 else ""
+        if len(parts) != 2 or not parts[1].startswith("slots=") or not slots.isdigit():
+            raise LaunchError(
+                f"hostfile {path}, line {lineno}: expected 'hostname slots=N', got {raw.strip()!r}"
+            )
+        if int(slots) < 1:
+            raise LaunchError(f"hostfile {path}, line {lineno}: slots must be >= 1")
+        if any(e.host == parts[0] for e in entries):
+            raise LaunchError(f"hostfile {path}, line {lineno}: host {parts[0]} listed twice")
+        entries.append(HostEntry(parts[0], int(slots), lineno))
+    if not entries:
+        raise LaunchError(f"hostfile {path}: no hosts in it")
+    return entries
+
+
+def parse_host_filter(spec: str, flag: str) -> dict[str, list[int] | None]:
+    """Parse DeepSpeed's ``host1:0,1@host2`` filter; None means every slot of the host."""
+    result: dict[str, list[int] | None] = {}
+    for item in filter(None, spec.split("@")):
+        host, _, ids = item.partition(":")
+        try:
+            result[host] = sorted({int(s) for s in ids.split(",")}) if ids else None
+        except ValueError:
+            raise LaunchError(f"{flag} {spec!r}: slot ids must be integers") from None
+    return result
+
+
+def _is_local(host: str) -> bool:
+    """True when `host` names this machine: its name, loopback, or an address we can bind."""
+    names = {"localhost", socket.gethostname(), socket.gethostname().split(".")[0]}
+    if host in names or host.startswith("127.") or host == "::1":
+        return True
+    try:
+        addrs = {info[4][0] for info in socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)}
+    except (OSError, UnicodeError):
+        return False
+    for addr in addrs:
+        family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+        try:
+            with socket.socket(family, socket.SOCK_STREAM) as s:
+                s.bind((addr, 0))  # only succeeds for an address of this machine
+            return True
+        except OSError:
+            continue
+    return False
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where the job runs: node count, processes per node, and this node's place."""
+
+    nnodes: int
+    nproc_per_node: int
+    node_rank: int | None
+    master_addr: str
+    master_port: int | None
+    local_slots: list[int] | None = None  # device ids for this node, when chosen explicitly
+
+
+def plan_layout(args: argparse.Namespace, device_count: int) -> Layout:
+    """Resolve the command line (and hostfile) into a `Layout`; raises `LaunchError`."""
+    for name in ("nproc", "nnodes"):  # DeepSpeed's -1 means "the default"
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            if value != -1:
+                raise LaunchError(f"--{name} must be >= 1, got {value}")
+            setattr(args, name, None)
+    if (args.include or args.exclude) and (args.nproc is not None or args.nnodes is not None):
+        raise LaunchError("--include/--exclude cannot be combined with --nproc/--nnodes")
+    if args.include and args.exclude:
+        raise LaunchError("use --include or --exclude, not both")
+    spec = args.include or args.exclude
+    flag = "--include" if args.include else "--exclude"
+    selected = parse_host_filter(spec, flag) if spec else {}
+    explicit_ids = any(ids is not None for ids in selected.values())
+    if args.hostfile:
+        entries = parse_hostfile(args.hostfile)
+        where = {e.host: f"hostfile {args.hostfile}, line {e.line}" for e in entries}
+        pool = {e.host: list(range(e.slots)) for e in entries}
+    else:
+        n = args.nproc or device_count or 1
+        if len(selected) > 1:
+            raise LaunchError(f"{flag} names several hosts; that needs a --hostfile")
+        host = next(iter(selected), "localhost")
+        if args.include and selected[host] and not device_count:
+            n = max(selected[host]) + 1  # CPU: the include list itself sets the count
+        where, pool = {host: "this node"}, {host: list(range(n))}
+    for host, ids in selected.items():
+        if host not in pool:
+            raise LaunchError(f"{flag}: host {host} is not in the hostfile")
+        bad = [i for i in ids or [] if i not in pool[host]]
+        if bad:
+            raise LaunchError(f"{flag}: {host} has no slot {bad[0]} ({where[host]})")
+    if args.include:
+        pool = {h: selected[h] or pool[h] for h in pool if h in selected}  # hostfile order
+    elif args.exclude:
+        for h, ids in selected.items():
+            pool[h] = [i for i in pool[h] if i not in ids] if ids is not None else []
+        pool = {h: ids for h, ids in pool.items() if ids}
+    if args.hostfile and args.nnodes is not None:
+        if args.nnodes > len(pool):
+            raise LaunchError(
+                f"--nnodes {args.nnodes} but hostfile {args.hostfile} lists {len(pool)} hosts"
+            )
+        pool = dict(list(pool.items())[: args.nnodes])
+    if args.hostfile and args.nproc is not None:
+        for h, ids in pool.items():
+            if len(ids) < args.nproc:
+                raise LaunchError(f"--nproc {args.nproc} but {where[h]}: {h} has {len(ids)} slots")
+            pool[h] = ids[: args.nproc]
+    if not pool:
+        raise LaunchError(f"{flag} leaves no hosts")
+    hosts = list(pool)
+    counts = {len(ids) for ids in pool.values()}
+    if len(counts) > 1:
+        odd = next(h for h in hosts if len(pool[h]) != len(pool[hosts[0]]))
+        raise LaunchError(
+            f"{where[odd]}: {odd} gets {len(pool[odd])} processes but {hosts[0]} gets "
+            f"{len(pool[hosts[0]])}; every node must run the same number"
+        )
+    nnodes = len(hosts) if args.hostfile else (args.nnodes or 1)
+    nproc = len(pool[hosts[0]])
+    node_rank = args.node_rank
+    if node_rank is None and nnodes == 1:
+        node_rank = 0
+    if node_rank is None and args.hostfile:
+        local = [i for i, h in enumerate(hosts) if _is_local(h)]
+        if len(local) != 1:
+            found = "none" if not local else ", ".join(hosts[i] for i in local)
+            raise LaunchError(
+                f"cannot tell which host of hostfile {args.hostfile} this machine "
+                f"({socket.gethostname()}) is (matches: {found}); pass --node-rank"
+            )
+        node_rank = local[0]
+    if node_rank is not None and not 0 <= node_rank < nnodes:
+        raise LaunchError(f"--node-rank {node_rank} is outside 0..{nnodes - 1}")
+    master_addr = args.master_addr
+    if master_addr is None:
+        if nnodes > 1 and not args.hostfile:
+            raise LaunchError("several nodes need --master-addr (or a --hostfile)")
+        master_addr = hosts[0] if nnodes > 1 else "127.0.0.1"
+    master_port = args.master_port
+    if master_port is None and nnodes > 1:
+        master_port = DEFAULT_MULTINODE_PORT
+    slots = pool[hosts[node_rank]] if node_rank is not None and args.hostfile else pool[hosts[0]]
+    pick = device_count and (explicit_ids or slots != list(range(nproc)))
+    local_slots = slots if pick else None  # -> CUDA_VISIBLE_DEVICES
+    return Layout(nnodes, nproc, node_rank, master_addr, master_port, local_slots)
+
+
+# ----------------------------------------------------------------------------- launching
+
+
+def _device_count() -> int:
+    try:
+        import torch
+
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except Exception:
+        return 0
+
+
+def torchrun_argv(args: argparse.Namespace, layout: Layout) -> list[str]:
+    """The `torch.distributed.run` command line for this node."""
+    from torch.distributed import run as torchrun
+
+    argv = ["--nnodes", str(layout.nnodes), "--nproc-per-node", str(layout.nproc_per_node)]
+    argv += ["--max-restarts", str(args.max_restarts), "--monitor-interval", "0.1"]
+    backend = args.rdzv_backend or ("static" if layout.node_rank is not None else "c10d")
+    if layout.nnodes == 1 and layout.master_port is None:
+        argv += ["--standalone"]
+    elif backend == "static":
+        if layout.node_rank is None:
+            raise LaunchError("--rdzv-backend static needs --node-rank")
+        argv += ["--rdzv-backend", "static", "--master-addr", layout.master_addr]
+        argv += ["--master-port", str(layout.master_port), "--node-rank", str(layout.node_rank)]
+    else:
+        host = f"[{layout.master_addr}]" if ":" in layout.master_addr else layout.master_addr
+        argv += ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"{host}:{layout.master_port}"]
+        argv += ["--rdzv-id", args.rdzv_id]
+    if args.log_dir:
+        argv += ["--log-dir", args.log_dir, "--tee", "3"]
+    if "--shutdown-timeout" in torchrun.get_args_parser()._option_string_actions:
+        argv += ["--shutdown-timeout", str(args.shutdown_timeout)]
+    if args.no_python:
+        return [*argv, "--no-python", args.script, *args.script_args]
+    flags = [_MODULE_FLAG] * args.module + [_RANK_FLAG] * args.local_rank_arg
+    return [*argv, "-m", "zeroshard.launcher", *flags, args.script, *args.script_args]
+
+
+def _set_child_environment(args: argparse.Namespace, layout: Layout) -> None:
+    if "OMP_NUM_THREADS" not in os.environ:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+        os.environ["OMP_NUM_THREADS"] = str(
+            max(1, (cores or os.cpu_count() or 1) // layout.nproc_per_node)
+        )
+    if layout.local_slots is not None:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        ids = [str(i) for i in layout.local_slots]
+        if visible:  # slot ids index into the devices already visible
+            names = visible.split(",")
+            ids = [names[i] if i < len(names) else str(i) for i in layout.local_slots]
+        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(ids)
+    if args.log_dir:
+        os.environ.setdefault("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE", "[rank${rank}]: ")
+
+
+def _failure_order(item):
+    """Sort key putting the likely root cause first among a ChildFailedError's failures."""
+    rank, failure = item
+    message, _, when = _failure_details(failure)
+    stopped = failure.exitcode in (-signal.SIGTERM, -signal.SIGKILL)  # we stopped it
+    victim = any(s in message.lower() for s in _PEER_DIED)  # died because a peer died
+    return (stopped, victim, when, rank)
+
+
+def _failure_details(failure) -> tuple[str, str, float]:
+    """(message, traceback, time) of a torchelastic ProcessFailure."""
+    data = failure.message
+    if isinstance(data, dict):
+        extra = data.get("extraInfo", {})
+        when = float(extra.get("zeroshard_time", extra.get("timestamp", failure.timestamp)))
+        return str(data.get("message", "")), str(extra.get("py_callstack", "")), when
+    return str(data), "", float(failure.timestamp)
+
+
+def report_failure(err, log_dir: str | None = None) -> int:
+    """Print the root-cause rank of a ChildFailedError; return the exit status to use."""
+    ordered = sorted(err.failures.items(), key=_failure_order)
+    rank, root = ordered[0]
+    message, tb, _ = _failure_details(root)
+    code = root.exitcode
+    how = f"was killed by {root.signal_name()}" if code < 0 else f"exited with code {code}"
+    lines = [
+        f"zeroshard: FAILED: rank {rank} (local rank {root.local_rank}, pid {root.pid},"
+        f" host {socket.gethostname()}) {how}"
+    ]
+    if message and "elastic/errors.html" not in message:
+        lines.append(f"zeroshard: rank {rank} error: {message}")
+    if tb:
+        lines += [f"zeroshard: rank {rank} traceback:", tb.rstrip()]
+    for other_rank, other in ordered[1:]:
+        other_message = _failure_details(other)[0]
+        if other.exitcode in (-signal.SIGTERM, -signal.SIGKILL):
+            other_message = f"stopped by the launcher ({other.signal_name()})"
+        elif "elastic/errors.html" in other_message:  # torch's text when there is no error file
+            other_message = f"exited with code {other.exitcode}"
+        lines.append(f"zeroshard: also failed: rank {other_rank}: {other_message}")
+    if log_dir:
+        lines.append(f"zeroshard: per-rank logs under {log_dir}")
+    print("\n".join(lines), file=sys.stderr, flush=True)
+    return code if code > 0 else (128 - code if code < 0 else 1)
+
+
+def main(args: argparse.Namespace) -> int:
+    """Launch this node's workers; return the job's exit status."""
+    try:
+        if not (args.module or args.no_python) and not Path(args.script).is_file():
+            raise LaunchError(f"script not found: {args.script}")
+        if args.launcher or args.ssh_port or args.force_multi:
+            print(
+                "zeroshard: --launcher/--ssh_port/--force_multi ignored: zeroshard starts "
+                "this node only; run the command on every node",
+                file=sys.stderr,
+            )
+        layout = plan_layout(args, _device_count())
+        argv = torchrun_argv(args, layout)
+    except LaunchError as e:
+        print(f"zeroshard: error: {e}", file=sys.stderr)
+        return 2
+    _set_child_environment(args, layout)
+
+    from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    try:
+        torchrun.run(torchrun.parse_args(argv))
+    except ChildFailedError as e:
+        return report_failure(e, args.log_dir)
+    except SignalException as e:
+        print(f"zeroshard: stopped by {e.sigval.name}; workers stopped", file=sys.stderr)
+        return 128 + int(e.sigval)
+    except KeyboardInterrupt:
+        print("zeroshard: interrupted; workers stopped", file=sys.stderr)
+        return 130
+    except Exception as e:  # rendezvous timeouts, unreachable master, ...
+        print(f"zeroshard: launch failed: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+# ----------------------------------------------------------------------------- worker side
+
+
+def _user_frames(tb):
+    """Skip the bootstrap's own frames (this file, runpy) at the top of a traceback."""
+    while tb is not None and tb.tb_next is not None:
+        name = tb.tb_frame.f_code.co_filename
+        if name not in (__file__, runpy.__file__) and not name.startswith("<frozen runpy"):
+            break
+        tb = tb.tb_next
+    return tb
+
+
+def _record_failure(exc: BaseException, tb) -> None:
+    """Write `exc` to torchelastic's error file (its JSON layout, plus a precise time)."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    now = time.time()
+    stack = "".join(traceback.format_exception(type(exc), exc, tb))
+    extra = {"py_callstack": stack, "timestamp": str(int(now)), "zeroshard_time": repr(now)}
+    data = {"message": {"message": f"{type(exc).__name__}: {exc}", "extraInfo": extra}}
+    try:
+        with open(path, "w") as f:
+            json.dump(data, f)
+    except OSError:
+        pass
+
+
+def _worker_main(argv: list[str]) -> None:
+    """Bootstrap of one worker: ``[--zeroshard-module] [--zeroshard-local-rank] target args``.
+
+    Runs the target like ``python script.py`` / ``python -m module`` would, and records an
+    uncaught exception in torchelastic's error file so the launcher can name the root cause.
+    """
+    flags = set()
+    while argv and argv[0] in (_MODULE_FLAG, _RANK_FLAG):
+        flags.add(argv.pop(0))
+    target, *script_args = argv
+    if _RANK_FLAG in flags:
+        script_args = [f"--local_rank={os.environ.get('LOCAL_RANK', '0')}", *script_args]
+    faulthandler.enable(all_threads=True)
+    sys.argv = [target, *script_args]
+    try:
+        if _MODULE_FLAG in flags:
+            runpy.run_module(target, run_name="__main__", alter_sys=True)
+        else:
+            sys.path[0] = os.path.dirname(os.path.abspath(target))
+            runpy.run_path(target, run_name="__main__")
+    except SystemExit as e:
+        if e.code not in (None, 0):
+            _record_failure(e, _user_frames(e.__traceback__))
+        raise
+    except BaseException as e:
+        tb = _user_frames(e.__traceback__)
+        _record_failure(e, tb)
+        # print what python would, minus the bootstrap's frames (torch's hook adds [rankN])
+        sys.excepthook(type(e), e.with_traceback(tb), tb)
+        sys.stderr.flush()
+        sys.exit(130 if isinstance(e, KeyboardInterrupt) else 1)
+
+
+if __name__ == "__main__":
+    _worker_main(sys.argv[1:])

@@ -1,0 +1,338 @@
+"""``zero.Init``: build a model already partitioned, without ever holding it whole.
+
+Inside the context every parameter a module registers is *sealed* right away: this rank
+keeps an even 1/N slice of it (``Sealed.shard``) and the parameter's own storage is
+shrunk to zero bytes, keeping its shape, dtype and identity. Construction code then runs
+unchanged, because a ``TorchFunctionMode`` sees every torch call that touches a sealed
+parameter (or an alias of it, e.g. ``p.data`` or a view):
+
+* shape/metadata queries and view-making ops run as they are (no data is read);
+* whole-tensor initializers (``nn.init.*``, ``normal_``, ``uniform_``, ``zero_``,
+  ``fill_``, ...) run on a temporary full tensor, drawing exactly the random numbers the
+  unpartitioned model would draw, and rank 0's result is kept (broadcast) as slices;
+* anything else (reads, partial in-place updates) all-gathers the full value into a
+  temporary, runs the op on it and, if the op wrote to the parameter, keeps the slice.
+
+Peak memory is one parameter, not the model, and the values equal what the same code
+would produce without ``Init`` from the same seed. No torch function is monkeypatched.
+
+Communication: one broadcast per initializer call on a sealed parameter, one all-gather
+per data-reading op on one (construction time only), plus one all-gather per parameter
+when ``initialize`` re-slices them into the engine's layout.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+
+import torch
+from torch.nn.modules.module import register_module_parameter_registration_hook
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten, tree_map
+
+from zeroshard.comm import Comm
+from zeroshard.distributed import default_device, init_distributed
+
+_METADATA = {
+    "shape",
+    "dtype",
+    "device",
+    "size",
+    "dim",
+    "ndim",
+    "ndimension",
+    "numel",
+    "nelement",
+    "stride",
+    "storage_offset",
+    "is_floating_point",
+    "is_complex",
+    "requires_grad",
+    "requires_grad_",
+    "is_leaf",
+    "grad",
+    "grad_fn",
+    "layout",
+    "is_sparse",
+    "is_cuda",
+    "is_meta",
+    "names",
+    "element_size",
+    "data",
+    "__len__",
+    "untyped_storage",
+    "data_ptr",
+    "is_contiguous",
+    "__hash__",
+    "T",
+    "mT",
+    "H",
+    "name",
+    "_version",
+    "retain_grad",
+    "register_hook",
+    "register_post_accumulate_grad_hook",
+}
+_VIEWS = {
+    "view",
+    "view_as",
+    "t",
+    "transpose",
+    "permute",
+    "expand",
+    "expand_as",
+    "narrow",
+    "select",
+    "unsqueeze",
+    "squeeze",
+    "as_strided",
+    "split",
+    "chunk",
+    "unbind",
+    "detach",
+    "unflatten",
+    "movedim",
+}
+_FILLS = {
+    "normal_",
+    "uniform_",
+    "zero_",
+    "fill_",
+    "random_",
+    "exponential_",
+    "geometric_",
+    "log_normal_",
+    "cauchy_",
+    "bernoulli_",
+}
+
+
+@dataclass
+class Sealed:
+    """This rank's slice of a sealed parameter."""
+
+    param: weakref.ref
+    shard: torch.Tensor  # elements [rank*chunk, (rank+1)*chunk) of the flat value, padded
+    numel: int
+
+
+def _name(func) -> str:
+    owner = getattr(func, "__self__", None)
+    if type(func).__name__ == "method-wrapper" and owner is not None:
+        return getattr(owner, "__name__", "")  # a property getter: Tensor.shape.__get__
+    return getattr(func, "__name__", "")
+
+
+class _PartitionMode(TorchFunctionMode):
+    def __init__(self, init: Init):
+        super().__init__()
+        self.init = init
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        flat, _ = tree_flatten((args, kwargs))
+        sealed = [t for t in flat if torch.is_tensor(t) and self.init.lookup(t) is not None]
+        name = _name(func)
+        if not sealed or name in _METADATA or name in _VIEWS or _basic_index(name, args):
+            return func(*args, **kwargs)
+        return self.init.run_on_full(func, name, args, kwargs)
+
+
+def _basic_index(name: str, args) -> bool:
+    """``t[i]`` / ``t[a:b]`` make views; advanced indexing reads data."""
+    if name != "__getitem__":
+        return False
+    idx = args[1] if len(args) > 1 else None
+    items = idx if isinstance(idx, tuple) else (idx,)
+    return all(isinstance(i, (int, slice)) or i is None or i is Ellipsis for i in items)
+
+
+class Init:
+    """Context manager (DeepSpeed's ``deepspeed.zero.Init``): parameters created inside
+    are partitioned across the data-parallel ranks as soon as they are registered.
+
+    Accepts DeepSpeed's keyword arguments; ``dtype`` casts the kept slices, ``enabled``
+    turns it off. ``module=`` (partitioning an already built model) is not supported:
+    pass the model to ``initialize`` with a stage-3 config instead.
+    """
+
+    def __init__(
+        self,
+        module=None,
+        data_parallel_group=None,
+        mem_efficient_linear: bool = True,
+        remote_device=None,
+        pin_memory: bool = False,
+        config_dict_or_path=None,
+        config=None,
+        enabled: bool = True,
+        dtype: torch.dtype | None = None,
+        mpu=None,
+        **kwargs,
+    ) -> None:
+        if module is not None:
+            raise NotImplementedError(
+                "zero.Init(module=...): partitioning a built model is done by initialize() "
+                "with a stage-3 config"
+            )
+        self.enabled, self.dtype = enabled, dtype
+        self.group = data_parallel_group
+        self._sealed: dict[int, Sealed] = {}  # storage id -> slice
+        self._mode = None
+        self._hook = None
+
+    # -- context ------------------------------------------------------------------
+    def __enter__(self) -> Init:
+        if not self.enabled:
+            return self
+        init_distributed()
+        self.comm = Comm(self.group)
+        self.device = default_device()
+        self._hook = register_module_parameter_registration_hook(self._on_register)
+        self._mode = _PartitionMode(self)
+        self._mode.__enter__()
+        _ACTIVE.append(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if not self.enabled:
+            return
+        self._mode.__exit__(*exc)
+        self._hook.remove()
+
+    # -- sealing --------------------------------------------------------------------
+    def _chunk(self, numel: int) -> int:
+        return -(-numel // self.comm.world_size)
+
+    def _on_register(self, module, name, param):
+        if param is None or self.lookup(param) is not None:
+            return None
+        with torch._C.DisableTorchFunction():
+            self._seal(param)
+        return None
+
+    def _seal(self, param: torch.Tensor) -> None:
+        numel = param.numel()
+        dtype = self.dtype if self.dtype is not None and param.is_floating_point() else param.dtype
+        value = param.detach().reshape(-1).to(dtype).clone()
+        if dtype != param.dtype:
+            param.data = torch.empty(param.shape, dtype=dtype, device=param.device)
+        shard = torch.zeros(self._chunk(numel), dtype=dtype, device=self.device)
+        key = _storage_key(param)
+        self._sealed[key] = Sealed(weakref.ref(param), shard, numel)
+        self._keep_slice(key, value)
+        param.untyped_storage().resize_(0)
+
+    def _keep_slice(self, key: int, full: torch.Tensor) -> None:
+        entry = self._sealed[key]
+        flat = full.reshape(-1).to(entry.shard.dtype)
+        if self.comm.world_size > 1:
+            flat = flat.to(self.device).contiguous()
+            self.comm.broadcast(flat, src=0)  # rank 0's values win, as without Init
+        r, c = self.comm.rank, entry.shard.numel()
+        piece = flat[r * c : min((r + 1) * c, entry.numel)]
+        entry.shard.zero_()
+        entry.shard[: piece.numel()].copy_(piece)
+
+    def lookup(self, t: torch.Tensor) -> Sealed | None:
+        if not self._sealed:
+            return None
+        entry = self._sealed.get(_storage_key(t))
+        if entry is not None and entry.param() is None:
+            return None
+        return entry
+
+    def full_value(self, entry: Sealed) -> torch.Tensor:
+        """All-gather a sealed parameter's slices into a temporary full flat tensor."""
+        c = entry.shard.numel()
+        out = torch.empty(c * self.comm.world_size, dtype=entry.shard.dtype, device=self.device)
+        self.comm.all_gather(out, entry.shard)
+        return out[: entry.numel]
+
+    def run_on_full(self, func, name: str, args, kwargs):
+        """Run ``func`` with every sealed alias replaced by an alias of a temporary full value."""
+        temps: dict[int, torch.Tensor] = {}
+        writes_first = (name.endswith("_") and not name.startswith("__")) or name in (
+            "__setitem__",
+            "copy_",
+        )
+        # the tensor an in-place op or initializer writes (nn.init passes it as `tensor=`)
+        first = args[0] if args else kwargs.get("tensor", kwargs.get("input", kwargs.get("self")))
+        is_init_fn = getattr(func, "__module__", "") == "torch.nn.init"
+        fill = (name in _FILLS or is_init_fn) and torch.is_tensor(first)
+
+        def swap(t):
+            if not torch.is_tensor(t):
+                return t
+            entry = self.lookup(t)
+            if entry is None:
+                return t
+            key = _storage_key(t)
+            param = entry.param()
+            if key not in temps:
+                whole = fill and t is first and _covers(t, param)
+                base = (
+                    torch.empty(entry.numel, dtype=entry.shard.dtype, device=self.device)
+                    if whole
+                    else self.full_value(entry).clone()
+                )
+                temps[key] = base
+            return temps[key].as_strided(t.size(), t.stride(), t.storage_offset())
+
+        out = func(*tree_map(swap, args), **tree_map(swap, kwargs))
+        if writes_first and torch.is_tensor(first):
+            key = _storage_key(first)
+            if key in temps:
+                self._keep_slice(key, temps[key])
+                if torch.is_tensor(out) and out.data_ptr() == temps[key].data_ptr():
+                    return first
+        return out
+
+    # -- hand-over to the engine ------------------------------------------------------
+    def release(self, param: torch.Tensor) -> None:
+        """The engine has taken ``param`` over."""
+        self._sealed.pop(_storage_key(param), None)
+        if not self._sealed and self in _ACTIVE:
+            _ACTIVE.remove(self)
+
+
+_ACTIVE: list[Init] = []  # Init contexts whose sealed parameters await initialize()
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata
+
+
+def _covers(t: torch.Tensor, param: torch.Tensor | None) -> bool:
+    return (
+        param is not None
+        and t.numel() == param.numel()
+        and t.is_contiguous()
+        and t.storage_offset() == 0
+    )
+
+
+def _owner(param: torch.Tensor) -> tuple[Init, Sealed] | None:
+    for init in reversed(_ACTIVE):
+        entry = init.lookup(param)
+        if entry is not None:
+            return init, entry
+    return None
+
+
+def is_sealed(param: torch.Tensor) -> bool:
+    """Whether ``param`` was built under ``zero.Init`` and not yet taken over."""
+    return _owner(param) is not None
+
+
+def take_value(param: torch.Tensor) -> torch.Tensor:
+    """The whole flat value of ``param`` (all-gathered if sealed; collective then).
+    A sealed parameter is handed over: the caller now owns its data."""
+    found = _owner(param)
+    if found is None:
+        return param.detach().reshape(-1)
+    init, entry = found
+    value = init.full_value(entry)
+    init.release(param)
+    return value
