@@ -66,7 +66,16 @@ class FlatParams:
                     p.data = self.full[lo:hi].view_as(p)
             self.chunks = [self.full[slice(*seg.chunk_range(rank))] for seg in segs]
         else:
-            self.shard = torch.zeros(layout.shard_numel, dtype=dtype, device=device)
+            # empty, not zeros: pages get touched as values arrive, so building the shard
+            # while zero.Init's slices are released one by one does not double the peak
+            self.shard = torch.empty(layout.shard_numel, dtype=dtype, device=device)
+            for seg in segs:  # the padding at the end of each segment
+                c_lo, c_hi = seg.chunk_range(rank)
+                pad_lo = max(c_lo, seg.start + seg.used)
+                if pad_lo < c_hi:
+                    self.shard[
+                        seg.shard_start + pad_lo - c_lo : seg.shard_start + seg.chunk
+                    ].zero_()
             owned = {}
             for piece in layout.pieces(rank):
                 owned.setdefault(piece.param, []).append(piece)

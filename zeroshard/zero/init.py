@@ -134,8 +134,21 @@ class _PartitionMode(TorchFunctionMode):
         flat, _ = tree_flatten((args, kwargs))
         sealed = [t for t in flat if torch.is_tensor(t) and self.init.lookup(t) is not None]
         name = _name(func)
-        if not sealed or name in _METADATA or name in _VIEWS or _basic_index(name, args):
+        if not sealed or name in _METADATA:
             return func(*args, **kwargs)
+        if name in _VIEWS or _basic_index(name, args):
+            # Views of a sealed parameter stay sealed (same storage). Making one checks
+            # the storage is large enough, so give it its size back for that moment: an
+            # allocation nobody writes to, so no memory is touched.
+            storages = {_storage_key(t): t.untyped_storage() for t in sealed}
+            entries = [self.init.lookup(t) for t in sealed]
+            for st, e in zip(storages.values(), entries, strict=False):
+                st.resize_(e.numel * e.shard.element_size())
+            try:
+                return func(*args, **kwargs)
+            finally:
+                for st in storages.values():
+                    st.resize_(0)
         return self.init.run_on_full(func, name, args, kwargs)
 
 

@@ -69,8 +69,7 @@ class ShardedOptimizer:
         saved = [(g["lr"], g.get("weight_decay", 0.0)) for g in self.inner.param_groups]
         for g in self.inner.param_groups:
             g["lr"], g["weight_decay"] = 0.0, 0.0
-            for m in g["params"]:
-                m.grad = torch.zeros_like(m)
+        self._attach_grads()  # still all zeros: no update, and no extra buffer
         self.inner.step()
         for g, (lr, wd) in zip(self.inner.param_groups, saved, strict=True):
             g["lr"], g["weight_decay"] = lr, wd

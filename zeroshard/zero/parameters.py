@@ -120,14 +120,16 @@ class ParamGatherer:
         self.prefetch_numel, self.max_live_numel = prefetch_numel, max_live_numel
         layout = flat.layout
         self._placeholder = torch.empty(0, dtype=flat.dtype, device=flat.device)
-        self.buffers = [
+        self.unit_buffers = [
             torch.empty(seg.numel, dtype=flat.dtype, device=flat.device) for seg in layout.segments
         ]
         self._views = [None] * len(flat.params)
         for pi, p in enumerate(flat.params):
             lo, hi = layout.param_range(pi)
             seg = layout.segments[layout.param_segment[pi]]
-            self._views[pi] = self.buffers[seg.index][lo - seg.start : hi - seg.start].view_as(p)
+            self._views[pi] = self.unit_buffers[seg.index][lo - seg.start : hi - seg.start].view_as(
+                p
+            )
         self._handles: dict[int, Handle] = {}
         self._gathered: set[int] = set()
         self._users = [0] * len(layout.segments)
@@ -135,6 +137,8 @@ class ParamGatherer:
         self._bwd_order: list[int] | None = None
         self._recording_fwd: list[int] = []
         self._recording_bwd: list[int] = []
+        self._cursor = -1  # position in the recorded order reached by the running pass
+        self._root = module
         self.in_backward = False
         for s in range(len(layout.segments)):
             if s not in self.persistent:
@@ -161,7 +165,7 @@ class ParamGatherer:
     def _launch(self, s: int) -> None:
         if s in self._gathered or s in self._handles:
             return
-        buf = self.buffers[s]
+        buf = self.unit_buffers[s]
         buf.untyped_storage().resize_(buf.numel() * buf.element_size())
         with torch.autograd._unsafe_preserve_version_counter(buf):
             self._handles[s] = self.comm.all_gather(buf, self.flat.chunks[s], async_op=True)
@@ -169,7 +173,7 @@ class ParamGatherer:
     def _wait(self, s: int) -> None:
         handle = self._handles.pop(s, None)
         if handle is not None:
-            with torch.autograd._unsafe_preserve_version_counter(self.buffers[s]):
+            with torch.autograd._unsafe_preserve_version_counter(self.unit_buffers[s]):
                 handle.wait()
         if s not in self._gathered:
             self._gathered.add(s)
@@ -186,7 +190,7 @@ class ParamGatherer:
         self._gathered.discard(s)
         for pi in self.flat.layout.segments[s].params:
             self.flat.params[pi].data = self._placeholder
-        self.buffers[s].untyped_storage().resize_(0)
+        self.unit_buffers[s].untyped_storage().resize_(0)
 
     def release(self, s: int) -> None:
         """Free unit ``s`` unless it is persistent or still in use by a running forward."""
@@ -216,18 +220,22 @@ class ParamGatherer:
             segs[s].numel for s in self._gathered | set(self._handles) if s not in self.persistent
         )
 
-    def _prefetch(self, order: list[int] | None, after: Iterable[int]) -> None:
+    def _prefetch(self, order: list[int] | None, used: Iterable[int]) -> None:
+        """Start gathering the units that follow the furthest one used so far in this
+        pass, within the prefetch budget and the live-parameter cap."""
         if not order or self.prefetch_numel <= 0:
             return
-        last = max((order.index(s) for s in after if s in order), default=-1)
+        self._cursor = max([self._cursor, *(order.index(s) for s in used if s in order)])
         budget = self.prefetch_numel
         segs = self.flat.layout.segments
-        for s in order[last + 1 :]:
+        for s in order[self._cursor + 1 :]:
+            if budget < segs[s].numel:
+                break
+            budget -= segs[s].numel  # units already on their way count toward the window
             if s in self._gathered or s in self._handles:
                 continue
-            if budget < segs[s].numel or self._live_numel() + segs[s].numel > self.max_live_numel:
+            if self._live_numel() + segs[s].numel > self.max_live_numel:
                 break
-            budget -= segs[s].numel
             self._launch(s)
 
     # -- hooks --------------------------------------------------------------------------
@@ -247,6 +255,8 @@ class ParamGatherer:
         self.gather(s)
 
     def _pre_forward(self, module: nn.Module, args) -> None:
+        if module is self._root and not self.in_backward:
+            self._cursor = -1  # a new forward pass
         self._stack.append(module)
         units = self.units_of[module]
         recording = (
@@ -257,7 +267,7 @@ class ParamGatherer:
             self.gather(s)
             if recording is not None and s not in recording:
                 recording.append(s)
-        if not self.in_backward:
+        if units and not self.in_backward:
             self._prefetch(self._fwd_order, units)
 
     def _post_forward(self, module: nn.Module, args, output):
@@ -282,6 +292,7 @@ class ParamGatherer:
 
     def begin_backward(self) -> None:
         self.in_backward = True
+        self._cursor = -1
         if self._fwd_order is None and self._recording_fwd:
             self._fwd_order = self._recording_fwd
 
@@ -310,7 +321,7 @@ class ParamGatherer:
             for s in segs:
                 seg = self.flat.layout.segments[s]
                 self.flat.chunks[s].copy_(
-                    self.buffers[s][rank * seg.chunk : (rank + 1) * seg.chunk]
+                    self.unit_buffers[s][rank * seg.chunk : (rank + 1) * seg.chunk]
                 )
         for s in segs:
             self._users[s] -= 1
@@ -319,7 +330,7 @@ class ParamGatherer:
 
     def buffers(self) -> list[torch.Tensor]:
         """The shard plus the always-gathered persistent segments."""
-        return [self.flat.shard, *(self.buffers[s] for s in self.persistent)]
+        return [self.flat.shard, *(self.unit_buffers[s] for s in self.persistent)]
 
 
 class _AccessTrackingDict(dict):
