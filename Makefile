@@ -28,5 +28,16 @@ format: $(STAMP)
 	$(BIN)/ruff format .
 	$(BIN)/ruff check --fix .
 
+# Benchmarks against DDP, ZeroRedundancyOptimizer, FSDP2 and DeepSpeed (~45 min on 2 cores).
+# DeepSpeed goes in its own venv so the project's stays free of it.
+bench: $(STAMP) .venv-bench/.installed-stamp
+	$(BIN)/python benchmarks/bench_train.py --shape both --rounds 3 --bucket 6553600 --json runs/bench_train.json
+
+.venv-bench/.installed-stamp: pyproject.toml
+	test -x .venv-bench/bin/python || $(PYTHON) -m venv .venv-bench
+	.venv-bench/bin/python -m pip install -q --disable-pip-version-check $(TORCH) deepspeed numpy
+	.venv-bench/bin/python -m pip install -q --disable-pip-version-check -e . --no-deps
+	touch $@
+
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache
+	rm -rf $(VENV) .venv-bench build *.egg-info .pytest_cache .ruff_cache

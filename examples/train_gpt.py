@@ -69,10 +69,9 @@ def main() -> None:
     metrics = None
     if rank == 0:
         Path(args.metrics).parent.mkdir(parents=True, exist_ok=True)
-        metrics = open(args.metrics, "w")
-        n = sum(p.numel() for p in model.parameters())
+        metrics = open(args.metrics, "w")  # noqa: SIM115  (closed after the summary)
         print(
-            f"GPT {args.model}: {n / 1e6:.2f}M params, seq {args.seq}, micro {micro} x gas {gas} "
+            f"GPT {args.model}: {n_params / 1e6:.2f}M params, seq {args.seq}, micro {micro} x gas {gas} "
             f"x {world} ranks, ZeRO stage {engine.zero_optimization_stage()}",
             flush=True,
         )
@@ -101,9 +100,12 @@ def main() -> None:
         }
         if metrics is not None:
             metrics.write(json.dumps(record) + "\n")
+            if not sys.stdout.isatty() and step % max(1, args.steps // 10) and step != args.steps:
+                continue  # not a terminal: print ten progress lines, not one per step
             done = int(30 * step / args.steps)
+            sys.stdout.write("\r" if sys.stdout.isatty() else "\n")
             sys.stdout.write(
-                f"\r[{'#' * done}{'.' * (30 - done)}] step {step}/{args.steps} "
+                f"[{'#' * done}{'.' * (30 - done)}] step {step}/{args.steps} "
                 f"loss {record['loss']:.3f} {record['tokens_per_s']:.0f} tok/s"
             )
             sys.stdout.flush()

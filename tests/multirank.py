@@ -63,7 +63,8 @@ def run(fn, world_size: int, *args, timeout: float = 300.0) -> list:
             for r in range(world_size):
                 path = os.path.join(tmp, f"error{r}.txt")
                 if os.path.exists(path):
-                    errors.append(f"--- rank {r} ---\n" + open(path).read())
+                    with open(path) as f:
+                        errors.append(f"--- rank {r} ---\n" + f.read())
             raise AssertionError("\n".join(errors) or str(exc)) from exc
         out = []
         for r in range(world_size):

@@ -84,16 +84,60 @@ def _accessors(rank: int, world: int) -> dict:
     }
 
 
-def _all(rank: int, world: int) -> dict:
+def _api(rank: int, world: int, cfg_path: str) -> dict:
+    """DeepSpeed-script plumbing: argparse flags, args-based config, training_data."""
+    import argparse
+
+    import zeroshard
+
+    out = {}
+    for flags in (["--deepspeed", "--deepspeed_config", cfg_path], ["--deepspeed", cfg_path]):
+        parser = zeroshard.add_config_arguments(argparse.ArgumentParser())
+        args = parser.parse_args(flags)
+        model = torch.nn.Linear(4, 2)
+        data = torch.utils.data.TensorDataset(torch.arange(40.0).view(10, 4))
+        engine, opt, loader, sched = zeroshard.initialize(
+            args=args, model=model, model_parameters=model.parameters(), training_data=data
+        )
+        rows = [b[0][:, 0].tolist() for b in loader]
+        out["hf" if len(flags) == 2 else "ds"] = {
+            "rows": rows, "micro": engine.train_micro_batch_size_per_gpu(),
+            "sched": type(sched).__name__, "lr": engine.get_lr(),
+        }
+    return out
+
+
+def _all(rank: int, world: int, cfg_path: str) -> dict:
     return {
         "lm": _ledger_and_memory(rank, world),
         "fp16": _fp16_overflow(rank, world),
         "acc": _accessors(rank, world),
+        "api": _api(rank, world, cfg_path),
     }
 
 
-def test_engine_two_ranks() -> None:
-    results = multirank.run(_all, 2, timeout=300)
+CONFIG_WITH_COMMENTS = """{
+  // DeepSpeed reads configs with comments; so do we
+  "train_batch_size": 4,
+  "optimizer": {"type": "AdamW", "params": {"lr": 0.01}},
+  "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 10}}, /* log warmup */
+  "zero_optimization": {"stage": 1}
+}"""
+
+
+def test_engine_two_ranks(tmp_path) -> None:
+    cfg = tmp_path / "ds_config.json"
+    cfg.write_text(CONFIG_WITH_COMMENTS)
+    results = multirank.run(_all, 2, str(cfg), timeout=300)
+    # training_data: each rank gets its own micro-batches of 2 (train 4 = 2 x 1 x 2 ranks)
+    seen = []
+    for r in results:
+        for api in r["api"].values():
+            assert api["micro"] == 2 and api["sched"] == "WarmupLR"
+            assert api["lr"] == [0.0]  # WarmupLR starts at warmup_min_lr, as DeepSpeed does
+            assert all(len(b) <= 2 for b in api["rows"])
+        seen.append(sorted(x for b in r["api"]["ds"]["rows"] for x in b))
+    assert sorted(seen[0] + seen[1]) == [4.0 * i for i in range(10)]
     for r in results:
         lm = r["lm"]
         # Stage 0: an all-reduce of every gradient, exactly 2 x 4 Psi bytes, nothing else.

@@ -14,10 +14,9 @@ from __future__ import annotations
 import os
 import resource
 
+import multirank
 import pytest
 import torch
-
-import multirank
 
 
 def _peak_mib() -> float:
@@ -26,7 +25,7 @@ def _peak_mib() -> float:
 
 def _train(rank: int, world: int, stage: int) -> dict:
     import zeroshard
-    import zeroshard.engine  # noqa: F401  (imports count toward the baseline, not the model)
+    import zeroshard.engine
     from zeroshard.models import GPT, GPTConfig
 
     # Warm-up: the first optimizer construction imports ~70 MB of torch modules.

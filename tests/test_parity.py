@@ -98,3 +98,34 @@ def test_stage_parity(world: int) -> None:
         if not (loss_diff <= TOL and param_diff <= TOL):
             failures.append(f"{case}: loss diff {loss_diff:.3g}, param diff {param_diff:.3g}")
     assert not failures, "\n".join(failures)
+
+
+LOW_TOL = {"bf16": (2e-3, 1.5e-2), "fp16": (5e-4, 1e-2)}  # (loss, parameter) abs tolerance
+
+
+def _low_cases() -> list[dict]:
+    z3 = {"zero_optimization": {"stage3_param_persistence_threshold": 0}}
+    return [
+        {"stage": s, "dtype": d, "gas": gas, "clip": 1.0, "extra": z3 if s == 3 else {}}
+        for d in ("bf16", "fp16")
+        for s in (0, 1, 2, 3)
+        for gas in (1, 2)
+    ]
+
+
+def test_low_precision_parity() -> None:
+    """bf16 / fp16 compute with fp32 masters agree with the fp32 reference within the
+    dtype's resolution (bf16 keeps 8 mantissa bits, fp16 11)."""
+    cases = _low_cases()
+    results = multirank.run(_worker, 2, cases, timeout=600)
+    failures = []
+    for i, case in enumerate(cases):
+        per_rank = [r[i] for r in results]
+        steps = len(per_rank[0]["losses"])
+        losses = [sum(r["losses"][s] for r in per_rank) / 2 for s in range(steps)]
+        loss_diff = max(abs(a - b) for a, b in zip(losses, per_rank[0]["ref_losses"], strict=True))
+        param_diff = max(r["param_diff"] for r in per_rank)
+        loss_tol, param_tol = LOW_TOL[case["dtype"]]
+        if not (loss_diff <= loss_tol and param_diff <= param_tol):
+            failures.append(f"{case}: loss diff {loss_diff:.3g}, param diff {param_diff:.3g}")
+    assert not failures, "\n".join(failures)

@@ -3,13 +3,12 @@ the 3 x 4Psi ledger, memory_stats, GatheredParameters, generation. One spawn run
 
 from __future__ import annotations
 
+import multirank
+import parity
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-import multirank
-import parity
 
 TOL = 2e-5
 HF_TOL = 5e-5
