@@ -8,6 +8,7 @@ that rank's traceback; a hang past ``timeout`` kills every rank and fails.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import tempfile
@@ -19,8 +20,11 @@ import torch.multiprocessing as mp
 
 
 def _entry(rank: int, world_size: int, tmp: str, fn, args) -> None:
+    import faulthandler
+
     import torch.distributed as dist
 
+    faulthandler.enable(open(os.path.join(tmp, f"fault{rank}.txt"), "w"), all_threads=True)  # noqa: SIM115
     torch.set_num_threads(1)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     try:
@@ -33,6 +37,8 @@ def _entry(rank: int, world_size: int, tmp: str, fn, args) -> None:
         result = fn(rank, world_size, *args)
         with open(os.path.join(tmp, f"result{rank}.json"), "w") as f:
             json.dump(result, f)
+        del result
+        gc.collect()  # engines live in reference cycles: free them while the group exists
         dist.destroy_process_group()
     except BaseException:
         with open(os.path.join(tmp, f"error{rank}.txt"), "w") as f:
@@ -61,10 +67,11 @@ def run(fn, world_size: int, *args, timeout: float = 300.0) -> list:
                     p.kill()
             errors = []
             for r in range(world_size):
-                path = os.path.join(tmp, f"error{r}.txt")
-                if os.path.exists(path):
-                    with open(path) as f:
-                        errors.append(f"--- rank {r} ---\n" + f.read())
+                for name in (f"error{r}.txt", f"fault{r}.txt"):
+                    path = os.path.join(tmp, name)
+                    if os.path.exists(path) and os.path.getsize(path):
+                        with open(path) as f:
+                            errors.append(f"--- rank {r} ({name}) ---\n" + f.read())
             raise AssertionError("\n".join(errors) or str(exc)) from exc
         out = []
         for r in range(world_size):

@@ -30,6 +30,8 @@ def build_model(case: dict) -> GPT:
     model = GPT(cfg)
     if case.get("frozen", True):
         model.pos_emb.weight.requires_grad_(False)
+    if case.get("unused"):  # trainable, but forward never touches it: no gradient ever
+        model.unused = torch.nn.Parameter(torch.randn(7))
     return model
 
 

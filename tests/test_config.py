@@ -139,8 +139,7 @@ def test_real_llava_next_zero2() -> None:
 def test_real_hf_transformers_zero2() -> None:
     assert "'auto'" in error_of(REAL / "hf_transformers_ds_config_zero2.json")
     raw = hf_filled("hf_transformers_ds_config_zero2.json")
-    # Flip to load_config(...) when CPU optimizer offload lands (delete its NOT_BUILT row).
-    assert_not_built(raw, "zero_optimization.offload_optimizer.device")
+    load_config(raw)  # CPU optimizer offload is built
     cfg = parsed(raw)
     assert cfg.zero_optimization.offload_optimizer == OffloadConfig(
         kind="optimizer", device="cpu", pin_memory=True
@@ -155,16 +154,14 @@ def test_real_hf_transformers_zero2() -> None:
 
 def test_real_hf_transformers_zero2_bf16_legacy_key() -> None:
     raw = hf_filled("hf_transformers_ds_config_zero2_bf16.json")
-    # Flip when CPU optimizer offload lands.
-    assert_not_built(raw, "zero_optimization.offload_optimizer.device")
+    load_config(raw)  # CPU optimizer offload is built
     raw["bfloat16"]["enabled"] = True  # the legacy section name still means bf16
     assert parsed(raw).compute_dtype == torch.bfloat16
 
 
 def test_real_hf_transformers_zero3() -> None:
     raw = hf_filled("hf_transformers_ds_config_zero3.json", micro=2)
-    # ZeRO-3 is built; CPU offload is next (flip when it lands).
-    assert_not_built(raw, "zero_optimization.offload_optimizer.device", world=4)
+    load_config(raw, dp_world_size=4)  # ZeRO-3 with CPU offload is built
     zero = parsed(raw, world=4).zero_optimization
     assert zero.stage == 3 and zero.overlap_comm is True
     assert zero.sub_group_size == 10**14 and zero.reduce_bucket_size == 0
@@ -176,8 +173,8 @@ def test_real_hf_transformers_zero3() -> None:
 
 @pytest.mark.parametrize("world", [1, 2])
 def test_real_deepspeed_examples_cifar(world: int) -> None:
-    # Flip when CPU optimizer offload lands; then fp16_master_weights_and_grads is next.
-    assert_not_built(REAL / "dse_cifar_ds_config.json", "zero_optimization.cpu_offload", world)
+    # CPU offload is built; fp16 master weights and gradients are next (flip when they land).
+    assert_not_built(REAL / "dse_cifar_ds_config.json", "fp16.fp16_master_weights_and_grads", world)
     cfg = parsed(real("dse_cifar_ds_config.json"), world)
     assert cfg.train_micro_batch_size_per_gpu == 4 // world
     assert cfg.zero_optimization.offload_optimizer.device == "cpu"  # the deprecated switch
@@ -219,8 +216,7 @@ def test_real_zero_infinity_config_has_a_typo() -> None:
     raw = real("dse_megatron_zero3_ds_zero_stage_infinity_config.json")
     zero = raw["zero_optimization"]
     zero["stage3_param_persistence_threshold"] = zero.pop("stage3_param_persitance_threshold")
-    # ZeRO-3 is built; NVMe offload is next (flip when it lands).
-    assert_not_built(raw, "zero_optimization.offload_optimizer.device")
+    load_config(raw)  # ZeRO-3 with NVMe offload is built
     cfg = parsed(raw)
     assert cfg.aio.queue_depth == 16 and cfg.aio.intra_op_parallelism == 2  # legacy thread_count
     assert cfg.zero_optimization.offload_param.max_in_cpu == 1
@@ -258,7 +254,7 @@ def test_real_bing_bert_no_bias_correction() -> None:
 
 def test_real_stanford_alpaca_zero3_offload() -> None:
     raw = hf_filled("stanford_alpaca_default_offload_opt_param.json")
-    assert_not_built(raw, "zero_optimization.offload_optimizer.device")  # flip with CPU offload
+    load_config(raw)  # ZeRO-3 with CPU offload is built
     cfg = parsed(raw)
     assert cfg.scheduler is not None and cfg.scheduler.type == "WarmupDecayLR"
     assert set(cfg.scheduler.params.values()) == {"auto"}
@@ -270,8 +266,7 @@ def test_real_stanford_alpaca_zero3_offload() -> None:
 def test_real_fastchat_stage2_offload() -> None:
     assert "'auto'" in error_of(REAL / "fastchat_deepspeed_config_s2.json")
     raw = hf_filled("fastchat_deepspeed_config_s2.json")
-    # Flip when CPU optimizer offload lands.
-    assert_not_built(raw, "zero_optimization.offload_optimizer.device")
+    load_config(raw)  # CPU optimizer offload is built
 
 
 def test_every_real_config_is_documented_and_tested() -> None:
@@ -531,11 +526,6 @@ def test_keys_must_be_strings() -> None:
 # Not built yet
 # ---------------------------------------------------------------------------------------
 NOT_BUILT_CASES = {
-    "cpu_offload": (_zero(cpu_offload=True), "zero_optimization.cpu_offload"),
-    "offload_optimizer_cpu": (
-        _zero(offload_optimizer={"device": "cpu"}),
-        "zero_optimization.offload_optimizer.device",
-    ),
     "hpz": (_zero(zero_hpz_partition_size=8), "zero_optimization.zero_hpz_partition_size"),
     "qwz": (_zero(zero_quantized_weights=True), "zero_optimization.zero_quantized_weights"),
     "qgz": (_zero(zero_quantized_gradients=True), "zero_optimization.zero_quantized_gradients"),

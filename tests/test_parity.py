@@ -25,6 +25,7 @@ def _cases() -> list[dict]:
             {"stage": stage, "gas": 4, "clip": 1.0, "micro": 1},
             {"stage": stage, "gas": 2, "clip": 0.05, "client": True, "tied": False},
             {"stage": stage, "gas": 1, "clip": 0.0, "bucket": 10**9, "frozen": False},
+            {"stage": stage, "gas": 2, "clip": 1.0, "unused": True},
         ]
     # Stage 3 with every parameter partitioned (the tiny model is below the default
     # persistence threshold), with and without prefetch, with a live-parameter cap, and

@@ -19,6 +19,9 @@ from collections.abc import Sequence
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "run": ("zeroshard.launcher", "start training processes on this node (over torchrun)"),
     "report": ("zeroshard.report", "print the environment report (like ds_report)"),
+    "convert": ("zeroshard.convert", "consolidate a checkpoint into safetensors weights"),
+    "estimate": ("zeroshard.estimate", "per-rank memory for each stage / offload / precision"),
+    "plan": ("zeroshard.plan", "the layout that fits the device with the least communication"),
 }
 
 

@@ -91,6 +91,7 @@ class Handle:
         if self._ledger is not None:
             self._ledger.add_seconds(self._op, time.perf_counter() - t0)
         self.done = True
+        self._work = self._then = None  # keep no reference into the backend's threads
 
 
 def _nbytes(t: torch.Tensor) -> int:

@@ -85,13 +85,7 @@ def _on(config: Config, section: str) -> bool:
 
 # fmt: off
 NOT_BUILT: tuple[tuple[str, Callable[[Config], bool], str], ...] = (
-    ("zero_optimization.cpu_offload", lambda c: c.zero_optimization.cpu_offload is True and c.zero_optimization.offload_optimizer.enabled, "optimizer offload to CPU (ZeRO-Offload)"),
-    ("zero_optimization.offload_optimizer.device", lambda c: c.zero_optimization.offload_optimizer.device == "cpu", "optimizer offload to CPU (ZeRO-Offload)"),
-    ("zero_optimization.offload_optimizer.device", lambda c: c.zero_optimization.offload_optimizer.device == "nvme", "optimizer offload to NVMe (ZeRO-Infinity)"),
     ("zero_optimization.offload_optimizer.super_offload", lambda c: c.zero_optimization.offload_optimizer.super_offload, "SuperOffload"),
-    ("zero_optimization.cpu_offload_param", lambda c: c.zero_optimization.cpu_offload_param is True and c.zero_optimization.offload_param.enabled, "parameter offload to CPU"),
-    ("zero_optimization.offload_param.device", lambda c: c.zero_optimization.offload_param.device == "cpu", "parameter offload to CPU"),
-    ("zero_optimization.offload_param.device", lambda c: c.zero_optimization.offload_param.device == "nvme", "parameter offload to NVMe (ZeRO-Infinity)"),
     ("zero_optimization.zero_hpz_partition_size", lambda c: c.zero_optimization.zero_hpz_partition_size > 1, "ZeRO++ hierarchical partitioning (hpZ)"),
     ("zero_optimization.zero_quantized_weights", lambda c: c.zero_optimization.zero_quantized_weights, "ZeRO++ quantized weight communication (qwZ)"),
     ("zero_optimization.zero_quantized_nontrainable_weights", lambda c: c.zero_optimization.zero_quantized_nontrainable_weights, "ZeRO++ quantized frozen weights"),

@@ -9,7 +9,9 @@ scripts that call ``torch.distributed.get_rank()`` work unchanged.
 
 from __future__ import annotations
 
+import atexit
 import datetime
+import gc
 import os
 import tempfile
 
@@ -21,6 +23,16 @@ _MPI_ENV = {
     "WORLD_SIZE": "OMPI_COMM_WORLD_SIZE",
     "LOCAL_RANK": "OMPI_COMM_WORLD_LOCAL_RANK",
 }
+
+
+def _shutdown() -> None:
+    """At exit, tear the process group down while Python is still whole: gloo's worker
+    threads may hold the last reference to a tensor whose release needs the GIL, and
+    must be joined before the interpreter finalizes (else: "terminate called without an
+    active exception")."""
+    if dist.is_available() and dist.is_initialized():
+        gc.collect()  # engines in reference cycles drop their tensors now
+        dist.destroy_process_group()
 
 
 def local_rank() -> int:
@@ -79,9 +91,11 @@ def init_distributed(
                 "start the script with `zeroshard run --nproc N script.py` (or torchrun)"
             )
         dist.init_process_group(backend, init_method=init_method or "env://", timeout=timeout)
+        atexit.register(_shutdown)
         return
     # One rank, no launcher: a private file store, no network port.
     path = os.path.join(tempfile.mkdtemp(prefix="zeroshard-"), "store")
     dist.init_process_group(
         backend, store=dist.FileStore(path, 1), rank=0, world_size=1, timeout=timeout
     )
+    atexit.register(_shutdown)

@@ -12,7 +12,7 @@ parameter and buffer (rank 0's initial values). Everything else comes from the r
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+import os
 from dataclasses import dataclass
 
 import torch
@@ -20,6 +20,10 @@ from torch import nn
 
 from zeroshard.comm import Comm
 from zeroshard.distributed import default_device
+from zeroshard.memory import measure
+from zeroshard.offload.nvme import SwapSpace
+from zeroshard.offload.placement import Placement
+from zeroshard.offload.swapped_adam import SwappedAdam
 from zeroshard.optim import optimizer_factory
 from zeroshard.precision import DtypePolicy, LossScaler
 from zeroshard.schedulers import build_scheduler
@@ -35,6 +39,7 @@ from zeroshard.zero.plan import plan_buckets, plan_units
 log = logging.getLogger("zeroshard")
 
 _ALIGN = 16  # chunk sizes are multiples of 16 elements (vector-friendly offsets)
+_NVME_ALIGN = 2048  # 4 KiB disk blocks even for 16-bit parameters
 
 
 @dataclass(frozen=True)
@@ -98,6 +103,7 @@ class Engine(nn.Module):
         self.comm = comm
         self.device = default_device()
         self.policy = DtypePolicy.from_config(config)
+        self.placement = Placement.from_config(config.zero_optimization, self.device)
         self.sharding = Sharding.for_stage(config.zero_optimization.stage)
         self.micro_steps = 0
         self.global_steps = 0
@@ -108,6 +114,7 @@ class Engine(nn.Module):
         if self.policy.compute != torch.float32:
             module.register_forward_pre_hook(self._cast_inputs, with_kwargs=True)
         self._broadcast_initial_state()
+        self._swap_spaces: dict[str, SwapSpace] = {}
         self.flat, persistent = self._flatten(param_groups)
         zc = config.zero_optimization
         if self.sharding.parameters:
@@ -131,10 +138,16 @@ class Engine(nn.Module):
             registration_index=registration,
             predivide=config.gradient_predivide_factor if config.prescale_gradients else 1.0,
             on_bucket_ready=self.params.release,
+            accum_device=self.placement.optimizer,
         )
         factory = optimizer_factory(config.optimizer, self.device) if config.optimizer else None
         inner, masters = build_inner_optimizer(
-            self.flat, self.policy, client=client_optimizer, factory=factory
+            self.flat,
+            self.policy,
+            self.placement,
+            client=client_optimizer,
+            factory=factory,
+            swapped=self._swapped_adam if self.placement.optimizer_nvme else None,
         )
         self.loss_scaler = LossScaler.from_config(config.fp16)
         self.optimizer = ShardedOptimizer(
@@ -167,12 +180,14 @@ class Engine(nn.Module):
             )
         else:
             plan = plan_buckets(self.module, param_groups, bucket)
-        layout = FlatLayout(
-            [p.numel() for p in plan.params],
-            world,
-            groups=plan.segments,
-            align=_ALIGN if world > 1 else 1,
-        )
+        # with the shard in swap files, chunks start and end on whole disk blocks
+        align = _NVME_ALIGN if self.placement.param_nvme else _ALIGN if world > 1 else 1
+        layout = FlatLayout([p.numel() for p in plan.params], world, groups=plan.segments, align=align)
+        swap = None
+        if self.placement.param_nvme:
+            esize = torch.empty((), dtype=self.policy.compute).element_size()
+            space = self._swap_space(self.placement.param_nvme)
+            swap = space.file("params", layout.shard_numel * esize)
         flat = FlatParams(
             plan.params,
             plan.group_of,
@@ -183,8 +198,34 @@ class Engine(nn.Module):
             dtype=self.policy.compute,
             full=not self.sharding.parameters,
             value_of=take_value,
+            shard_device=self.placement.param_shard,
+            swap=swap,
         )
         return flat, plan.persistent
+
+    def _swap_space(self, path: str) -> SwapSpace:
+        """One swap directory per rank and ``nvme_path``."""
+        if path not in self._swap_spaces:
+            self._swap_spaces[path] = SwapSpace(path, f"rank{self.comm.rank}")
+        return self._swap_spaces[path]
+
+    def _swapped_adam(self) -> SwappedAdam:
+        zc, opt = self._config.zero_optimization, self._config.optimizer
+        if opt is None or opt.type == "SGD":
+            raise ValueError(
+                "zero_optimization.offload_optimizer.device: NVMe offload needs the config's "
+                'optimizer to be Adam or AdamW (e.g. "optimizer": {"type": "AdamW"})'
+            )
+        off = zc.offload_optimizer
+        return SwappedAdam(
+            self.flat,
+            self._swap_space(self.placement.optimizer_nvme),
+            decoupled=opt.type == "AdamW" or opt.adam_w_mode,
+            sub_group_numel=int(zc.sub_group_size),
+            pipeline_read=off.pipeline_read,
+            pipeline_write=off.pipeline_write,
+            initial_master=lambda a, b: self.flat.read_range(a, b),
+        )
 
     def _broadcast_initial_state(self) -> None:
         """Every rank starts from rank 0's parameters and buffers."""
@@ -276,6 +317,55 @@ class Engine(nn.Module):
     def zero_grad(self) -> None:
         self.reducer.zero_grad()
 
+    # -- checkpoints ------------------------------------------------------------------
+    def save_checkpoint(
+        self,
+        save_dir: str,
+        tag: str | None = None,
+        client_state: dict | None = None,
+        save_latest: bool = True,
+        exclude_frozen_parameters: bool = False,
+    ) -> bool:
+        """Write a universal checkpoint to ``save_dir/tag`` (default ``global_step<N>``)."""
+        from zeroshard.checkpoint.save import save
+
+        if self.micro_steps % self.gradient_accumulation_steps():
+            log.warning("zeroshard: saving mid-accumulation; the partial gradients are not saved")
+        tag = str(tag) if tag is not None else f"global_step{self.global_steps}"
+        save(self, save_dir, tag, client_state, save_latest)
+        return True
+
+    def load_checkpoint(
+        self,
+        load_dir: str,
+        tag: str | None = None,
+        load_module_strict: bool = True,
+        load_optimizer_states: bool = True,
+        load_lr_scheduler_states: bool = True,
+        load_module_only: bool = False,
+    ) -> tuple[str, dict]:
+        """Load a checkpoint saved at any world size / stage; returns (path, client_state)."""
+        from zeroshard.checkpoint import load as ckpt
+
+        path = ckpt.resolve_path(load_dir, tag)
+        manifest = ckpt.read_manifest(path)
+        client = ckpt.load(
+            self,
+            path,
+            manifest,
+            optimizer_states=load_optimizer_states,
+            scheduler_states=load_lr_scheduler_states,
+            module_only=load_module_only,
+        )
+        return path, client
+
+    def save_16bit_model(self, save_dir: str, save_filename: str = "model.safetensors") -> bool:
+        """Write the whole model (working dtype) as one safetensors file from rank 0."""
+        from zeroshard.checkpoint.export import save_16bit
+
+        save_16bit(self, save_dir, save_filename)
+        return True
+
     # -- zero.GatheredParameters support ----------------------------------------------
     def gather_params(self, params: list[torch.Tensor]) -> None:
         self.params.open(params)
@@ -347,27 +437,4 @@ class Engine(nn.Module):
 
     def memory_stats(self) -> dict:
         """Bytes of the persistent buffers this rank holds, by kind and by location."""
-        flat_ids = {id(p) for p in self.flat.params}
-        kinds: dict[str, Iterable[torch.Tensor]] = {
-            "params": [
-                *self.params.buffers(),
-                *(p for p in self.module.parameters() if id(p) not in flat_ids),
-            ],
-            "grads": self.reducer.buffers(),
-            "optimizer_states": self.optimizer.buffers(),
-        }
-        out: dict = {"by_location": {}}
-        seen: set[tuple[int, int]] = set()
-        for kind, tensors in kinds.items():
-            total = 0
-            for t in tensors:
-                key = (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
-                if key in seen or t.numel() == 0:
-                    continue
-                seen.add(key)
-                nbytes = t.untyped_storage().nbytes()
-                total += nbytes
-                loc = str(t.device)
-                out["by_location"][loc] = out["by_location"].get(loc, 0) + nbytes
-            out[kind] = total
-        return out
+        return measure(self)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from zeroshard.offload.nvme import aligned_empty
 from zeroshard.zero.partition import FlatLayout
 
 
@@ -33,6 +34,9 @@ class FlatParams:
         full: keep the whole buffer (stages 0-2); else only this rank's shard.
         value_of: gives a parameter's whole flat value (default: its data); called once
             per parameter, in layout order, on every rank (it may communicate).
+        shard_device: where the stage-3 shard lives (the CPU with parameter offload).
+        swap: a ``SwapFile`` to keep the stage-3 shard in instead of memory (NVMe);
+            the layout must then be aligned to whole disk blocks.
     """
 
     def __init__(
@@ -47,14 +51,19 @@ class FlatParams:
         dtype: torch.dtype,
         full: bool = True,
         value_of=None,
+        shard_device: torch.device | None = None,
+        swap=None,
     ) -> None:
         if layout.numels != tuple(p.numel() for p in params):
             raise ValueError("layout does not match the parameters")
         self.params, self.group_of, self.hyperparams = params, group_of, hyperparams
+        self.shapes = [tuple(p.shape) for p in params]  # stage 3 swaps in placeholders
         rank = rank if layout.world_size > 1 else 0  # unsharded: every rank owns it all
         self.layout, self.rank, self.device, self.dtype = layout, rank, device, dtype
         self.full: torch.Tensor | None = None
         self.shard: torch.Tensor | None = None
+        self.swap = None  # a SwapFile holding the shard (parameter offload to NVMe)
+        self.chunks: list[torch.Tensor] | None = None
         segs = layout.segments
         value_of = value_of or (lambda p: p.detach().reshape(-1))
         if full:
@@ -66,26 +75,8 @@ class FlatParams:
                     p.data = self.full[lo:hi].view_as(p)
             self.chunks = [self.full[slice(*seg.chunk_range(rank))] for seg in segs]
         else:
-            # empty, not zeros: pages get touched as values arrive, so building the shard
-            # while zero.Init's slices are released one by one does not double the peak
-            self.shard = torch.empty(layout.shard_numel, dtype=dtype, device=device)
-            for seg in segs:  # the padding at the end of each segment
-                c_lo, c_hi = seg.chunk_range(rank)
-                pad_lo = max(c_lo, seg.start + seg.used)
-                if pad_lo < c_hi:
-                    self.shard[
-                        seg.shard_start + pad_lo - c_lo : seg.shard_start + seg.chunk
-                    ].zero_()
-            owned = {}
-            for piece in layout.pieces(rank):
-                owned.setdefault(piece.param, []).append(piece)
-            with torch.no_grad():
-                for i, p in enumerate(params):
-                    value = value_of(p)
-                    for piece in owned.get(i, ()):
-                        dst = self.shard[piece.shard_lo : piece.shard_lo + piece.numel]
-                        dst.copy_(value[piece.param_lo : piece.param_hi])
-            self.chunks = [self.shard[s.shard_start : s.shard_start + s.chunk] for s in segs]
+            self.swap = swap
+            self._build_shard(params, value_of, shard_device or device)
         # per group, per segment: this rank's owned range of the group, relative to the chunk
         self._spans: list[list[tuple[int, int, int]]] = []
         for g in range(len(hyperparams)):
@@ -96,6 +87,82 @@ class FlatParams:
                 if hi > lo:
                     spans.append((seg.index, lo - seg.shard_start, hi - seg.shard_start))
             self._spans.append(spans)
+
+    def _build_shard(self, params, value_of, where: torch.device) -> None:
+        """Fill this rank's shard segment by segment (calling ``value_of`` for every
+        parameter in layout order, on every rank)."""
+        layout, rank, dtype = self.layout, self.rank, self.dtype
+        if self.swap is None:
+            # empty, not zeros: pages get touched as values arrive, so building the shard
+            # while zero.Init's slices are released one by one does not double the peak
+            self.shard = torch.empty(layout.shard_numel, dtype=dtype, device=where)
+        owned: dict[int, list] = {}
+        for piece in layout.pieces(rank):
+            owned.setdefault(piece.param, []).append(piece)
+        with torch.no_grad():
+            for seg in layout.segments:
+                if self.swap is None:
+                    dst = self.shard[seg.shard_start : seg.shard_start + seg.chunk]
+                else:
+                    dst = aligned_empty(seg.chunk * self.esize).view(dtype)
+                c_lo, c_hi = seg.chunk_range(rank)
+                pad = max(c_lo, seg.start + seg.used) - c_lo
+                dst[pad:].zero_()  # padding at the end of the segment
+                for i in seg.params:
+                    value = value_of(params[i])
+                    for piece in owned.get(i, ()):
+                        lo = piece.shard_lo - seg.shard_start
+                        dst[lo : lo + piece.numel].copy_(value[piece.param_lo : piece.param_hi])
+                if self.swap is not None:
+                    self.swap.write(dst, seg.shard_start * self.esize)
+        if self.swap is None:
+            self.chunks = [self.shard[s.shard_start : s.shard_start + s.chunk] for s in layout.segments]
+
+    @property
+    def esize(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    def read_chunk(self, s: int) -> torch.Tensor:
+        """This rank's chunk of segment ``s`` (a view, or a buffer read from the swap file)."""
+        if self.swap is None:
+            return self.chunks[s]
+        seg = self.layout.segments[s]
+        buf = aligned_empty(seg.chunk * self.esize).view(self.dtype)
+        self.swap.read(buf, seg.shard_start * self.esize)
+        return buf
+
+    def write_chunk(self, s: int, values: torch.Tensor, lo: int = 0) -> None:
+        """Store ``values`` into this rank's chunk of segment ``s`` from element ``lo``."""
+        if self.swap is None:
+            self.chunks[s][lo : lo + values.numel()].copy_(values, non_blocking=True)
+            return
+        buf = aligned_empty(values.numel() * self.esize).view(self.dtype)
+        buf.copy_(values)
+        self.swap.write(buf, (self.layout.segments[s].shard_start + lo) * self.esize)
+
+    def read_range(self, a: int, b: int) -> torch.Tensor:
+        """A copy of shard positions ``[a, b)``."""
+        parts = []
+        for seg in self.layout.segments:
+            lo, hi = max(a, seg.shard_start), min(b, seg.shard_start + seg.chunk)
+            if lo < hi:
+                chunk = self.read_chunk(seg.index)
+                parts.append(chunk[lo - seg.shard_start : hi - seg.shard_start])
+        return torch.cat(parts) if parts else torch.empty(0, dtype=self.dtype)
+
+    def write_range(self, a: int, b: int, values: torch.Tensor) -> None:
+        """Store ``values`` (``b - a`` elements) at shard positions ``[a, b)``."""
+        for seg in self.layout.segments:
+            lo, hi = max(a, seg.shard_start), min(b, seg.shard_start + seg.chunk)
+            if lo < hi:
+                self.write_chunk(seg.index, values[lo - a : hi - a], lo - seg.shard_start)
+
+    def memory(self) -> list[torch.Tensor]:
+        """Persistent parameter storage held in memory (nothing when swapped to NVMe)."""
+        return [t for t in (self.full, self.shard) if t is not None]
+
+    def nvme_bytes(self) -> int:
+        return self.swap.nbytes if self.swap is not None else 0
 
     @property
     def num_groups(self) -> int:
@@ -117,7 +184,7 @@ class FlatParams:
             views = [per_segment[0][:0] if per_segment else torch.empty(0, device=self.device)]
         return views
 
-    def storage(self) -> torch.Tensor:
+    def storage(self) -> torch.Tensor | None:
         return self.full if self.full is not None else self.shard
 
     def segment_view(self, segment: int) -> torch.Tensor:

@@ -62,6 +62,9 @@ class GradReducer:
             ``world_size / predivide`` after (DeepSpeed's gradient_predivide_factor).
         on_bucket_ready: called with a segment index once all its gradients are in (the
             stage-3 gatherer frees that unit's parameters then).
+        accum_device: where the owned gradient shard accumulates when gradients are
+            sharded (the CPU with optimizer offload: each reduced chunk is copied there
+            as soon as its bucket completes, while backward goes on).
     """
 
     def __init__(
@@ -75,6 +78,7 @@ class GradReducer:
         registration_index: dict[int, int] | None = None,
         predivide: float = 1.0,
         on_bucket_ready=None,
+        accum_device: torch.device | None = None,
     ) -> None:
         self.flat, self.comm, self.dtype = flat, comm, dtype
         self._on_bucket_ready = on_bucket_ready
@@ -86,12 +90,15 @@ class GradReducer:
         layout = flat.layout
         self._staging_numel = max((seg.numel for seg in layout.segments), default=0)
         self._accumulated = False  # whether grad_shard already holds a micro-step
+        self._any_grad = False  # whether any gradient arrived in this accumulation window
+        self._window_filled: set[int] = set()  # full mode: params with a gradient this window
         own = comm.rank if flat.sharded else 0
         self.grad_full: torch.Tensor | None = None
         self.grad_shard: torch.Tensor | None = None
         self._views: list[torch.Tensor | None] = [None] * len(flat.params)
         if sharded:
-            self.grad_shard = torch.zeros(layout.shard_numel, dtype=dtype, device=flat.device)
+            where = accum_device or flat.device
+            self.grad_shard = torch.zeros(layout.shard_numel, dtype=dtype, device=where)
             self.grad_chunks = [
                 self.grad_shard[s.shard_start : s.shard_start + s.chunk] for s in layout.segments
             ]
@@ -119,8 +126,6 @@ class GradReducer:
         for pi, p in enumerate(flat.params):
             if flat.group_of[pi] < 0:  # frozen (stage 3 keeps them in the layout)
                 continue
-            if self._zero_copy:
-                p.grad = self._views[pi]
             self._hooks.append(p.register_post_accumulate_grad_hook(self._make_hook(pi)))
 
     # -- backward -----------------------------------------------------------------------
@@ -149,11 +154,16 @@ class GradReducer:
                 "backward; a parameter must receive its gradient once per backward "
                 "(reentrant checkpointing or a second backward through it?)"
             )
+        self._any_grad = True
         if not self.sharded:
             view = self._views[pi]
-            if p.grad.data_ptr() != view.data_ptr():
-                view.add_(p.grad)
+            if p.grad.data_ptr() != view.data_ptr():  # a fresh gradient tensor
+                if pi in self._window_filled:
+                    view.add_(p.grad)
+                else:  # first contribution of this accumulation window: overwrite
+                    view.copy_(p.grad)
                 p.grad = view if self._zero_copy else None
+            self._window_filled.add(pi)
         else:
             staging = self._staging_for(bucket)
             lo, hi = bucket.slots[pi]
@@ -194,6 +204,9 @@ class GradReducer:
             src[seg.used :].zero_()
         else:
             src = self.grad_full[seg.start : seg.start + seg.numel]
+            for pi, (lo, hi) in b.slots.items():  # stale values of parameters with no gradient
+                if pi not in self._window_filled:
+                    src[lo:hi].zero_()
         if self.predivide != 1.0:
             src.div_(self.predivide)
         if g.sharded:
@@ -218,6 +231,8 @@ class GradReducer:
             reduced = b.staging[rank * seg.chunk : (rank + 1) * seg.chunk]
             if post != 1.0:
                 reduced.div_(post)
+            if reduced.device != chunk.device:
+                reduced = reduced.to(chunk.device, non_blocking=True)
             if self._accumulated:
                 chunk.add_(reduced)
             else:
@@ -257,14 +272,25 @@ class GradReducer:
 
     # -- step boundary ------------------------------------------------------------------
     def zero_grad(self) -> None:
-        """Clear accumulated gradients (after an optimizer step or a skipped one)."""
-        for buf in (self.grad_full, self.grad_shard):
-            if buf is not None:
-                buf.zero_()
+        """Start a new accumulation window (after an optimizer step or a skipped one).
+
+        Nothing is memset: the window's first gradient of each parameter overwrites its
+        slot (``param.grad`` is unset so autograd hands over a fresh tensor), slots of
+        parameters that get no gradient are zeroed when their bucket is reduced, and the
+        owned shard is overwritten by the window's first reduction."""
         self._accumulated = False
+        self._any_grad = False
+        self._window_filled.clear()
         for pi, p in enumerate(self.flat.params):
             if self.flat.group_of[pi] >= 0:
-                p.grad = self._views[pi] if self._zero_copy else None
+                p.grad = None
+
+    def ensure_defined(self) -> None:
+        """Before a step: a window in which no gradient arrived means zero gradients."""
+        if not self._any_grad:
+            for buf in (self.grad_full, self.grad_shard):
+                if buf is not None:
+                    buf.zero_()
 
     def remove_hooks(self) -> None:
         for h in self._hooks:

@@ -8,8 +8,9 @@ and nothing else: re-assembling whole parameters from the updated chunks is the 
 ``zero/parameters.py``.
 
 Master weights: with fp32 training the master chunks *are* the parameter storage (views,
-no copy); in bf16/fp16 training they are an fp32 copy of this rank's chunks only, and the
-updated values are cast back into the parameters after the step.
+no copy); in bf16/fp16 training, or when the optimizer is offloaded, they are an fp32
+copy of this rank's chunks only (on the offload device), and the updated values are
+copied back into the parameters after the step.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ import math
 import torch
 
 from zeroshard.comm import Comm
+from zeroshard.offload.placement import Placement
+from zeroshard.offload.swapped_adam import SwappedAdam
 from zeroshard.precision import DtypePolicy, LossScaler
 from zeroshard.zero.flat import FlatParams
 from zeroshard.zero.gradients import GradReducer
@@ -48,6 +51,11 @@ class ShardedOptimizer:
         check_overflow: bool = False,
     ) -> None:
         self.flat, self.reducer, self.inner, self.masters = flat, reducer, inner, masters
+        storage = flat.storage()
+        self.separate_masters = not masters or (
+            storage is None
+            or masters[0].untyped_storage().data_ptr() != storage.untyped_storage().data_ptr()
+        )
         self.comm, self.policy, self.scaler = comm, policy, scaler
         self.clip, self.check_overflow = clip, check_overflow
         self.global_grad_norm: float | None = None
@@ -81,8 +89,9 @@ class ShardedOptimizer:
     def _attach_grads(self) -> list[torch.Tensor]:
         """Point every master view's ``.grad`` at the reduced gradient (fp32)."""
         chunks = self.reducer.grad_chunks
-        if chunks and chunks[0].dtype != self.policy.master:
-            chunks = [c.to(self.policy.master) for c in chunks]
+        if self.masters and (chunks[0].dtype, chunks[0].device) != (self.masters[0].dtype, self.masters[0].device):
+            where = self.masters[0].device
+            chunks = [c.to(device=where, dtype=self.policy.master) for c in chunks]
         grads = []
         for gi, group in enumerate(self.inner.param_groups):
             for m, g in zip(group["params"], self.flat.group_views(chunks, gi), strict=True):
@@ -95,7 +104,7 @@ class ShardedOptimizer:
         chunks = self.reducer.grad_chunks
         if chunks:
             norms = torch.stack([torch.linalg.vector_norm(c, dtype=torch.float32) for c in chunks])
-            local = norms.square().sum().reshape(1)
+            local = norms.square().sum().reshape(1).to(self.flat.device)
         else:
             local = torch.zeros(1, dtype=torch.float32, device=self.flat.device)
         if self.flat.sharded:
@@ -104,6 +113,7 @@ class ShardedOptimizer:
 
     def step(self) -> bool:
         """One optimizer step on the reduced gradients; False if skipped (fp16 overflow)."""
+        self.reducer.ensure_defined()
         inv_scale = 1.0 / self.scaler.scale
         self.overflow = False
         if self.clip > 0 or self.check_overflow:
@@ -112,38 +122,48 @@ class ShardedOptimizer:
         if self.overflow:
             self.scaler.update(overflow=True)
             return False
-        grads = self._attach_grads()
         factor = inv_scale
         if self.clip > 0:
             factor *= min(1.0, self.clip / (self.global_grad_norm + 1e-6))
-        if factor != 1.0 and grads:
-            torch._foreach_mul_(grads, factor)
-        self.inner.step()
-        for group in self.inner.param_groups:
-            for m in group["params"]:
-                m.grad = None
-        self._write_back()
+        if isinstance(self.inner, SwappedAdam):  # masters live in swap files
+            self.inner.swapped_step(self.reducer.grad_shard, factor, self.flat.write_range)
+        else:
+            grads = self._attach_grads()
+            if factor != 1.0 and grads:
+                torch._foreach_mul_(grads, factor)
+            self.inner.step()
+            for group in self.inner.param_groups:
+                for m in group["params"]:
+                    m.grad = None
+            self._write_back()
         self.scaler.update(overflow=False)
         return True
 
     def _write_back(self) -> None:
         """Cast the updated fp32 master chunks into this rank's parameter chunks."""
-        if self.policy.separate_master:
-            torch._foreach_copy_(self.flat.chunks, self.masters)
+        if self.separate_masters:
+            for s, master in enumerate(self.masters):
+                self.flat.write_chunk(s, master)
 
     def refresh_masters(self, segments: list[int]) -> None:
         """Parameters of ``segments`` were changed from outside: copy them into the masters."""
-        if self.policy.separate_master:
+        if self.separate_masters:
             for s in segments:
-                self.masters[s].copy_(self.flat.chunks[s])
+                self.masters[s].copy_(self.flat.read_chunk(s))
 
     # -- accounting -----------------------------------------------------------------
     def buffers(self) -> list[torch.Tensor]:
-        """Master copies (when separate) plus every tensor in the inner optimizer's state."""
-        out = list(self.masters) if self.policy.separate_master else []
+        """Master copies (when separate) plus every tensor in the inner optimizer's state
+        (with NVMe offload: the swap buffer sets)."""
+        if isinstance(self.inner, SwappedAdam):
+            return self.inner.buffers()
+        out = list(self.masters) if self.separate_masters else []
         for st in self.inner.state.values():
             out += [v for v in st.values() if torch.is_tensor(v)]
         return out
+
+    def nvme_bytes(self) -> int:
+        return self.inner.nvme_bytes() if isinstance(self.inner, SwappedAdam) else 0
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Gradients are owned by the engine's reducer; cleared after each step."""
@@ -153,21 +173,32 @@ class ShardedOptimizer:
 def build_inner_optimizer(
     flat: FlatParams,
     policy: DtypePolicy,
+    placement: Placement,
     *,
     client: torch.optim.Optimizer | None = None,
     factory=None,
+    swapped=None,
 ) -> tuple[torch.optim.Optimizer, list[torch.Tensor]]:
     """Make this rank's master chunks (one per segment) and the torch optimizer that
     steps them, one param group per ``flat`` group holding that group's master views.
 
     ``client``: a user's optimizer instance, re-pointed at the masters in place (so an
     lr scheduler already bound to it keeps working). ``factory(param_groups)``: builds
-    a new one.
+    a new one. ``swapped()``: builds a :class:`SwappedAdam` (NVMe), which keeps its
+    masters in files, so no master chunks are returned.
     """
-    if policy.separate_master:
-        buf = torch.empty(flat.layout.shard_numel, dtype=policy.master, device=flat.device)
+    if swapped is not None:
+        if client is not None:
+            raise ValueError(
+                "zero_optimization.offload_optimizer.device: NVMe offload steps the config's "
+                "Adam/AdamW itself; pass no optimizer to initialize() with it"
+            )
+        return swapped(), []
+    if policy.separate_master or placement.offload_optimizer:
+        buf = placement.empty(flat.layout.shard_numel, policy.master, placement.optimizer)
         masters = [buf[s.shard_start : s.shard_start + s.chunk] for s in flat.layout.segments]
-        torch._foreach_copy_(masters, flat.chunks)
+        for s, master in enumerate(masters):
+            master.copy_(flat.read_chunk(s))
     else:
         masters = [c.detach() for c in flat.chunks]
     groups = [

@@ -168,7 +168,8 @@ class ParamGatherer:
         buf = self.unit_buffers[s]
         buf.untyped_storage().resize_(buf.numel() * buf.element_size())
         with torch.autograd._unsafe_preserve_version_counter(buf):
-            self._handles[s] = self.comm.all_gather(buf, self.flat.chunks[s], async_op=True)
+            chunk = self.flat.read_chunk(s).to(buf.device, non_blocking=True)  # may be offloaded
+            self._handles[s] = self.comm.all_gather(buf, chunk, async_op=True)
 
     def _wait(self, s: int) -> None:
         handle = self._handles.pop(s, None)
@@ -320,17 +321,15 @@ class ParamGatherer:
             rank = self.flat.rank
             for s in segs:
                 seg = self.flat.layout.segments[s]
-                self.flat.chunks[s].copy_(
-                    self.unit_buffers[s][rank * seg.chunk : (rank + 1) * seg.chunk]
-                )
+                self.flat.write_chunk(s, self.unit_buffers[s][rank * seg.chunk : (rank + 1) * seg.chunk])
         for s in segs:
             self._users[s] -= 1
             self.release(s)
         return segs
 
     def buffers(self) -> list[torch.Tensor]:
-        """The shard plus the always-gathered persistent segments."""
-        return [self.flat.shard, *(self.unit_buffers[s] for s in self.persistent)]
+        """The shard (unless swapped to NVMe) plus the always-gathered persistent segments."""
+        return [*self.flat.memory(), *(self.unit_buffers[s] for s in self.persistent)]
 
 
 class _AccessTrackingDict(dict):

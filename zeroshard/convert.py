@@ -1,0 +1,46 @@
+"""`zeroshard convert CKPT_DIR OUT`: a checkpoint to consolidated safetensors weights.
+
+Streams tensor by tensor (peak memory about one tensor). OUT ending in
+``.safetensors`` is one file; otherwise a directory, sharded above ``--max-shard-size``
+with a Hugging Face style ``model.safetensors.index.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+
+
+def parse_size(text: str) -> int:
+    m = re.fullmatch(r"\s*([0-9.]+)\s*([A-Za-z]*)\s*", text)
+    if not m or m.group(2).upper() not in _UNITS:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 5GB, 500MiB)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.description = __doc__.splitlines()[0]
+    parser.add_argument("ckpt_dir", help="a checkpoint tag directory, or a directory with 'latest'")
+    parser.add_argument("out", help="output .safetensors file, or a directory")
+    parser.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default=None,
+                        help="cast floating tensors (default: fp32 masters / saved dtype)")
+    parser.add_argument("--max-shard-size", type=parse_size, default=None,
+                        help="split into several files above this size (directory output)")
+
+
+def main(args: argparse.Namespace) -> int:
+    from zeroshard.checkpoint.export import DTYPE_ARGS, export_checkpoint
+    from zeroshard.checkpoint.load import CheckpointError
+
+    try:
+        paths = export_checkpoint(
+            args.ckpt_dir, args.out, DTYPE_ARGS.get(args.dtype), args.max_shard_size
+        )
+    except CheckpointError as exc:
+        print(f"zeroshard convert: {exc}")
+        return 2
+    for p in paths:
+        print(p)
+    return 0

@@ -1,0 +1,67 @@
+"""Where each kind of shard lives. No communication.
+
+The ZeRO stage decides what is sharded; the ``offload_param`` / ``offload_optimizer``
+config sections decide where those shards are kept:
+
+* ``device``: the compute device (parameters are always *used* there);
+* ``param_shard``: this rank's stage-3 parameter shard (device, or CPU memory);
+* ``optimizer``: fp32 master weights, optimizer states and, from stage 2, the
+  accumulated gradient shard (device, or CPU memory: ZeRO-Offload and the CPU-AdamW
+  hybrid of seeds/004).
+
+With CUDA, CPU-side buffers are page-locked when ``pin_memory`` is set, so device<->CPU
+copies can run asynchronously.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_CPU = torch.device("cpu")
+
+
+@dataclass(frozen=True)
+class Placement:
+    device: torch.device
+    param_shard: torch.device
+    optimizer: torch.device
+    pin_memory: bool = False
+    param_offload: str = "none"  # the config's offload_param.device
+    optimizer_offload: str = "none"  # the config's offload_optimizer.device
+    param_nvme: str | None = None
+    optimizer_nvme: str | None = None
+
+    @classmethod
+    def from_config(cls, zero, device: torch.device) -> Placement:
+        op, pa = zero.offload_optimizer, zero.offload_param
+        return cls(
+            device=device,
+            param_shard=_CPU if pa.device in ("cpu", "nvme") else device,
+            optimizer=_CPU if op.device in ("cpu", "nvme") else device,
+            pin_memory=device.type == "cuda" and (op.pin_memory or pa.pin_memory),
+            param_offload=pa.device,
+            optimizer_offload=op.device,
+            param_nvme=pa.nvme_path if pa.device == "nvme" else None,
+            optimizer_nvme=op.nvme_path if op.device == "nvme" else None,
+        )
+
+    @property
+    def offload_optimizer(self) -> bool:
+        """Masters and states are kept apart from the parameters, in CPU memory or NVMe
+        files, even when the compute device is the CPU itself (same code path)."""
+        return self.optimizer_offload != "none"
+
+    @classmethod
+    def on(cls, device: torch.device) -> Placement:
+        """Everything on ``device`` (no offload)."""
+        return cls(device=device, param_shard=device, optimizer=device)
+
+    def zeros(self, numel: int, dtype: torch.dtype, where: torch.device) -> torch.Tensor:
+        pin = self.pin_memory and where.type == "cpu"
+        return torch.zeros(numel, dtype=dtype, device=where, pin_memory=pin)
+
+    def empty(self, numel: int, dtype: torch.dtype, where: torch.device) -> torch.Tensor:
+        pin = self.pin_memory and where.type == "cpu"
+        return torch.empty(numel, dtype=dtype, device=where, pin_memory=pin)

@@ -1,0 +1,167 @@
+"""Adam/AdamW with fp32 masters and moments in NVMe swap files. No communication.
+
+``offload_optimizer: {device: "nvme"}``: this rank's fp32 master shard and both Adam
+moments live in three files of a :class:`~zeroshard.offload.nvme.SwapSpace`. The step
+walks the shard in *sub-groups* of ``sub_group_size`` elements: read the sub-group's
+master and moments into aligned buffers, run torch's fused Adam kernel on them (each
+param group's elements with that group's hyperparameters), hand the new masters to
+the parameters, write all three back. With ``pipeline_read`` the next sub-group is read
+while this one steps; with ``pipeline_write`` its writes finish while the next one
+steps; RAM holds only the buffer sets (3 buffers of one sub-group each).
+
+It quacks like a torch optimizer where the engine needs it to: ``param_groups`` (so
+schedulers change ``lr``), ``state`` (empty: nothing is in memory) and ``state_dict``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import Future
+
+import torch
+from torch.optim.adam import adam as adam_functional
+
+from zeroshard.offload.nvme import ALIGN, SwapSpace, aligned_empty
+from zeroshard.zero.flat import FlatParams
+
+_KEYS = ("master", "exp_avg", "exp_avg_sq")
+
+
+class SwappedAdam:
+    """Adam (``decoupled=False``) or AdamW whose state is swapped to files."""
+
+    def __init__(
+        self,
+        flat: FlatParams,
+        space: SwapSpace,
+        *,
+        decoupled: bool,
+        sub_group_numel: int,
+        pipeline_read: bool,
+        pipeline_write: bool,
+        initial_master: Callable[[int, int], torch.Tensor],
+    ) -> None:
+        self.flat, self.space, self.decoupled = flat, space, decoupled
+        self.param_groups = [dict(h) for h in flat.hyperparams]
+        for g in self.param_groups:
+            if g.get("amsgrad"):
+                raise ValueError("optimizer.params.amsgrad: not supported with NVMe optimizer offload")
+        self.state: dict = {}
+        self.steps = [0] * len(self.param_groups)
+        n = flat.layout.shard_numel
+        elem = ALIGN // 2  # sub-group boundaries aligned for fp32 and 16-bit files alike
+        size = max(elem, (min(sub_group_numel, max(n, 1)) // elem) * elem)
+        self.subgroups = [(a, min(a + size, n)) for a in range(0, n, size)]
+        self.runs = sorted(
+            (flat.layout.segments[s].shard_start + lo, flat.layout.segments[s].shard_start + hi, g)
+            for g in range(len(self.param_groups))
+            for s, lo, hi in flat._spans[g]
+        )
+        self.files = {k: space.file(k, n * 4) for k in _KEYS}
+        self.pipeline_read, self.pipeline_write = pipeline_read, pipeline_write
+        nsets = 2 if (pipeline_read or pipeline_write) else 1
+        self.sets = [
+            {k: aligned_empty(size * 4).view(torch.float32) for k in _KEYS} for _ in range(nsets)
+        ]
+        self._writes: list[list[Future]] = [[] for _ in range(nsets)]
+        for a, b in self.subgroups:  # masters from the parameters; moments start as zeros
+            buf = self.sets[0]["master"][: b - a]
+            buf.copy_(initial_master(a, b))
+            self.files["master"].write(buf, a * 4)
+
+    # -- the step -----------------------------------------------------------------------
+    def _read(self, i: int, slot: int) -> list[Future]:
+        a, b = self.subgroups[i]
+        for f in self._writes[slot]:
+            f.result()  # the buffers are free once their previous writes are done
+        self._writes[slot] = []
+        return [
+            self.space.read_async(self.files[k], self.sets[slot][k][: b - a], a * 4) for k in _KEYS
+        ]
+
+    def swapped_step(
+        self,
+        grads: torch.Tensor,
+        factor: float,
+        on_updated: Callable[[int, int, torch.Tensor], None],
+    ) -> None:
+        """Step every sub-group. ``grads``: this rank's whole gradient shard (CPU);
+        ``factor``: unscale/clip multiplier; ``on_updated(a, b, masters)`` receives the
+        new fp32 masters of shard range ``[a, b)``."""
+        nsets = len(self.sets)
+        pending = self._read(0, 0)
+        for i, (a, b) in enumerate(self.subgroups):
+            slot = i % nsets
+            for f in pending:
+                f.result()
+            if self.pipeline_read and i + 1 < len(self.subgroups):
+                pending = self._read(i + 1, (i + 1) % nsets)
+            bufs = {k: v[: b - a] for k, v in self.sets[slot].items()}
+            g = grads[a:b].to(torch.float32)
+            if factor != 1.0:
+                g = g * factor
+            self._apply(a, b, bufs, g)
+            on_updated(a, b, bufs["master"])
+            writes = [self.space.write_async(self.files[k], bufs[k], a * 4) for k in _KEYS]
+            if self.pipeline_write:
+                self._writes[slot] += writes
+            else:
+                for f in writes:
+                    f.result()
+            if not self.pipeline_read and i + 1 < len(self.subgroups):
+                pending = self._read(i + 1, (i + 1) % nsets)
+        for slot in range(nsets):
+            for f in self._writes[slot]:
+                f.result()
+            self._writes[slot] = []
+        self.steps = [s + 1 for s in self.steps]
+
+    def _apply(self, a: int, b: int, bufs: dict[str, torch.Tensor], g: torch.Tensor) -> None:
+        for lo, hi, gi in self.runs:
+            lo, hi = max(lo, a), min(hi, b)
+            if lo >= hi:
+                continue
+            group = self.param_groups[gi]
+            beta1, beta2 = group["betas"]
+            sl = slice(lo - a, hi - a)
+            adam_functional(
+                [bufs["master"][sl]],
+                [g[sl]],
+                [bufs["exp_avg"][sl]],
+                [bufs["exp_avg_sq"][sl]],
+                [],
+                [torch.tensor(float(self.steps[gi]))],  # the kernel adds one, as a step does
+                fused=True,
+                decoupled_weight_decay=self.decoupled,
+                amsgrad=False,
+                beta1=beta1,
+                beta2=beta2,
+                lr=group["lr"],
+                weight_decay=group["weight_decay"],
+                eps=group["eps"],
+                maximize=False,
+            )
+
+    # -- accounting / state ----------------------------------------------------------
+    def buffers(self) -> list[torch.Tensor]:
+        return [t for s in self.sets for t in s.values()]
+
+    def nvme_bytes(self) -> int:
+        return sum(f.nbytes for f in self.files.values())
+
+    def read_state(self, key: str, a: int, b: int) -> torch.Tensor:
+        """A copy of ``master``/``exp_avg``/``exp_avg_sq`` for shard range [a, b)."""
+        lo, hi = (a // (ALIGN // 4)) * (ALIGN // 4), -(-b // (ALIGN // 4)) * (ALIGN // 4)
+        buf = aligned_empty((hi - lo) * 4).view(torch.float32)
+        self.files[key].read(buf, lo * 4)
+        return buf[a - lo : b - lo].clone()
+
+    def write_state(self, key: str, a: int, values: torch.Tensor) -> None:
+        """Overwrite ``key`` at shard positions ``[a, a + len(values))`` (checkpoint load)."""
+        b, e = a + values.numel(), ALIGN // 4
+        lo, hi = (a // e) * e, -(-b // e) * e
+        buf = aligned_empty((hi - lo) * 4).view(torch.float32)
+        self.files[key].read(buf, lo * 4)
+        buf[a - lo : b - lo].copy_(values)
+        self.files[key].write(buf, lo * 4)
+
