@@ -44,7 +44,9 @@ def run_one(policy: str, seq: int, steps: int) -> dict:
     model = GPT(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     if policy != "none":
-        apply_activation_checkpointing(model, Block, policy.split("+")[0], offload="offload" in policy)
+        apply_activation_checkpointing(
+            model, Block, policy.split("+")[0], offload="offload" in policy
+        )
     ids = torch.randint(0, 256, (1, seq + 1))
     # warm-up step, then the baseline: model states exist, activations do not
     model(ids[:, :-1], ids[:, 1:]).backward()
@@ -78,11 +80,22 @@ def run_one(policy: str, seq: int, steps: int) -> dict:
         opt.step()
         opt.zero_grad(set_to_none=False)
         times.append(time.perf_counter() - t0)
-    est = activation_bytes(layers=cfg.n_layer, hidden=cfg.d_model, seq=seq, micro_batch=1,
-                           vocab=cfg.vocab_size, policy=policy.split("+")[0])
+    est = activation_bytes(
+        layers=cfg.n_layer,
+        hidden=cfg.d_model,
+        seq=seq,
+        micro_batch=1,
+        vocab=cfg.vocab_size,
+        policy=policy.split("+")[0],
+    )
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    return {"policy": policy, "activation_bytes": sum(alive.values()), "estimate_bytes": est,
-            "peak_rss_delta_mib": peak - base, "step_s": statistics.median(times)}
+    return {
+        "policy": policy,
+        "activation_bytes": sum(alive.values()),
+        "estimate_bytes": est,
+        "peak_rss_delta_mib": peak - base,
+        "step_s": statistics.median(times),
+    }
 
 
 def main() -> None:
@@ -99,11 +112,24 @@ def main() -> None:
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "1"}
     rows: dict[str, list[dict]] = {p: [] for p in POLICIES}
     for r in range(args.rounds):
-        order = POLICIES[r % len(POLICIES):] + POLICIES[: r % len(POLICIES)]
+        order = POLICIES[r % len(POLICIES) :] + POLICIES[: r % len(POLICIES)]
         for policy in order:
-            out = subprocess.run([sys.executable, __file__, "--worker", policy, "--seq", str(args.seq),
-                                  "--steps", str(args.steps)], capture_output=True, text=True, env=env,
-                                 check=True)
+            out = subprocess.run(
+                [
+                    sys.executable,
+                    __file__,
+                    "--worker",
+                    policy,
+                    "--seq",
+                    str(args.seq),
+                    "--steps",
+                    str(args.steps),
+                ],
+                capture_output=True,
+                text=True,
+                env=env,
+                check=True,
+            )
             rows[policy].append(json.loads(out.stdout.strip().splitlines()[-1]))
             print(f"round {r + 1} {policy:13} {rows[policy][-1]}", flush=True)
     base = rows["none"]
@@ -119,11 +145,15 @@ def main() -> None:
         rs = rows[policy]
         act = statistics.median(r["activation_bytes"] for r in rs) / 2**20
         est = rs[0]["estimate_bytes"] / 2**20
-        div = statistics.median(b["activation_bytes"] / r["activation_bytes"] for b, r in zip(base, rs, strict=True))
+        div = statistics.median(
+            b["activation_bytes"] / r["activation_bytes"] for b, r in zip(base, rs, strict=True)
+        )
         rss = statistics.median(r["peak_rss_delta_mib"] for r in rs)
         step = statistics.median(r["step_s"] for r in rs)
         slow = statistics.median(r["step_s"] / b["step_s"] for b, r in zip(base, rs, strict=True))
-        lines.append(f"| {policy} | {act:.0f} | {est:.0f} | {div:.1f} | {rss:.0f} | {step:.2f} | {slow:.2f} |")
+        lines.append(
+            f"| {policy} | {act:.0f} | {est:.0f} | {div:.1f} | {rss:.0f} | {step:.2f} | {slow:.2f} |"
+        )
     text = "\n".join(lines) + "\n"
     print(text)
     if not args.no_record:

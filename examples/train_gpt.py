@@ -52,6 +52,7 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     model = GPT(GPTConfig.preset(args.model, seq_len=args.seq))
+    n_params = sum(p.numel() for p in model.parameters())
     engine, _, _, _ = zeroshard.initialize(
         args=args, model=model, model_parameters=model.parameters()
     )

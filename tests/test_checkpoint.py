@@ -27,15 +27,27 @@ def _config(case: dict, world: int) -> dict:
         "train_batch_size": ROWS,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.1}},
         "gradient_clipping": 1.0,
-        "zero_optimization": {"stage": case["stage"], "reduce_bucket_size": 3000,
-                              "allgather_bucket_size": 3000,
-                              "stage3_param_persistence_threshold": 0, **case.get("zero", {})},
+        "zero_optimization": {
+            "stage": case["stage"],
+            "reduce_bucket_size": 3000,
+            "allgather_bucket_size": 3000,
+            "stage3_param_persistence_threshold": 0,
+            **case.get("zero", {}),
+        },
         "steps_per_print": 10**6,
     }
     if case.get("scheduler", True):
-        cfg["scheduler"] = {"type": "WarmupLR", "params": {"warmup_num_steps": 4, "warmup_max_lr": 1e-3}}
+        cfg["scheduler"] = {
+            "type": "WarmupLR",
+            "params": {"warmup_num_steps": 4, "warmup_max_lr": 1e-3},
+        }
     if case.get("dtype") == "fp16":
-        cfg["fp16"] = {"enabled": True, "initial_scale_power": 6, "loss_scale_window": 3, "hysteresis": 1}
+        cfg["fp16"] = {
+            "enabled": True,
+            "initial_scale_power": 6,
+            "loss_scale_window": 3,
+            "hysteresis": 1,
+        }
     if case.get("dtype") == "bf16":
         cfg["bf16"] = {"enabled": True}
     return cfg
@@ -45,8 +57,9 @@ def _engine(case: dict, world: int):
     import zeroshard
 
     model = parity.build_model(case)
-    engine, *_ = zeroshard.initialize(model=model, model_parameters=parity.param_groups(model),
-                                      config=_config(case, world))
+    engine, *_ = zeroshard.initialize(
+        model=model, model_parameters=parity.param_groups(model), config=_config(case, world)
+    )
     return engine
 
 
@@ -93,8 +106,14 @@ def _resume_phase(rank: int, world: int, phase: str, root: str) -> list:
             assert client == {"epoch": 3} and engine.global_steps == 5
             losses = _train(engine, rank, world, range(5, 10))
         params = parity.full_params(engine)
-        out.append({"losses": losses, "params": {k: v.flatten().tolist() for k, v in params.items()},
-                    "scale": engine.cur_scale, "lr": engine.get_lr()})
+        out.append(
+            {
+                "losses": losses,
+                "params": {k: v.flatten().tolist() for k, v in params.items()},
+                "scale": engine.cur_scale,
+                "lr": engine.get_lr(),
+            }
+        )
     return out
 
 
@@ -113,10 +132,20 @@ def test_exact_resume(tmp_path) -> None:
 def _reference(case: dict) -> tuple[list[float], dict]:
     """Single-process fp32 AdamW, 10 steps on the whole batch, with clipping."""
     model = parity.build_model(case)
-    opt = torch.optim.AdamW([
-        {"params": [p for p in model.parameters() if p.dim() >= 2 and p.requires_grad], "weight_decay": 0.1},
-        {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0, "lr": parity.LR_NODECAY},
-    ], lr=1e-3)
+    opt = torch.optim.AdamW(
+        [
+            {
+                "params": [p for p in model.parameters() if p.dim() >= 2 and p.requires_grad],
+                "weight_decay": 0.1,
+            },
+            {
+                "params": [p for p in model.parameters() if p.dim() < 2],
+                "weight_decay": 0.0,
+                "lr": parity.LR_NODECAY,
+            },
+        ],
+        lr=1e-3,
+    )
     losses = []
     for step in range(10):
         x, y = parity.batch(step, ROWS)
@@ -185,7 +214,9 @@ def test_sigkill_during_save_never_breaks_latest(tmp_path) -> None:
     root = tmp_path / "ckpt"
     rng = random.Random(0)
     for trial in range(20):
-        proc = subprocess.Popen([sys.executable, str(script), str(root)], stdout=subprocess.PIPE, text=True)
+        proc = subprocess.Popen(
+            [sys.executable, str(script), str(root)], stdout=subprocess.PIPE, text=True
+        )
         assert proc.stdout.readline().strip() == "ready", f"trial {trial}: the saver did not start"
         time.sleep(rng.uniform(0.0, 0.6))
         proc.send_signal(signal.SIGKILL)
@@ -200,13 +231,25 @@ def _export(rank: int, world: int, root: str) -> dict:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
-    cfg = GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2,
-                     bos_token_id=0, eos_token_id=0)
+    cfg = GPT2Config(
+        vocab_size=64,
+        n_positions=16,
+        n_embd=32,
+        n_layer=2,
+        n_head=2,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
     model = GPT2LMHeadModel(cfg)
-    engine, *_ = zeroshard.initialize(model=model, model_parameters=model.parameters(),
-                                      config={"train_batch_size": 2 * world,
-                                              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-                                              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}})
+    engine, *_ = zeroshard.initialize(
+        model=model,
+        model_parameters=model.parameters(),
+        config={
+            "train_batch_size": 2 * world,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+            "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+        },
+    )
     ids = torch.randint(0, 64, (2, 8))
     engine.backward(engine(input_ids=ids, labels=ids).loss)
     engine.step()
@@ -241,10 +284,24 @@ def test_export_round_trip(tmp_path) -> None:
     cfg = GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2)
     fresh = GPT2LMHeadModel(cfg)
     missing, unexpected = fresh.load_state_dict(weights, strict=False)
-    assert not unexpected and not [m for m in missing if not m.endswith("attn.bias")], (missing, unexpected)
+    assert not unexpected and not [m for m in missing if not m.endswith("attn.bias")], (
+        missing,
+        unexpected,
+    )
     assert torch.equal(fresh.lm_head.weight, gathered["transformer.wte.weight"])
     # sharded export with an index
-    assert cli(["convert", str(tmp_path / "ckpt"), str(tmp_path / "sharded"), "--max-shard-size", "40KB"]) == 0
+    assert (
+        cli(
+            [
+                "convert",
+                str(tmp_path / "ckpt"),
+                str(tmp_path / "sharded"),
+                "--max-shard-size",
+                "40KB",
+            ]
+        )
+        == 0
+    )
     index = json.loads((tmp_path / "sharded" / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 1
     w16 = load_file(str(tmp_path / "w16" / "model.safetensors"))
@@ -275,7 +332,11 @@ def _bad_inputs(rank: int, world: int, root: str) -> dict:
 
     attempt("wrong_tag", lambda: engine.load_checkpoint(good, tag="nope"))
     attempt("no_latest", lambda: engine.load_checkpoint(os.path.join(root, "empty")))
-    for key, damage in (("missing_file", "missing"), ("truncated", "truncate"), ("pickle", "pickle")):
+    for key, damage in (
+        ("missing_file", "missing"),
+        ("truncated", "truncate"),
+        ("pickle", "pickle"),
+    ):
         d = os.path.join(root, key)
         shutil.copytree(os.path.join(good, "a"), d)
         f = os.path.join(d, "zs_rank00000.safetensors")
@@ -285,6 +346,7 @@ def _bad_inputs(rank: int, world: int, root: str) -> dict:
             with open(f, "r+b") as fh:
                 fh.truncate(os.path.getsize(f) - 10)
         else:  # a pickle that would create a file if it were ever unpickled
+
             class Boom:
                 def __reduce__(self):
                     return (open, (os.path.join(root, "PWNED"), "w"))
@@ -297,13 +359,17 @@ def _bad_inputs(rank: int, world: int, root: str) -> dict:
         attempt(key, lambda d=d: engine.load_checkpoint(d))
     # a model that does not fit: different width
     other = parity.build_model({**case, "tied": False})
-    eng2, *_ = zeroshard.initialize(model=other, model_parameters=other.parameters(),
-                                    config=_config(case, world))
+    eng2, *_ = zeroshard.initialize(
+        model=other, model_parameters=other.parameters(), config=_config(case, world)
+    )
     attempt("mismatch", lambda: eng2.load_checkpoint(good, tag="a"))
     before = parity.full_params(engine)
     attempt("after", lambda: engine.load_checkpoint(good, tag="a"))
-    return {"errors": errors, "pwned": os.path.exists(os.path.join(root, "PWNED")),
-            "intact": all(torch.equal(before[n], v) for n, v in parity.full_params(engine).items())}
+    return {
+        "errors": errors,
+        "pwned": os.path.exists(os.path.join(root, "PWNED")),
+        "intact": all(torch.equal(before[n], v) for n, v in parity.full_params(engine).items()),
+    }
 
 
 def test_bad_checkpoints_fail_clearly(tmp_path) -> None:

@@ -101,8 +101,10 @@ def _api(rank: int, world: int, cfg_path: str) -> dict:
         )
         rows = [b[0][:, 0].tolist() for b in loader]
         out["hf" if len(flags) == 2 else "ds"] = {
-            "rows": rows, "micro": engine.train_micro_batch_size_per_gpu(),
-            "sched": type(sched).__name__, "lr": engine.get_lr(),
+            "rows": rows,
+            "micro": engine.train_micro_batch_size_per_gpu(),
+            "sched": type(sched).__name__,
+            "lr": engine.get_lr(),
         }
     return out
 

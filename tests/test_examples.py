@@ -15,24 +15,50 @@ SEEDS = os.path.join(ROOT, "examples", "seeds")
 
 def _launch(*argv: str, timeout: int = 300) -> str:
     cmd = [sys.executable, "-m", "zeroshard.cli", *argv]
-    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    out = subprocess.run(
+        cmd,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     return out.stdout + out.stderr
 
 
 CASES = [
-    (["--num_gpus", "2", "examples/seeds/seed001_method_b.py"], "seed001 method B: 1 optimizer step"),
-    (["run", "--nproc", "2", "examples/seeds/seed001_method_b_as_printed.py"],
-     "refused as expected: train_micro_batch_size_per_gpu"),
+    (
+        ["--num_gpus", "2", "examples/seeds/seed001_method_b.py"],
+        "seed001 method B: 1 optimizer step",
+    ),
+    (
+        ["run", "--nproc", "2", "examples/seeds/seed001_method_b_as_printed.py"],
+        "refused as expected: train_micro_batch_size_per_gpu",
+    ),
     (["run", "--nproc", "2", "examples/seeds/seed002_initialize.py"], "seed002: loss"),
-    (["run", "--nproc", "2", "examples/seeds/seed003_as_printed.py"], "refused as expected: optimizer"),
-    (["--num_gpus", "2", "examples/seeds/seed001_method_a_equivalent.py", "--deepspeed",
-      "examples/seeds/seed001_ds_config.json"], "method A equivalent: 4 steps"),
+    (
+        ["run", "--nproc", "2", "examples/seeds/seed003_as_printed.py"],
+        "refused as expected: optimizer",
+    ),
+    (
+        [
+            "--num_gpus",
+            "2",
+            "examples/seeds/seed001_method_a_equivalent.py",
+            "--deepspeed",
+            "examples/seeds/seed001_ds_config.json",
+        ],
+        "method A equivalent: 4 steps",
+    ),
 ]
 
 
-@pytest.mark.parametrize(("argv", "expect"), CASES, ids=[c[0][-1] if "--deepspeed" not in c[0] else "method_a" for c in CASES])
+@pytest.mark.parametrize(
+    ("argv", "expect"),
+    CASES,
+    ids=[c[0][-1] if "--deepspeed" not in c[0] else "method_a" for c in CASES],
+)
 def test_seed_example(argv: list[str], expect: str) -> None:
     pytest.importorskip("transformers")
     assert expect in _launch(*argv)
@@ -46,8 +72,19 @@ def test_seed003_zero_stages(stage: int) -> None:
 
 
 def test_demo_runs_briefly(tmp_path) -> None:
-    out = _launch("run", "--nproc", "2", "examples/train_gpt.py", "--deepspeed_config",
-                  "examples/ds_config_demo.json", "--model", "tiny", "--steps", "5",
-                  "--metrics", str(tmp_path / "m.jsonl"))
+    out = _launch(
+        "run",
+        "--nproc",
+        "2",
+        "examples/train_gpt.py",
+        "--deepspeed_config",
+        "examples/ds_config_demo.json",
+        "--model",
+        "tiny",
+        "--steps",
+        "5",
+        "--metrics",
+        str(tmp_path / "m.jsonl"),
+    )
     assert "trained 5 steps" in out and "rank 1 memory" in out
     assert len((tmp_path / "m.jsonl").read_text().splitlines()) == 6

@@ -26,7 +26,9 @@ def test_seed_004_table_and_why_it_differs() -> None:
     seed = [98, 56, 35, 24.5]
     for stage in range(4):
         assert paper_bytes(7 * 10**9, 4, stage, p=2, g=4, k=8) == seed[stage] * GB
-        assert estimate(7 * 10**9, 4, stage=stage).model_states > seed[stage] * GB  # + masters
+        # ours: bf16 gradients (2 bytes less) but fp32 masters (4 bytes more) per parameter
+        ours = estimate(7 * 10**9, 4, stage=stage).model_states
+        assert ours == paper_bytes(7 * 10**9, 4, stage, p=2, g=2, k=12)
 
 
 def test_offload_moves_the_optimizer_side() -> None:
@@ -34,7 +36,7 @@ def test_offload_moves_the_optimizer_side() -> None:
     e = estimate(psi, 2, stage=2, precision="bf16", offload="cpu")
     assert e.by_location["cpu"] == (12 + 2) * psi // 2  # masters + moments + gradient shard
     e = estimate(psi, 2, stage=3, precision="bf16", offload="nvme", offload_params=True)
-    assert e.by_location["nvme"] == (12 + 2) * psi // 2 and e.by_location["device"] == 0
+    assert e.by_location["nvme"] == (12 + 2) * psi // 2 and e.by_location.get("device", 0) == 0
 
 
 def _measure(rank: int, world: int, stage: int) -> dict:
@@ -45,22 +47,38 @@ def _measure(rank: int, world: int, stage: int) -> dict:
     torch.manual_seed(0)
     model = GPT(cfg)
     bucket = 50_000
-    config = {"train_micro_batch_size_per_gpu": 1,
-              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-              "zero_optimization": {"stage": stage, "reduce_bucket_size": bucket,
-                                    "allgather_bucket_size": bucket}}
+    config = {
+        "train_micro_batch_size_per_gpu": 1,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "zero_optimization": {
+            "stage": stage,
+            "reduce_bucket_size": bucket,
+            "allgather_bucket_size": bucket,
+        },
+    }
     psi = sum(p.numel() for p in model.parameters())
     own = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
     persistent = sum(p.numel() for p in model.parameters() if p.numel() < 100_000)
-    engine, *_ = zeroshard.initialize(model=model, model_parameters=model.parameters(), config=config)
+    engine, *_ = zeroshard.initialize(
+        model=model, model_parameters=model.parameters(), config=config
+    )
     ids = torch.randint(0, 256, (1, 65))
     engine.backward(engine(ids[:, :-1], ids[:, 1:]))
     engine.step()
     m = engine.memory_stats()
-    e = estimate(psi, world, stage=stage, precision="fp32", bucket_numel=bucket,
-                 largest_unit=own if stage == 3 else 0, persistent_numel=persistent if stage == 3 else 0)
-    return {"measured": m["params"] + m["grads"] + m["optimizer_states"],
-            "estimated": e.model_states + e.buffers}
+    e = estimate(
+        psi,
+        world,
+        stage=stage,
+        precision="fp32",
+        bucket_numel=bucket,
+        largest_unit=own if stage == 3 else 0,
+        persistent_numel=persistent if stage == 3 else 0,
+    )
+    return {
+        "measured": m["params"] + m["grads"] + m["optimizer_states"],
+        "estimated": e.model_states + e.buffers,
+    }
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -111,8 +129,15 @@ def test_activation_estimate_within_15_percent(policy: str) -> None:
         apply_activation_checkpointing(model, Block, policy)
     ids = torch.randint(0, 256, (2, 257))
     measured = _live_activation_bytes(model, ids)
-    est = activation_bytes(layers=cfg.n_layer, hidden=cfg.d_model, seq=256, micro_batch=2,
-                           vocab=cfg.vocab_size, policy=policy)
+    est = activation_bytes(
+        layers=cfg.n_layer,
+        hidden=cfg.d_model,
+        seq=256,
+        micro_batch=2,
+        vocab=cfg.vocab_size,
+        policy=policy,
+    )
     if policy == "full":
         est -= 4 * 16 * 256 * 2 * cfg.d_model  # the estimate adds one block's recompute peak
+    print(policy, measured, est)
     assert abs(measured - est) <= 0.15 * measured, (policy, measured, est)

@@ -32,9 +32,17 @@ def test_nvme_parity(tmp_path) -> None:
     z = "zero_optimization"
     cases = [
         {"stage": 3, "gas": 4, "micro": 1, "clip": 1.0, "extra": {z: _nvme(str(tmp_path / "a"))}},
-        {"stage": 3, "gas": 1, "clip": 0.5, "extra": {z: {
-            "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path / "b")},
-            "sub_group_size": 3000}}},
+        {
+            "stage": 3,
+            "gas": 1,
+            "clip": 0.5,
+            "extra": {
+                z: {
+                    "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path / "b")},
+                    "sub_group_size": 3000,
+                }
+            },
+        },
         {"stage": 3, "gas": 2, "dtype": "bf16", "extra": {z: _nvme(str(tmp_path / "c"))}},
     ]
     results = multirank.run(_worker, 2, cases, timeout=600)
@@ -55,7 +63,9 @@ def _files_and_memory(rank: int, world: int, path: str) -> dict:
     listing = {}
     for root, _, files in os.walk(path):
         for f in files:
-            listing[os.path.relpath(os.path.join(root, f), path)] = os.path.getsize(os.path.join(root, f))
+            listing[os.path.relpath(os.path.join(root, f), path)] = os.path.getsize(
+                os.path.join(root, f)
+            )
     mem = engine.memory_stats()
     psi = sum(s.used for s in engine.flat.layout.segments)
     direct = next(iter(engine._swap_spaces.values())).direct

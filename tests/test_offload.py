@@ -18,13 +18,28 @@ CPU = {"device": "cpu", "pin_memory": True}
 def _cases() -> list[dict]:
     base = {"gas": 4, "micro": 1, "clip": 1.0}
     z = "zero_optimization"
-    cases = [
-        {**base, "stage": s, "extra": {z: {"offload_optimizer": CPU}}} for s in (1, 2, 3)
-    ]
-    cases.append({**base, "stage": 3, "extra": {z: {
-        "offload_optimizer": CPU, "offload_param": CPU, "stage3_param_persistence_threshold": 0}}})
-    cases.append({**base, "stage": 3, "client": True, "extra": {z: {
-        "offload_param": CPU, "stage3_param_persistence_threshold": 0}}})
+    cases = [{**base, "stage": s, "extra": {z: {"offload_optimizer": CPU}}} for s in (1, 2, 3)]
+    cases.append(
+        {
+            **base,
+            "stage": 3,
+            "extra": {
+                z: {
+                    "offload_optimizer": CPU,
+                    "offload_param": CPU,
+                    "stage3_param_persistence_threshold": 0,
+                }
+            },
+        }
+    )
+    cases.append(
+        {
+            **base,
+            "stage": 3,
+            "client": True,
+            "extra": {z: {"offload_param": CPU, "stage3_param_persistence_threshold": 0}},
+        }
+    )
     return cases
 
 
@@ -45,9 +60,12 @@ def _memory(rank, world):
     case = {"stage": 2, "steps": 1, "extra": {"zero_optimization": {"offload_optimizer": CPU}}}
     _, engine = parity.train(case, rank, world)
     m = engine.memory_stats()
-    return {"memory": m, "masters_on": str(engine.optimizer.masters[0].device),
-            "grad_on": str(engine.reducer.grad_shard.device),
-            "separate": engine.optimizer.separate_masters}
+    return {
+        "memory": m,
+        "masters_on": str(engine.optimizer.masters[0].device),
+        "grad_on": str(engine.reducer.grad_shard.device),
+        "separate": engine.optimizer.separate_masters,
+    }
 
 
 def test_offload_parity_two_ranks() -> None:
@@ -58,8 +76,15 @@ def test_offload_parity_two_ranks() -> None:
 def test_hybrid_cpu_adamw_one_rank() -> None:
     """seeds/004's single-device recipe: CPU AdamW with gradients offloaded and
     accumulated on the CPU (stage 2 + offload_optimizer cpu on one rank)."""
-    cases = [{"stage": 2, "gas": 4, "micro": 1, "clip": 1.0,
-              "extra": {"zero_optimization": {"offload_optimizer": CPU}}}]
+    cases = [
+        {
+            "stage": 2,
+            "gas": 4,
+            "micro": 1,
+            "clip": 1.0,
+            "extra": {"zero_optimization": {"offload_optimizer": CPU}},
+        }
+    ]
     _check(cases, multirank.run(_worker, 1, cases, timeout=300), 1)
 
 

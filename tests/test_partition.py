@@ -20,7 +20,9 @@ def test_every_element_owned_exactly_once(world: int, seed: int) -> None:
     rng = random.Random(seed * 31 + world)
     numels = _random_numels(rng, rng.randint(1, 30))
     align = rng.choice([1, 4, 16])
-    layout = FlatLayout(numels, world, bucket_numel=rng.choice([None, 50, 1000, 10**6]), align=align)
+    layout = FlatLayout(
+        numels, world, bucket_numel=rng.choice([None, 50, 1000, 10**6]), align=align
+    )
     # segment geometry: equal chunks, alignment, padded to world*align
     for seg in layout.segments:
         assert seg.numel % (world * align) == 0 and seg.used <= seg.numel < seg.used + world * align
@@ -46,7 +48,9 @@ def test_every_element_owned_exactly_once(world: int, seed: int) -> None:
 def test_parameter_straddles_ranks() -> None:
     layout = FlatLayout([10, 6], 4, align=1)  # one segment of 16: chunks of 4
     assert [(p.param, p.param_lo, p.param_hi) for p in layout.pieces(2)] == [(0, 8, 10), (1, 0, 2)]
-    assert [(p.param, p.param_lo, p.param_hi, p.shard_lo) for p in layout.pieces(3)] == [(1, 2, 6, 0)]
+    assert [(p.param, p.param_lo, p.param_hi, p.shard_lo) for p in layout.pieces(3)] == [
+        (1, 2, 6, 0)
+    ]
 
 
 def test_uneven_total_is_padded() -> None:

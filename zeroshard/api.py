@@ -7,7 +7,6 @@ the engine then broadcasts rank 0's initial parameters.
 from __future__ import annotations
 
 import argparse
-import os
 import random
 
 import torch
@@ -25,7 +24,8 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
 
     ``--deepspeed`` takes an optional value, so both DeepSpeed's flag form
     (``--deepspeed --deepspeed_config cfg.json``) and Hugging Face's
-    ``--deepspeed cfg.json`` work.
+    ``--deepspeed cfg.json`` work. Like DeepSpeed's, it does not add ``--local_rank``
+    (scripts launched with DeepSpeed's spelling declare it themselves).
     """
     group = parser.add_argument_group("zeroshard", "zeroshard / DeepSpeed configuration")
     group.add_argument(
@@ -36,12 +36,6 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
         help="enable zeroshard; optionally the config path (Hugging Face style)",
     )
     group.add_argument("--deepspeed_config", default=None, help="path to the DeepSpeed JSON config")
-    group.add_argument(
-        "--local_rank",
-        type=int,
-        default=int(os.environ.get("LOCAL_RANK", 0)),
-        help="set by the launcher",
-    )
     return parser
 
 

@@ -108,12 +108,22 @@ def apply_activation_checkpointing(
     return len(blocks)
 
 
-def configure(mpu_=None, deepspeed_config=None, partition_activations=None, contiguous_checkpointing=None,
-              num_checkpoints=None, checkpoint_in_cpu=None, synchronize=None, profile=None) -> None:
+def configure(
+    mpu_=None,
+    deepspeed_config=None,
+    partition_activations=None,
+    contiguous_checkpointing=None,
+    num_checkpoints=None,
+    checkpoint_in_cpu=None,
+    synchronize=None,
+    profile=None,
+) -> None:
     """DeepSpeed's ``checkpointing.configure``: ``checkpoint_in_cpu`` offloads what
     :func:`checkpoint` keeps; partitioning needs model parallelism (not built yet)."""
     if partition_activations:
-        raise NotImplementedError("activation_checkpointing.partition_activations is not built yet in zeroshard")
+        raise NotImplementedError(
+            "activation_checkpointing.partition_activations is not built yet in zeroshard"
+        )
     if checkpoint_in_cpu is not None:
         _settings["offload"] = bool(checkpoint_in_cpu)
 

@@ -10,7 +10,16 @@ from __future__ import annotations
 import argparse
 import re
 
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+}
 
 
 def parse_size(text: str) -> int:
@@ -24,10 +33,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = __doc__.splitlines()[0]
     parser.add_argument("ckpt_dir", help="a checkpoint tag directory, or a directory with 'latest'")
     parser.add_argument("out", help="output .safetensors file, or a directory")
-    parser.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default=None,
-                        help="cast floating tensors (default: fp32 masters / saved dtype)")
-    parser.add_argument("--max-shard-size", type=parse_size, default=None,
-                        help="split into several files above this size (directory output)")
+    parser.add_argument(
+        "--dtype",
+        choices=["fp32", "bf16", "fp16"],
+        default=None,
+        help="cast floating tensors (default: fp32 masters / saved dtype)",
+    )
+    parser.add_argument(
+        "--max-shard-size",
+        type=parse_size,
+        default=None,
+        help="split into several files above this size (directory output)",
+    )
 
 
 def main(args: argparse.Namespace) -> int:

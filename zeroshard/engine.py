@@ -182,7 +182,9 @@ class Engine(nn.Module):
             plan = plan_buckets(self.module, param_groups, bucket)
         # with the shard in swap files, chunks start and end on whole disk blocks
         align = _NVME_ALIGN if self.placement.param_nvme else _ALIGN if world > 1 else 1
-        layout = FlatLayout([p.numel() for p in plan.params], world, groups=plan.segments, align=align)
+        layout = FlatLayout(
+            [p.numel() for p in plan.params], world, groups=plan.segments, align=align
+        )
         swap = None
         if self.placement.param_nvme:
             esize = torch.empty((), dtype=self.policy.compute).element_size()

@@ -63,28 +63,53 @@ def main(args: argparse.Namespace) -> int:
     facts = _model_facts(args.model) if args.model else {"params": int(args.params)}
     psi, n = facts["params"], args.nproc * args.nnodes
     precisions = list(PRECISIONS) if args.precision == "all" else [args.precision]
-    print(f"{psi:,} parameters on {n} data-parallel ranks ({args.nnodes} node(s) x {args.nproc}); GiB per rank")
+    print(
+        f"{psi:,} parameters on {n} data-parallel ranks ({args.nnodes} node(s) x {args.nproc}); GiB per rank"
+    )
     act = 0
     if args.seq and "layers" in facts:
-        act = activation_bytes(layers=facts["layers"], hidden=facts["hidden"], seq=args.seq,
-                               micro_batch=args.micro_batch, vocab=facts["vocab"],
-                               policy=args.checkpointing, dtype_bytes=4)
-        print(f"activations (fp32, seq {args.seq}, micro-batch {args.micro_batch}, "
-              f"checkpointing {args.checkpointing}): {act / 2**30:.2f} GiB")
-    print(f"{'precision':9} {'stage':>5} {'offload':>7} | {'params':>8} {'grads':>8} {'optim':>8} "
-          f"{'states':>8} {'+buffers':>8} | {'device':>8} {'cpu':>8} {'nvme':>8}")
+        act = activation_bytes(
+            layers=facts["layers"],
+            hidden=facts["hidden"],
+            seq=args.seq,
+            micro_batch=args.micro_batch,
+            vocab=facts["vocab"],
+            policy=args.checkpointing,
+            dtype_bytes=4,
+        )
+        print(
+            f"activations (fp32, seq {args.seq}, micro-batch {args.micro_batch}, "
+            f"checkpointing {args.checkpointing}): {act / 2**30:.2f} GiB"
+        )
+    print(
+        f"{'precision':9} {'stage':>5} {'offload':>7} | {'params':>8} {'grads':>8} {'optim':>8} "
+        f"{'states':>8} {'+buffers':>8} | {'device':>8} {'cpu':>8} {'nvme':>8}"
+    )
     for prec in precisions:
         for stage in range(4):
             for off in OFFLOADS:
                 if off != "none" and stage == 0:
                     continue
-                e = estimate(psi, args.nproc, args.nnodes, stage=stage, precision=prec, offload=off,
-                             offload_params=off != "none", bucket_numel=int(args.bucket),
-                             largest_unit=facts.get("largest_unit", 0), activations=act)
+                e = estimate(
+                    psi,
+                    args.nproc,
+                    args.nnodes,
+                    stage=stage,
+                    precision=prec,
+                    offload=off,
+                    offload_params=off != "none",
+                    bucket_numel=int(args.bucket),
+                    largest_unit=facts.get("largest_unit", 0),
+                    activations=act,
+                )
                 loc = e.by_location
-                print(f"{prec:9} {stage:>5} {off:>7} | {gib(e.params)} {gib(e.grads)} "
-                      f"{gib(e.optimizer_states)} {gib(e.model_states)} {gib(e.buffers)} | "
-                      f"{gib(e.device)} {gib(loc.get('cpu', 0))} {gib(loc.get('nvme', 0))}")
-    print("states: the ZeRO paper's model-state bytes; +buffers: zeroshard's gradient staging "
-          "(stages 2-3) and always-gathered small parameters")
+                print(
+                    f"{prec:9} {stage:>5} {off:>7} | {gib(e.params)} {gib(e.grads)} "
+                    f"{gib(e.optimizer_states)} {gib(e.model_states)} {gib(e.buffers)} | "
+                    f"{gib(e.device)} {gib(loc.get('cpu', 0))} {gib(loc.get('nvme', 0))}"
+                )
+    print(
+        "states: the ZeRO paper's model-state bytes; +buffers: zeroshard's gradient staging "
+        "(stages 2-3) and always-gathered small parameters"
+    )
     return 0

@@ -14,8 +14,8 @@ Activations per micro-batch (s = sequence, b = micro-batch, h = hidden, L = laye
 V = vocabulary), counted for a pre-LN block with fused attention (no s² scores kept):
 17 sbh elements per layer without checkpointing, 10 sbh with selective checkpointing
 (matmul outputs and the block input kept), sbh with full checkpointing (the block
-input only, plus one block's worth while it is recomputed); plus the embedding, the
-final norm and the logits (2 sbV for the loss).
+input only, plus one block's worth while it is recomputed); plus the logits (2 sbV for
+the loss) and, without full checkpointing, 3 sbh around the embedding and final norm.
 """
 
 from __future__ import annotations
@@ -123,8 +123,12 @@ def paper_bytes(params: int, n: int, stage: int, p: int = 2, g: int = 2, k: int 
     """The ZeRO paper's per-rank model-state bytes: ``p``/``g`` bytes per parameter and
     gradient, ``k`` bytes of optimizer state (12 for mixed-precision Adam)."""
     psi = params
-    return {0: (p + g + k) * psi, 1: (p + g) * psi + k * psi / n, 2: p * psi + (g + k) * psi / n,
-            3: (p + g + k) * psi / n}[stage]
+    return {
+        0: (p + g + k) * psi,
+        1: (p + g) * psi + k * psi / n,
+        2: p * psi + (g + k) * psi / n,
+        3: (p + g + k) * psi / n,
+    }[stage]
 
 
 def activation_bytes(
@@ -143,8 +147,12 @@ def activation_bytes(
     sbh = seq * micro_batch * hidden
     per_layer = _PER_LAYER[policy] * sbh
     recompute = 0 if policy == "none" else (_PER_LAYER["none"] - _PER_LAYER[policy]) * sbh
-    head = 3 * sbh + 2 * seq * micro_batch * vocab  # embedding sum, final norm in/out, logits
-    return dtype_bytes * (layers * per_layer + head) + (dtype_bytes * recompute if policy == "full" else 0)
+    # logits and their log-softmax; without full checkpointing also the embedding sum and
+    # the final norm's input and output (with it, those are block inputs already counted)
+    head = (0 if policy == "full" else 3 * sbh) + 2 * seq * micro_batch * vocab
+    return dtype_bytes * (layers * per_layer + head) + (
+        dtype_bytes * recompute if policy == "full" else 0
+    )
 
 
 def measure(engine) -> dict:

@@ -19,31 +19,52 @@ from zeroshard.memory import POLICIES, PRECISIONS, Estimate, activation_bytes, e
 _OFFLOAD_RANK = {"none": 0, "cpu": 1, "nvme": 2}
 
 
-def candidates(facts: dict, nproc: int, nnodes: int, precision: str, act: int, bucket: int) -> list[Estimate]:
+def candidates(
+    facts: dict, nproc: int, nnodes: int, precision: str, act: int, bucket: int
+) -> list[Estimate]:
     out = []
     for stage in range(4):
         for off in ("none", "cpu", "nvme"):
             if (off != "none" and stage == 0) or (off == "nvme" and stage < 3):
                 continue
-            out.append(estimate(facts["params"], nproc, nnodes, stage=stage, precision=precision,
-                                offload=off, offload_params=off == "nvme", bucket_numel=bucket,
-                                largest_unit=facts.get("largest_unit", 0), activations=act))
+            out.append(
+                estimate(
+                    facts["params"],
+                    nproc,
+                    nnodes,
+                    stage=stage,
+                    precision=precision,
+                    offload=off,
+                    offload_params=off == "nvme",
+                    bucket_numel=bucket,
+                    largest_unit=facts.get("largest_unit", 0),
+                    activations=act,
+                )
+            )
     return out
 
 
-def choose(cands: list[Estimate], device_memory: int, cpu_memory: int | None = None) -> list[Estimate]:
+def choose(
+    cands: list[Estimate], device_memory: int, cpu_memory: int | None = None
+) -> list[Estimate]:
     """The candidates that fit, best first."""
-    fits = [e for e in cands if e.device <= device_memory
-            and (cpu_memory is None or e.by_location.get("cpu", 0) <= cpu_memory)]
+    fits = [
+        e
+        for e in cands
+        if e.device <= device_memory
+        and (cpu_memory is None or e.by_location.get("cpu", 0) <= cpu_memory)
+    ]
     return sorted(fits, key=lambda e: (e.comm_bytes_per_step, _OFFLOAD_RANK[e.offload], e.device))
 
 
 def _describe(e: Estimate, device_memory: int) -> str:
     gib = 2**30
-    return (f"stage {e.stage}, offload {e.offload}: {e.device / gib:.2f} GiB on the device of "
-            f"{device_memory / gib:.2f} ({e.model_states / gib:.2f} model states, "
-            f"{e.activations / gib:.2f} activations), {e.comm_bytes_per_step / gib:.2f} GiB "
-            f"exchanged per step")
+    return (
+        f"stage {e.stage}, offload {e.offload}: {e.device / gib:.2f} GiB on the device of "
+        f"{device_memory / gib:.2f} ({e.model_states / gib:.2f} model states, "
+        f"{e.activations / gib:.2f} activations), {e.comm_bytes_per_step / gib:.2f} GiB "
+        f"exchanged per step"
+    )
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -66,20 +87,30 @@ def main(args: argparse.Namespace) -> int:
     facts = _model_facts(args.model) if args.model else {"params": int(args.params)}
     act = 0
     if args.seq and "layers" in facts:
-        act = activation_bytes(layers=facts["layers"], hidden=facts["hidden"], seq=args.seq,
-                               micro_batch=args.micro_batch, vocab=facts["vocab"],
-                               policy=args.checkpointing,
-                               dtype_bytes=4 if args.precision == "fp32" else 2)
-    ranked = choose(candidates(facts, args.nproc, args.nnodes, args.precision, act, int(args.bucket)),
-                    args.device_memory, args.cpu_memory)
+        act = activation_bytes(
+            layers=facts["layers"],
+            hidden=facts["hidden"],
+            seq=args.seq,
+            micro_batch=args.micro_batch,
+            vocab=facts["vocab"],
+            policy=args.checkpointing,
+            dtype_bytes=4 if args.precision == "fp32" else 2,
+        )
+    ranked = choose(
+        candidates(facts, args.nproc, args.nnodes, args.precision, act, int(args.bucket)),
+        args.device_memory,
+        args.cpu_memory,
+    )
     if not ranked:
         print("nothing fits: reduce the micro-batch, turn on --checkpointing full, or add ranks")
         return 1
     best = ranked[0]
     print("plan: " + _describe(best, args.device_memory))
-    why = ("it fits and no layout that fits exchanges fewer bytes" if len(ranked) == 1
-           or ranked[1].comm_bytes_per_step > best.comm_bytes_per_step
-           else "it fits, exchanges as few bytes as any layout that fits, and offloads least")
+    why = (
+        "it fits and no layout that fits exchanges fewer bytes"
+        if len(ranked) == 1 or ranked[1].comm_bytes_per_step > best.comm_bytes_per_step
+        else "it fits, exchanges as few bytes as any layout that fits, and offloads least"
+    )
     print(f"why: {why}")
     if len(ranked) > 1:
         print("runner-up: " + _describe(ranked[1], args.device_memory))

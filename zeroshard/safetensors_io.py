@@ -91,7 +91,9 @@ class StreamWriter:
         # buffers zeroshard later resizes (stage-3 unit buffers)
         data = tensor.detach().cpu().reshape(-1).clone().view(torch.uint8).numpy()
         if data.nbytes != nbytes:
-            raise ValueError(f"{self.path}: tensor {name!r} has {data.nbytes} bytes, expected {nbytes}")
+            raise ValueError(
+                f"{self.path}: tensor {name!r} has {data.nbytes} bytes, expected {nbytes}"
+            )
         self._f.write(memoryview(data))
         self._next += 1
 
@@ -99,7 +101,9 @@ class StreamWriter:
         """Check every declared tensor was written, then flush and fsync."""
         if self._next != len(self._order):
             self._f.close()
-            raise ValueError(f"{self.path}: {len(self._order) - self._next} declared tensors not written")
+            raise ValueError(
+                f"{self.path}: {len(self._order) - self._next} declared tensors not written"
+            )
         self._f.flush()
         os.fsync(self._f.fileno())
         self._f.close()

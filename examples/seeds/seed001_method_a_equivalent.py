@@ -37,7 +37,10 @@ train_dataset = [{"input_ids": torch.randint(0, 50257, (32,))} for _ in range(8)
 optimizer = torch.optim.AdamW(model.parameters(), lr=5e-5)  # the Trainer's default
 
 engine, optimizer, loader, _ = zeroshard.initialize(
-    model=model, optimizer=optimizer, training_data=train_dataset, config=config,
+    model=model,
+    optimizer=optimizer,
+    training_data=train_dataset,
+    config=config,
     collate_fn=lambda rows: {"input_ids": torch.stack([r["input_ids"] for r in rows])},
 )
 for _ in range(args.num_train_epochs):  # trainer.train()

@@ -42,6 +42,8 @@ for _ in range(10):
     engine.step()
 
 if engine.global_rank == 0:
-    print(f"seed001 method B: {engine.global_steps} optimizer step(s) after 10 micro-steps "
-          f"(accumulation {engine.gradient_accumulation_steps()}), bf16 {engine.bfloat16_enabled()}, "
-          f"ZeRO stage {engine.zero_optimization_stage()} with CPU optimizer offload")
+    print(
+        f"seed001 method B: {engine.global_steps} optimizer step(s) after 10 micro-steps "
+        f"(accumulation {engine.gradient_accumulation_steps()}), bf16 {engine.bfloat16_enabled()}, "
+        f"ZeRO stage {engine.zero_optimization_stage()} with CPU optimizer offload"
+    )

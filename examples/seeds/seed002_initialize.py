@@ -29,5 +29,7 @@ for step in range(4):
     model_engine.backward(loss)
     model_engine.step()
 if model_engine.global_rank == 0:
-    print(f"seed002: loss {loss.item():.3f} after {model_engine.global_steps} steps, ZeRO stage "
-          f"{model_engine.zero_optimization_stage()}")
+    print(
+        f"seed002: loss {loss.item():.3f} after {model_engine.global_steps} steps, ZeRO stage "
+        f"{model_engine.zero_optimization_stage()}"
+    )

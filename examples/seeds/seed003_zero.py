@@ -50,4 +50,6 @@ loss = outputs.loss
 model.backward(loss)
 model.step()
 if model.global_rank == 0:
-    print(f"seed003 ZeRO-{args.stage}: loss {loss.item():.3f}, step applied {model.was_step_applied()}")
+    print(
+        f"seed003 ZeRO-{args.stage}: loss {loss.item():.3f}, step applied {model.was_step_applied()}"
+    )

@@ -60,7 +60,9 @@ def write_weights(out: str, entries, fetch, max_shard_bytes: int | None = None) 
         os.replace(path + ".partial", path)
     if len(paths) > 1:
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        write_text_atomic(os.path.join(out, "model.safetensors.index.json"), json.dumps(index, indent=2))
+        write_text_atomic(
+            os.path.join(out, "model.safetensors.index.json"), json.dumps(index, indent=2)
+        )
     return paths
 
 

@@ -40,7 +40,9 @@ def resolve_tag(load_dir: str, tag: str | None) -> str:
         )
     with open(latest) as f:
         tag = f.read().strip()
-    if not os.path.isdir(os.path.join(load_dir, tag)) and os.path.isdir(os.path.join(load_dir, tag + ".old")):
+    if not os.path.isdir(os.path.join(load_dir, tag)) and os.path.isdir(
+        os.path.join(load_dir, tag + ".old")
+    ):
         return tag + ".old"  # killed between the two renames of an overwrite
     return tag
 
@@ -140,12 +142,25 @@ def check_model(manifest: dict, engine, path: str) -> None:
     if unexpected:
         problems.append(f"not in the model: {unexpected[:8]}")
     if shapes:
-        problems.append("shape mismatch: " + ", ".join(f"{n} {theirs[n]} vs model {ours[n]}" for n in shapes[:8]))
+        problems.append(
+            "shape mismatch: "
+            + ", ".join(f"{n} {theirs[n]} vs model {ours[n]}" for n in shapes[:8])
+        )
     if problems:
-        raise CheckpointError(f"{path}: the checkpoint does not fit this model; " + "; ".join(problems))
+        raise CheckpointError(
+            f"{path}: the checkpoint does not fit this model; " + "; ".join(problems)
+        )
 
 
-def load(engine, path: str, manifest: dict, *, optimizer_states: bool, scheduler_states: bool, module_only: bool):
+def load(
+    engine,
+    path: str,
+    manifest: dict,
+    *,
+    optimizer_states: bool,
+    scheduler_states: bool,
+    module_only: bool,
+):
     check_model(manifest, engine, path)
     reader = _Reader(path, manifest)
     access = ShardAccess(engine)

@@ -153,14 +153,19 @@ def _manifest(engine, access, names, kinds, sizes, client_json, tag) -> dict:
         "world_size": world,
         "zero_stage": engine.zero_optimization_stage(),
         "compute_dtype": DTYPE_NAMES[flat.dtype],
-        "offload": {"optimizer": engine.placement.optimizer_offload, "param": engine.placement.param_offload},
+        "offload": {
+            "optimizer": engine.placement.optimizer_offload,
+            "param": engine.placement.param_offload,
+        },
         "files": [{"name": file_name(r), "bytes": int(b)} for r, b in enumerate(sizes)],
         "params": params,
         "aliases": _aliases(engine),
         "whole": whole,
         "kinds": kinds,
         "optimizer": {"type": type(opt.inner).__name__, "groups": groups},
-        "scheduler": sched.state_dict() if sched is not None and hasattr(sched, "state_dict") else None,
+        "scheduler": sched.state_dict()
+        if sched is not None and hasattr(sched, "state_dict")
+        else None,
         "loss_scaler": engine.loss_scaler.state_dict(),
         "counters": {
             "global_steps": engine.global_steps,

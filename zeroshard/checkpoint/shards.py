@@ -36,7 +36,9 @@ class ShardAccess:
         layout = self.flat.layout
         # every owned piece; frozen ones (group < 0, stage 3) have only the "param" kind
         self.pieces = [
-            OwnedPiece(p.param, p.param_lo, p.param_hi, p.shard_lo, self.flat.group_of[p.param], p.segment)
+            OwnedPiece(
+                p.param, p.param_lo, p.param_hi, p.shard_lo, self.flat.group_of[p.param], p.segment
+            )
             for p in layout.pieces(self.flat.rank)
         ]
         self.swapped = isinstance(self.opt.inner, SwappedAdam)
@@ -82,7 +84,9 @@ class ShardAccess:
             return self.opt.inner.read_state(kind, a, b)
         if kind == "master":
             seg = self._segment_at(a)
-            return self.opt.masters[seg.index][a - seg.shard_start : b - seg.shard_start].cpu().clone()
+            return (
+                self.opt.masters[seg.index][a - seg.shard_start : b - seg.shard_start].cpu().clone()
+            )
         lo, _, view = self._view_at(a)
         return self.opt.inner.state[view][kind][a - lo : b - lo].cpu().clone()
 

@@ -45,7 +45,9 @@ class SwappedAdam:
         self.param_groups = [dict(h) for h in flat.hyperparams]
         for g in self.param_groups:
             if g.get("amsgrad"):
-                raise ValueError("optimizer.params.amsgrad: not supported with NVMe optimizer offload")
+                raise ValueError(
+                    "optimizer.params.amsgrad: not supported with NVMe optimizer offload"
+                )
         self.state: dict = {}
         self.steps = [0] * len(self.param_groups)
         n = flat.layout.shard_numel
@@ -65,19 +67,24 @@ class SwappedAdam:
         ]
         self._writes: list[list[Future]] = [[] for _ in range(nsets)]
         for a, b in self.subgroups:  # masters from the parameters; moments start as zeros
-            buf = self.sets[0]["master"][: b - a]
-            buf.copy_(initial_master(a, b))
-            self.files["master"].write(buf, a * 4)
+            buf = self.sets[0]["master"]
+            buf[: b - a].copy_(initial_master(a, b))
+            self.files["master"].write(buf[: self._io(a, b)], a * 4)
 
     # -- the step -----------------------------------------------------------------------
+    @staticmethod
+    def _io(a: int, b: int) -> int:
+        """Elements moved for sub-group [a, b): whole disk blocks (the file is padded)."""
+        e = ALIGN // 4
+        return -(-(b - a) // e) * e
+
     def _read(self, i: int, slot: int) -> list[Future]:
         a, b = self.subgroups[i]
         for f in self._writes[slot]:
             f.result()  # the buffers are free once their previous writes are done
         self._writes[slot] = []
-        return [
-            self.space.read_async(self.files[k], self.sets[slot][k][: b - a], a * 4) for k in _KEYS
-        ]
+        n = self._io(a, b)
+        return [self.space.read_async(self.files[k], self.sets[slot][k][:n], a * 4) for k in _KEYS]
 
     def swapped_step(
         self,
@@ -102,7 +109,10 @@ class SwappedAdam:
                 g = g * factor
             self._apply(a, b, bufs, g)
             on_updated(a, b, bufs["master"])
-            writes = [self.space.write_async(self.files[k], bufs[k], a * 4) for k in _KEYS]
+            n = self._io(a, b)
+            writes = [
+                self.space.write_async(self.files[k], self.sets[slot][k][:n], a * 4) for k in _KEYS
+            ]
             if self.pipeline_write:
                 self._writes[slot] += writes
             else:
@@ -164,4 +174,3 @@ class SwappedAdam:
         self.files[key].read(buf, lo * 4)
         buf[a - lo : b - lo].copy_(values)
         self.files[key].write(buf, lo * 4)
-

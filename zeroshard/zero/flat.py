@@ -116,7 +116,9 @@ class FlatParams:
                 if self.swap is not None:
                     self.swap.write(dst, seg.shard_start * self.esize)
         if self.swap is None:
-            self.chunks = [self.shard[s.shard_start : s.shard_start + s.chunk] for s in layout.segments]
+            self.chunks = [
+                self.shard[s.shard_start : s.shard_start + s.chunk] for s in layout.segments
+            ]
 
     @property
     def esize(self) -> int:

@@ -89,7 +89,10 @@ class ShardedOptimizer:
     def _attach_grads(self) -> list[torch.Tensor]:
         """Point every master view's ``.grad`` at the reduced gradient (fp32)."""
         chunks = self.reducer.grad_chunks
-        if self.masters and (chunks[0].dtype, chunks[0].device) != (self.masters[0].dtype, self.masters[0].device):
+        if self.masters and (chunks[0].dtype, chunks[0].device) != (
+            self.masters[0].dtype,
+            self.masters[0].device,
+        ):
             where = self.masters[0].device
             chunks = [c.to(device=where, dtype=self.policy.master) for c in chunks]
         grads = []
@@ -147,7 +150,11 @@ class ShardedOptimizer:
 
     def refresh_masters(self, segments: list[int]) -> None:
         """Parameters of ``segments`` were changed from outside: copy them into the masters."""
-        if self.separate_masters:
+        if isinstance(self.inner, SwappedAdam):
+            for s in segments:
+                start = self.flat.layout.segments[s].shard_start
+                self.inner.write_state("master", start, self.flat.read_chunk(s).float())
+        elif self.separate_masters:
             for s in segments:
                 self.masters[s].copy_(self.flat.read_chunk(s))
 

@@ -321,11 +321,13 @@ class ParamGatherer:
             rank = self.flat.rank
             for s in segs:
                 seg = self.flat.layout.segments[s]
-                self.flat.write_chunk(s, self.unit_buffers[s][rank * seg.chunk : (rank + 1) * seg.chunk])
+                self.flat.write_chunk(
+                    s, self.unit_buffers[s][rank * seg.chunk : (rank + 1) * seg.chunk]
+                )
         for s in segs:
             self._users[s] -= 1
             self.release(s)
-        return segs
+        return segs if modifier_rank is not None else []
 
     def buffers(self) -> list[torch.Tensor]:
         """The shard (unless swapped to NVMe) plus the always-gathered persistent segments."""
