@@ -12,11 +12,10 @@ import sys
 import textwrap
 import time
 
-import pytest
-import torch
-
 import multirank
 import parity
+import pytest
+import torch
 
 ROWS = 6  # global batch: divisible by 1, 2 and 3 ranks
 CPU = {"device": "cpu"}
@@ -227,8 +226,9 @@ def test_sigkill_during_save_never_breaks_latest(tmp_path) -> None:
 
 # -- export ---------------------------------------------------------------------------------
 def _export(rank: int, world: int, root: str) -> dict:
-    import zeroshard
     from transformers import GPT2Config, GPT2LMHeadModel
+
+    import zeroshard
 
     torch.manual_seed(0)
     cfg = GPT2Config(

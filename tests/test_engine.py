@@ -96,7 +96,7 @@ def _api(rank: int, world: int, cfg_path: str) -> dict:
         args = parser.parse_args(flags)
         model = torch.nn.Linear(4, 2)
         data = torch.utils.data.TensorDataset(torch.arange(40.0).view(10, 4))
-        engine, opt, loader, sched = zeroshard.initialize(
+        engine, _opt, loader, sched = zeroshard.initialize(
             args=args, model=model, model_parameters=model.parameters(), training_data=data
         )
         rows = [b[0][:, 0].tolist() for b in loader]

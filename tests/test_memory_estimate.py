@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+import multirank
 import pytest
 import torch
 
-import multirank
 from zeroshard.memory import activation_bytes, estimate, paper_bytes
 
 GB = 10**9

@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import os
 
-import pytest
-import torch
-
 import multirank
 import parity
+import pytest
+import torch
 from test_parity import TOL, _worker
 
 

@@ -53,7 +53,7 @@ def _selective_contexts():
     return create_selective_checkpoint_contexts(_selective_policy)
 
 
-class offload_saved_tensors(torch.autograd.graph.saved_tensors_hooks):  # noqa: N801
+class offload_saved_tensors(torch.autograd.graph.saved_tensors_hooks):
     """Keep tensors saved for backward in (pinned) CPU memory instead of the device."""
 
     def __init__(self, device: torch.device | None = None) -> None:

@@ -12,7 +12,6 @@ parameter and buffer (rank 0's initial values). Everything else comes from the r
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 
 import torch

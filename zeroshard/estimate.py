@@ -20,7 +20,7 @@ from zeroshard.memory import OFFLOADS, POLICIES, PRECISIONS, activation_bytes, e
 
 
 def _model_facts(spec: str) -> dict:
-    from zeroshard.models import GPT, GPTConfig, _PRESETS
+    from zeroshard.models import _PRESETS, GPT, GPTConfig
 
     if spec in _PRESETS:
         cfg = GPTConfig.preset(spec)

@@ -23,7 +23,7 @@ model_engine, optimizer, _, _ = deepspeed.initialize(
     config=os.path.join(HERE, "seed002_ds_config.json"),
 )
 
-for step in range(4):
+for _step in range(4):
     ids = torch.randint(0, 256, (model_engine.train_micro_batch_size_per_gpu(), 33))
     loss = model_engine(ids[:, :-1], ids[:, 1:])
     model_engine.backward(loss)

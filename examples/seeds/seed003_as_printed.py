@@ -4,7 +4,6 @@ refuses it at initialize() and says what to add.
     zeroshard run --nproc 2 examples/seeds/seed003_as_printed.py
 """
 
-import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
 import zeroshard as deepspeed

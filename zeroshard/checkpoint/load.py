@@ -122,7 +122,7 @@ class _Reader:
 
     def rank_tensors(self, rank: int) -> tuple[dict, dict]:
         f = self._file(rank)
-        return {k: f.get_tensor(k) for k in f.keys() if k.startswith("rng:")}, f.metadata() or {}
+        return {k: f.get_tensor(k) for k in f if k.startswith("rng:")}, f.metadata() or {}
 
 
 def check_model(manifest: dict, engine, path: str) -> None:

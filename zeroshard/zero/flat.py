@@ -105,7 +105,7 @@ class FlatParams:
                     dst = self.shard[seg.shard_start : seg.shard_start + seg.chunk]
                 else:
                     dst = aligned_empty(seg.chunk * self.esize).view(dtype)
-                c_lo, c_hi = seg.chunk_range(rank)
+                c_lo, _c_hi = seg.chunk_range(rank)
                 pad = max(c_lo, seg.start + seg.used) - c_lo
                 dst[pad:].zero_()  # padding at the end of the segment
                 for i in seg.params:
