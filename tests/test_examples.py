@@ -64,6 +64,20 @@ def test_seed_example(argv: list[str], expect: str) -> None:
     assert expect in _launch(*argv)
 
 
+def test_seed001_method_b_one_rank_without_launcher() -> None:
+    """seeds/001 method B as a plain `python script.py`: world size 1, no launcher."""
+    out = subprocess.run(
+        [sys.executable, "examples/seeds/seed001_method_b.py"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "seed001 method B: 1 optimizer step(s) after 10 micro-steps" in out.stdout
+
+
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_seed003_zero_stages(stage: int) -> None:
     pytest.importorskip("transformers")

@@ -7,18 +7,21 @@ Trainer runs for you, with zeroshard doing the distributed part:
 
 Differences from the seed: the model is built from a config (no download here);
 `per_device_train_batch_size=1` becomes the config's `train_micro_batch_size_per_gpu`
-(the Trainer would fill the seed's `"train_batch_size": 0` in the same way); the
-optimizer (the Trainer's default AdamW) is given to initialize().
+(the Trainer would fill the seed's `"train_batch_size": 0` in the same way); the seed's
+`gradient_accumulation_steps: 8` becomes 1 so that the 8-sample toy dataset makes 4
+optimizer steps on 2 ranks (the Trainer likewise overrides it from
+`TrainingArguments.gradient_accumulation_steps`); the optimizer (the Trainer's default
+AdamW) is given to initialize(). The seed's file is read with its `//` comments by
+zeroshard's own config reader.
 """
 
 import argparse
-import json
-import re
 
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
 import zeroshard
+from zeroshard.config import read_config_file
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--local_rank", type=int, default=0)
@@ -26,8 +29,7 @@ parser.add_argument("--num_train_epochs", type=int, default=1)
 zeroshard.add_config_arguments(parser)
 args = parser.parse_args()
 
-with open(args.deepspeed) as f:
-    config = json.loads(re.sub(r"//[^\n]*", "", f.read()))
+config = read_config_file(args.deepspeed)  # DeepSpeed's JSON dialect: `//` comments allowed
 config["train_micro_batch_size_per_gpu"] = 1  # TrainingArguments(per_device_train_batch_size=1)
 config["gradient_accumulation_steps"] = 1  # one tiny epoch: step every micro-batch
 

@@ -2,6 +2,7 @@
 
     zeroshard --num_gpus 2 examples/seeds/seed001_method_b.py
     zeroshard run --nproc 2 examples/seeds/seed001_method_b.py
+    python examples/seeds/seed001_method_b.py          # one rank, no launcher
 
 What had to change, and why:
 * `import deepspeed as ds` -> `import zeroshard as ds`; nothing else in the loop.
@@ -10,25 +11,22 @@ What had to change, and why:
   ("computed"). 0 is read as "derive it", but nothing fixes the micro-batch, so
   zeroshard stops with: `train_micro_batch_size_per_gpu: only gradient_accumulation_steps
   (8) is given; set train_micro_batch_size_per_gpu or train_batch_size too`. DeepSpeed
-  refuses this config too. Here we add `"train_micro_batch_size_per_gpu": 8`, the rows
-  each call feeds, and keep everything else.
+  refuses this config too. seed001_method_b_ds_config.json is the seed's file with one
+  line added, `"train_micro_batch_size_per_gpu": 8` (the rows each call feeds), and it
+  is passed by path, as the seed does: zeroshard reads the `//` comments itself.
 * The loop calls the raw `model(x)` (not the engine) with fp32 inputs while bf16 is on:
   zeroshard casts the module to bf16 and casts floating inputs of the wrapped module to
   the compute dtype, so this works as written.
 """
 
-import json
 import os
-import re
 
 import torch
 
 import zeroshard as ds
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-with open(os.path.join(HERE, "seed001_ds_config.json")) as f:
-    config = json.loads(re.sub(r"//[^\n]*", "", f.read()))  # the seed's file, comments stripped
-config["train_micro_batch_size_per_gpu"] = 8  # the one addition (see the docstring)
+config = os.path.join(HERE, "seed001_method_b_ds_config.json")  # the seed's file + 1 line
 
 torch.manual_seed(0)
 model = torch.nn.Linear(768, 768)

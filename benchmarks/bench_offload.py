@@ -1,0 +1,490 @@
+"""Offload benchmarks (ZeRO-Offload / ZeRO-Infinity tiers), three parts, one run:
+
+    .venv/bin/python benchmarks/bench_offload.py adam      # CPU optimizer step, params/s
+    .venv/bin/python benchmarks/bench_offload.py nvme      # swap-file GB/s against dd
+    .venv/bin/python benchmarks/bench_offload.py largest   # biggest GPT per layout, 2 ranks
+    .venv/bin/python benchmarks/bench_offload.py all
+
+*adam*: one fp32 tensor of ``--numel`` elements with a gradient, stepped by (a) torch's
+fused AdamW directly (``torch.optim.AdamW(fused=True)``), (b) zeroshard's step with
+``offload_optimizer: cpu`` (the engine's sharded optimizer on one rank: the inner fused
+AdamW on the CPU master copy, then the write-back of the updated values into the
+parameters, which on a GPU is the host-to-device copy), (c) zeroshard's inner kernel
+alone, and (d) DeepSpeed's ``DeepSpeedCPUAdam`` (C++ AVX kernel, JIT-built) in the
+``.venv-bench`` interpreter. Systems alternate within each round; the table gives the
+median over rounds. The roof is the machine's memory bandwidth from a STREAM triad
+(``a = b + s*c``, 3 arrays counted) divided by the 28 bytes an fp32 AdamW step must
+move per parameter (read p, g, m, v; write p, m, v).
+
+*nvme*: zeroshard's :class:`~zeroshard.offload.nvme.SwapSpace` writes then reads a
+``--gib`` file in ``--block-mib`` blocks with O_DIRECT on its I/O threads (the way
+NVMe offload swaps sub-groups), against ``dd`` with ``oflag=direct`` / ``iflag=direct``
+on the same directory, interleaved.
+
+*largest*: for each layout (stage 3; stage 3 + CPU optimizer and parameter offload;
+stage 3 + NVMe optimizer and parameter offload), 2 ranks (gloo, 1 thread each) build
+the GPT preset under ``zeroshard.zero.Init`` (never whole on a rank) and train 3 steps
+(seq 32, micro-batch 1, fp32 AdamW). Reports per-rank peak RSS, ``memory_stats()``, and
+step times. Without ``--models`` each layout tries presets largest-first and records the
+first that trains.
+
+Results are printed and appended to ``benchmarks/RESULTS.md`` unless ``--no-record``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import re
+import resource
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+GiB = 2**30
+ADAM_BYTES = 28  # fp32 AdamW: read param, grad, exp_avg, exp_avg_sq; write param, m, v
+
+LAYOUTS = {
+    "s3": {},
+    "s3+cpu": {
+        "offload_optimizer": {"device": "cpu"},
+        "offload_param": {"device": "cpu"},
+    },
+    "s3+nvme": {
+        "offload_optimizer": {"device": "nvme", "pipeline_read": True, "pipeline_write": True},
+        "offload_param": {"device": "nvme"},
+        "sub_group_size": 100_000_000,
+    },
+}
+
+
+# -- part 1: CPU Adam -------------------------------------------------------------------
+def _median_time(fn, steps: int) -> float:
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _triad_gbs(numel: int, steps: int) -> float:
+    b, c = torch.rand(numel), torch.rand(numel)
+    a = torch.empty(numel)
+    torch.add(b, c, alpha=3.0, out=a)
+    t = _median_time(lambda: torch.add(b, c, alpha=3.0, out=a), steps)
+    return 3 * 4 * numel / t / 1e9
+
+
+def _raw_fused(numel: int, steps: int) -> float:
+    p = torch.nn.Parameter(torch.rand(numel))
+    p.grad = torch.rand(numel) * 1e-3
+    opt = torch.optim.AdamW([p], lr=1e-3, weight_decay=0.1, fused=True)
+    opt.step()
+    return _median_time(opt.step, steps)
+
+
+class _Flat(torch.nn.Module):
+    def __init__(self, numel: int) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.rand(numel))
+
+    def forward(self, x):
+        return (self.w * x).sum()
+
+
+def _zeroshard(numel: int, steps: int) -> tuple[float, float]:
+    """(whole sharded-optimizer step, inner kernel alone) with offload_optimizer cpu."""
+    import zeroshard
+
+    model = _Flat(numel)
+    cfg = {
+        "train_micro_batch_size_per_gpu": 1,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.1}},
+        "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
+    }
+    engine, *_ = zeroshard.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    engine.backward(engine(torch.full((numel,), 1e-3)))
+    opt = engine.optimizer
+    opt.step()
+    whole = _median_time(opt.step, steps)
+    inner = opt.inner
+    opt._attach_grads()
+    inner_t = _median_time(inner.step, steps)
+    return whole, inner_t
+
+
+_DS_SNIPPET = r"""
+import statistics, sys, time, torch
+from deepspeed.ops.adam import DeepSpeedCPUAdam
+torch.set_num_threads(int(sys.argv[3]))
+n, steps = int(sys.argv[1]), int(sys.argv[2])
+p = torch.nn.Parameter(torch.rand(n)); p.grad = torch.rand(n) * 1e-3
+opt = DeepSpeedCPUAdam([p], lr=1e-3, weight_decay=0.1, adamw_mode=True)
+opt.step()
+ts = []
+for _ in range(steps):
+    t0 = time.perf_counter(); opt.step(); ts.append(time.perf_counter() - t0)
+print("RESULT", statistics.median(ts))
+"""
+
+
+def _deepspeed_cpu_adam(py: str, numel: int, steps: int, threads: int) -> float | None:
+    if not os.path.exists(py):
+        return None
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": str(threads)}
+    out = subprocess.run(
+        [py, "-c", _DS_SNIPPET, str(numel), str(steps), str(threads)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=900,
+    )
+    m = re.search(r"RESULT (\S+)", out.stdout)
+    if not m:
+        print(out.stdout[-2000:], out.stderr[-4000:], file=sys.stderr)
+        return None
+    return float(m.group(1))
+
+
+def part_adam(args) -> str:
+    torch.set_num_threads(args.threads)
+    n, steps = args.numel, args.steps
+    rows: dict[str, list[float]] = {
+        "triad": [],
+        "torch": [],
+        "zs": [],
+        "zs_inner": [],
+        "ds": [],
+    }
+    # DeepSpeed's first run JIT-builds its kernel; do it before timing anything.
+    _deepspeed_cpu_adam(args.ds_python, 1024, 1, args.threads)
+    for r in range(args.rounds):
+        rows["triad"].append(_triad_gbs(n, steps))
+        order = [0, 1, 2] if r % 2 == 0 else [2, 1, 0]
+        for i in order:
+            if i == 0:
+                rows["torch"].append(_raw_fused(n, steps))
+            elif i == 1:
+                whole, inner = _zeroshard(n, steps)
+                rows["zs"].append(whole)
+                rows["zs_inner"].append(inner)
+            else:
+                t = _deepspeed_cpu_adam(args.ds_python, n, steps, args.threads)
+                if t is not None:
+                    rows["ds"].append(t)
+        print(f"round {r}: " + ", ".join(f"{k}={v[-1]:.4g}" for k, v in rows.items() if v))
+    bw = statistics.median(rows["triad"])
+    roof = bw * 1e9 / ADAM_BYTES
+    base = statistics.median(rows["torch"])
+
+    def line(name: str, key: str, note: str) -> str:
+        if not rows[key]:
+            return f"| {name} | not run | | | | {note} |"
+        t = statistics.median(rows[key])
+        rng = f"[{min(rows[key]):.4f}-{max(rows[key]):.4f}]"
+        return (
+            f"| {name} | {t:.4f} {rng} | {n / t / 1e6:.0f} | {t / base:.2f} | "
+            f"{n / t / roof * 100:.0f}% | {note} |"
+        )
+
+    lines = [
+        f"{n / 1e6:.0f}M fp32 parameters, {args.threads} thread(s), {args.rounds} rounds x "
+        f"{steps} steps (median); triad bandwidth {bw:.1f} GB/s "
+        f"[{min(rows['triad']):.1f}-{max(rows['triad']):.1f}] -> AdamW roof "
+        f"{roof / 1e6:.0f} M params/s ({ADAM_BYTES} B/param)",
+        "",
+        "| optimizer step | seconds, median [min-max] | M params/s | x torch fused | "
+        "of roof | what it does |",
+        "|---|---|---|---|---|---|",
+        line("torch AdamW(fused=True)", "torch", "the kernel, nothing else"),
+        line(
+            "zeroshard offload_optimizer cpu (whole step)",
+            "zs",
+            "attach grads + fused AdamW on the CPU master + write-back into the params",
+        ),
+        line("zeroshard inner kernel", "zs_inner", "the fused AdamW on the CPU master only"),
+        line("DeepSpeedCPUAdam", "ds", "DeepSpeed 0.19.8's C++ kernel (adamw_mode)"),
+    ]
+    return "\n".join(lines)
+
+
+# -- part 2: NVMe swap I/O ------------------------------------------------------------
+def _swap_rates(path: str, nbytes: int, block: int) -> tuple[float, float, bool]:
+    from zeroshard.offload.nvme import SwapSpace, aligned_empty
+
+    space = SwapSpace(path, "bench", threads=2)
+    try:
+        f = space.file("bench", nbytes)
+        bufs = [aligned_empty(block) for _ in range(4)]
+        for b in bufs:
+            b.fill_(7)
+        offsets = list(range(0, nbytes, block))
+
+        def run(op) -> float:
+            t0 = time.perf_counter()
+            pending = []
+            for i, off in enumerate(offsets):
+                if len(pending) == len(bufs):
+                    pending.pop(0).result()
+                pending.append(op(f, bufs[i % len(bufs)], off))
+            for p in pending:
+                p.result()
+            os.fsync(f.fd)
+            return nbytes / (time.perf_counter() - t0) / 1e9
+
+        write = run(space.write_async)
+        read = run(space.read_async)
+        return write, read, space.direct
+    finally:
+        space.close()
+
+
+def _dd_rates(path: str, nbytes: int, block: int) -> tuple[float, float]:
+    target = os.path.join(path, "dd-bench")
+    bs, count = f"{block // 2**20}M", nbytes // block
+    try:
+        t0 = time.perf_counter()
+        subprocess.run(
+            ["dd", "if=/dev/zero", f"of={target}", f"bs={bs}", f"count={count}", "oflag=direct"],
+            check=True,
+            capture_output=True,
+        )
+        write = nbytes / (time.perf_counter() - t0) / 1e9
+        t0 = time.perf_counter()
+        subprocess.run(
+            ["dd", f"if={target}", "of=/dev/null", f"bs={bs}", "iflag=direct"],
+            check=True,
+            capture_output=True,
+        )
+        read = nbytes / (time.perf_counter() - t0) / 1e9
+        return write, read
+    finally:
+        if os.path.exists(target):
+            os.remove(target)
+
+
+def part_nvme(args) -> str:
+    os.makedirs(args.nvme_path, exist_ok=True)
+    nbytes, block = int(args.gib * GiB), args.block_mib * 2**20
+    zs_w, zs_r, dd_w, dd_r = [], [], [], []
+    direct = False
+    for r in range(args.rounds):
+        order = ["zs", "dd"] if r % 2 == 0 else ["dd", "zs"]
+        for who in order:
+            if who == "zs":
+                w, rd, direct = _swap_rates(args.nvme_path, nbytes, block)
+                zs_w.append(w)
+                zs_r.append(rd)
+            else:
+                w, rd = _dd_rates(args.nvme_path, nbytes, block)
+                dd_w.append(w)
+                dd_r.append(rd)
+        print(f"round {r}: zs w/r {zs_w[-1]:.2f}/{zs_r[-1]:.2f}  dd {dd_w[-1]:.2f}/{dd_r[-1]:.2f}")
+
+    def cell(v: list[float]) -> str:
+        return f"{statistics.median(v):.2f} [{min(v):.2f}-{max(v):.2f}]"
+
+    med = statistics.median
+    return "\n".join(
+        [
+            f"{args.gib:g} GiB file in {args.block_mib} MiB blocks under `{args.nvme_path}`, "
+            f"{args.rounds} rounds interleaved (median [min-max]); O_DIRECT: {direct}",
+            "",
+            "| | write GB/s | read GB/s |",
+            "|---|---|---|",
+            f"| zeroshard SwapSpace (2 I/O threads, 4 buffers) | {cell(zs_w)} | {cell(zs_r)} |",
+            f"| dd oflag/iflag=direct | {cell(dd_w)} | {cell(dd_r)} |",
+            f"| ratio | {med(zs_w) / med(dd_w):.2f} | {med(zs_r) / med(dd_r):.2f} |",
+        ]
+    )
+
+
+# -- part 3: the largest GPT per layout -----------------------------------------------
+def rank_main(argv: list[str]) -> None:
+    """One rank of a 'largest' run (started by ``zeroshard run --nproc 2``)."""
+    p = argparse.ArgumentParser()
+    p.add_argument("--preset", required=True)
+    p.add_argument("--layout", required=True)
+    p.add_argument("--nvme-path", required=True)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--out", required=True)
+    a = p.parse_args(argv)
+    import zeroshard
+    from zeroshard.models import GPT, GPTConfig
+
+    torch.set_num_threads(1)
+    zc = json.loads(json.dumps(LAYOUTS[a.layout]))
+    for key in ("offload_optimizer", "offload_param"):
+        if zc.get(key, {}).get("device") == "nvme":
+            zc[key]["nvme_path"] = a.nvme_path
+    cfg = {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.1}},
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, **zc},
+    }
+    t0 = time.perf_counter()
+    torch.manual_seed(0)
+    gcfg = GPTConfig.preset(a.preset, vocab_size=256, seq_len=32)
+    with zeroshard.zero.Init(config=cfg):
+        model = GPT(gcfg)
+    engine, *_ = zeroshard.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    init_s = time.perf_counter() - t0
+    rank, world = engine.global_rank, engine.world_size
+    times, losses = [], []
+    for step in range(a.steps):
+        g = torch.Generator().manual_seed(step * world + rank)
+        ids = torch.randint(0, 256, (1, 33), generator=g)
+        t0 = time.perf_counter()
+        loss = engine(ids[:, :-1], ids[:, 1:])
+        engine.backward(loss)
+        engine.step()
+        times.append(time.perf_counter() - t0)
+        losses.append(float(loss))
+    result = {
+        "rank": rank,
+        "params": gcfg.num_params(),
+        "init_s": init_s,
+        "step_s": times,
+        "losses": losses,
+        "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "memory": engine.memory_stats(),
+    }
+    with open(f"{a.out}.{rank}", "w") as f:
+        json.dump(result, f)
+
+
+def _run_largest(args, layout: str, preset: str) -> dict | None:
+    out = tempfile.mktemp(prefix="zs-largest-")
+    cmd = [
+        os.path.join(os.path.dirname(sys.executable), "zeroshard"),
+        "run",
+        "--nproc",
+        "2",
+        os.path.abspath(__file__),
+        "_rank",
+        "--preset",
+        preset,
+        "--layout",
+        layout,
+        "--nvme-path",
+        args.nvme_path,
+        "--out",
+        out,
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout)
+    wall = time.perf_counter() - t0
+    try:
+        if proc.returncode != 0:
+            tail = (proc.stdout + proc.stderr)[-1500:]
+            print(f"{layout} {preset}: failed (exit {proc.returncode})\n{tail}", file=sys.stderr)
+            return {"ok": False, "why": f"exit {proc.returncode}", "wall": wall}
+        ranks = []
+        for r in range(2):
+            with open(f"{out}.{r}") as f:
+                ranks.append(json.load(f))
+        return {"ok": True, "ranks": ranks, "wall": wall}
+    finally:
+        for r in range(2):
+            if os.path.exists(f"{out}.{r}"):
+                os.remove(f"{out}.{r}")
+
+
+def part_largest(args) -> str:
+    total_ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    lines = [
+        f"2 ranks (gloo, 1 thread each), seq 32, micro-batch 1, fp32 AdamW, 3 steps; "
+        f"machine RAM {total_ram / GiB:.1f} GiB; NVMe path `{args.nvme_path}`",
+        "",
+        "| layout | GPT | params | 16 B/param states (GiB) | step s (3 steps) | "
+        "peak RSS r0+r1 (GiB) | memory_stats r0 by location (GiB) | init s | result |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for layout in args.layouts.split(","):
+        for preset in args.models.split(","):
+            res = _run_largest(args, layout, preset)
+            from zeroshard.models import GPTConfig
+
+            n = GPTConfig.preset(preset, vocab_size=256, seq_len=32).num_params()
+            if not res["ok"]:
+                lines.append(
+                    f"| {layout} | {preset} | {n / 1e9:.2f}B | {16 * n / GiB:.1f} | | | | | "
+                    f"failed ({res['why']}, {res['wall']:.0f} s) |"
+                )
+                print(lines[-1])
+                continue
+            r0, r1 = res["ranks"]
+            steps = " / ".join(
+                f"{max(a, b):.1f}" for a, b in zip(r0["step_s"], r1["step_s"], strict=True)
+            )
+            where = ", ".join(f"{k} {v / GiB:.2f}" for k, v in r0["memory"]["by_location"].items())
+            lines.append(
+                f"| {layout} | {preset} | {n / 1e9:.2f}B | {16 * n / GiB:.1f} | {steps} | "
+                f"{(r0['peak_rss'] + r1['peak_rss']) / GiB:.1f} | {where} | "
+                f"{max(r0['init_s'], r1['init_s']):.0f} | trained; loss "
+                f"{r0['losses'][0]:.3f} -> {r0['losses'][-1]:.3f} |"
+            )
+            print(lines[-1])
+            if not args.all_models:
+                break
+    return "\n".join(lines)
+
+
+# -- driver -----------------------------------------------------------------------------
+def _record(path: str, title: str, command: str, body: str) -> None:
+    stamp = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
+    head = (
+        f"## {stamp} bench_offload {title}: {os.cpu_count()} cores, torch {torch.__version__}, "
+        f"Python {platform.python_version()}"
+    )
+    with open(path, "a") as f:
+        f.write(f"\n{head}\n\n`{command}`\n\n{body}\n")
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "_rank":
+        rank_main(sys.argv[2:])
+        return
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("part", choices=["adam", "nvme", "largest", "all"])
+    p.add_argument("--numel", type=int, default=50_000_000)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    p.add_argument(
+        "--ds-python", default=os.path.join(ROOT, ".venv-bench", "bin", "python"), help="for DS"
+    )
+    p.add_argument("--nvme-path", default=os.path.join(ROOT, "runs", "nvme"))
+    p.add_argument("--gib", type=float, default=4.0)
+    p.add_argument("--block-mib", type=int, default=64)
+    p.add_argument("--layouts", default="s3,s3+cpu,s3+nvme")
+    p.add_argument("--models", default="1.6B,1B,350M", help="presets, tried in this order")
+    p.add_argument("--all-models", action="store_true", help="run every preset, not the first fit")
+    p.add_argument("--timeout", type=float, default=1800)
+    p.add_argument("--results", default=os.path.join(HERE, "RESULTS.md"))
+    p.add_argument("--no-record", action="store_true")
+    args = p.parse_args()
+    command = ".venv/bin/python benchmarks/bench_offload.py " + shlex.join(sys.argv[1:])
+    parts = ["adam", "nvme", "largest"] if args.part == "all" else [args.part]
+    for part in parts:
+        body = {"adam": part_adam, "nvme": part_nvme, "largest": part_largest}[part](args)
+        print(body)
+        if not args.no_record:
+            _record(args.results, part, command, body)
+
+
+if __name__ == "__main__":
+    main()

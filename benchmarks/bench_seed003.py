@@ -1,0 +1,182 @@
+"""seeds/003's comparison, measured: its FSDP example (``model = FSDP(model)``, torch's
+FullyShardedDataParallel around the whole GPT-2, AdamW lr 5e-5) against its ZeRO-1,
+ZeRO-2 (+ CPU optimizer offload) and ZeRO-3 examples run by zeroshard
+(``examples/seeds/seed003_zero.py``'s configs), on the same GPT-2 (124M, built from
+``GPT2Config()``: no download), the seed's input shape (1 x 128 tokens,
+``labels=inputs``), 2 ranks (gloo, 1 thread each), fp32.
+
+    .venv/bin/python benchmarks/bench_seed003.py --rounds 3 --steps 4
+
+Every run is a fresh pair of processes (``zeroshard run --nproc 2``); rounds rotate the
+order. Columns: median step time (slowest rank) over rounds [min-max], peak RSS per
+rank, and the loss at the first and last step (same init and data for every system).
+Appended to ``benchmarks/RESULTS.md`` unless ``--no-record``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import resource
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SYSTEMS = ["fsdp (seed)", "zeroshard-s1", "zeroshard-s2+cpu", "zeroshard-s3"]
+MiB = 2**20
+
+
+def rank_main(system: str, steps: int, n_layer: int, out: str) -> None:
+    import torch.distributed as dist
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_layer=n_layer))
+    if system.startswith("fsdp"):
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+        dist.init_process_group("gloo")
+        rank, world = dist.get_rank(), dist.get_world_size()
+        model = FSDP(model, device_id=torch.device("cpu"))  # the seed's one line (CPU here)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=5e-5)
+
+        def train_step(inputs):
+            optimizer.zero_grad()
+            loss = model(inputs, labels=inputs).loss
+            loss.backward()
+            optimizer.step()
+            return loss
+    else:
+        import zeroshard as deepspeed
+
+        stage = int(system[len("zeroshard-s")])
+        cfg = {
+            "train_batch_size": 2,  # the seed's 8 is 4 micro-batches of 1 per rank on 2 ranks
+            "train_micro_batch_size_per_gpu": 1,
+            "zero_optimization": {"stage": stage},
+            "optimizer": {"type": "AdamW", "params": {"lr": 5e-5}},
+        }
+        if system.endswith("+cpu"):
+            cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+        engine, *_ = deepspeed.initialize(model=model, config=cfg)
+        rank, world = engine.global_rank, engine.world_size
+
+        def train_step(inputs):
+            loss = engine(inputs, labels=inputs).loss
+            engine.backward(loss)
+            engine.step()
+            return loss
+
+    times, losses = [], []
+    for step in range(steps + 1):  # step 0 is warm-up
+        g = torch.Generator().manual_seed(step * world + rank)
+        inputs = torch.randint(0, 50257, (1, 128), generator=g)
+        t0 = time.perf_counter()
+        loss = train_step(inputs)
+        times.append(time.perf_counter() - t0)
+        losses.append(float(loss))
+    res = {
+        "step": statistics.median(times[1:]),
+        "losses": [losses[0], losses[-1]],
+        "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+    }
+    with open(f"{out}.{rank}", "w") as f:
+        json.dump(res, f)
+
+
+def run_system(system: str, args) -> dict | None:
+    out = tempfile.mktemp(prefix="zs-seed003-")
+    cmd = [
+        os.path.join(os.path.dirname(sys.executable), "zeroshard"),
+        "run",
+        "--nproc",
+        "2",
+        os.path.abspath(__file__),
+        "_rank",
+        system,
+        str(args.steps),
+        str(args.n_layer),
+        out,
+    ]
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
+    try:
+        if proc.returncode != 0:
+            print(f"{system}: failed\n{(proc.stdout + proc.stderr)[-2000:]}", file=sys.stderr)
+            return None
+        ranks = []
+        for r in range(2):
+            with open(f"{out}.{r}") as f:
+                ranks.append(json.load(f))
+        return {
+            "step": max(r["step"] for r in ranks),
+            "rss": [r["rss"] for r in ranks],
+            "losses": ranks[0]["losses"],
+        }
+    finally:
+        for r in range(2):
+            if os.path.exists(f"{out}.{r}"):
+                os.remove(f"{out}.{r}")
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "_rank":
+        rank_main(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5])
+        return
+    p = argparse.ArgumentParser()
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--n-layer", type=int, default=12, help="GPT-2 layers (the seed's gpt2: 12)")
+    p.add_argument("--results", default=os.path.join(HERE, "RESULTS.md"))
+    p.add_argument("--no-record", action="store_true")
+    args = p.parse_args()
+    runs: dict[str, list[dict]] = {s: [] for s in SYSTEMS}
+    for r in range(args.rounds):
+        order = SYSTEMS[r % len(SYSTEMS) :] + SYSTEMS[: r % len(SYSTEMS)]
+        for s in order:
+            res = run_system(s, args)
+            if res:
+                runs[s].append(res)
+                print(f"round {r} {s}: {res['step']:.3f} s, rss {res['rss']}", flush=True)
+    rows = [
+        "| system | step (s), median [min-max] | peak RSS r0/r1 (MiB) | loss first -> last |",
+        "|---|---|---|---|",
+    ]
+    for s in SYSTEMS:
+        if not runs[s]:
+            rows.append(f"| {s} | failed | | |")
+            continue
+        steps = [x["step"] for x in runs[s]]
+        rss = [statistics.median(x["rss"][i] for x in runs[s]) / MiB for i in range(2)]
+        lo, hi = runs[s][0]["losses"]
+        rows.append(
+            f"| {s} | {statistics.median(steps):.3f} [{min(steps):.3f}-{max(steps):.3f}] | "
+            f"{rss[0]:.0f} / {rss[1]:.0f} | {lo:.4f} -> {hi:.4f} |"
+        )
+    body = (
+        f"GPT-2 ({args.n_layer} layers), input 1 x 128 per rank, 2 ranks, fp32, AdamW lr 5e-5, "
+        f"{args.rounds} rounds x {args.steps} timed steps\n\n" + "\n".join(rows)
+    )
+    print(body)
+    if not args.no_record:
+        stamp = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
+        command = ".venv/bin/python benchmarks/bench_seed003.py " + shlex.join(sys.argv[1:])
+        with open(args.results, "a") as f:
+            f.write(
+                f"\n## {stamp} bench_seed003: seeds/003's FSDP example vs its ZeRO examples, "
+                f"torch {torch.__version__}\n\n`{command}`\n\n{body}\n"
+            )
+
+
+if __name__ == "__main__":
+    main()
