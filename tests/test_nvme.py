@@ -43,6 +43,18 @@ def test_nvme_parity(tmp_path) -> None:
             },
         },
         {"stage": 3, "gas": 2, "dtype": "bf16", "extra": {z: _nvme(str(tmp_path / "c"))}},
+        {  # parameters in swap files, optimizer (fp32 masters) in memory
+            "stage": 3,
+            "gas": 4,
+            "micro": 1,
+            "clip": 1.0,
+            "extra": {
+                z: {
+                    "offload_param": {"device": "nvme", "nvme_path": str(tmp_path / "d")},
+                    "stage3_param_persistence_threshold": 0,
+                }
+            },
+        },
     ]
     results = multirank.run(_worker, 2, cases, timeout=600)
     for i, case in enumerate(cases):
@@ -104,3 +116,32 @@ def test_swap_space_rejects_unaligned_io(tmp_path) -> None:
         f.read(aligned_empty(4096 * 2), 2 * 4096)
     space.close()
     assert not os.path.exists(space.dir)
+
+
+def test_stale_swap_dirs_of_dead_processes_are_removed(tmp_path, monkeypatch) -> None:
+    """A crashed run's swap directory is deleted by the next space made in the same
+    nvme_path, also on hosts whose names contain dashes; live processes' and other
+    hosts' directories are kept."""
+    import socket
+    import subprocess
+
+    from zeroshard.offload import nvme
+
+    host = "ip-10-0-0-1"
+    monkeypatch.setattr(socket, "gethostname", lambda: host)
+    dead = subprocess.Popen(["true"])
+    dead.wait()  # its pid is now free (reuse within the test is vanishingly unlikely)
+    names = {
+        "dead": f"zeroshard-swap-{host}-{dead.pid}-rank0-abc_12",
+        "live": f"zeroshard-swap-{host}-{os.getpid()}-rank1-xyz_9",
+        "other_host": f"zeroshard-swap-otherhost-{dead.pid}-rank0-q1",
+        "not_ours": "my-data",
+    }
+    for name in names.values():
+        os.makedirs(tmp_path / name / "sub")
+        (tmp_path / name / "sub" / "master").write_bytes(b"x" * 10)
+    space = nvme.SwapSpace(str(tmp_path), "rank0")
+    left = set(os.listdir(tmp_path))
+    assert names["dead"] not in left
+    assert {names["live"], names["other_host"], names["not_ours"]} <= left
+    space.close()

@@ -1,5 +1,6 @@
 """ZeRO-3 on 2 ranks: Hugging Face models, partitioned construction, real-model quirks,
-the 3 x 4Psi ledger, memory_stats, GatheredParameters, generation. One spawn runs all."""
+the 3 x 4Psi ledger, memory_stats, GatheredParameters, generation (one spawn runs all);
+prefetching, the persistence threshold and the live-parameter cap (a second spawn)."""
 
 from __future__ import annotations
 
@@ -24,9 +25,12 @@ def _config(stage: int, micro: int = 2, **zero) -> dict:
     }
 
 
-def _train_both(build, forward, stage, rank, world, *, steps=3, micro=2, init=False, **zero):
+def _train_both(
+    build, forward, stage, rank, world, *, steps=3, micro=2, init=False, probe=None, **zero
+):
     """Train ``build()`` with zeroshard (this rank's rows) and single-process on all rows;
-    returns (max param diff, max loss diff, engine, reference model, its optimizer)."""
+    returns (max param diff, max loss diff, engine, reference model, its optimizer).
+    ``probe(phase, step, engine)`` runs at phases "start", "forward", "backward", "step"."""
     import zeroshard
 
     torch.manual_seed(0)
@@ -46,9 +50,14 @@ def _train_both(build, forward, stage, rank, world, *, steps=3, micro=2, init=Fa
         g = torch.Generator().manual_seed(step)
         ids = torch.randint(0, 64, (micro * world, 16), generator=g)
         mine = ids[micro * rank : micro * (rank + 1)]
+        probe = probe or (lambda phase, step, engine: None)
+        probe("start", step, engine)
         loss = forward(engine, mine)
+        probe("forward", step, engine)
         engine.backward(loss)
+        probe("backward", step, engine)
         engine.step()
+        probe("step", step, engine)
         ref_loss = forward(ref, ids)
         ref_loss.backward()
         opt.step()
@@ -326,3 +335,219 @@ def test_gathered_parameters_modifier(results):
 def test_generation_matches(results):
     for r in results:
         assert r["generate"]["same"]
+
+
+# -- prefetching, persistence threshold, live-parameter cap (their own spawn) --------------
+class Wide(nn.Module):
+    """32 -> 64 -> 32 with no bias: one large unit (4096 elements) keeping the width."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w1 = nn.Parameter(torch.randn(64, 32) * 0.1)
+        self.w2 = nn.Parameter(torch.randn(32, 64) * 0.1)
+
+    def forward(self, h):
+        return torch.tanh(h @ self.w1.t()) @ self.w2.t()
+
+
+class Chain(nn.Module):
+    """One unit per module, each used once per forward, sizes (threshold 0, no padding on
+    2 ranks): emb 2048, a 1056, norm 64, wide 4096, head 2112. With ``swap`` every
+    second forward runs ``wide`` before ``norm``, so the order recorded on the first
+    forward mispredicts: what follows ``a`` in it (``norm``) is prefetched, yet ``wide``
+    is asked for first (and likewise in backward)."""
+
+    def __init__(self, swap: bool = False) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(64, 32)
+        self.a = nn.Linear(32, 32)
+        self.norm = nn.LayerNorm(32)
+        self.wide = Wide()
+        self.head = nn.Linear(32, 64)
+        self.swap, self.calls = swap, 0
+
+    def forward(self, ids):
+        x, y = ids[:, :-1], ids[:, 1:]
+        h = torch.tanh(self.a(self.emb(x)))
+        middle = (self.wide, self.norm) if self.swap and self.calls % 2 else (self.norm, self.wide)
+        for m in middle:
+            h = m(h)
+        self.calls += 1
+        return F.cross_entropy(self.head(h).reshape(-1, 64), y.reshape(-1))
+
+
+def _chain_run(rank, world, *, swap=False, threshold=0, **zero):
+    """Train Chain for 3 steps (parity with the reference); per step: the gatherer's
+    counters by pass, the all-gather ledger bytes, and whether the parameters below
+    ``threshold`` elements were whole with unchanged storage at every probe."""
+    small = [n for n, p in Chain().named_parameters() if p.numel() < threshold]
+    full = {n: p.numel() for n, p in Chain().named_parameters()}
+    steps, ptrs = [], {}
+    whole = {"small": True, "others_freed_between_steps": True}
+
+    def check(engine):
+        for n, p in engine.module.named_parameters():
+            if n in small:
+                ptr = ptrs.setdefault(n, p.data.data_ptr())
+                ok = p.data.numel() == full[n] and p.data.data_ptr() == ptr
+                ok = ok and p.untyped_storage().nbytes() >= 4 * full[n]
+                whole["small"] = whole["small"] and ok
+
+    def probe(phase, step, engine):
+        g = engine.params
+        check(engine)
+        if phase == "start":
+            if not steps:  # first call: hooks that check inside every module's forward
+                for m in engine.module.modules():
+                    m.register_forward_pre_hook(lambda m, a: check(engine))
+                    m.register_forward_hook(lambda m, a, o: check(engine))
+            engine.reset_comm_stats()
+            g.reset_stats()
+            steps.append({})
+        elif phase in ("forward", "backward"):
+            steps[-1][phase] = g.stats()
+            g.reset_stats()
+        else:
+            steps[-1]["all_gather_bytes"] = engine.comm_stats()["all_gather"]["bytes"]
+            freed = all(
+                p.data.numel() == 0 for n, p in engine.module.named_parameters() if n not in small
+            )
+            whole["others_freed_between_steps"] &= freed
+
+    zero = {"stage3_param_persistence_threshold": threshold, **zero}
+    diff, loss_diff, engine, _, _ = _train_both(
+        lambda: Chain(swap), _quirky_loss, 3, rank, world, probe=probe, **zero
+    )
+    layout, persistent = engine.flat.layout, engine.params.persistent
+    return {
+        "diff": diff,
+        "loss_diff": loss_diff,
+        "steps": steps,
+        "whole": whole,
+        "small_numel": sum(full[n] for n in small),
+        "units": sorted(s.numel for s in layout.segments if s.index not in persistent),
+        "persistent_numel": sum(layout.segments[s].numel for s in persistent),
+        "shard_numel": layout.shard_numel,
+        "memory_params": engine.memory_stats()["params"],
+    }
+
+
+def _threshold_boundary(rank, world):
+    """Which parameters a threshold equal to their size makes persistent (DeepSpeed:
+    ``numel <= stage3_param_persistence_threshold``)."""
+    import zeroshard
+
+    torch.manual_seed(0)
+    model = Chain()
+    engine, *_ = zeroshard.initialize(
+        model=model,
+        model_parameters=model.parameters(),
+        config=_config(3, stage3_param_persistence_threshold=32),
+    )
+    persistent = {
+        id(engine.flat.params[pi])
+        for s in engine.params.persistent
+        for pi in engine.flat.layout.segments[s].params
+    }
+    return sorted(n for n, p in model.named_parameters() if id(p) in persistent)
+
+
+def _gather_cases(rank, world):
+    torch.set_num_threads(1)
+    big = 10**9
+    return {
+        "prefetch0": _chain_run(rank, world, stage3_prefetch_bucket_size=0),
+        "prefetch": _chain_run(rank, world, stage3_prefetch_bucket_size=10**6),
+        "persist": _chain_run(rank, world, threshold=33, stage3_prefetch_bucket_size=0),
+        "capped": _chain_run(
+            rank,
+            world,
+            swap=True,
+            stage3_prefetch_bucket_size=10**6,
+            stage3_max_live_parameters=1500,
+        ),
+        "uncapped": _chain_run(
+            rank,
+            world,
+            swap=True,
+            stage3_prefetch_bucket_size=10**6,
+            stage3_max_live_parameters=big,
+        ),
+        "boundary": _threshold_boundary(rank, world),
+    }
+
+
+@pytest.fixture(scope="module")
+def gather_results():
+    return multirank.run(_gather_cases, 2, timeout=300)
+
+
+def _counter(run, fold, key):
+    return fold(st[phase][key] for st in run["steps"] for phase in ("forward", "backward"))
+
+
+def _parity(run):
+    assert run["diff"] <= TOL and run["loss_diff"] <= TOL, (run["diff"], run["loss_diff"])
+
+
+def test_prefetch_gathers_ahead_of_use(gather_results):
+    for r in gather_results:
+        on, off = r["prefetch"], r["prefetch0"]
+        _parity(on)
+        _parity(off)
+        n = len(on["units"])  # 5 units, each used once per pass
+        assert n == 5
+        for step, (a, b) in enumerate(zip(on["steps"], off["steps"], strict=True)):
+            for phase in ("forward", "backward"):
+                # no prefetching at all without a window, nor on the recording step
+                assert b[phase]["prefetched"] == b[phase]["prefetch_hits"] == 0
+                assert b[phase]["gathers"] == n
+                want = 0 if step == 0 else n - 1
+                # after it, every unit but the first of the pass had its gather issued
+                # before its module asked for it, and none was issued in vain
+                assert a[phase]["prefetched"] == a[phase]["prefetch_hits"] == want, (step, a)
+                assert a[phase]["gathers"] == n and a[phase]["evicted"] == 0
+            assert a["all_gather_bytes"] == b["all_gather_bytes"] == 2 * 4 * sum(on["units"])
+
+
+def test_persistence_threshold_keeps_small_params_whole(gather_results):
+    for r in gather_results:
+        base, p = r["prefetch0"], r["persist"]
+        _parity(p)
+        small = p["small_numel"]
+        assert small == 32 + 32 + 32  # a.bias, norm.weight, norm.bias (head.bias: 64 > 33)
+        assert p["persistent_numel"] == small  # packed without padding
+        assert p["whole"]["small"] and p["whole"]["others_freed_between_steps"]
+        assert base["whole"]["others_freed_between_steps"]
+        for sb, sp in zip(base["steps"], p["steps"], strict=True):
+            # forward + backward no longer gather them (2 x 4 bytes each), the step's
+            # refresh of the persistent segment does once: a drop of exactly their bytes
+            assert sb["all_gather_bytes"] - sp["all_gather_bytes"] == 4 * small
+        # the shard is the same size; the small parameters are held whole on top of it
+        assert p["shard_numel"] == base["shard_numel"]
+        assert p["memory_params"] == 4 * p["shard_numel"] + 4 * small
+        assert p["memory_params"] - base["memory_params"] == 4 * small
+
+
+def test_persistence_threshold_is_inclusive(gather_results):
+    for r in gather_results:
+        assert r["boundary"] == ["a.bias", "norm.bias", "norm.weight"]
+
+
+def test_max_live_parameters_caps_gathered_numel(gather_results):
+    for r in gather_results:
+        capped, free = r["capped"], r["uncapped"]
+        _parity(capped)
+        _parity(free)
+        largest, cap = max(capped["units"]), 1500
+        assert cap < 2 * min(capped["units"][1:])  # smaller than any two units but norm
+
+        # on the mispredicted steps a prefetched unit is live when a large one is asked
+        # for: it is freed first, so no more than one unit is ever live beyond the cap
+        # (without that, 4096 + 64 in forward and 4096 + 1056 in backward)
+        assert _counter(capped, max, "peak_live_numel") <= max(cap, largest)
+        assert _counter(capped, sum, "evicted") > 0
+        assert _counter(capped, sum, "prefetched") > 0  # the cap still lets small ones in
+        # without a cap, prefetching holds several units at once
+        assert _counter(free, max, "peak_live_numel") > largest
+        assert _counter(free, sum, "evicted") == 0

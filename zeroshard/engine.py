@@ -175,7 +175,11 @@ class Engine(nn.Module):
         bucket = int(min(zc.reduce_bucket_size, zc.allgather_bucket_size))
         if self.sharding.parameters:
             plan = plan_units(
-                self.module, param_groups, int(zc.stage3_param_persistence_threshold), bucket
+                self.module,
+                param_groups,
+                int(zc.stage3_param_persistence_threshold),
+                bucket,
+                int(zc.stage3_model_persistence_threshold),
             )
         else:
             plan = plan_buckets(self.module, param_groups, bucket)
@@ -346,19 +350,17 @@ class Engine(nn.Module):
         load_module_only: bool = False,
     ) -> tuple[str, dict]:
         """Load a checkpoint saved at any world size / stage; returns (path, client_state)."""
-        from zeroshard.checkpoint import load as ckpt
+        from zeroshard.checkpoint.load import load_checkpoint
 
-        path = ckpt.resolve_path(load_dir, tag)
-        manifest = ckpt.read_manifest(path)
-        client = ckpt.load(
+        return load_checkpoint(
             self,
-            path,
-            manifest,
+            load_dir,
+            tag,
+            strict=load_module_strict,
             optimizer_states=load_optimizer_states,
             scheduler_states=load_lr_scheduler_states,
             module_only=load_module_only,
         )
-        return path, client
 
     def save_16bit_model(self, save_dir: str, save_filename: str = "model.safetensors") -> bool:
         """Write the whole model (working dtype) as one safetensors file from rank 0."""

@@ -70,8 +70,9 @@ def _remove_stale(root: str) -> None:
     for name in os.listdir(root):
         if not name.startswith(_PREFIX):
             continue
-        parts = name[len(_PREFIX) :].split("-")
-        if len(parts) < 3 or parts[0] != host or not parts[1].isdigit():
+        # "{host}-{pid}-{tag}-{random}": the host name may itself contain dashes
+        parts = name[len(_PREFIX) :].rsplit("-", 3)
+        if len(parts) < 4 or parts[0] != host or not parts[1].isdigit():
             continue
         try:
             os.kill(int(parts[1]), 0)

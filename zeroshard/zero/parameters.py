@@ -16,12 +16,32 @@ Communication (Ψ = parameter bytes of the non-persistent units):
 * forward: a module's pre-forward hook all-gathers the units of its own parameters
   (shared ones included, e.g. tied embeddings) into that unit's buffer; the post-forward
   hook frees the buffer. The next units in the order recorded on the first forward are
-  prefetched asynchronously up to ``stage3_prefetch_bucket_size`` elements, and no more
-  than ``stage3_max_live_parameters`` elements are held gathered by prefetching. (Ψ)
+  prefetched asynchronously up to ``stage3_prefetch_bucket_size`` elements (Ψ).
 * backward: an identity autograd function on each module's outputs gathers its units
-  again just before that module's backward (Ψ); a unit is freed as soon as all its
-  gradients have landed (the gradient reducer then reduce-scatters them, Ψ).
+  again just before that module's backward, prefetching along the order recorded on the
+  first backward; a unit is freed as soon as all its gradients have landed (the gradient
+  reducer then reduce-scatters them, Ψ).
 * step: the persistent segments are all-gathered after each optimizer step.
+
+Live parameters (``stage3_max_live_parameters``, DeepSpeed's semantics): the cap is the
+number of gathered elements of non-persistent units (in flight or complete, padding
+included) held at once. Every live unit is either *needed* or *speculative*:
+
+* needed: used by a forward that is running (its module's, or one that read it through
+  ``module.name``), held by ``GatheredParameters``, or gathered during backward and
+  waiting for its gradients (frozen units: until backward ends);
+* speculative: prefetched and not yet asked for, e.g. ahead of a pass whose order
+  differs from the recorded one. Those still unused are freed when the pass that
+  prefetched them ends.
+
+The units needed now are always gathered, whatever the cap. Before an on-demand gather
+that would take the live count over the cap, speculative units are freed (most
+recently prefetched first) until it fits or none are left; prefetching stops at the
+first unit that would take it over the cap. So at every moment
+``live <= max(cap, numel of the needed units)``, and a cap smaller than two units
+gathers one unit at a time. :attr:`ParamGatherer.peak_live_numel` records the highest
+live count since :meth:`ParamGatherer.reset_stats` (with counters of the gathers issued,
+prefetched, prefetches used, and speculative units evicted).
 
 Freeing keeps tensor objects alive: the unit buffer's storage is resized to zero and
 the parameters point at an empty placeholder, so tensors autograd saved during forward
@@ -119,6 +139,7 @@ class ParamGatherer:
         self.persistent = set(persistent)
         self.prefetch_numel, self.max_live_numel = prefetch_numel, max_live_numel
         layout = flat.layout
+        self._numel = [seg.numel for seg in layout.segments]
         self._placeholder = torch.empty(0, dtype=flat.dtype, device=flat.device)
         self.unit_buffers = [
             torch.empty(seg.numel, dtype=flat.dtype, device=flat.device) for seg in layout.segments
@@ -133,6 +154,12 @@ class ParamGatherer:
         self._handles: dict[int, Handle] = {}
         self._gathered: set[int] = set()
         self._users = [0] * len(layout.segments)
+        # prefetched and not yet asked for, in launch order: the only units freed to make
+        # room under the cap (every other live unit is needed: see the module docstring)
+        self._speculative: dict[int, None] = {}
+        #: gathered elements of non-persistent units right now (in flight included)
+        self.live_numel = 0
+        self.reset_stats()
         self._fwd_order: list[int] | None = None
         self._bwd_order: list[int] | None = None
         self._recording_fwd: list[int] = []
@@ -161,15 +188,51 @@ class ParamGatherer:
             self._hooks.append(m.register_forward_hook(self._post_forward))
             m._parameters = _AccessTrackingDict(m._parameters, self._on_access)
 
+    # -- instrumentation --------------------------------------------------------------
+    def reset_stats(self) -> None:
+        """Restart the counters; the peak restarts from what is live now."""
+        #: highest ``live_numel`` since the last reset
+        self.peak_live_numel = self.live_numel
+        #: all-gathers issued for non-persistent units (on demand and prefetched)
+        self.gathers = 0
+        #: of those, issued by prefetching
+        self.prefetched = 0
+        #: on-demand requests for a unit a prefetch had already issued
+        self.prefetch_hits = 0
+        #: speculative units freed to stay under the live-parameter cap
+        self.evicted = 0
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "live_numel": self.live_numel,
+            "peak_live_numel": self.peak_live_numel,
+            "gathers": self.gathers,
+            "prefetched": self.prefetched,
+            "prefetch_hits": self.prefetch_hits,
+            "evicted": self.evicted,
+        }
+
     # -- gather / free ----------------------------------------------------------------
-    def _launch(self, s: int) -> None:
+    def _is_live(self, s: int) -> bool:
+        return s in self._gathered or s in self._handles
+
+    def _launch(self, s: int, *, prefetch: bool = False) -> None:
         if s in self._gathered or s in self._handles:
             return
         buf = self.unit_buffers[s]
-        buf.untyped_storage().resize_(buf.numel() * buf.element_size())
+        nbytes = buf.numel() * buf.element_size()
+        if buf.untyped_storage().nbytes() != nbytes:  # a same-size resize_ reallocates
+            buf.untyped_storage().resize_(nbytes)
         with torch.autograd._unsafe_preserve_version_counter(buf):
             chunk = self.flat.read_chunk(s).to(buf.device, non_blocking=True)  # may be offloaded
             self._handles[s] = self.comm.all_gather(buf, chunk, async_op=True)
+        if s not in self.persistent:
+            self.live_numel += self._numel[s]
+            self.peak_live_numel = max(self.peak_live_numel, self.live_numel)
+            self.gathers += 1
+            if prefetch:
+                self._speculative[s] = None
+                self.prefetched += 1
 
     def _wait(self, s: int) -> None:
         handle = self._handles.pop(s, None)
@@ -182,30 +245,52 @@ class ParamGatherer:
                 self.flat.params[pi].data = self._views[pi]
 
     def gather(self, s: int) -> None:
-        self._launch(s)
-        self._wait(s)
+        """Gather unit ``s`` on demand (see :meth:`_gather_now`)."""
+        self._gather_now((s,))
+
+    def _gather_now(self, units: Iterable[int]) -> None:
+        """Gather ``units`` now, whatever the cap; first free speculative units while the
+        live count would exceed it."""
+        units = [s for s in dict.fromkeys(units) if s not in self.persistent]
+        for s in units:
+            if s in self._speculative:  # a prefetch issued it already: now it is needed
+                del self._speculative[s]
+                self.prefetch_hits += 1
+        need = sum(self._numel[s] for s in units if not self._is_live(s))
+        while self._speculative and self.live_numel + need > self.max_live_numel:
+            s = next(reversed(self._speculative))  # the furthest ahead
+            self._free(s)
+            self.evicted += 1
+        for s in units:
+            self._launch(s)
+        for s in units:
+            self._wait(s)
 
     def _free(self, s: int) -> None:
         if s in self._handles:
             self._wait(s)
-        self._gathered.discard(s)
+        if s in self._gathered:
+            self._gathered.discard(s)
+            if s not in self.persistent:
+                self.live_numel -= self._numel[s]
+        self._speculative.pop(s, None)
         for pi in self.flat.layout.segments[s].params:
             self.flat.params[pi].data = self._placeholder
         self.unit_buffers[s].untyped_storage().resize_(0)
 
     def release(self, s: int) -> None:
         """Free unit ``s`` unless it is persistent or still in use by a running forward."""
-        if (
-            s not in self.persistent
-            and self._users[s] == 0
-            and (s in self._gathered or s in self._handles)
-        ):
+        if s not in self.persistent and self._users[s] == 0 and self._is_live(s):
             self._free(s)
 
     def release_all(self) -> None:
         for s in list(self._gathered | set(self._handles)):
             self._users[s] = 0
             self.release(s)
+
+    def _release_speculative(self) -> None:
+        for s in list(self._speculative):
+            self._free(s)
 
     def refresh_persistent(self) -> None:
         """All-gather the persistent segments (at start-up and after each optimizer step)."""
@@ -215,12 +300,6 @@ class ParamGatherer:
         for s in self.persistent:
             self._wait(s)
 
-    def _live_numel(self) -> int:
-        segs = self.flat.layout.segments
-        return sum(
-            segs[s].numel for s in self._gathered | set(self._handles) if s not in self.persistent
-        )
-
     def _prefetch(self, order: list[int] | None, used: Iterable[int]) -> None:
         """Start gathering the units that follow the furthest one used so far in this
         pass, within the prefetch budget and the live-parameter cap."""
@@ -228,16 +307,15 @@ class ParamGatherer:
             return
         self._cursor = max([self._cursor, *(order.index(s) for s in used if s in order)])
         budget = self.prefetch_numel
-        segs = self.flat.layout.segments
         for s in order[self._cursor + 1 :]:
-            if budget < segs[s].numel:
+            if budget < self._numel[s]:
                 break
-            budget -= segs[s].numel  # units already on their way count toward the window
-            if s in self._gathered or s in self._handles:
+            budget -= self._numel[s]  # units already on their way count toward the window
+            if self._is_live(s):
                 continue
-            if self._live_numel() + segs[s].numel > self.max_live_numel:
+            if self.live_numel + self._numel[s] > self.max_live_numel:
                 break
-            self._launch(s)
+            self._launch(s, prefetch=True)
 
     # -- hooks --------------------------------------------------------------------------
     def _on_access(self, param: torch.Tensor) -> None:
@@ -253,7 +331,7 @@ class ParamGatherer:
         if s not in self.units_of[top]:
             self.units_of[top] = (*self.units_of[top], s)
             self._users[s] += 1
-        self.gather(s)
+        self._gather_now((s,))
 
     def _pre_forward(self, module: nn.Module, args) -> None:
         if module is self._root and not self.in_backward:
@@ -265,9 +343,9 @@ class ParamGatherer:
         )
         for s in units:
             self._users[s] += 1
-            self.gather(s)
             if recording is not None and s not in recording:
                 recording.append(s)
+        self._gather_now(units)
         if units and not self.in_backward:
             self._prefetch(self._fwd_order, units)
 
@@ -279,16 +357,17 @@ class ParamGatherer:
             self._users[s] -= 1
             if not self.in_backward:
                 self.release(s)
+        if module is self._root and not self.in_backward:
+            self._release_speculative()  # prefetched for this forward but never used
         if units and torch.is_grad_enabled() and not self.in_backward:
             return _wrap_outputs(output, self, units)
         return output
 
     def gather_for_backward(self, units: tuple[int, ...]) -> None:
         recording = self._recording_bwd if self._bwd_order is None else None
-        for s in units:
-            self.gather(s)
-            if recording is not None and s not in recording:
-                recording.append(s)
+        if recording is not None:
+            recording.extend(s for s in units if s not in recording)
+        self._gather_now(units)
         self._prefetch(self._bwd_order, units)
 
     def begin_backward(self) -> None:
@@ -308,9 +387,10 @@ class ParamGatherer:
 
     def open(self, params: list[torch.Tensor]) -> None:
         """Gather the units holding ``params`` and keep them until :meth:`close`."""
-        for s in _segments_of(self.flat, params):
+        segs = _segments_of(self.flat, params)
+        for s in segs:
             self._users[s] += 1
-            self.gather(s)
+        self._gather_now(segs)
 
     def close(self, params: list[torch.Tensor], modifier_rank: int | None) -> list[int]:
         """Optionally take ``modifier_rank``'s values into every shard; free the units."""

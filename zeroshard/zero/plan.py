@@ -13,6 +13,7 @@ a group's share of any chunk is contiguous (see ``FlatParams.group_views``).
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 from torch import nn
@@ -68,10 +69,19 @@ def plan_buckets(module: nn.Module, param_groups: list[dict], bucket_numel: int)
 
 
 def plan_units(
-    module: nn.Module, param_groups: list[dict], persistence_threshold: int, bucket_numel: int
+    module: nn.Module,
+    param_groups: list[dict],
+    persistence_threshold: int,
+    bucket_numel: int,
+    model_persistence_threshold: int | None = None,
 ) -> LayoutPlan:
-    """Stage 3: a segment per module of its own parameters; small ones persistent."""
+    """Stage 3: a segment per module of its own parameters; small ones persistent.
+
+    As in DeepSpeed, a parameter with ``numel <= persistence_threshold`` stays whole on
+    every rank, as long as the persistent total stays within
+    ``model_persistence_threshold`` (later ones are partitioned instead)."""
     group = _group_index(param_groups)
+    budget = sys.maxsize if model_persistence_threshold is None else model_persistence_threshold
     seen: set[int] = set()
     units: list[list[nn.Parameter]] = []
     small: list[nn.Parameter] = []
@@ -81,7 +91,11 @@ def plan_units(
             if id(p) in seen:
                 continue
             seen.add(id(p))
-            (small if p.numel() < persistence_threshold else own).append(p)
+            if p.numel() <= persistence_threshold and p.numel() <= budget:
+                small.append(p)
+                budget -= p.numel()
+            else:
+                own.append(p)
         if own:
             units.append(own)
     packed = [
