@@ -3,7 +3,8 @@ ranks and by plain single-process PyTorch on the full batch.
 
 A *case* is a dict: stage, gas (accumulation steps), micro (micro-batch), clip, steps,
 client (pass a torch optimizer instead of a config section), dtype ("fp32"|"bf16"|"fp16"),
-bucket (reduce/allgather bucket elements), extra (merged into the config).
+bucket (reduce/allgather bucket elements), extra (merged into the config), lr (the decay
+group's lr; the no-decay group gets twice it), opt (the config optimizer, a key of OPTS).
 """
 
 from __future__ import annotations
@@ -15,6 +16,21 @@ from zeroshard.models import GPT, GPTConfig
 
 SEQ = 16
 LR, LR_NODECAY, WD = 1e-3, 2e-3, 0.1
+MOMENTUM = 0.9
+
+# config optimizer -> (DeepSpeed "optimizer" section without lr, the matching torch class
+# and its extra constructor arguments). DeepSpeed's "Adam" decouples weight decay unless
+# adam_w_mode is false, which makes it torch's Adam with L2 decay.
+OPTS = {
+    "AdamW": ({"type": "AdamW"}, torch.optim.AdamW, {}),
+    "Adam": ({"type": "Adam"}, torch.optim.AdamW, {}),
+    "Adam-L2": ({"type": "Adam", "params": {"adam_w_mode": False}}, torch.optim.Adam, {}),
+    "SGD": (
+        {"type": "SGD", "params": {"momentum": MOMENTUM}},
+        torch.optim.SGD,
+        {"momentum": MOMENTUM},
+    ),
+}
 
 
 def build_model(case: dict) -> GPT:
@@ -35,14 +51,14 @@ def build_model(case: dict) -> GPT:
     return model
 
 
-def param_groups(model: torch.nn.Module, with_hyper: bool = True) -> list[dict]:
+def param_groups(model: torch.nn.Module, with_hyper: bool = True, lr: float = LR) -> list[dict]:
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     if not with_hyper:
         return [{"params": decay}, {"params": no_decay}]
     return [
         {"params": decay, "weight_decay": WD},
-        {"params": no_decay, "weight_decay": 0.0, "lr": LR_NODECAY},
+        {"params": no_decay, "weight_decay": 0.0, "lr": lr * LR_NODECAY / LR},
     ]
 
 
@@ -66,7 +82,9 @@ def ds_config(case: dict) -> dict:
         "steps_per_print": 10**6,
     }
     if not case.get("client"):
-        cfg["optimizer"] = {"type": "AdamW", "params": {"lr": LR, "weight_decay": WD}}
+        section, _, _ = OPTS[case.get("opt", "AdamW")]
+        params = {**section.get("params", {}), "lr": case.get("lr", LR), "weight_decay": WD}
+        cfg["optimizer"] = {"type": section["type"], "params": params}
     dtype = case.get("dtype", "fp32")
     if dtype == "bf16":
         cfg["bf16"] = {"enabled": True}
@@ -80,39 +98,55 @@ def ds_config(case: dict) -> dict:
     return cfg
 
 
-def reference(case: dict, world: int) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """Single-process fp32 PyTorch AdamW on the whole global batch."""
+def initial_params(case: dict) -> dict[str, torch.Tensor]:
+    """The parameters before training (fp32)."""
+    return {n: p.detach().clone() for n, p in build_model(case).named_parameters()}
+
+
+def reference(
+    case: dict, world: int, norms: list[float] | None = None
+) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Single-process fp32 PyTorch (the case's optimizer) on the whole global batch.
+    ``norms``, if given, receives each step's global gradient norm before clipping."""
     model = build_model(case)
-    opt = torch.optim.AdamW(
-        [g for g in param_groups(model) if any(p.requires_grad for p in g["params"])],
-        lr=LR,
-    )
+    lr = case.get("lr", LR)
+    groups = [g for g in param_groups(model, lr=lr) if any(p.requires_grad for p in g["params"])]
+    if case.get("client"):
+        opt = torch.optim.AdamW(groups, lr=lr)
+    else:
+        _, cls, kwargs = OPTS[case.get("opt", "AdamW")]
+        opt = cls(groups, lr=lr, **kwargs)
     rows = case.get("micro", 2) * case.get("gas", 1) * world
     losses = []
     for step in range(case.get("steps", 4)):
         x, y = batch(step, rows)
         loss = model(x, y)
         loss.backward()
+        trainable = [p for p in model.parameters() if p.requires_grad]
         if case.get("clip", 0.0) > 0:
-            torch.nn.utils.clip_grad_norm_(
-                [p for p in model.parameters() if p.requires_grad], case["clip"]
-            )
+            norm = torch.nn.utils.clip_grad_norm_(trainable, case["clip"])
+        else:
+            norm = torch.nn.utils.get_total_norm([p.grad for p in trainable if p.grad is not None])
+        if norms is not None:
+            norms.append(norm.item())
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def train(case: dict, rank: int, world: int):
-    """Train with zeroshard on this rank; returns (per-step mean micro loss, engine)."""
+def train(case: dict, rank: int, world: int, norms: list | None = None):
+    """Train with zeroshard on this rank; returns (per-step mean micro loss, engine).
+    ``norms``, if given, receives ``engine.get_global_grad_norm()`` after each step."""
     import zeroshard
 
     model = build_model(case)
+    lr = case.get("lr", LR)
     kwargs = {}
     if case.get("client"):
-        kwargs["optimizer"] = torch.optim.AdamW(param_groups(model), lr=LR)
+        kwargs["optimizer"] = torch.optim.AdamW(param_groups(model, lr=lr), lr=lr)
     else:
-        kwargs["model_parameters"] = param_groups(model)
+        kwargs["model_parameters"] = param_groups(model, lr=lr)
     engine, _, _, _ = zeroshard.initialize(model=model, config=ds_config(case), **kwargs)
     micro, gas = case.get("micro", 2), case.get("gas", 1)
     losses = []
@@ -126,6 +160,8 @@ def train(case: dict, rank: int, world: int):
             engine.step()
             total += loss.item()
         losses.append(total / gas)
+        if norms is not None:
+            norms.append(engine.get_global_grad_norm())
     return losses, engine
 
 
@@ -140,3 +176,9 @@ def full_params(engine) -> dict[str, torch.Tensor]:
 def max_param_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     assert a.keys() == b.keys(), a.keys() ^ b.keys()
     return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+
+
+def l2_param_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    """L2 norm of the difference of all parameters taken together."""
+    assert a.keys() == b.keys(), a.keys() ^ b.keys()
+    return sum((a[k].float() - b[k].float()).square().sum().item() for k in a) ** 0.5

@@ -1,5 +1,6 @@
-"""Engine behaviour on 2 ranks: the communication ledger, memory_stats, fp16 overflow,
-and the DeepSpeed-style accessors. One spawn runs every check."""
+"""Engine behaviour on 2 and 3 ranks: the communication ledger, memory_stats, fp16
+overflow at every stage, and (on 2 ranks) the DeepSpeed-style accessors. One spawn per
+world size runs every check."""
 
 from __future__ import annotations
 
@@ -10,9 +11,14 @@ import textwrap
 
 import multirank
 import parity
+import pytest
 import torch
 
 BIG = 10**9  # one bucket: padding is negligible against the tolerance
+# A small reduce bucket (the model has about 28k parameters), no smaller than its largest
+# parameter (4096), so that every gradient staging buffer is at most one bucket.
+SMALL = 5000
+ALIGN = 16  # zeroshard.engine._ALIGN: chunks are multiples of 16 elements
 
 
 def _psi(engine) -> int:
@@ -38,13 +44,28 @@ def _ledger_and_memory(rank: int, world: int) -> dict:
     # a small bucket at stage 0: still exactly 2 x 4 Psi, in several all-reduces
     engine, stats = _one_step({"stage": 0, "bucket": 3000}, rank, world)
     out["ledger0_buckets"] = {"stats": stats, "psi": _psi(engine)}
+    # stage 2 with a small bucket: the gradient shard plus a staging pool of few buckets
+    engine, _ = _one_step({"stage": 2, "bucket": SMALL, "frozen": False}, rank, world)
+    trainable = [p for p in engine.module.parameters() if p.requires_grad]
+    out["memory2_small"] = engine.memory_stats()
+    out["small"] = {
+        "psi": _psi(engine),
+        "count": len(trainable),
+        "largest": max(p.numel() for p in trainable),
+    }
     return out
 
 
 def _fp16_overflow(rank: int, world: int) -> dict:
-    case = {"stage": 1, "dtype": "fp16", "steps": 1}
+    return {str(stage): _fp16_overflow_at(stage, rank, world) for stage in (0, 1, 2, 3)}
+
+
+def _fp16_overflow_at(stage: int, rank: int, world: int) -> dict:
+    # stage 3: partition every parameter (the tiny model is below the default threshold)
+    z3 = {"zero_optimization": {"stage3_param_persistence_threshold": 0}}
+    case = {"stage": stage, "dtype": "fp16", "steps": 1, "extra": z3 if stage == 3 else {}}
     _, engine = parity.train(case, rank, world)
-    before = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    before = parity.full_params(engine)
     scale = engine.cur_scale
     x, y = parity.batch(7, 2 * world)
     loss = engine(x[2 * rank : 2 * rank + 2], y[2 * rank : 2 * rank + 2])
@@ -52,7 +73,8 @@ def _fp16_overflow(rank: int, world: int) -> dict:
         loss = loss * float("inf")  # only one rank overflows
     engine.backward(loss)
     engine.step()
-    unchanged = all(torch.equal(before[n], p) for n, p in engine.module.named_parameters())
+    after = parity.full_params(engine)
+    unchanged = all(torch.equal(before[n], p) for n, p in after.items())
     result = {
         "unchanged": unchanged,
         "scale_before": scale,
@@ -66,7 +88,9 @@ def _fp16_overflow(rank: int, world: int) -> dict:
     engine.backward(loss)
     engine.step()
     result["applied_next"] = engine.was_step_applied()
-    result["finite_next"] = all(torch.isfinite(p).all().item() for p in engine.module.parameters())
+    after = parity.full_params(engine)
+    result["finite_next"] = all(torch.isfinite(p).all().item() for p in after.values())
+    result["changed_next"] = parity.max_param_diff(after, before) > 0
     return result
 
 
@@ -110,12 +134,11 @@ def _api(rank: int, world: int, cfg_path: str) -> dict:
 
 
 def _all(rank: int, world: int, cfg_path: str) -> dict:
-    return {
-        "lm": _ledger_and_memory(rank, world),
-        "fp16": _fp16_overflow(rank, world),
-        "acc": _accessors(rank, world),
-        "api": _api(rank, world, cfg_path),
-    }
+    out = {"lm": _ledger_and_memory(rank, world), "fp16": _fp16_overflow(rank, world)}
+    if world == 2:  # the config file and the expected batch layout are for 2 ranks
+        out["acc"] = _accessors(rank, world)
+        out["api"] = _api(rank, world, cfg_path)
+    return out
 
 
 CONFIG_WITH_COMMENTS = """{
@@ -127,10 +150,71 @@ CONFIG_WITH_COMMENTS = """{
 }"""
 
 
-def test_engine_two_ranks(tmp_path) -> None:
+@pytest.mark.parametrize("world", [2, 3])
+def test_engine_ranks(tmp_path, world: int) -> None:
     cfg = tmp_path / "ds_config.json"
     cfg.write_text(CONFIG_WITH_COMMENTS)
-    results = multirank.run(_all, 2, str(cfg), timeout=300)
+    results = multirank.run(_all, world, str(cfg), timeout=300)
+    for r in results:
+        _check_ledger_and_memory(r["lm"], world)
+        _check_fp16_overflow(r["fp16"])
+    if world == 2:
+        _check_api_and_accessors(results)
+
+
+def _check_ledger_and_memory(lm: dict, world: int) -> None:
+    # Stage 0: an all-reduce of every gradient, exactly 2 x 4 Psi bytes, nothing else.
+    for key in ("ledger0", "ledger0_buckets"):
+        stats, psi = lm[key]["stats"], lm[key]["psi"]
+        assert set(stats) == {"all_reduce"}, stats
+        assert stats["all_reduce"]["bytes"] == 2 * 4 * psi
+    assert lm["ledger0_buckets"]["stats"]["all_reduce"]["calls"] > 1
+    # Stages 1 and 2: reduce-scatter + all-gather of the whole model, 2 x 4 Psi (+-2%).
+    for stage in (1, 2):
+        stats, psi = lm[f"ledger{stage}"]["stats"], lm[f"ledger{stage}"]["psi"]
+        assert set(stats) == {"reduce_scatter", "all_gather"}, stats
+        moved = stats["reduce_scatter"]["bytes"] + stats["all_gather"]["bytes"]
+        assert abs(moved - 8 * psi) <= 0.02 * 8 * psi, (stage, moved, 8 * psi)
+    # memory: fp32 Adam -> 8 Psi / N optimizer bytes from stage 1; grads 4 Psi / N at stage 2.
+    psi = lm["ledger0"]["psi"]
+    pad = 2 * 16 * 4 * 3  # one segment, alignment padding, a few step scalars
+    m0, m1, m2 = lm["memory0"], lm["memory1"], lm["memory2"]
+    assert m0["optimizer_states"] >= 8 * psi
+    assert m1["optimizer_states"] <= 8 * psi / world + pad
+    assert m2["optimizer_states"] <= 8 * psi / world + pad
+    assert m0["grads"] == 4 * psi and m1["grads"] >= 4 * psi
+    bucket = 4 * (psi + world * ALIGN)  # the staging bucket (the whole model here)
+    assert m2["grads"] <= 4 * psi / world + bucket + pad
+    assert m2["params"] >= 4 * psi  # stage 2 keeps whole parameters
+    # Stage 2, small bucket: the owned gradient shard plus the staging pool. Per
+    # zero/gradients.py a staging buffer is one segment (at most one bucket here, as no
+    # parameter is larger than SMALL) and the pool holds at most two: the bucket being
+    # filled and the one whose reduce-scatter is in flight (overlap_comm). Padding: each
+    # segment and staging buffer is rounded up to N x ALIGN elements (at most ALIGN per
+    # rank per segment, a segment per parameter at most).
+    small, ms = lm["small"], lm["memory2_small"]
+    assert small["largest"] <= SMALL
+    psi = small["psi"]
+    seg_pad = 4 * ALIGN * (small["count"] + 2 * world)
+    assert ms["grads"] <= 4 * psi / world + 2 * 4 * SMALL + seg_pad, (ms["grads"], psi)
+    assert ms["grads"] < 4 * psi, (ms["grads"], psi)  # really sharded
+    for m in (m0, m1, m2, ms):
+        assert sum(m["by_location"].values()) == m["params"] + m["grads"] + m["optimizer_states"]
+        assert set(m["by_location"]) == {"cpu"}
+
+
+def _check_fp16_overflow(per_stage: dict) -> None:
+    # fp16: an inf on one rank skips the step everywhere, leaves every parameter as it was
+    # and halves the scale; the next clean step applies.
+    assert set(per_stage) == {"0", "1", "2", "3"}
+    for stage, f in per_stage.items():
+        assert f["unchanged"] and not f["applied"] and f["skipped"] == 1, (stage, f)
+        assert f["scale_after"] == f["scale_before"] / 2, (stage, f)
+        assert f["applied_next"] and f["finite_next"] and f["changed_next"], (stage, f)
+        assert f["global_steps"] == 2, (stage, f)
+
+
+def _check_api_and_accessors(results: list[dict]) -> None:
     # training_data: each rank gets its own micro-batches of 2 (train 4 = 2 x 1 x 2 ranks)
     seen = []
     for r in results:
@@ -141,41 +225,6 @@ def test_engine_two_ranks(tmp_path) -> None:
         seen.append(sorted(x for b in r["api"]["ds"]["rows"] for x in b))
     assert sorted(seen[0] + seen[1]) == [4.0 * i for i in range(10)]
     for r in results:
-        lm = r["lm"]
-        # Stage 0: an all-reduce of every gradient, exactly 2 x 4 Psi bytes, nothing else.
-        for key in ("ledger0", "ledger0_buckets"):
-            stats, psi = lm[key]["stats"], lm[key]["psi"]
-            assert set(stats) == {"all_reduce"}, stats
-            assert stats["all_reduce"]["bytes"] == 2 * 4 * psi
-        assert lm["ledger0_buckets"]["stats"]["all_reduce"]["calls"] > 1
-        # Stages 1 and 2: reduce-scatter + all-gather of the whole model, 2 x 4 Psi (+-2%).
-        for stage in (1, 2):
-            stats, psi = lm[f"ledger{stage}"]["stats"], lm[f"ledger{stage}"]["psi"]
-            assert set(stats) == {"reduce_scatter", "all_gather"}, stats
-            moved = stats["reduce_scatter"]["bytes"] + stats["all_gather"]["bytes"]
-            assert abs(moved - 8 * psi) <= 0.02 * 8 * psi, (stage, moved, 8 * psi)
-        # memory: fp32 Adam -> 8 Psi / N optimizer bytes from stage 1; grads 4 Psi / N at stage 2.
-        psi = lm["ledger0"]["psi"]
-        pad = 2 * 16 * 4 * 3  # one segment, alignment padding, a few step scalars
-        m0, m1, m2 = lm["memory0"], lm["memory1"], lm["memory2"]
-        assert m0["optimizer_states"] >= 8 * psi
-        assert m1["optimizer_states"] <= 8 * psi / 2 + pad
-        assert m2["optimizer_states"] <= 8 * psi / 2 + pad
-        assert m0["grads"] == 4 * psi and m1["grads"] >= 4 * psi
-        bucket = 4 * (psi + 32)  # the staging bucket (the whole model here)
-        assert m2["grads"] <= 4 * psi / 2 + bucket + pad
-        assert m2["params"] >= 4 * psi  # stage 2 keeps whole parameters
-        for m in (m0, m1, m2):
-            assert (
-                sum(m["by_location"].values()) == m["params"] + m["grads"] + m["optimizer_states"]
-            )
-            assert set(m["by_location"]) == {"cpu"}
-        # fp16: an inf on one rank skips the step everywhere and halves the scale.
-        f = r["fp16"]
-        assert f["unchanged"] and not f["applied"] and f["skipped"] == 1
-        assert f["scale_after"] == f["scale_before"] / 2
-        assert f["applied_next"] and f["finite_next"]
-        assert f["global_steps"] == 2
         a = r["acc"]
         assert a["global_steps"] == 2 and a["micro_steps"] == 4 and not a["boundary"]
         assert a["train_batch_size"] == 1 * 2 * 2 and a["world"] == 2 and a["device"] == "cpu"

@@ -98,3 +98,12 @@ def test_stage3_persistence_thresholds() -> None:
     assert persistent(8) == [4, 4, 4, 8]
     assert persistent(8, model_threshold=9) == [4, 4]  # in module order until the cap
     assert persistent(10**6, model_threshold=0) == []
+
+
+def test_gpt_presets_are_buildable() -> None:
+    """Every built-in GPT preset splits d_model evenly into heads (checked without
+    building the big ones)."""
+    from zeroshard.models import _PRESETS
+
+    for name, (_, n_head, d_model) in _PRESETS.items():
+        assert d_model % n_head == 0, name
