@@ -188,9 +188,11 @@ def test_real_deepspeed_examples_cifar_three_ranks() -> None:
 
 
 def test_real_megatron_zero2_partitioned_activations() -> None:
-    # Flip when partitioned activation checkpoints land.
+    # partition_activations is accepted (a logged no-op without model parallelism).
     path = REAL / "dse_megatron_ds_zero2_config.json"
-    assert_not_built(path, "activation_checkpointing.partition_activations", world=2)
+    ac = load_config(path, dp_world_size=2).activation_checkpointing
+    assert ac.partition_activations and not ac.contiguous_memory_optimization
+    assert not ac.cpu_checkpointing and ac.number_checkpoints is None
     cfg = parsed(real(path.name), world=8)
     assert (cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps) == (2, 1)
     assert cfg.zero_optimization.stage == 2 and cfg.optimizer is not None
@@ -474,6 +476,26 @@ BAD = {
         "activation_checkpointing.contiguous_memory_optimization",
         "partition_activations",
     ),
+    "contiguous_without_number": (
+        _with(
+            activation_checkpointing={
+                "partition_activations": True,
+                "contiguous_memory_optimization": True,
+            }
+        ),
+        "activation_checkpointing.number_checkpoints",
+        "contiguous_memory_optimization",
+    ),
+    "number_checkpoints_fraction": (
+        _with(activation_checkpointing={"number_checkpoints": 2.5}),
+        "activation_checkpointing.number_checkpoints",
+        "whole number",
+    ),
+    "cpu_checkpointing_string": (
+        _with(activation_checkpointing={"cpu_checkpointing": "true"}),
+        "activation_checkpointing.cpu_checkpointing",
+        "true or false",
+    ),
     "steps_per_print_zero": (_with(steps_per_print=0), "steps_per_print", ">= 1"),
     "seed_negative": (_with(seed=-1), "seed", ">= 0"),
     "tag_validation": (
@@ -530,14 +552,6 @@ NOT_BUILT_CASES = {
     "qwz": (_zero(zero_quantized_weights=True), "zero_optimization.zero_quantized_weights"),
     "qgz": (_zero(zero_quantized_gradients=True), "zero_optimization.zero_quantized_gradients"),
     "mics": (_zero(mics_shard_size=4), "zero_optimization.mics_shard_size"),
-    "partition_activations": (
-        _with(activation_checkpointing={"partition_activations": True}),
-        "activation_checkpointing.partition_activations",
-    ),
-    "cpu_checkpointing": (
-        _with(activation_checkpointing={"cpu_checkpointing": True}),
-        "activation_checkpointing.cpu_checkpointing",
-    ),
     "pipeline": (_with(pipeline={"stages": 2}), "pipeline"),
     "amp": (_with(amp={"enabled": True, "opt_level": "O1"}), "amp"),
     "torch_autocast": (_with(torch_autocast={"enabled": True}), "torch_autocast"),
@@ -580,6 +594,26 @@ def test_not_built_table_shape() -> None:
         assert isinstance(feature, str) and feature
     # A default config trips none of the rows.
     assert not [row[0] for row in NOT_BUILT if row[1](load_config({"train_batch_size": 1}))]
+
+
+def test_activation_checkpointing_section_is_accepted() -> None:
+    """Every DeepSpeed activation_checkpointing key loads (none is "not built")."""
+    ac = load_config(
+        _with(
+            activation_checkpointing={
+                "partition_activations": True,
+                "cpu_checkpointing": True,
+                "contiguous_memory_optimization": True,
+                "number_checkpoints": 4.0,
+                "synchronize_checkpoint_boundary": True,
+                "profile": True,
+            }
+        )
+    ).activation_checkpointing
+    assert ac.partition_activations and ac.cpu_checkpointing
+    assert ac.contiguous_memory_optimization and ac.synchronize_checkpoint_boundary
+    assert ac.number_checkpoints == 4 and isinstance(ac.number_checkpoints, int)
+    assert ac.profile
 
 
 @pytest.mark.parametrize(

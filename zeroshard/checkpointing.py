@@ -3,109 +3,237 @@ activations to CPU. No communication.
 
 * :func:`checkpoint` — recompute ``fn`` in backward instead of keeping its activations
   (non-reentrant, RNG state restored, so dropout draws the same mask). Same name and
-  call as DeepSpeed's ``deepspeed.checkpointing.checkpoint``.
-* :func:`apply_activation_checkpointing` — wrap the forward of every block of given
-  types: policy ``"full"`` keeps only the block input; ``"selective"`` keeps matmul
-  outputs and recomputes the cheap element-wise ops and the attention core (softmax).
-  ``offload=True`` additionally moves what is kept to CPU memory during forward and
-  brings it back in backward (saved-tensor hooks; asynchronous with pinned memory).
-* :func:`configure` — DeepSpeed's ``activation_checkpointing`` section.
+  call as DeepSpeed's ``deepspeed.checkpointing.checkpoint``; it follows
+  :func:`configure`.
+* :func:`apply_activation_checkpointing` — wrap the forward of every selected block:
+  policy ``"full"`` keeps only the block input; ``"selective"`` keeps the block input
+  and the outputs of the 2-D matmuls (``mm``/``addmm``: the linear layers) and
+  recomputes the cheap element-wise ops and the attention core (fused attention, or
+  QK^T, softmax, dropout and probabilities x V as batched matmuls). ``offload=True``
+  additionally moves what is kept — the block input and, with ``selective``, the kept
+  matmul outputs — to (pinned) CPU memory during forward and brings it back in
+  backward (asynchronous copies on the current stream).
+* :func:`apply_activation_offload` — no recomputation: every tensor a selected block
+  saves for backward goes to CPU memory (saved-tensor hooks).
+* Blocks are selected per block: by type (``Block`` or a tuple of types) or by a
+  predicate ``(qualified_name, module) -> bool``, e.g. only the first half of the layers.
+* :func:`configure` — DeepSpeed's ``deepspeed.checkpointing.configure``; the engine
+  calls it with the config's ``activation_checkpointing`` section when there is one:
+
+  ``cpu_checkpointing`` (``checkpoint_in_cpu``)
+      what :func:`checkpoint` keeps (its inputs) is offloaded to CPU as above.
+  ``partition_activations``
+      accepted, no effect on memory (a warning is logged). DeepSpeed splits the
+      checkpointed inputs across *model-parallel* ranks, which hold identical copies of
+      them. zeroshard has only data parallelism, where every rank's activations are its
+      own: sharding them over the data-parallel ranks would leave each rank holding
+      1/N of N different inputs — the same bytes — plus an all-gather at each
+      recompute. An ``mpu`` with model-parallel world size > 1 is refused.
+  ``contiguous_memory_optimization``
+      accepted, no effect: DeepSpeed copies the partitioned checkpoints into one
+      preallocated buffer to avoid CUDA allocator fragmentation; it requires
+      ``partition_activations`` and ``number_checkpoints`` (checked, as DeepSpeed does).
+  ``number_checkpoints``
+      validated (a whole number >= 1); it only sizes that buffer in DeepSpeed.
+  ``synchronize_checkpoint_boundary``
+      the device is synchronized before and after each :func:`checkpoint`.
+  ``profile``
+      the forward time of each :func:`checkpoint` is logged (logger
+      ``zeroshard.checkpointing``, INFO).
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable, Iterable
+import logging
+import operator
+import os
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint as _torch_checkpoint
+
+log = logging.getLogger(__name__)
 
 POLICIES = ("full", "selective")
 
-# matmul-like ops whose outputs selective checkpointing keeps (they are costly to redo)
-_KEEP = {
-    torch.ops.aten.mm.default,
-    torch.ops.aten.addmm.default,
-    torch.ops.aten.bmm.default,
-    torch.ops.aten.baddbmm.default,
-    torch.ops.aten.linear.default,
-}
-
-_settings = {"offload": False}
+# ops whose outputs selective checkpointing keeps: the 2-D matmuls, which is what
+# nn.Linear reaches the dispatcher as (costly to redo, sbh-sized). Batched matmuls (bmm,
+# baddbmm: the QK^T scores and probabilities x V of an unfused attention core) are
+# recomputed with the softmax: keeping them would keep s x s scores per head.
+_KEEP = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default}
 
 
-def checkpoint(fn: Callable, *args, **kwargs):
-    """Run ``fn(*args, **kwargs)`` without keeping its activations; recompute in backward.
-    With ``configure(checkpoint_in_cpu=True)`` the kept inputs go to CPU memory."""
-    ctx = offload_saved_tensors() if _settings["offload"] else contextlib.nullcontext()
-    with ctx:
-        return _torch_checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
+# -- offload ------------------------------------------------------------------------------
+def _to_host(t: torch.Tensor):
+    """Pack: a device tensor becomes ``(device, host copy)``; a CPU tensor stays as it is
+    (CPU training: nothing to move)."""
+    if t.device.type == "cpu":
+        return t
+    pin = t.device.type == "cuda"
+    host = torch.empty(t.size(), dtype=t.dtype, layout=t.layout, pin_memory=pin)
+    host.copy_(t, non_blocking=pin)
+    return (t.device, host)
 
 
-def _selective_policy(ctx, op, *args, **kwargs):
-    return CheckpointPolicy.MUST_SAVE if op in _KEEP else CheckpointPolicy.PREFER_RECOMPUTE
-
-
-def _selective_contexts():
-    return create_selective_checkpoint_contexts(_selective_policy)
+def _to_device(packed) -> torch.Tensor:
+    """Unpack what :func:`_to_host` packed."""
+    if torch.is_tensor(packed):
+        return packed
+    dev, host = packed
+    return host.to(dev, non_blocking=host.is_pinned())
 
 
 class offload_saved_tensors(torch.autograd.graph.saved_tensors_hooks):
     """Keep tensors saved for backward in (pinned) CPU memory instead of the device."""
 
-    def __init__(self, device: torch.device | None = None) -> None:
-        pin = torch.cuda.is_available()
-
-        def pack(t: torch.Tensor):
-            if t.device.type == "cpu":
-                return t  # already there (CPU training): nothing to move
-            host = torch.empty(t.size(), dtype=t.dtype, layout=t.layout, pin_memory=pin)
-            host.copy_(t, non_blocking=pin)
-            return (t.device, host)
-
-        def unpack(packed):
-            if torch.is_tensor(packed):
-                return packed
-            dev, host = packed
-            return host.to(dev, non_blocking=pin)
-
-        super().__init__(pack, unpack)
+    def __init__(self) -> None:
+        super().__init__(lambda t: _to_host(t), lambda packed: _to_device(packed))
 
 
-def _wrap_forward(module: nn.Module, policy: str, offload: bool) -> None:
-    forward = module.forward
+# -- selective checkpointing ------------------------------------------------------------
+class _KeepMatmuls(TorchDispatchMode):
+    """Forward of a selective region: remember each matmul output (offloaded or not)."""
 
-    @functools.wraps(forward)
-    def wrapped(*args, **kwargs):
-        ctx = offload_saved_tensors() if offload else contextlib.nullcontext()
-        with ctx:
-            if policy == "full":
-                return _torch_checkpoint(forward, *args, use_reentrant=False, **kwargs)
-            return _torch_checkpoint(
-                forward, *args, use_reentrant=False, context_fn=_selective_contexts, **kwargs
+    def __init__(self, store: list, offload: bool) -> None:
+        super().__init__()
+        self.store, self.offload = store, offload
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in _KEEP:
+            kept = out.detach()  # an alias: shares the storage and the version counter
+            self.store.append((_to_host(kept) if self.offload else kept, kept._version))
+        return out
+
+
+class _ReuseMatmuls(TorchDispatchMode):
+    """Recompute of a selective region: matmuls return what forward kept (each once, and
+    dropped from the store then), everything else runs again."""
+
+    def __init__(self, store: list, offload: bool) -> None:
+        super().__init__()
+        self.store, self.offload, self.next = store, offload, 0
+
+    def __enter__(self):
+        self.next = 0
+        return super().__enter__()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func not in _KEEP:
+            return func(*args, **(kwargs or {}))
+        i, self.next = self.next, self.next + 1
+        entry = self.store[i] if i < len(self.store) else None
+        if entry is None:
+            raise RuntimeError(
+                "selective checkpointing: the recomputed region runs a matmul that forward "
+                "did not (non-deterministic region?) or is backwarded a second time"
             )
+        self.store[i] = None
+        kept, version = entry
+        if torch.is_tensor(kept) and kept._version != version:
+            raise RuntimeError(
+                "selective checkpointing: a kept matmul output was modified in place after "
+                "forward; use policy 'full' for this block"
+            )
+        return _to_device(kept) if self.offload else kept
 
-    module.forward = wrapped  # this instance only
+
+def _selective_contexts(offload: bool):
+    store: list = []
+    return _KeepMatmuls(store, offload), _ReuseMatmuls(store, offload)
 
 
-def apply_activation_checkpointing(
-    model: nn.Module,
-    block_types: type | Iterable[type],
-    policy: str = "full",
-    *,
-    offload: bool = False,
-) -> int:
-    """Checkpoint every submodule that is an instance of ``block_types``; returns how many."""
-    if policy not in POLICIES:
-        raise ValueError(f"policy: expected one of {POLICIES}, got {policy!r}")
-    types = (block_types,) if isinstance(block_types, type) else tuple(block_types)
-    blocks = [m for m in model.modules() if isinstance(m, types)]
-    for m in blocks:
-        _wrap_forward(m, policy, offload)
-    return len(blocks)
+# -- checkpoint() and configure() --------------------------------------------------------
+@dataclass(frozen=True)
+class Settings:
+    """What :func:`configure` set (DeepSpeed's names in the config section)."""
+
+    cpu_checkpointing: bool = False
+    partition_activations: bool = False
+    contiguous_memory_optimization: bool = False
+    number_checkpoints: int | None = None
+    synchronize_checkpoint_boundary: bool = False
+    profile: bool = False
+
+
+_settings = Settings()
+
+
+def settings() -> Settings:
+    """The current :func:`configure` settings."""
+    return _settings
+
+
+def reset() -> None:
+    """Back to the defaults (nothing offloaded, no synchronization, no profiling)."""
+    global _settings
+    _settings = Settings()
+
+
+def _synchronize() -> None:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
+def checkpoint(fn: Callable, *args, **kwargs):
+    """Run ``fn(*args, **kwargs)`` without keeping its activations; recompute in backward.
+
+    Only the inputs are kept; with ``cpu_checkpointing`` (``configure(checkpoint_in_cpu=
+    True)``) they are kept in CPU memory."""
+    s = _settings
+    if s.synchronize_checkpoint_boundary:
+        _synchronize()
+    start = time.perf_counter() if s.profile else 0.0
+    ctx = offload_saved_tensors() if s.cpu_checkpointing else contextlib.nullcontext()
+    with ctx:
+        out = _torch_checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
+    if s.synchronize_checkpoint_boundary:
+        _synchronize()
+    if s.profile:
+        name = getattr(fn, "__qualname__", type(fn).__name__)
+        log.info("checkpoint %s: forward %.3f ms", name, 1e3 * (time.perf_counter() - start))
+    return out
+
+
+def _section(deepspeed_config: Any) -> Mapping[str, Any] | None:
+    """The ``activation_checkpointing`` section of a config: a path, a dict, a parsed
+    :class:`~zeroshard.config.Config` or the section itself."""
+    from zeroshard.config import ActivationCheckpointingConfig, Config, read_config_file
+
+    if deepspeed_config is None:
+        return None
+    if isinstance(deepspeed_config, ActivationCheckpointingConfig):
+        section = deepspeed_config
+    elif isinstance(deepspeed_config, Config):
+        section = deepspeed_config.activation_checkpointing
+    else:
+        from zeroshard._config_parse import _parse_activation_checkpointing
+
+        raw = (
+            read_config_file(deepspeed_config)
+            if isinstance(deepspeed_config, (str, os.PathLike))
+            else deepspeed_config
+        )
+        if not isinstance(raw, Mapping):
+            raise TypeError(
+                f"deepspeed_config: expected a dict or a path, got {type(raw).__name__}"
+            )
+        section = _parse_activation_checkpointing(raw.get("activation_checkpointing"))
+    return {f: getattr(section, f) for f in Settings.__dataclass_fields__}
+
+
+def _mp_world_size(mpu) -> int:
+    for name in ("get_tensor_model_parallel_world_size", "get_model_parallel_world_size"):
+        if hasattr(mpu, name):
+            return int(getattr(mpu, name)())
+    return 1
 
 
 def configure(
@@ -118,15 +246,131 @@ def configure(
     synchronize=None,
     profile=None,
 ) -> None:
-    """DeepSpeed's ``checkpointing.configure``: ``checkpoint_in_cpu`` offloads what
-    :func:`checkpoint` keeps; partitioning needs model parallelism (not built yet)."""
-    if partition_activations:
-        raise NotImplementedError(
-            "activation_checkpointing.partition_activations is not built yet in zeroshard"
+    """DeepSpeed's ``deepspeed.checkpointing.configure``: read the
+    ``activation_checkpointing`` section of ``deepspeed_config`` (path, dict or parsed
+    config), then let the explicit arguments override it. See the module docstring for
+    what each setting does."""
+    global _settings
+    new = Settings(**(_section(deepspeed_config) or {}))
+    explicit = {
+        "partition_activations": partition_activations,
+        "contiguous_memory_optimization": contiguous_checkpointing,
+        "number_checkpoints": num_checkpoints,
+        "cpu_checkpointing": checkpoint_in_cpu,
+        "synchronize_checkpoint_boundary": synchronize,
+        "profile": profile,
+    }
+    for key, value in explicit.items():
+        if value is None:
+            continue
+        if key == "number_checkpoints":
+            if isinstance(value, bool):
+                raise ValueError(f"num_checkpoints: expected a whole number, got {value!r}")
+            try:
+                value = operator.index(value)
+            except TypeError:
+                raise ValueError(
+                    f"num_checkpoints: expected a whole number, got {value!r}"
+                ) from None
+        else:
+            value = bool(value)
+        new = replace(new, **{key: value})
+    if new.number_checkpoints is not None and new.number_checkpoints < 1:
+        raise ValueError(f"num_checkpoints: must be >= 1, got {new.number_checkpoints}")
+    if new.contiguous_memory_optimization and not new.partition_activations:
+        raise ValueError("contiguous_checkpointing needs partition_activations (as in DeepSpeed)")
+    if new.contiguous_memory_optimization and new.number_checkpoints is None:
+        raise ValueError("contiguous_checkpointing needs num_checkpoints (as in DeepSpeed)")
+    if new.partition_activations:
+        if mpu_ is not None and _mp_world_size(mpu_) > 1:
+            raise NotImplementedError(
+                "partition_activations across model-parallel ranks needs tensor "
+                "parallelism, which zeroshard does not build"
+            )
+        log.warning(
+            "zeroshard: activation_checkpointing.partition_activations has no effect: "
+            "without model parallelism no rank holds a copy of another's activations, "
+            "so partitioning them would not reduce any rank's memory"
         )
-    if checkpoint_in_cpu is not None:
-        _settings["offload"] = bool(checkpoint_in_cpu)
+    _settings = new
 
 
 def is_configured() -> bool:
     return True
+
+
+# -- applying to blocks -------------------------------------------------------------------
+Selector = type | Iterable[type] | Callable[[str, nn.Module], bool]
+
+
+def _select(model: nn.Module, blocks: Selector) -> list[nn.Module]:
+    """The modules ``blocks`` selects, outermost only (a selected module inside a
+    selected module is left alone)."""
+    if isinstance(blocks, type):
+        blocks = (blocks,)
+    if callable(blocks) and not isinstance(blocks, type):
+        predicate = blocks
+    else:
+        types = tuple(blocks)
+        if not all(isinstance(t, type) for t in types):
+            raise TypeError("block_types: expected module types or a (name, module) predicate")
+
+        def predicate(_name: str, m: nn.Module) -> bool:
+            return isinstance(m, types)
+
+    chosen: list[tuple[str, nn.Module]] = []
+    for name, m in model.named_modules():
+        if any(name.startswith(p + ".") or p == "" for p, _ in chosen):
+            continue
+        if predicate(name, m):
+            chosen.append((name, m))
+    return [m for _, m in chosen]
+
+
+def _wrap_forward(module: nn.Module, policy: str | None, offload: bool) -> bool:
+    if getattr(module, "_zeroshard_activation", None) is not None:
+        return False  # already wrapped
+    forward = module.forward
+
+    @functools.wraps(forward)
+    def wrapped(*args, **kwargs):
+        ctx = offload_saved_tensors() if offload else contextlib.nullcontext()
+        with ctx:
+            if policy is None:
+                return forward(*args, **kwargs)
+            if policy == "full":
+                return _torch_checkpoint(
+                    forward, *args, use_reentrant=False, preserve_rng_state=True, **kwargs
+                )
+            return _torch_checkpoint(
+                forward,
+                *args,
+                use_reentrant=False,
+                context_fn=functools.partial(_selective_contexts, offload),
+                **kwargs,
+            )
+
+    module.forward = wrapped  # this instance only
+    module._zeroshard_activation = (policy, offload)
+    return True
+
+
+def apply_activation_checkpointing(
+    model: nn.Module,
+    block_types: Selector,
+    policy: str = "full",
+    *,
+    offload: bool = False,
+) -> int:
+    """Checkpoint every block ``block_types`` selects (types, or a ``(name, module)``
+    predicate); returns how many were wrapped. ``offload`` also moves what is kept to
+    CPU memory."""
+    if policy not in POLICIES:
+        raise ValueError(f"policy: expected one of {POLICIES}, got {policy!r}")
+    return sum(_wrap_forward(m, policy, offload) for m in _select(model, block_types))
+
+
+def apply_activation_offload(model: nn.Module, block_types: Selector) -> int:
+    """Without recomputation, keep every tensor the selected blocks save for backward in
+    CPU memory; returns how many blocks were wrapped."""
+    return sum(_wrap_forward(m, None, True) for m in _select(model, block_types))

@@ -92,9 +92,6 @@ NOT_BUILT: tuple[tuple[str, Callable[[Config], bool], str], ...] = (
     ("zero_optimization.zero_quantized_gradients", lambda c: c.zero_optimization.zero_quantized_gradients, "ZeRO++ quantized gradient communication (qgZ)"),
     ("zero_optimization.mics_shard_size", lambda c: c.zero_optimization.mics_shard_size > 0, "MiCS sharding"),
     ("zero_optimization.zenflow", lambda c: c.zero_optimization.zenflow is not None, "ZenFlow"),
-    ("activation_checkpointing.partition_activations", lambda c: c.activation_checkpointing.partition_activations, "partitioned activation checkpoints"),
-    ("activation_checkpointing.cpu_checkpointing", lambda c: c.activation_checkpointing.cpu_checkpointing, "CPU activation checkpointing"),
-    ("activation_checkpointing.contiguous_memory_optimization", lambda c: c.activation_checkpointing.contiguous_memory_optimization, "contiguous activation checkpoint buffers"),
     ("fp16.fp16_master_weights_and_grads", lambda c: c.fp16.fp16_master_weights_and_grads, "fp16 master weights and gradients"),
     ("bf16.bf16_master_weights_and_grads", lambda c: c.bf16.bf16_master_weights_and_grads, "bf16 master weights and gradients"),
     ("bf16.bf16_optimizer_states", lambda c: c.bf16.bf16_optimizer_states, "bf16 optimizer states"),
@@ -498,19 +495,25 @@ class ZeroConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class ActivationCheckpointingConfig:
-    """The ``activation_checkpointing`` section (DeepSpeed's checkpointing options)."""
+    """The ``activation_checkpointing`` section (DeepSpeed's checkpointing options). As in
+    DeepSpeed it configures ``zeroshard.checkpointing.checkpoint``, the function the
+    model calls; the engine applies it (``zeroshard.checkpointing.configure``) when the
+    config has the section."""
 
-    #: Partition checkpointed activations across model-parallel ranks.
+    #: Partition checkpointed activations across model-parallel ranks. Accepted; no
+    #: effect on memory (logged): without model parallelism no rank holds a copy of
+    #: another's activations.
     partition_activations: bool = False
-    #: Keep checkpointed activations in CPU memory.
+    #: Keep what checkpoint() keeps (its inputs) in CPU memory.
     cpu_checkpointing: bool = False
-    #: Copy partitioned activations into one preallocated buffer.
+    #: Copy partitioned activations into one preallocated buffer (a CUDA allocator
+    #: fragmentation optimization). Accepted; no effect.
     contiguous_memory_optimization: bool = False
-    #: Number of checkpoints, to size that buffer.
+    #: Number of checkpoints, to size that buffer (validated, otherwise unused).
     number_checkpoints: int | None = None
-    #: Synchronize the device at each checkpoint boundary.
+    #: Synchronize the device before and after each checkpoint().
     synchronize_checkpoint_boundary: bool = False
-    #: Log forward/backward time of each checkpointed function.
+    #: Log the forward time of each checkpoint().
     profile: bool = False
 
     def __post_init__(self) -> None:

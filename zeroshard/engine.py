@@ -163,6 +163,10 @@ class Engine(nn.Module):
         register_owner(module.parameters(), self)
         self.lr_scheduler = self._make_scheduler(lr_scheduler)
         self.training_dataloader = self._make_loader(training_data, collate_fn)
+        if "activation_checkpointing" in config.raw:  # as DeepSpeed: configures checkpoint()
+            from zeroshard import checkpointing
+
+            checkpointing.configure(deepspeed_config=config.activation_checkpointing)
         for name in config.ignored_enabled:
             if comm.rank == 0:
                 log.warning("zeroshard: config section %r is accepted but has no effect", name)

@@ -10,25 +10,49 @@ from stage 2, the gradient shard) to CPU memory or NVMe files, and at stage 3 th
 parameter shard too. zeroshard's own buffers are included: the gradient staging
 buckets (stages 2-3) and the gathered always-resident small parameters (stage 3).
 
-Activations per micro-batch (s = sequence, b = micro-batch, h = hidden, L = layers,
-V = vocabulary), counted for a pre-LN block with fused attention (no s² scores kept):
-17 sbh elements per layer without checkpointing, 10 sbh with selective checkpointing
-(matmul outputs and the block input kept), sbh with full checkpointing (the block
-input only, plus one block's worth while it is recomputed); plus the logits (2 sbV for
-the loss) and, without full checkpointing, 3 sbh around the embedding and final norm.
+Activations (``activation_bytes``), per micro-batch of the built-in GPT (pre-LN blocks,
+fused attention that keeps no s×s scores, dropout off), in elements of the activation
+dtype with s = sequence, b = micro-batch, h = hidden, L = layers, V = vocabulary and
+m = MLP ratio (4). Derived op by op and checked against measurement (the tests measure
+every tensor storage alive during forward and backward, ``ActivationTracker``):
+
+* kept for backward per block: (8 + 2m)·sbh = 16 sbh without checkpointing (block
+  input, ln1 output, qkv 3, attention output, mid-block residual, ln2 output, MLP
+  hidden m, GELU output m); with ``selective``, the block input and the matmul outputs,
+  (6 + m)·sbh = 10 sbh (qkv 3, attention projection, MLP hidden m, MLP projection);
+  with ``full``, the block input, sbh;
+* around the blocks: the final norm's input and output, 2 sbh, and the fp32
+  log-probabilities of the loss, sbV (always 4 bytes: the loss is computed in fp32);
+* the peak is the larger of two moments. (A) Backward of the loss: all the above plus
+  two more fp32 sbV (the gradients of the log-probabilities and of the logits).
+  (B) Backward of the last block: the blocks' kept bytes, the incoming gradient (sbh), what
+  recomputation brings back (selective: (3 + m)·sbh — the (4 + m)·sbh it recomputes,
+  less the attention projection output it drops once used; full: (7 + 2m)·sbh, the
+  block's 16 sbh less its input), the gradient of the MLP hidden (m·sbh), and two
+  weight-gradient temporaries: the MLP weight's (m·h²) and, with tied embeddings, the
+  output projection's (V·h), which waits for the embedding's to be summed with it.
+
+Dropout adds a 1-byte mask per element of each dropout (and PyTorch's CPU attention
+with dropout falls back to a kernel that keeps the b·heads·s² probabilities); the
+estimate leaves both out. Measured on CPU for the small GPT at s 256, b 2 (fp32):
+peak 18.07 / 13.39 / 6.39 MiB for none / selective / full, estimated 18.00 / 13.38 /
+6.38 MiB.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 PRECISIONS = {"fp32": (4, 4, 0, 8), "bf16": (2, 2, 4, 8), "fp16": (2, 2, 4, 8)}  # p, g, master, m+v
 OFFLOADS = ("none", "cpu", "nvme")
 POLICIES = ("none", "selective", "full")
-_PER_LAYER = {"none": 17, "selective": 10, "full": 1}
+_LOSS_BYTES = 4  # the GPT computes its loss in fp32: log-probabilities and their gradients
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -140,19 +164,27 @@ def activation_bytes(
     vocab: int,
     policy: str = "none",
     dtype_bytes: int = 4,
+    mlp_ratio: int = 4,
+    tied_embeddings: bool = True,
+    peak: bool = True,
 ) -> int:
-    """Bytes kept for backward at the end of forward (see the module docstring)."""
+    """Activation bytes of one micro-batch of the built-in GPT (see the module
+    docstring): the peak over forward and backward (``peak=True``), or what is kept for
+    backward when forward ends (``peak=False``)."""
     if policy not in POLICIES:
         raise ValueError(f"policy: expected one of {POLICIES}, got {policy!r}")
+    e, m = dtype_bytes, mlp_ratio
     sbh = seq * micro_batch * hidden
-    per_layer = _PER_LAYER[policy] * sbh
-    recompute = 0 if policy == "none" else (_PER_LAYER["none"] - _PER_LAYER[policy]) * sbh
-    # logits and their log-softmax; without full checkpointing also the embedding sum and
-    # the final norm's input and output (with it, those are block inputs already counted)
-    head = (0 if policy == "full" else 3 * sbh) + 2 * seq * micro_batch * vocab
-    return dtype_bytes * (layers * per_layer + head) + (
-        dtype_bytes * recompute if policy == "full" else 0
-    )
+    sbv = seq * micro_batch * vocab
+    kept = {"none": 8 + 2 * m, "selective": 6 + m, "full": 1}[policy]
+    recompute = {"none": 0, "selective": 3 + m, "full": 7 + 2 * m}[policy]
+    saved = e * sbh * (layers * kept + 2) + _LOSS_BYTES * sbv
+    if not peak:
+        return saved
+    loss_backward = saved + 2 * _LOSS_BYTES * sbv
+    weight_grads = e * (m * hidden * hidden + (vocab * hidden if tied_embeddings else 0))
+    last_block = e * sbh * (layers * kept + 1 + recompute + m) + weight_grads
+    return max(loss_backward, last_block)
 
 
 def measure(engine) -> dict:
@@ -188,3 +220,36 @@ def measure(engine) -> dict:
             out[kind] += nbytes
             out["by_location"]["nvme"] = out["by_location"].get("nvme", 0) + nbytes
     return out
+
+
+class ActivationTracker(TorchDispatchMode):
+    """Measured activation bytes, on any device (CPU included): while active, every
+    tensor storage an op creates is counted until it is freed, each storage once.
+    Storages of the tensors in ``exclude`` (parameters, gradient buffers, inputs) are
+    not counted. ``current`` is the bytes alive now, ``peak`` the most alive at once
+    (checked after every op)."""
+
+    def __init__(self, exclude: Iterable[torch.Tensor] = ()) -> None:
+        super().__init__()
+        self._excluded = {t.untyped_storage().data_ptr() for t in exclude}
+        self._alive: dict[int, int] = {}
+        self.current = 0
+        self.peak = 0
+
+    def _freed(self, ptr: int) -> None:
+        self.current -= self._alive.pop(ptr, 0)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if not isinstance(t, torch.Tensor) or t.device.type == "meta":
+                continue
+            storage = t.untyped_storage()
+            ptr, nbytes = storage.data_ptr(), storage.nbytes()
+            if not nbytes or ptr in self._alive or ptr in self._excluded:
+                continue
+            self._alive[ptr] = nbytes
+            self.current += nbytes
+            weakref.finalize(storage, self._freed, ptr)
+        self.peak = max(self.peak, self.current)
+        return out

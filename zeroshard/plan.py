@@ -13,8 +13,8 @@ from __future__ import annotations
 import argparse
 
 from zeroshard.convert import parse_size
-from zeroshard.estimate import _model_facts
-from zeroshard.memory import POLICIES, PRECISIONS, Estimate, activation_bytes, estimate
+from zeroshard.estimate import activations, facts_from_args
+from zeroshard.memory import POLICIES, PRECISIONS, Estimate, estimate
 
 _OFFLOAD_RANK = {"none": 0, "cpu": 1, "nvme": 2}
 
@@ -84,18 +84,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    facts = _model_facts(args.model) if args.model else {"params": int(args.params)}
-    act = 0
-    if args.seq and "layers" in facts:
-        act = activation_bytes(
-            layers=facts["layers"],
-            hidden=facts["hidden"],
-            seq=args.seq,
-            micro_batch=args.micro_batch,
-            vocab=facts["vocab"],
-            policy=args.checkpointing,
-            dtype_bytes=4 if args.precision == "fp32" else 2,
-        )
+    facts = facts_from_args(args)
+    act, act_line = activations(facts, args, args.precision)
+    print(act_line)
     ranked = choose(
         candidates(facts, args.nproc, args.nnodes, args.precision, act, int(args.bucket)),
         args.device_memory,
