@@ -87,6 +87,7 @@ def run_one(policy: str, seq: int, steps: int) -> dict:
         micro_batch=1,
         vocab=cfg.vocab_size,
         policy=policy.split("+")[0],
+        peak=False,  # what is kept for backward when forward ends: what "alive" measures
     )
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return {
