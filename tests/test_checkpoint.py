@@ -24,7 +24,9 @@ CPU = {"device": "cpu"}
 def _config(case: dict, world: int) -> dict:
     cfg = {
         "train_batch_size": ROWS,
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.1}},
+        "optimizer": case.get(
+            "optimizer", {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.1}}
+        ),
         "gradient_clipping": 1.0,
         "zero_optimization": {
             "stage": case["stage"],
@@ -85,6 +87,9 @@ RESUME_CASES = [
     {"stage": 3, "zero": {"offload_optimizer": CPU, "offload_param": CPU}},
     {"stage": 1, "dtype": "fp16"},
     {"stage": 3, "dtype": "bf16"},
+    # SGD keeps no state until its first step: a fresh engine must still take the
+    # saved momentum_buffer
+    {"stage": 2, "optimizer": {"type": "SGD", "params": {"lr": 1e-2, "momentum": 0.9}}},
 ]
 
 
@@ -157,71 +162,166 @@ def _reference(case: dict) -> tuple[list[float], dict]:
     return losses[5:], {n: p.detach() for n, p in model.named_parameters()}
 
 
-def _reshard(rank: int, world: int, stage: int, src: str, dst: str | None) -> dict:
-    case = {"stage": stage, "scheduler": False}
-    engine = _engine(case, world)
-    if dst is not None:  # first half, then save
-        _train(engine, rank, world, range(5))
-        engine.save_checkpoint(dst)
-        return {}
-    engine.load_checkpoint(src)
-    losses = _train(engine, rank, world, range(5, 10))
-    ref_losses, ref_params = _reference(case)
-    return {
-        "loss_diff": max(abs(a - b) for a, b in zip(losses, ref_losses, strict=True)),
-        "param_diff": parity.max_param_diff(parity.full_params(engine), ref_params),
-    }
+_REF: dict = {}
+
+
+def _reshard(rank: int, world: int, jobs: list) -> list:
+    """Each job: (zero section, "save" or "load", directory). Several per spawn."""
+    out = []
+    for zero, action, where in jobs:
+        case = {"stage": zero["stage"], "scheduler": False, "zero": zero}
+        engine = _engine(case, world)
+        if action == "save":  # first half, then save
+            _train(engine, rank, world, range(5))
+            engine.save_checkpoint(where)
+            out.append({})
+            continue
+        engine.load_checkpoint(where)
+        losses = _train(engine, rank, world, range(5, 10))
+        if "ref" not in _REF:
+            _REF["ref"] = _reference(case)
+        ref_losses, ref_params = _REF["ref"]
+        out.append(
+            {
+                "loss_diff": max(abs(a - b) for a, b in zip(losses, ref_losses, strict=True)),
+                "param_diff": parity.max_param_diff(parity.full_params(engine), ref_params),
+            }
+        )
+    return out
 
 
 def test_reshard_across_world_sizes_and_stages(tmp_path) -> None:
     a, c = str(tmp_path / "w3s3"), str(tmp_path / "w2s2")
-    multirank.run(_reshard, 3, 3, None, a, timeout=300)  # save at 3 ranks, stage 3
-    multirank.run(_reshard, 2, 2, None, c, timeout=300)  # save at 2 ranks, stage 2
-    for world, stage, src in ((2, 1, a), (1, 0, a), (3, 3, c), (1, 2, c)):
-        for r in multirank.run(_reshard, world, stage, src, None, timeout=300):
-            assert r["loss_diff"] <= 2e-5 and r["param_diff"] <= 2e-5, (world, stage, src, r)
+    off = str(tmp_path / "w2s2_offload")  # CPU optimizer offload
+    pers = str(tmp_path / "w3s3_persist")  # small parameters persistent (not partitioned)
+    s1, s2, s3 = {"stage": 1}, {"stage": 2}, {"stage": 3}
+    s0 = {"stage": 0}
+    offload = {"offload_optimizer": CPU}
+    persist = {"stage": 3, "stage3_param_persistence_threshold": 200}
+    multirank.run(_reshard, 3, [(s3, "save", a), (persist, "save", pers)], timeout=300)
+    multirank.run(_reshard, 2, [(s2, "save", c), ({**s2, **offload}, "save", off)], timeout=300)
+    loads = {
+        2: [(s1, a), ({**s2, **offload}, a), (persist, pers)],  # no offload -> offload
+        1: [(s0, a), (s2, c), (s0, pers)],
+        3: [(s3, c), (s1, off)],  # offload -> no offload
+    }
+    for world, jobs in loads.items():
+        results = multirank.run(_reshard, world, [(z, "load", src) for z, src in jobs], timeout=300)
+        for r in results:
+            for (z, src), res in zip(jobs, r, strict=True):
+                assert res["loss_diff"] <= 2e-5 and res["param_diff"] <= 2e-5, (world, z, src, res)
 
 
 # -- atomic saves under SIGKILL ---------------------------------------------------------------
-SAVE_LOOP = textwrap.dedent(
+_KILL_COMMON = """
+import hashlib, json, os, sys, torch, zeroshard
+for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
+    os.environ.pop(k, None)
+torch.set_num_threads(1)
+torch.manual_seed(0)
+model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(8)])
+cfg = {"train_batch_size": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+       "zero_optimization": {"stage": 2}}
+engine, *_ = zeroshard.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+
+def digest():
+    # parameters and every optimizer state tensor, bitwise
+    h = hashlib.sha256()
+    for p in engine.module.parameters():
+        h.update(p.detach().contiguous().numpy().tobytes())
+    for group in engine.optimizer.inner.param_groups:
+        for v in group["params"]:
+            for k, t in sorted(engine.optimizer.inner.state.get(v, {}).items()):
+                h.update(k.encode() + t.detach().reshape(-1).contiguous().numpy().tobytes())
+    return h.hexdigest()
+"""
+
+# a fork server: the engine is built once; for each "go" read from stdin a child saves
+# in a loop (each checkpoint carrying, in client_state, the digest of what it holds)
+# until the test kills it; the server then reaps it and says "dead". World size 1: the
+# child never touches the process group it inherits.
+SAVE_LOOP = _KILL_COMMON + textwrap.dedent(
     """
-    import os, sys, torch, zeroshard
-    for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        os.environ.pop(k, None)
-    torch.set_num_threads(1)
-    model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(8)])
-    cfg = {"train_batch_size": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-           "zero_optimization": {"stage": 2}}
-    engine, *_ = zeroshard.initialize(model=model, model_parameters=model.parameters(), config=cfg)
-    engine.save_checkpoint(sys.argv[1], tag="t0")
+    def save(tag):
+        engine.save_checkpoint(sys.argv[1], tag=tag,
+                               client_state={"digest": digest(), "step": engine.global_steps})
+
+    def child():
+        save("t0")
+        print(f"ready {os.getpid()}", flush=True)
+        i = 1
+        while True:
+            engine.backward(engine(torch.randn(2, 256)).sum())
+            engine.step()
+            save(f"t{i % 3}")
+            i += 1
+
+    print("server", flush=True)
+    for line in sys.stdin:
+        sys.stdout.flush()
+        pid = os.fork()
+        if pid == 0:
+            try:
+                child()
+            except BaseException as exc:
+                print(f"error {exc!r}", flush=True)
+            os._exit(1)
+        _, status = os.waitpid(pid, 0)
+        print(f"dead {status}", flush=True)
+    """
+)
+
+# for each directory read from stdin: load what `latest` names and compare it with the
+# digest the saver recorded
+VERIFY_LOOP = _KILL_COMMON + textwrap.dedent(
+    """
     print("ready", flush=True)
-    i = 1
-    while True:
-        engine.backward(engine(torch.randn(2, 256)).sum())
-        engine.step()
-        engine.save_checkpoint(sys.argv[1], tag=f"t{i % 3}")
-        i += 1
+    for line in sys.stdin:
+        try:
+            path, client = engine.load_checkpoint(line.strip())
+            ok = client["step"] == engine.global_steps and client["digest"] == digest()
+            print(json.dumps({"ok": ok, "path": path, "step": engine.global_steps}), flush=True)
+        except Exception as exc:
+            print(json.dumps({"ok": False, "error": repr(exc)}), flush=True)
     """
 )
 
 
 def test_sigkill_during_save_never_breaks_latest(tmp_path) -> None:
-    from zeroshard.checkpoint.load import read_manifest, resolve_tag
-
-    script = tmp_path / "save_loop.py"
-    script.write_text(SAVE_LOOP)
+    """20 saves killed with SIGKILL at random moments; after each, load what `latest`
+    names with load_checkpoint and compare it bitwise with what the saver held."""
+    save_script, verify_script = tmp_path / "save_loop.py", tmp_path / "verify.py"
+    save_script.write_text(SAVE_LOOP)
+    verify_script.write_text(VERIFY_LOOP)
     root = tmp_path / "ckpt"
-    rng = random.Random(0)
-    for trial in range(20):
-        proc = subprocess.Popen(
-            [sys.executable, str(script), str(root)], stdout=subprocess.PIPE, text=True
-        )
-        assert proc.stdout.readline().strip() == "ready", f"trial {trial}: the saver did not start"
-        time.sleep(rng.uniform(0.0, 0.6))
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(timeout=30)
-        tag = resolve_tag(str(root), None)
-        read_manifest(str(root / tag))  # every file present, complete and of the recorded size
+    pipes = {"stdin": subprocess.PIPE, "stdout": subprocess.PIPE, "text": True}
+    server = subprocess.Popen(
+        [sys.executable, "-W", "ignore", str(save_script), str(root)], **pipes
+    )
+    verifier = subprocess.Popen([sys.executable, str(verify_script)], **pipes)
+    try:
+        assert server.stdout.readline().strip() == "server"
+        assert verifier.stdout.readline().strip() == "ready"
+        rng = random.Random(0)
+        steps = []
+        for trial in range(20):
+            server.stdin.write("go\n")
+            server.stdin.flush()
+            word, pid = server.stdout.readline().split()
+            assert word == "ready", (trial, word, pid)
+            time.sleep(rng.uniform(0.0, 0.4))
+            os.kill(int(pid), signal.SIGKILL)
+            assert server.stdout.readline().split()[0] == "dead", trial
+            verifier.stdin.write(f"{root}\n")
+            verifier.stdin.flush()
+            result = json.loads(verifier.stdout.readline())
+            assert result["ok"], (trial, result)
+            steps.append(result["step"])
+        assert max(steps) > 0, steps  # kills landed after training had started
+    finally:
+        for proc in (server, verifier):
+            proc.kill()
+            proc.wait(timeout=30)
 
 
 # -- export ---------------------------------------------------------------------------------
@@ -304,23 +404,82 @@ def test_export_round_trip(tmp_path) -> None:
     )
     index = json.loads((tmp_path / "sharded" / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 1
+    # the shards hold every tensor once, equal to the single-file export (and so to the
+    # gathered parameters)
+    sharded = {}
+    for fname in sorted(set(index["weight_map"].values())):
+        part = load_file(str(tmp_path / "sharded" / fname))
+        assert not set(part) & set(sharded), fname
+        assert all(index["weight_map"][k] == fname for k in part), fname
+        sharded.update(part)
+    assert sharded.keys() == weights.keys() == index["weight_map"].keys()
+    for name, value in weights.items():
+        assert torch.equal(sharded[name], value), name
+    for name, value in gathered.items():
+        assert torch.equal(sharded[name], value), name
+    # --dtype bf16: the fp32 export, cast
+    out16 = str(tmp_path / "model-bf16.safetensors")
+    assert cli(["convert", str(tmp_path / "ckpt"), out16, "--dtype", "bf16"]) == 0
+    bf16 = load_file(out16)
+    assert bf16.keys() == weights.keys()
+    for name, value in weights.items():
+        want = value.to(torch.bfloat16) if value.is_floating_point() else value
+        assert bf16[name].dtype == want.dtype and torch.equal(bf16[name], want), name
     w16 = load_file(str(tmp_path / "w16" / "model.safetensors"))
     for name, value in gathered.items():
         assert torch.equal(w16[name], value), name
 
 
 # -- bad input -------------------------------------------------------------------------------
+def _gpt_engine(world: int, unused: bool = False, **cfg):
+    """An engine on a GPT shaped unlike parity.build_model's (``cfg`` overrides; with
+    ``unused``, one more parameter)."""
+    import zeroshard
+    from zeroshard.models import GPT, GPTConfig
+
+    torch.manual_seed(7)
+    model = GPT(GPTConfig(**{"vocab_size": 64, "seq_len": 16, "n_layer": 2, "d_model": 32, **cfg}))
+    model.pos_emb.weight.requires_grad_(False)
+    if unused:
+        model.unused = torch.nn.Parameter(torch.randn(7))
+    engine, *_ = zeroshard.initialize(
+        model=model,
+        model_parameters=parity.param_groups(model),
+        config=_config({"stage": 1}, world),
+    )
+    return engine
+
+
+def _same(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+
+
+def _pickle_bomb(path: str, marker: str) -> None:
+    """A pickle that would create ``marker`` if it were ever unpickled."""
+    import pickle
+
+    class Boom:
+        def __reduce__(self):
+            return (open, (marker, "w"))
+
+    with open(path, "wb") as fh:
+        pickle.dump(Boom(), fh)
+
+
 def _bad_inputs(rank: int, world: int, root: str) -> dict:
     import shutil
 
     import zeroshard
     from zeroshard.checkpoint.load import CheckpointError
+    from zeroshard.safetensors_io import read_header
 
     case = {"stage": 1}
     engine = _engine(case, world)
     _train(engine, rank, world, range(2))
     good = os.path.join(root, "good")
     engine.save_checkpoint(good, tag="a")
+    _train(engine, rank, world, range(2, 3))  # now the engine differs from the checkpoint
+    before = parity.full_params(engine)  # snapshot BEFORE any failed load
     errors = {}
 
     def attempt(key, fn):
@@ -332,47 +491,89 @@ def _bad_inputs(rank: int, world: int, root: str) -> dict:
 
     attempt("wrong_tag", lambda: engine.load_checkpoint(good, tag="nope"))
     attempt("no_latest", lambda: engine.load_checkpoint(os.path.join(root, "empty")))
-    for key, damage in (
-        ("missing_file", "missing"),
-        ("truncated", "truncate"),
-        ("pickle", "pickle"),
+    rank_file = "zs_rank00000.safetensors"
+    for key in (
+        "missing_file",
+        "truncated",
+        "pickle",
+        "bad_manifest",
+        "bad_header",
+        "renamed_key",
+        "pickle_complete",
     ):
         d = os.path.join(root, key)
         shutil.copytree(os.path.join(good, "a"), d)
-        f = os.path.join(d, "zs_rank00000.safetensors")
-        if damage == "missing":
+        f = os.path.join(d, rank_file)
+        if key == "missing_file":
             os.remove(f)
-        elif damage == "truncate":
+        elif key == "truncated":
             with open(f, "r+b") as fh:
                 fh.truncate(os.path.getsize(f) - 10)
-        else:  # a pickle that would create a file if it were ever unpickled
-
-            class Boom:
-                def __reduce__(self):
-                    return (open, (os.path.join(root, "PWNED"), "w"))
-
-            import pickle
-
-            with open(os.path.join(d, "optimizer.pt"), "wb") as fh:
-                pickle.dump(Boom(), fh)
+        elif key == "pickle":  # a DeepSpeed-style directory: pickles, no manifest
+            _pickle_bomb(os.path.join(d, "optimizer.pt"), os.path.join(root, "PWNED"))
             os.remove(os.path.join(d, "manifest.json"))
+        elif key == "pickle_complete":  # a complete checkpoint with a pickle dropped in
+            _pickle_bomb(os.path.join(d, "optimizer.pt"), os.path.join(root, "PWNED"))
+            _pickle_bomb(os.path.join(d, "mp_rank_00_model_states.pt"), os.path.join(root, "PWNED"))
+            continue  # loaded below, after the untouched-engine check
+        elif key == "bad_manifest":
+            with open(os.path.join(d, "manifest.json"), "r+b") as fh:
+                fh.seek(40)
+                fh.write(b"\x00{{{garbage")
+        elif key == "bad_header":  # same size, JSON header garbled
+            with open(f, "r+b") as fh:
+                fh.seek(12)
+                fh.write(b"\xff\xfe{{")
+        else:  # the last piece's last state renamed (same length): in no header check,
+            # a load would write every parameter before finding it missing
+            keys = [k for k in read_header(f) if ":" in k and k.split(":")[0] != "rng"]
+            keys = [k for k in keys if not k.startswith("whole:")]
+            victim = keys[-1].encode()
+            with open(f, "r+b") as fh:
+                raw = fh.read(1 << 20)  # the header comes first
+                at = raw.index(b'"' + victim + b'"') + 1
+                fh.seek(at)
+                fh.write(b"X" + victim[1:])
+            errors["renamed_key_name"] = victim.decode()
         attempt(key, lambda d=d: engine.load_checkpoint(d))
-    # a model that does not fit: different width
-    other = parity.build_model({**case, "tied": False})
-    eng2, *_ = zeroshard.initialize(
-        model=other, model_parameters=other.parameters(), config=_config(case, world)
+    intact = _same(before, parity.full_params(engine))
+
+    # models that do not fit; each engine snapshotted before its failed load
+    results = {}
+    for key, eng in (
+        ("mismatch", None),  # head not tied: head.weight missing from the checkpoint
+        ("unexpected", _gpt_engine(world, bias=False)),  # the checkpoint's biases
+        ("shape", _gpt_engine(world, vocab_size=80)),  # tok_emb.weight 64 vs 80 rows
+    ):
+        if eng is None:
+            other = parity.build_model({**case, "tied": False})
+            eng, *_ = zeroshard.initialize(
+                model=other,
+                model_parameters=parity.param_groups(other),
+                config=_config(case, world),
+            )
+        snap = parity.full_params(eng)
+        attempt(key, lambda eng=eng: eng.load_checkpoint(good, tag="a"))
+        results[key] = _same(snap, parity.full_params(eng))
+
+    pwned_before = os.path.exists(os.path.join(root, "PWNED"))
+    attempt(
+        "pickle_complete", lambda: engine.load_checkpoint(os.path.join(root, "pickle_complete"))
     )
-    attempt("mismatch", lambda: eng2.load_checkpoint(good, tag="a"))
-    before = parity.full_params(engine)
+    loaded = parity.full_params(engine)
     attempt("after", lambda: engine.load_checkpoint(good, tag="a"))
     return {
         "errors": errors,
-        "pwned": os.path.exists(os.path.join(root, "PWNED")),
-        "intact": all(torch.equal(before[n], v) for n, v in parity.full_params(engine).items()),
+        "pwned": pwned_before or os.path.exists(os.path.join(root, "PWNED")),
+        "intact": intact,
+        "others_intact": results,
+        "pickle_complete_loaded": _same(loaded, parity.full_params(engine)),
     }
 
 
-def test_bad_checkpoints_fail_clearly(tmp_path) -> None:
+def test_bad_checkpoints_fail_clearly(tmp_path, capsys) -> None:
+    from zeroshard.cli import main as cli
+
     (tmp_path / "empty").mkdir()
     r = multirank.run(_bad_inputs, 1, str(tmp_path), timeout=300)[0]
     e = r["errors"]
@@ -380,7 +581,248 @@ def test_bad_checkpoints_fail_clearly(tmp_path) -> None:
     assert "latest" in e["no_latest"]
     assert "zs_rank00000.safetensors: missing" in e["missing_file"]
     assert "zs_rank00000.safetensors" in e["truncated"] and "truncated" in e["truncated"]
-    assert "no manifest.json" in e["pickle"] and "never loaded" in e["pickle"]
+    assert "no manifest.json" in e["pickle"] or "manifest.json: missing" in e["pickle"]
+    assert "never loaded" in e["pickle"]
+    assert "manifest.json" in e["bad_manifest"] and "corrupt" in e["bad_manifest"]
+    assert "zs_rank00000.safetensors" in e["bad_header"] and "header" in e["bad_header"]
+    assert "zs_rank00000.safetensors" in e["renamed_key"]
+    assert e["renamed_key_name"] in e["renamed_key"]
     assert "head.weight" in e["mismatch"] and "missing from the checkpoint" in e["mismatch"]
-    assert e["after"] is None and r["intact"]
+    assert "not in the model" in e["unexpected"] and "blocks.0.attn.qkv.bias" in e["unexpected"]
+    assert "shape mismatch" in e["shape"] and "tok_emb.weight" in e["shape"]
+    # a failed load leaves the engine that attempted it as it was
+    assert r["intact"], "a failed load changed the engine's parameters"
+    assert all(r["others_intact"].values()), r["others_intact"]
+    # a complete checkpoint with stray pickles loads, and no pickle is ever opened
+    assert e["pickle_complete"] is None and r["pickle_complete_loaded"]
+    assert e["after"] is None
     assert not r["pwned"]
+    # `zeroshard convert` never unpickles either, and names the file at fault
+    out = str(tmp_path / "exported.safetensors")
+    assert cli(["convert", str(tmp_path / "pickle_complete"), out]) == 0
+    assert cli(["convert", str(tmp_path / "pickle"), str(tmp_path / "x.safetensors")]) == 2
+    assert cli(["convert", str(tmp_path / "bad_header"), str(tmp_path / "y.safetensors")]) == 2
+    assert "zs_rank00000.safetensors" in capsys.readouterr().out
+    assert cli(["convert", str(tmp_path / "bad_manifest"), str(tmp_path / "z.safetensors")]) == 2
+    assert "manifest.json" in capsys.readouterr().out
+    assert not (tmp_path / "PWNED").exists()
+
+
+# -- load options --------------------------------------------------------------------------
+def _opt_state(engine) -> tuple[list[float], dict]:
+    """(group steps, {state kind: concatenated values}) of this rank's optimizer."""
+    from zeroshard.checkpoint.shards import ShardAccess
+
+    access = ShardAccess(engine)
+    states = {}
+    for key in access.state_keys():
+        states[key] = torch.cat(
+            [
+                access.get(key, p.shard_lo, p.shard_lo + p.hi - p.lo)
+                for p in access.pieces
+                if p.group >= 0
+            ]
+        )
+    return access.group_steps(), states
+
+
+def _load_options(rank: int, world: int, root: str) -> dict:
+    import logging
+
+    from zeroshard.checkpoint.load import CheckpointError
+
+    case = {"stage": 1}
+    src = _engine(case, world)
+    _train(src, rank, world, range(3))
+    src.save_checkpoint(root, tag="s")
+    saved = parity.full_params(src)
+    steps, states = _opt_state(src)
+    sched = src.lr_scheduler.state_dict()
+    fresh_sched = _engine(case, world).lr_scheduler.state_dict()
+    assert sched != fresh_sched
+    out = {}
+
+    def check(key, engine, *, opt, sched_loaded, counters):
+        st, sv = _opt_state(engine)
+        out[key] = {
+            "params": _same(saved, parity.full_params(engine)),
+            "opt": st == steps and all(torch.equal(sv[k], states[k]) for k in states)
+            if opt
+            else st == [0.0] * len(st) and all(not v.any() for v in sv.values()),
+            "sched": engine.lr_scheduler.state_dict() == (sched if sched_loaded else fresh_sched),
+            "counters": engine.global_steps == (3 if counters else 0),
+        }
+
+    e = _engine(case, world)
+    e.load_checkpoint(root, tag="s")
+    check("all", e, opt=True, sched_loaded=True, counters=True)
+    e = _engine(case, world)
+    e.load_checkpoint(root, tag="s", load_optimizer_states=False)
+    check("no_optimizer", e, opt=False, sched_loaded=True, counters=True)
+    e = _engine(case, world)
+    e.load_checkpoint(root, tag="s", load_lr_scheduler_states=False)
+    check("no_scheduler", e, opt=True, sched_loaded=False, counters=True)
+    e = _engine(case, world)
+    e.load_checkpoint(root, tag="s", load_module_only=True)
+    check("module_only", e, opt=False, sched_loaded=False, counters=False)
+
+    # an optimizer that cannot take the saved state: a clear error, nothing written
+    sgd = _engine(
+        {**case, "optimizer": {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}}}, world
+    )
+    snap = parity.full_params(sgd)
+    try:
+        sgd.load_checkpoint(root, tag="s")
+        out["sgd_error"] = None
+    except CheckpointError as exc:
+        out["sgd_error"] = str(exc)
+    out["sgd_untouched"] = _same(snap, parity.full_params(sgd))
+    sgd.load_checkpoint(root, tag="s", load_optimizer_states=False)
+    out["sgd_params_only"] = _same(saved, parity.full_params(sgd))
+
+    # load_module_strict: a model without biases (the checkpoint's are unexpected) and
+    # with one parameter the checkpoint lacks
+    e = _gpt_engine(world, bias=False, unused=True)
+    snap = parity.full_params(e)
+    try:
+        e.load_checkpoint(root, tag="s")
+        out["strict_error"] = None
+    except CheckpointError as exc:
+        out["strict_error"] = str(exc)
+    out["strict_untouched"] = _same(snap, parity.full_params(e))
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("zeroshard").addHandler(handler)
+    try:
+        e.load_checkpoint(root, tag="s", load_module_strict=False)
+    finally:
+        logging.getLogger("zeroshard").removeHandler(handler)
+    got = parity.full_params(e)
+    out["lenient_warning"] = " ".join(r.getMessage() for r in records)
+    out["lenient_loaded"] = all(torch.equal(got[n], saved[n]) for n in got if n != "unused")
+    out["lenient_kept_missing"] = torch.equal(got["unused"], snap["unused"])
+    return out
+
+
+def test_load_options(tmp_path) -> None:
+    r = multirank.run(_load_options, 2, str(tmp_path), timeout=300)[0]
+    for key in ("all", "no_optimizer", "no_scheduler", "module_only"):
+        assert all(r[key].values()), (key, r[key])
+    err = r["strict_error"]
+    assert err and "missing from the checkpoint: ['unused']" in err, err
+    assert "not in the model" in err and "blocks.0.attn.qkv.bias" in err, err
+    assert r["strict_untouched"]
+    assert "exp_avg" in r["sgd_error"] and "SGD" in r["sgd_error"], r["sgd_error"]
+    assert r["sgd_untouched"] and r["sgd_params_only"]
+    assert "unused" in r["lenient_warning"] and "blocks.0.attn.qkv.bias" in r["lenient_warning"]
+    assert r["lenient_loaded"] and r["lenient_kept_missing"]
+
+
+# -- failed saves -----------------------------------------------------------------------------
+def _save_failures(rank: int, world: int, root: str) -> dict:
+    import zeroshard.checkpoint.save as save_mod
+    from zeroshard.checkpoint.save import CheckpointSaveError
+
+    engine = _engine({"stage": 2}, world)
+    _train(engine, rank, world, range(2))
+    engine.save_checkpoint(root, tag="a")
+    out: dict = {}
+
+    def attempt(key, tag):
+        try:
+            engine.save_checkpoint(root, tag=tag)
+            out[key] = None
+        except CheckpointSaveError as exc:
+            out[key] = str(exc)
+        left = {tag, f".tmp-{tag}", f"{tag}.old"}
+        out[key + "_published"] = sorted(n for n in os.listdir(root) if n in left)
+
+    # rank 0's manifest cannot be JSON: a param-group value, then a scheduler state
+    engine.optimizer.param_groups[0]["custom"] = {1, 2}
+    attempt("group", "b")
+    del engine.optimizer.param_groups[0]["custom"]
+    engine.lr_scheduler.state_dict = lambda: {"last_batch_iteration": torch.tensor(2)}
+    attempt("scheduler", "c")
+    del engine.lr_scheduler.state_dict
+    # an I/O error on rank 0 while publishing; on rank 1 while writing its file
+    real_write, real_writer = save_mod.write_text_atomic, save_mod.StreamWriter
+
+    def disk_full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    if rank == 0:
+        save_mod.write_text_atomic = disk_full
+    attempt("publish_io", "d")
+    save_mod.write_text_atomic = real_write
+    if rank == 1:
+        save_mod.StreamWriter = disk_full
+    attempt("rank1_io", "e")
+    save_mod.StreamWriter = real_writer
+    with open(os.path.join(root, "latest")) as fh:
+        out["latest_after_failures"] = fh.read()
+
+    # stale leftovers of a save of "f" killed between the two renames of an overwrite
+    # (f.old is what `latest` resolves to) and of another killed mid-write (.tmp-f)
+    engine.save_checkpoint(root, tag="f")
+    engine.comm.barrier()
+    if rank == 0:
+        os.rename(os.path.join(root, "f"), os.path.join(root, "f.old"))
+        os.makedirs(os.path.join(root, ".tmp-f"))
+        open(os.path.join(root, ".tmp-f", "junk"), "w").close()
+    engine.comm.barrier()
+    path, _ = engine.load_checkpoint(root)
+    out["resolved_old"] = os.path.basename(path)
+    # record the order of renames, directory fsyncs and writes of `latest` (rank 0)
+    events = []
+    real_rename, real_fsync = os.rename, save_mod.fsync_dir
+
+    def rename(a, b):
+        events.append(("rename", os.path.basename(a), os.path.basename(b)))
+        real_rename(a, b)
+
+    def fsync(p):
+        events.append(("fsync", os.path.basename(p)))
+        real_fsync(p)
+
+    def write(p, text):
+        events.append(("write", os.path.basename(p)))
+        real_write(p, text)
+
+    save_mod.os.rename, save_mod.fsync_dir, save_mod.write_text_atomic = rename, fsync, write
+    try:
+        engine.save_checkpoint(root, tag="f")
+    finally:
+        save_mod.os.rename, save_mod.fsync_dir, save_mod.write_text_atomic = (
+            real_rename,
+            real_fsync,
+            real_write,
+        )
+    out["events"] = events
+    out["after_resave"] = sorted(n for n in os.listdir(root) if n in {"f", "f.old", ".tmp-f"})
+    path, _ = engine.load_checkpoint(root)  # every rank still in step: no collective skipped
+    out["final"] = os.path.basename(path)
+    return out
+
+
+def test_failed_save_raises_on_every_rank(tmp_path) -> None:
+    """A save failing on one rank (a manifest that is not JSON, an I/O error) raises on
+    every rank instead of leaving the others waiting, and publishes nothing; a re-save
+    clears a killed save's leftovers and makes the directory durable before `latest`."""
+    results = multirank.run(_save_failures, 2, str(tmp_path), timeout=120)
+    for rank, r in enumerate(results):
+        assert "optimizer param groups" in r["group"] and "custom" in r["group"], r["group"]
+        assert "set" in r["group"]
+        assert "scheduler" in r["scheduler"] and "Tensor" in r["scheduler"], r["scheduler"]
+        assert "rank(s) [0]" in r["publish_io"] and "No space left" in r["publish_io"]
+        assert "rank(s) [1]" in r["rank1_io"] and "No space left" in r["rank1_io"]
+        for key in ("group", "scheduler", "publish_io", "rank1_io"):
+            assert r[key + "_published"] == [], (rank, key, r[key + "_published"])
+        assert r["latest_after_failures"] == "a"
+        assert r["resolved_old"] == "f.old"
+        assert r["after_resave"] == ["f"], r["after_resave"]
+        assert r["final"] == "f"
+    events = [tuple(e) for e in results[0]["events"]]
+    publish = events.index(("rename", ".tmp-f", "f"))
+    latest = events.index(("write", "latest"))
+    assert ("fsync", os.path.basename(str(tmp_path))) in events[publish:latest], events

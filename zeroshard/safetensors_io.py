@@ -119,8 +119,18 @@ def read_header(path: str) -> dict:
         (n,) = struct.unpack("<Q", head)
         if n > size - 8:
             raise ValueError(f"{path}: truncated header")
-        header = json.loads(f.read(n))
-    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+        try:
+            header = json.loads(f.read(n))
+        except (UnicodeDecodeError, ValueError) as exc:
+            raise ValueError(f"{path}: corrupt safetensors header ({exc})") from exc
+    if not isinstance(header, dict):
+        raise ValueError(f"{path}: corrupt safetensors header (not a JSON object)")
+    try:
+        end = max(
+            (v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0
+        )
+    except (KeyError, TypeError, IndexError) as exc:
+        raise ValueError(f"{path}: corrupt safetensors header ({exc!r})") from exc
     if 8 + n + end > size:
         raise ValueError(f"{path}: truncated ({size} bytes, the header needs {8 + n + end})")
     return header

@@ -44,3 +44,38 @@ def write_text_atomic(path: str, text: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def exchange(
+    comm, device, error: BaseException | None, values: tuple[int, ...] = ()
+) -> tuple[list[int], list[list[int]]]:
+    """Share, in one all-reduce of a small int64 tensor on ``device``, whether each rank
+    failed and a few integers per rank. Returns (failed ranks, each rank's values).
+    Every rank calls it at the same point, failed or not, so none is left waiting."""
+    import torch
+
+    width = 1 + len(values)
+    table = torch.zeros(comm.world_size, width, dtype=torch.int64, device=device)
+    row = [1 if error is not None else 0, *values]
+    table[comm.rank] = torch.tensor(row, dtype=torch.int64, device=device)
+    comm.all_reduce(table)
+    rows = table.cpu().tolist()
+    return [r for r, v in enumerate(rows) if v[0]], [v[1:] for v in rows]
+
+
+def raise_if_failed(comm, failed: list[int], error: BaseException | None, what: str, exc_type):
+    """After :func:`exchange`: if any rank failed, raise on every rank. The failing rank
+    re-raises its own error when ``exc_type`` is None; the others (and, with
+    ``exc_type``, all ranks) raise ``exc_type`` naming the failed ranks and why."""
+    if not failed:
+        return
+    # only on failure: one small object gather so every rank can say why
+    text = None if error is None else f"{type(error).__name__}: {error}"
+    texts = comm.all_gather_object(text)
+    if error is not None and exc_type is None:
+        raise error
+    from zeroshard.checkpoint.load import CheckpointError
+
+    cls = exc_type or CheckpointError
+    why = "; ".join(f"rank {r}: {texts[r]}" for r in failed)
+    raise cls(f"{what} failed on rank(s) {failed}: {why}") from error

@@ -1,8 +1,12 @@
 """Saving a sharded checkpoint: every rank writes its own pieces, in parallel; rank 0
 writes the JSON manifest and publishes the directory atomically.
 
-Communication: one barrier before the manifest and one after publishing, plus an
-all-reduce of one integer per rank (file sizes, recorded for truncation checks).
+Communication: three all-reduces of a tiny int64 table on the engine's device (through
+``comm``): after rank 0 prepares the temporary directory, after every rank wrote its file
+(a failure flag and the file size per rank), and after rank 0 published. A rank that
+fails raises only after telling the others, so every rank raises
+:class:`CheckpointSaveError` instead of waiting forever; only then, one small object
+gather of the reasons.
 
 On disk (``save_dir/tag/``): ``zs_rankNNNNN.safetensors`` per rank and
 ``manifest.json``. Nothing is pickled. The directory is written under a temporary name,
@@ -21,10 +25,12 @@ import torch
 
 from zeroshard.checkpoint.format import (
     MANIFEST,
+    exchange,
     file_name,
     fsync_dir,
     parameter_names,
     piece_key,
+    raise_if_failed,
     write_text_atomic,
 )
 from zeroshard.checkpoint.shards import ShardAccess
@@ -53,23 +59,125 @@ def whole_tensors(engine) -> dict[str, tuple[torch.Tensor, bool]]:
     return out
 
 
-def save(engine, save_dir: str, tag: str, client_state: dict | None, save_latest: bool) -> str:
-    comm, rank = engine.comm, engine.comm.rank
+class CheckpointSaveError(RuntimeError):
+    """A save that failed on some rank; raised on every rank, and nothing was published."""
+
+
+def _unserializable(obj, path: str) -> str | None:
+    """Where in ``obj`` the first value JSON cannot encode sits (``None``: nowhere)."""
     try:
-        client_json = json.dumps(client_state or {})
-    except TypeError as exc:
-        raise TypeError(f"save_checkpoint: client_state must be JSON-serializable: {exc}") from exc
+        json.dumps(obj)
+        return None
+    except (TypeError, ValueError, RecursionError):
+        pass
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            if not isinstance(k, (str, int, float, bool)) and k is not None:
+                return f"{path} key {k!r} ({type(k).__name__})"
+            found = _unserializable(v, f"{path}[{k!r}]")
+            if found:
+                return found
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            found = _unserializable(v, f"{path}[{i}]")
+            if found:
+                return found
+    return f"{path} ({type(obj).__name__})"
+
+
+def _manifest_text(manifest: dict) -> str:
+    try:
+        return json.dumps(manifest, indent=1)
+    except (TypeError, ValueError, RecursionError) as exc:
+        where = {
+            "optimizer": "optimizer param groups",
+            "scheduler": "lr scheduler state_dict()",
+            "loss_scaler": "loss scaler state",
+            "client_state": "client_state",
+        }
+        parts = []
+        for key, label in where.items():
+            found = _unserializable(manifest.get(key), key)
+            if found:
+                parts.append(f"{label}: {found}")
+        detail = "; ".join(parts) or str(exc)
+        raise TypeError(
+            f"save_checkpoint: the manifest is not JSON-serializable ({detail}): {exc}"
+        ) from exc
+
+
+def save(engine, save_dir: str, tag: str, client_state: dict | None, save_latest: bool) -> str:
+    """Write ``save_dir/tag`` on every rank; publish it (rank 0) only if every rank
+    succeeded. On any failure every rank raises :class:`CheckpointSaveError` (no rank
+    is left waiting in a collective) and the previous checkpoints stay as they were."""
+    comm, rank, device = engine.comm, engine.comm.rank, engine.device
     final = os.path.join(save_dir, tag)
     tmp = os.path.join(save_dir, f".tmp-{tag}")
-    if rank == 0:
-        os.makedirs(save_dir, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)  # a save killed earlier
-        os.makedirs(tmp)
-    comm.barrier()
+    what = f"save_checkpoint({final!r})"
 
-    access = ShardAccess(engine)
-    names = parameter_names(engine)
-    kinds = access.kinds()
+    # 1. rank 0 makes a clean temporary directory (a killed save may have left one)
+    error = None
+    if rank == 0:
+        try:
+            os.makedirs(save_dir, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)
+            os.makedirs(tmp)
+        except Exception as exc:
+            error = exc
+    failed, _ = exchange(comm, device, error)
+    raise_if_failed(comm, failed, error, what, CheckpointSaveError)
+
+    # 2. every rank writes its own file; rank 0 builds the manifest (and its JSON text)
+    error, size, manifest = None, 0, None
+    try:
+        try:
+            client_json = json.dumps(client_state or {})
+        except (TypeError, ValueError) as exc:
+            raise TypeError(
+                f"save_checkpoint: client_state must be JSON-serializable: {exc}"
+            ) from exc
+        access = ShardAccess(engine)
+        names = parameter_names(engine)
+        kinds = access.kinds()
+        path = os.path.join(tmp, file_name(rank))
+        _write_rank_file(engine, access, names, kinds, path)
+        size = os.path.getsize(path)
+        if rank == 0:
+            manifest = _manifest(engine, access, names, kinds, [], client_json, tag)
+            _manifest_text(manifest)  # fails here, before any rank waits on rank 0
+    except Exception as exc:
+        error = exc
+    failed, values = exchange(comm, device, error, (size,))
+    if failed and rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    raise_if_failed(comm, failed, error, what, CheckpointSaveError)
+
+    # 3. rank 0 writes the manifest and publishes: tag directory, fsync, then `latest`
+    error = None
+    if rank == 0:
+        try:
+            manifest["files"] = [
+                {"name": file_name(r), "bytes": int(v[0])} for r, v in enumerate(values)
+            ]
+            write_text_atomic(os.path.join(tmp, MANIFEST), _manifest_text(manifest))
+            fsync_dir(tmp)
+            _publish(tmp, final)
+            fsync_dir(save_dir)  # the new directory entry is durable before `latest` names it
+            if save_latest:
+                write_text_atomic(os.path.join(save_dir, "latest"), tag)
+                fsync_dir(save_dir)
+            # a save killed between the two renames of an overwrite leaves TAG.old
+            shutil.rmtree(final + ".old", ignore_errors=True)
+        except Exception as exc:
+            error = exc
+            shutil.rmtree(tmp, ignore_errors=True)
+    failed, _ = exchange(comm, device, error)
+    raise_if_failed(comm, failed, error, what, CheckpointSaveError)
+    return final
+
+
+def _write_rank_file(engine, access, names, kinds, path: str) -> None:
+    rank = engine.comm.rank
     entries, sources = [], []
     for piece in access.pieces:
         name = names[piece.param]
@@ -83,7 +191,6 @@ def save(engine, save_dir: str, tag: str, client_state: dict | None, save_latest
     for key, t in extra.items():
         entries.append((key, t.dtype, list(t.shape)))
     meta = {"rank": str(rank), "python_rng": json.dumps(random.getstate())}
-    path = os.path.join(tmp, file_name(rank))
     writer = StreamWriter(path, entries, meta)
     for (kind, piece), (key, _, _) in zip(sources, entries[: len(sources)], strict=True):
         n = piece.hi - piece.lo
@@ -92,31 +199,16 @@ def save(engine, save_dir: str, tag: str, client_state: dict | None, save_latest
         writer.write(key, t)
     writer.close()
 
-    sizes = torch.zeros(comm.world_size, dtype=torch.int64)
-    sizes[rank] = os.path.getsize(path)
-    comm.all_reduce(sizes)
-    if rank == 0:
-        manifest = _manifest(engine, access, names, kinds, sizes.tolist(), client_json, tag)
-        write_text_atomic(os.path.join(tmp, MANIFEST), json.dumps(manifest, indent=1))
-        fsync_dir(tmp)
-        _publish(tmp, final)
-        if save_latest:
-            write_text_atomic(os.path.join(save_dir, "latest"), tag)
-        fsync_dir(save_dir)
-    comm.barrier()
-    return final
-
 
 def _publish(tmp: str, final: str) -> None:
-    """Rename the finished directory into place (keeping an old one until then)."""
-    old = None
+    """Rename the finished directory into place. An existing one is first renamed to
+    ``TAG.old`` (which ``load`` falls back to if a kill lands between the renames); the
+    caller removes ``TAG.old`` once ``latest`` is written."""
     if os.path.exists(final):
         old = final + ".old"
         shutil.rmtree(old, ignore_errors=True)
         os.rename(final, old)
     os.rename(tmp, final)
-    if old:
-        shutil.rmtree(old, ignore_errors=True)
 
 
 def _manifest(engine, access, names, kinds, sizes, client_json, tag) -> dict:
