@@ -2,7 +2,7 @@
 stage 3 (built with zero.Init) is about 1/N of what stage 0 needs.
 
 Peak RSS of each rank above its own baseline (torch imported, process group up), in
-fresh processes, for a ~40M-parameter GPT with a tiny batch so that model states
+fresh processes, for a ~60M-parameter GPT with a tiny batch so that model states
 (16 bytes per parameter with fp32 Adam), not activations, dominate. Both runs use a
 fixed glibc mmap threshold so that freed tensors go back to the OS and RSS follows
 live memory (glibc's default raises the threshold after large frees and then keeps
@@ -23,6 +23,17 @@ def _peak_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def _current_mib() -> float:
+    # The baseline is the resident set now, not the peak so far: importing torch and
+    # starting the process group peak higher than where they settle, and subtracting
+    # that transient would understate what training adds.
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError("VmRSS missing from /proc/self/status")
+
+
 def _train(rank: int, world: int, stage: int) -> dict:
     import zeroshard
     import zeroshard.engine
@@ -32,8 +43,8 @@ def _train(rank: int, world: int, stage: int) -> dict:
     warm = torch.nn.Parameter(torch.zeros(1))
     warm.grad = torch.zeros(1)
     torch.optim.AdamW([warm], fused=True).step()
-    base = _peak_mib()
-    cfg = GPTConfig(vocab_size=256, seq_len=16, n_layer=8, n_head=10, d_model=640)
+    base = _current_mib()
+    cfg = GPTConfig(vocab_size=256, seq_len=16, n_layer=12, n_head=10, d_model=640)
     config = {
         "train_micro_batch_size_per_gpu": 1,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
