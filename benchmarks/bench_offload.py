@@ -44,10 +44,10 @@ import shlex
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 
 import torch
+from _ranks import RanksFailed, run_ranks
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -104,9 +104,13 @@ class _Flat(torch.nn.Module):
         return (self.w * x).sum()
 
 
-def _zeroshard(numel: int, steps: int) -> tuple[float, float]:
-    """(whole sharded-optimizer step, inner kernel alone) with offload_optimizer cpu."""
+def _zeroshard(numel: int, steps: int, staged: bool = False) -> tuple[float, float]:
+    """(whole sharded-optimizer step, inner kernel alone) with offload_optimizer cpu.
+    ``staged``: the GPU code path (separate fp32 masters, write-back into the params)."""
     import zeroshard
+    from zeroshard.offload.staging import STAGE_ON_CPU_ENV
+
+    os.environ[STAGE_ON_CPU_ENV] = "1" if staged else "0"
 
     model = _Flat(numel)
     cfg = {
@@ -115,6 +119,7 @@ def _zeroshard(numel: int, steps: int) -> tuple[float, float]:
         "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
     }
     engine, *_ = zeroshard.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    os.environ.pop(STAGE_ON_CPU_ENV)
     engine.backward(engine(torch.full((numel,), 1e-3)))
     opt = engine.optimizer
     opt.step()
@@ -166,13 +171,14 @@ def part_adam(args) -> str:
         "torch": [],
         "zs": [],
         "zs_inner": [],
+        "zs_gpu": [],
         "ds": [],
     }
     # DeepSpeed's first run JIT-builds its kernel; do it before timing anything.
     _deepspeed_cpu_adam(args.ds_python, 1024, 1, args.threads)
     for r in range(args.rounds):
         rows["triad"].append(_triad_gbs(n, steps))
-        order = [0, 1, 2] if r % 2 == 0 else [2, 1, 0]
+        order = [0, 1, 3, 2] if r % 2 == 0 else [2, 3, 1, 0]
         for i in order:
             if i == 0:
                 rows["torch"].append(_raw_fused(n, steps))
@@ -180,6 +186,8 @@ def part_adam(args) -> str:
                 whole, inner = _zeroshard(n, steps)
                 rows["zs"].append(whole)
                 rows["zs_inner"].append(inner)
+            elif i == 3:
+                rows["zs_gpu"].append(_zeroshard(n, steps, staged=True)[0])
             else:
                 t = _deepspeed_cpu_adam(args.ds_python, n, steps, args.threads)
                 if t is not None:
@@ -212,7 +220,14 @@ def part_adam(args) -> str:
         line(
             "zeroshard offload_optimizer cpu (whole step)",
             "zs",
-            "attach grads + fused AdamW on the CPU master + write-back into the params",
+            "CPU-only run: fused AdamW on the masters, which are the parameters "
+            "(clip scaling, grads attached)",
+        ),
+        line(
+            "zeroshard, GPU code path (whole step)",
+            "zs_gpu",
+            "fused AdamW on separate CPU masters + write-back into the params "
+            "(on a GPU host: the H2D copy)",
         ),
         line("zeroshard inner kernel", "zs_inner", "the fused AdamW on the CPU master only"),
         line("DeepSpeedCPUAdam", "ds", "DeepSpeed 0.19.8's C++ kernel (adamw_mode)"),
@@ -367,41 +382,22 @@ def rank_main(argv: list[str]) -> None:
 
 
 def _run_largest(args, layout: str, preset: str) -> dict | None:
-    out = tempfile.mktemp(prefix="zs-largest-")
-    cmd = [
-        os.path.join(os.path.dirname(sys.executable), "zeroshard"),
-        "run",
-        "--nproc",
-        "2",
-        os.path.abspath(__file__),
-        "_rank",
-        "--preset",
-        preset,
-        "--layout",
-        layout,
-        "--nvme-path",
-        args.nvme_path,
-        "--out",
-        out,
-    ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    argv = ["--preset", preset, "--layout", layout, "--nvme-path", args.nvme_path, "--out"]
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout)
-    wall = time.perf_counter() - t0
     try:
-        if proc.returncode != 0:
-            tail = (proc.stdout + proc.stderr)[-1500:]
-            print(f"{layout} {preset}: failed (exit {proc.returncode})\n{tail}", file=sys.stderr)
-            return {"ok": False, "why": f"exit {proc.returncode}", "wall": wall}
-        ranks = []
-        for r in range(2):
-            with open(f"{out}.{r}") as f:
-                ranks.append(json.load(f))
-        return {"ok": True, "ranks": ranks, "wall": wall}
-    finally:
-        for r in range(2):
-            if os.path.exists(f"{out}.{r}"):
-                os.remove(f"{out}.{r}")
+        ranks = run_ranks(
+            __file__,
+            argv,
+            env={"OMP_NUM_THREADS": "1"},
+            timeout=args.timeout,
+            prefix="zs-largest-",
+        )
+    except RanksFailed as exc:
+        wall = time.perf_counter() - t0
+        tail = exc.output[-1500:]
+        print(f"{layout} {preset}: failed (exit {exc.returncode})\n{tail}", file=sys.stderr)
+        return {"ok": False, "why": f"exit {exc.returncode}", "wall": wall}
+    return {"ok": True, "ranks": ranks, "wall": time.perf_counter() - t0}
 
 
 def part_largest(args) -> str:

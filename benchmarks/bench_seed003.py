@@ -22,12 +22,11 @@ import os
 import resource
 import shlex
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 
 import torch
+from _ranks import RanksFailed, run_ranks
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SYSTEMS = ["fsdp (seed)", "zeroshard-s1", "zeroshard-s2+cpu", "zeroshard-s3"]
@@ -94,39 +93,21 @@ def rank_main(system: str, steps: int, n_layer: int, out: str) -> None:
 
 
 def run_system(system: str, args) -> dict | None:
-    out = tempfile.mktemp(prefix="zs-seed003-")
-    cmd = [
-        os.path.join(os.path.dirname(sys.executable), "zeroshard"),
-        "run",
-        "--nproc",
-        "2",
-        os.path.abspath(__file__),
-        "_rank",
-        system,
-        str(args.steps),
-        str(args.n_layer),
-        out,
-    ]
-    proc = subprocess.run(
-        cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}
-    )
     try:
-        if proc.returncode != 0:
-            print(f"{system}: failed\n{(proc.stdout + proc.stderr)[-2000:]}", file=sys.stderr)
-            return None
-        ranks = []
-        for r in range(2):
-            with open(f"{out}.{r}") as f:
-                ranks.append(json.load(f))
-        return {
-            "step": max(r["step"] for r in ranks),
-            "rss": [r["rss"] for r in ranks],
-            "losses": ranks[0]["losses"],
-        }
-    finally:
-        for r in range(2):
-            if os.path.exists(f"{out}.{r}"):
-                os.remove(f"{out}.{r}")
+        ranks = run_ranks(
+            __file__,
+            [system, str(args.steps), str(args.n_layer)],
+            env={"OMP_NUM_THREADS": "1"},
+            prefix="zs-seed003-",
+        )
+    except RanksFailed as exc:
+        print(f"{system}: failed\n{exc.output[-2000:]}", file=sys.stderr)
+        return None
+    return {
+        "step": max(r["step"] for r in ranks),
+        "rss": [r["rss"] for r in ranks],
+        "losses": ranks[0]["losses"],
+    }
 
 
 def main() -> None:

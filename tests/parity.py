@@ -9,6 +9,8 @@ group's lr; the no-decay group gets twice it), opt (the config optimizer, a key 
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F  # noqa: F401  (kept for case authors)
 
@@ -147,7 +149,13 @@ def train(case: dict, rank: int, world: int, norms: list | None = None):
         kwargs["optimizer"] = torch.optim.AdamW(param_groups(model, lr=lr), lr=lr)
     else:
         kwargs["model_parameters"] = param_groups(model, lr=lr)
+    # "staged": on this CPU-only machine, run offload as on a GPU (separate fp32 masters,
+    # double-buffered gradient moves to the host, write-back); read at construction
+    from zeroshard.offload.staging import STAGE_ON_CPU_ENV
+
+    os.environ[STAGE_ON_CPU_ENV] = "1" if case.get("staged") else "0"
     engine, _, _, _ = zeroshard.initialize(model=model, config=ds_config(case), **kwargs)
+    os.environ.pop(STAGE_ON_CPU_ENV)
     micro, gas = case.get("micro", 2), case.get("gas", 1)
     losses = []
     for step in range(case.get("steps", 4)):

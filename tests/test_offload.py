@@ -40,7 +40,9 @@ def _cases() -> list[dict]:
             "extra": {z: {"offload_param": CPU, "stage3_param_persistence_threshold": 0}},
         }
     )
-    return cases
+    # each case twice: as a CPU-only user runs it (masters are views of the parameters,
+    # as without offload) and as a GPU run does (separate masters, staged moves)
+    return [{**c, "staged": staged} for c in cases for staged in (False, True)]
 
 
 def _check(cases, results, world):
@@ -57,15 +59,28 @@ def _check(cases, results, world):
 
 
 def _memory(rank, world):
-    case = {"stage": 2, "steps": 1, "extra": {"zero_optimization": {"offload_optimizer": CPU}}}
-    _, engine = parity.train(case, rank, world)
-    m = engine.memory_stats()
-    return {
-        "memory": m,
-        "masters_on": str(engine.optimizer.masters[0].device),
-        "grad_on": str(engine.reducer.grad_shard.device),
-        "separate": engine.optimizer.separate_masters,
-    }
+    out = []
+    for stage in (1, 2):
+        for staged in (False, True):
+            offload = {"offload_optimizer": CPU}
+            case = {"stage": stage, "steps": 1, "staged": staged}
+            case["extra"] = {"zero_optimization": offload}
+            _, engine = parity.train(case, rank, world)
+            stager = engine.reducer._stager
+            out.append(
+                {
+                    "stage": stage,
+                    "staged": staged,
+                    "memory": engine.memory_stats(),
+                    "masters_on": str(engine.optimizer.masters[0].device),
+                    "grad_on": str(engine.reducer.grad_chunks[0].device),
+                    "separate": engine.optimizer.separate_masters,
+                    "moved": stager.submitted if stager is not None else 0,
+                    "pending": stager.pending if stager is not None else 0,
+                    "buckets": len(engine.flat.layout.segments),
+                }
+            )
+    return out
 
 
 def test_offload_parity_two_ranks() -> None:
@@ -89,9 +104,17 @@ def test_hybrid_cpu_adamw_one_rank() -> None:
 
 
 def test_offload_keeps_optimizer_state_off_the_device() -> None:
-    for r in multirank.run(_memory, 2, timeout=300):
-        # the optimizer side (masters, moments, accumulated gradient shard) is on the CPU,
-        # as a copy separate from the parameters even when the compute device is the CPU
-        assert r["masters_on"] == "cpu" and r["grad_on"] == "cpu" and r["separate"]
-        m = r["memory"]
-        assert sum(m["by_location"].values()) == m["params"] + m["grads"] + m["optimizer_states"]
+    for per_rank in multirank.run(_memory, 2, timeout=300):
+        for r in per_rank:
+            # the optimizer side (masters, moments, gradient shard) is in CPU memory; on a
+            # CPU-only run the masters are the parameters themselves (nothing to copy),
+            # in the GPU code path a separate copy
+            assert r["masters_on"] == "cpu" and r["grad_on"] == "cpu", r
+            assert r["separate"] == r["staged"], r
+            # staged: every bucket's reduced chunk went through the host buffers, once
+            # per micro-step (stage 2) or at the boundary (stage 1), and none is left
+            assert r["moved"] == (r["buckets"] if r["staged"] else 0), r
+            assert r["pending"] == 0, r
+            m = r["memory"]
+            total = m["params"] + m["grads"] + m["optimizer_states"]
+            assert sum(m["by_location"].values()) == total

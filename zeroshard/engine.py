@@ -137,7 +137,7 @@ class Engine(nn.Module):
             registration_index=registration,
             predivide=config.gradient_predivide_factor if config.prescale_gradients else 1.0,
             on_bucket_ready=self.params.release,
-            accum_device=self.placement.optimizer,
+            accum_device=self.placement.optimizer if self.placement.offload_optimizer else None,
         )
         factory = optimizer_factory(config.optimizer, self.device) if config.optimizer else None
         inner, masters = build_inner_optimizer(

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from zeroshard.offload.staging import stage_on_cpu
+
 _CPU = torch.device("cpu")
 
 
@@ -49,9 +51,17 @@ class Placement:
 
     @property
     def offload_optimizer(self) -> bool:
-        """Masters and states are kept apart from the parameters, in CPU memory or NVMe
-        files, even when the compute device is the CPU itself (same code path)."""
+        """Masters and states are kept in CPU memory or NVMe files."""
         return self.optimizer_offload != "none"
+
+    @property
+    def host_is_separate(self) -> bool:
+        """Whether CPU memory is apart from the compute device's memory. Not so when the
+        device is the CPU: there, CPU optimizer offload keeps fp32 masters as views of
+        the parameters (no second copy, no write-back), exactly as without offload.
+        ``ZEROSHARD_STAGE_ON_CPU=1`` makes CPU-only runs act as if it were apart (the
+        GPU code path: separate masters, staged gradient moves, write-back), for tests."""
+        return self.device.type != "cpu" or stage_on_cpu()
 
     @classmethod
     def on(cls, device: torch.device) -> Placement:

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 import torch
 
 from zeroshard.comm import Comm, Handle
+from zeroshard.offload.staging import HostStager, stage_on_cpu
 from zeroshard.zero.flat import FlatParams
 
 
@@ -62,9 +63,11 @@ class GradReducer:
             ``world_size / predivide`` after (DeepSpeed's gradient_predivide_factor).
         on_bucket_ready: called with a segment index once all its gradients are in (the
             stage-3 gatherer frees that unit's parameters then).
-        accum_device: where the owned gradient shard accumulates when gradients are
-            sharded (the CPU with optimizer offload: each reduced chunk is copied there
-            as soon as its bucket completes, while backward goes on).
+        accum_device: with optimizer offload, the host (CPU) where the reduced chunks
+            go: the owned gradient shard lives there (stages 2, 3: accumulated there every
+            micro-step; stages 0, 1: copied there at the boundary). Each bucket's chunk
+            is moved through a double-buffered :class:`HostStager` as soon as its
+            reduction completes, while backward goes on. None: no offload.
     """
 
     def __init__(
@@ -96,15 +99,24 @@ class GradReducer:
         self.grad_full: torch.Tensor | None = None
         self.grad_shard: torch.Tensor | None = None
         self._views: list[torch.Tensor | None] = [None] * len(flat.params)
-        if sharded:
+        self._stager: HostStager | None = None
+        self._staging_events: dict[int, object] = {}  # staging buffer id -> copy event
+        if accum_device is not None and (accum_device != flat.device or stage_on_cpu()):
+            chunk = max((s.chunk for s in layout.segments), default=0)
+            self._stager = HostStager(flat.device, chunk, dtype)
+        if sharded or self._stager is not None:
             where = accum_device or flat.device
             self.grad_shard = torch.zeros(layout.shard_numel, dtype=dtype, device=where)
             self.grad_chunks = [
                 self.grad_shard[s.shard_start : s.shard_start + s.chunk] for s in layout.segments
             ]
-        else:
+        if not sharded:
             self.grad_full = torch.zeros(layout.total_numel, dtype=dtype, device=flat.device)
-            self.grad_chunks = [self.grad_full[slice(*s.chunk_range(own))] for s in layout.segments]
+            self._device_chunks = [
+                self.grad_full[slice(*s.chunk_range(own))] for s in layout.segments
+            ]
+            if self._stager is None:
+                self.grad_chunks = self._device_chunks
             for pi, p in enumerate(flat.params):
                 lo, hi = layout.param_range(pi)
                 self._views[pi] = self.grad_full[lo:hi].view_as(p)
@@ -231,18 +243,23 @@ class GradReducer:
             reduced = b.staging[rank * seg.chunk : (rank + 1) * seg.chunk]
             if post != 1.0:
                 reduced.div_(post)
-            if reduced.device != chunk.device:
-                reduced = reduced.to(chunk.device, non_blocking=True)
-            if self._accumulated:
+            if self._stager is not None:
+                event = self._stager.submit(reduced, chunk, accumulate=self._accumulated)
+                if event is not None:
+                    self._staging_events[id(b.staging)] = event
+            elif self._accumulated:
                 chunk.add_(reduced)
             else:
                 chunk.copy_(reduced)
             self._free_staging.append(b.staging)
             b.staging = None
             b.filled.clear()
-        elif post != 1.0:
+            return
+        if post != 1.0:
             src = self.grad_full[seg.start : seg.start + seg.numel]
-            (src if not g.sharded else chunk).div_(post)
+            (src if not g.sharded else self._device_chunks[b.segment]).div_(post)
+        if self._stager is not None:  # offload at stages 0, 1: the boundary's chunk to host
+            self._stager.submit(self._device_chunks[b.segment], chunk, accumulate=False)
 
     def _staging_for(self, b: _Bucket) -> torch.Tensor:
         if b.staging is None:
@@ -250,6 +267,10 @@ class GradReducer:
                 self._complete_oldest()
             if self._free_staging:
                 b.staging = self._free_staging.pop()
+                event = self._staging_events.pop(id(b.staging), None)
+                if event is not None:  # its last chunk may still be on its way to the host
+                    dev = self.flat.device
+                    getattr(torch, dev.type).current_stream(dev).wait_event(event)
             else:
                 b.staging = torch.empty(
                     self._staging_numel, dtype=self.dtype, device=self.flat.device
@@ -263,6 +284,8 @@ class GradReducer:
         self._launch_in_order(upto=len(self._buckets))
         while self._pending:
             self._complete_oldest()
+        if self._stager is not None:
+            self._stager.drain()
         for b in self._buckets:
             b.ready.clear()
             b.launched = False
@@ -302,4 +325,6 @@ class GradReducer:
         bufs = [b for b in (self.grad_full, self.grad_shard) if b is not None]
         bufs += self._free_staging
         bufs += [b.staging for b in self._buckets if b.staging is not None]
+        if self._stager is not None:
+            bufs += self._stager.buffers()
         return bufs

@@ -202,7 +202,8 @@ def build_inner_optimizer(
             )
         return swapped(), []
     # parameter shards in swap files (offload_param nvme) have no memory to alias
-    if policy.separate_master or placement.offload_optimizer or flat.chunks is None:
+    offloaded = placement.offload_optimizer and placement.host_is_separate
+    if policy.separate_master or offloaded or flat.chunks is None:
         buf = placement.empty(flat.layout.shard_numel, policy.master, placement.optimizer)
         masters = [buf[s.shard_start : s.shard_start + s.chunk] for s in flat.layout.segments]
         for s, master in enumerate(masters):

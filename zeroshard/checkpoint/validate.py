@@ -1,0 +1,295 @@
+"""Checks that run before a checkpoint is loaded, and the error they raise.
+
+Finds the checkpoint directory (``tag`` or the one ``latest`` names) and checks, without
+writing anything: the manifest's structure, every file's size and safetensors header,
+that every piece the manifest lists is in its file with the right shape and dtype, that
+the checkpoint fits the model (names and shapes) and that the live optimizer can take
+every saved state kind. Failures raise :class:`CheckpointError` naming the file or
+parameters.
+
+Communication: none; ``load.py`` exchanges the outcome across ranks.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import random
+
+import torch
+
+from zeroshard.checkpoint.format import MANIFEST, parameter_names, piece_key
+from zeroshard.checkpoint.shards import ShardAccess
+from zeroshard.safetensors_io import DTYPES, read_header
+
+log = logging.getLogger("zeroshard")
+
+#: elementwise state each built-in optimizer can take (others: what they hold already,
+#: or everything a checkpoint of the same optimizer type saved)
+_STATE_KINDS = {
+    "Adam": {"exp_avg", "exp_avg_sq", "max_exp_avg_sq"},
+    "AdamW": {"exp_avg", "exp_avg_sq", "max_exp_avg_sq"},
+    "SwappedAdam": {"exp_avg", "exp_avg_sq"},
+    "SGD": {"momentum_buffer"},
+}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded; the message names the file or parameters."""
+
+
+def resolve_tag(load_dir: str, tag: str | None) -> str:
+    """The tag to load: ``tag``, else the one ``latest`` names."""
+    if tag is not None:
+        return tag
+    latest = os.path.join(load_dir, "latest")
+    if not os.path.isfile(latest):
+        found = sorted(os.listdir(load_dir)) if os.path.isdir(load_dir) else []
+        raise CheckpointError(
+            f"{load_dir}: no 'latest' file and no {MANIFEST}, so no checkpoint to load "
+            f"(it holds {found[:5]}{'...' if len(found) > 5 else ''}; pass tag=, and note "
+            ".pt/.bin pickles are never loaded)"
+        )
+    with open(latest) as f:
+        tag = f.read().strip()
+    if not os.path.isdir(os.path.join(load_dir, tag)) and os.path.isdir(
+        os.path.join(load_dir, tag + ".old")
+    ):
+        return tag + ".old"  # killed between the two renames of an overwrite
+    return tag
+
+
+def resolve_path(load_dir: str, tag: str | None) -> str:
+    """A checkpoint directory: ``load_dir/tag``, ``load_dir`` itself if it is one, or
+    the one ``load_dir/latest`` names."""
+    if tag is None and os.path.isfile(os.path.join(load_dir, MANIFEST)):
+        return load_dir
+    return os.path.join(load_dir, resolve_tag(load_dir, tag))
+
+
+def read_manifest(path: str) -> dict:
+    """The manifest of checkpoint directory ``path``, after checking it and every file
+    it lists (size, header, every listed piece present with its shape and dtype).
+    Raises :class:`CheckpointError` naming the file at fault."""
+    mpath = os.path.join(path, MANIFEST)
+    if not os.path.isdir(path):
+        raise CheckpointError(f"{path}: no such checkpoint directory")
+    if not os.path.isfile(mpath):
+        found = sorted(os.listdir(path))
+        raise CheckpointError(
+            f"{mpath}: missing; {path} is not a complete zeroshard checkpoint "
+            f"(it holds {found[:5]}{'...' if len(found) > 5 else ''}; .pt/.bin pickles are never loaded)"
+        )
+    try:
+        with open(mpath, encoding="utf-8") as f:
+            manifest = json.load(f)
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise CheckpointError(f"{mpath}: unreadable manifest (corrupt JSON?): {exc}") from exc
+    if not isinstance(manifest, dict) or manifest.get("format") != "zeroshard-checkpoint":
+        raise CheckpointError(f"{mpath}: not a zeroshard checkpoint manifest")
+    try:
+        _check_structure(manifest)
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError) as exc:
+        raise CheckpointError(f"{mpath}: malformed manifest ({type(exc).__name__}: {exc})") from exc
+    headers = []
+    for entry in manifest["files"]:
+        fpath = os.path.join(path, entry["name"])
+        if os.path.basename(entry["name"]) != entry["name"] or not entry["name"].endswith(
+            ".safetensors"
+        ):
+            raise CheckpointError(
+                f"{mpath}: file name {entry['name']!r} is not a safetensors file here"
+            )
+        if not os.path.isfile(fpath):
+            raise CheckpointError(f"{fpath}: missing (the manifest lists it)")
+        if os.path.getsize(fpath) != entry["bytes"]:
+            raise CheckpointError(
+                f"{fpath}: {os.path.getsize(fpath)} bytes, the manifest says {entry['bytes']} (truncated?)"
+            )
+        try:
+            header = read_header(fpath)
+            _check_header(header)
+        except (OSError, ValueError, TypeError, KeyError, UnicodeDecodeError) as exc:
+            msg = str(exc)  # read_header's messages start with the path already
+            if not msg.startswith(fpath):
+                msg = f"{fpath}: corrupt safetensors header ({msg})"
+            raise CheckpointError(msg) from exc
+        headers.append(header)
+    _check_pieces(path, manifest, headers)
+    return manifest
+
+
+def _check_structure(m: dict) -> None:
+    """Types of everything load and export read from the manifest."""
+    if not isinstance(m["files"], list) or not m["files"]:
+        raise ValueError("'files' must be a non-empty list")
+    for e in m["files"]:
+        if not isinstance(e["name"], str) or not isinstance(e["bytes"], int):
+            raise ValueError(f"bad 'files' entry {e!r}")
+    nfiles = len(m["files"])
+    kinds = m["kinds"]
+    if not isinstance(kinds, list) or "param" not in kinds:
+        raise ValueError("'kinds' must be a list holding 'param'")
+    for name, e in m["params"].items():
+        if e["dtype"] not in DTYPES or not isinstance(e["group"], int):
+            raise ValueError(f"params[{name!r}]: bad dtype or group")
+        if not all(isinstance(d, int) and d >= 0 for d in e["shape"]):
+            raise ValueError(f"params[{name!r}]: bad shape {e['shape']!r}")
+        covered = 0
+        for rank, lo, hi in sorted(e["pieces"], key=lambda x: x[1]):
+            if not (0 <= rank < nfiles) or lo != covered or hi <= lo:
+                raise ValueError(f"params[{name!r}]: pieces {e['pieces']!r} do not tile it")
+            covered = hi
+        if covered != math.prod(e["shape"]):
+            raise ValueError(f"params[{name!r}]: pieces cover {covered} of {math.prod(e['shape'])}")
+    for name, e in m["whole"].items():
+        if e["dtype"] not in DTYPES or not all(isinstance(d, int) for d in e["shape"]):
+            raise ValueError(f"whole[{name!r}]: bad dtype or shape")
+    for alias, name in m.get("aliases", {}).items():
+        if name not in m["params"]:
+            raise ValueError(f"alias {alias!r} names {name!r}, which is not saved")
+    if not isinstance(m["optimizer"]["groups"], list):
+        raise ValueError("'optimizer.groups' must be a list")
+    for g in m["optimizer"]["groups"]:
+        float(g["step"])
+    if not isinstance(m["counters"], dict) or not isinstance(m["loss_scaler"], dict):
+        raise ValueError("'counters' and 'loss_scaler' must be objects")
+    int(m["world_size"])
+
+
+def _check_header(header: dict) -> None:
+    if not isinstance(header, dict):
+        raise ValueError("the header is not a JSON object")
+    for k, v in header.items():
+        if k == "__metadata__":
+            continue
+        if v["dtype"] not in DTYPES or len(v["data_offsets"]) != 2:
+            raise ValueError(f"tensor {k!r}: bad dtype or offsets")
+        a, b = v["data_offsets"]
+        want = math.prod(v["shape"]) * torch.empty((), dtype=DTYPES[v["dtype"]]).element_size()
+        if b - a != want or a < 0:
+            raise ValueError(f"tensor {k!r}: {b - a} bytes for shape {v['shape']}")
+
+
+def _check_pieces(path: str, manifest: dict, headers: list[dict]) -> None:
+    """Every tensor the manifest promises is in its file, with its shape and dtype."""
+    kinds = manifest["kinds"]
+
+    def need(rank: int, key: str, shape: list, dtype: str) -> None:
+        entry = headers[rank].get(key)
+        if entry is None or list(entry["shape"]) != list(shape) or entry["dtype"] != dtype:
+            fpath = os.path.join(path, manifest["files"][rank]["name"])
+            got = "absent" if entry is None else f"{entry['dtype']} {entry['shape']}"
+            raise CheckpointError(
+                f"{fpath}: tensor {key!r} should be {dtype} {list(shape)} (the manifest says), "
+                f"found {got}"
+            )
+
+    for name, e in manifest["params"].items():
+        for rank, lo, hi in e["pieces"]:
+            for kind in kinds if e["group"] >= 0 else ["param"]:
+                dtype = e["dtype"] if kind == "param" else "F32"
+                need(rank, piece_key(kind, name, lo), [hi - lo], dtype)
+    for name, e in manifest["whole"].items():
+        need(0, f"whole:{name}", e["shape"], e["dtype"])
+
+
+def check_model(manifest: dict, engine, path: str, strict: bool = True) -> set[str]:
+    """Parameter and buffer names and shapes must match the model; say which do not.
+
+    A shape mismatch is always an error; missing or unexpected names are an error when
+    ``strict``, else a warning. Returns the names to load (in both)."""
+    from zeroshard.checkpoint.save import whole_tensors
+
+    ours = {n: list(engine.flat.shapes[i]) for i, n in enumerate(parameter_names(engine))}
+    ours.update({n: list(t.shape) for n, (t, _) in whole_tensors(engine).items()})
+    theirs = {n: v["shape"] for n, v in manifest["params"].items()}
+    theirs.update({n: v["shape"] for n, v in manifest["whole"].items()})
+    missing = sorted(set(ours) - set(theirs))
+    unexpected = sorted(set(theirs) - set(ours))
+    shapes = sorted(n for n in set(ours) & set(theirs) if ours[n] != theirs[n])
+    problems = []
+    if missing:
+        problems.append(
+            f"missing from the checkpoint: {missing[:8]}{'...' if len(missing) > 8 else ''}"
+        )
+    if unexpected:
+        problems.append(f"not in the model: {unexpected[:8]}{'...' if len(unexpected) > 8 else ''}")
+    if shapes:
+        problems.append(
+            "shape mismatch: "
+            + ", ".join(f"{n} {theirs[n]} vs model {ours[n]}" for n in shapes[:8])
+        )
+    if shapes or (problems and strict):
+        raise CheckpointError(
+            f"{path}: the checkpoint does not fit this model; " + "; ".join(problems)
+        )
+    if problems:
+        log.warning(
+            "zeroshard: load_checkpoint(%s, load_module_strict=False): %s",
+            path,
+            "; ".join(problems),
+        )
+    return set(ours) & set(theirs)
+
+
+def _accepted_kinds(engine, access: ShardAccess, manifest: dict) -> set[str]:
+    live = type(engine.optimizer.inner).__name__
+    ok = set(access.state_keys()) | _STATE_KINDS.get(live, set())
+    if live not in _STATE_KINDS and live == manifest["optimizer"].get("type"):
+        ok |= set(manifest["kinds"])  # the same client optimizer: it made these
+    return ok
+
+
+def validate(
+    engine, path: str, manifest: dict, *, strict: bool, with_opt: bool, training: bool
+) -> set[str]:
+    """Everything a load needs, checked before anything is written. Returns the names
+    to load."""
+    names = check_model(manifest, engine, path, strict)
+    if with_opt:
+        groups = manifest["optimizer"]["groups"]
+        if len(groups) != len(engine.optimizer.param_groups):
+            raise CheckpointError(
+                f"{path}: {len(groups)} optimizer param groups saved, the engine has "
+                f"{len(engine.optimizer.param_groups)}; load with load_optimizer_states=False"
+            )
+        access = ShardAccess(engine)
+        saved = [k for k in manifest["kinds"] if k not in ("param", "master")]
+        refused = sorted(set(saved) - _accepted_kinds(engine, access, manifest))
+        if refused:
+            raise CheckpointError(
+                f"{path}: the checkpoint holds optimizer state {refused} "
+                f"(saved by {manifest['optimizer'].get('type')}), which this engine's "
+                f"{type(engine.optimizer.inner).__name__} cannot take; load with "
+                "load_optimizer_states=False"
+            )
+    if training and manifest["world_size"] == engine.comm.world_size:
+        rank = engine.comm.rank
+        fpath = os.path.join(path, manifest["files"][rank]["name"])
+        header = read_header(fpath)
+        ours = random.getstate()
+        try:
+            if "rng:torch" not in header:
+                raise KeyError("rng:torch")
+            state = json.loads(header["__metadata__"]["python_rng"])
+            random.setstate((state[0], tuple(state[1]), state[2]))  # the real check
+        except (KeyError, TypeError, ValueError, IndexError) as exc:
+            raise CheckpointError(
+                f"{fpath}: no usable random-number-generator state ({exc})"
+            ) from exc
+        finally:
+            random.setstate(ours)
+    return names
+
+
+__all__ = [
+    "CheckpointError",
+    "check_model",
+    "read_manifest",
+    "resolve_path",
+    "resolve_tag",
+    "validate",
+]

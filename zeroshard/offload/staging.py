@@ -1,0 +1,107 @@
+"""Double-buffered device->host moves of reduced gradient chunks (ZeRO-Offload). No
+communication: this module only copies between the device and CPU memory.
+
+With the optimizer offloaded, each bucket's reduced gradient chunk must reach the host
+accumulation buffer (the owned gradient shard in CPU memory) while backward goes on.
+:class:`HostStager` does it through ``depth`` page-locked host buffers:
+
+1. ``submit(src, dst, accumulate)``: a side copy stream waits for the compute stream
+   (so the reduced chunk is ready), copies ``src`` into a free pinned buffer without
+   blocking the host, and records an event. The event is returned: the caller makes the
+   compute stream wait on it before it overwrites ``src`` (a reused staging bucket).
+2. When all buffers are in flight, or at :meth:`drain`, the oldest copy's event is
+   waited on and the host adds (or copies) the buffer into ``dst``.
+
+So the host-side accumulation of bucket *k* runs while the device reduces bucket *k+1*
+and computes the rest of backward; host memory used is ``depth`` buffers of one chunk.
+
+When the compute device is the CPU there is nothing to move and :meth:`submit` adds or
+copies at once, unless ``ZEROSHARD_STAGE_ON_CPU=1`` is set: then the queue is used with
+synchronous copies (the events are ``None``), so CPU-only tests run the same
+bookkeeping, deferral and ordering as a GPU run.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import deque
+
+import torch
+
+STAGE_ON_CPU_ENV = "ZEROSHARD_STAGE_ON_CPU"
+
+
+def stage_on_cpu() -> bool:
+    """Whether CPU-only runs mirror the device<->host staging of a GPU run (tests)."""
+    return os.environ.get(STAGE_ON_CPU_ENV, "") not in ("", "0")
+
+
+class HostStager:
+    """Move chunks from ``device`` to host tensors through ``depth`` pinned buffers.
+
+    Args:
+        device: where the chunks come from.
+        numel: the largest chunk that will be submitted.
+        dtype: the chunks' dtype (the host destination may differ: cast on the host).
+        depth: buffers in flight (2 = double buffering).
+    """
+
+    def __init__(self, device: torch.device, numel: int, dtype: torch.dtype, depth: int = 2):
+        self.device = device
+        self.queued = device.type != "cpu" or stage_on_cpu()
+        self._stream = None
+        self._free: list[torch.Tensor] = []
+        self._inflight: deque = deque()  # (buffer, n, event, dst, accumulate)
+        self.submitted = 0  # chunks moved through the buffers (for tests)
+        if not self.queued:
+            return
+        pin = device.type == "cuda"
+        self._free = [torch.empty(numel, dtype=dtype, pin_memory=pin) for _ in range(depth)]
+        if device.type != "cpu":
+            self._stream = getattr(torch, device.type).Stream(device=device)
+
+    def submit(self, src: torch.Tensor, dst: torch.Tensor, accumulate: bool):
+        """Start moving ``src`` into ``dst`` (``dst += src`` when ``accumulate``).
+
+        Returns an event the compute stream must wait on before ``src`` is overwritten,
+        or None when ``src`` may be reused at once."""
+        if not self.queued:
+            (dst.add_ if accumulate else dst.copy_)(src)
+            return None
+        if not self._free:
+            self._finish_oldest()
+        full = self._free.pop()
+        n = src.numel()
+        buf = full[:n]
+        event = None
+        if self._stream is None:
+            buf.copy_(src)
+        else:
+            mod = getattr(torch, self.device.type)
+            self._stream.wait_stream(mod.current_stream(self.device))
+            with mod.stream(self._stream):
+                buf.copy_(src, non_blocking=True)
+                event = self._stream.record_event()
+        self._inflight.append((full, n, event, dst, accumulate))
+        self.submitted += 1
+        return event
+
+    def _finish_oldest(self) -> None:
+        full, n, event, dst, accumulate = self._inflight.popleft()
+        if event is not None:
+            event.synchronize()
+        (dst.add_ if accumulate else dst.copy_)(full[:n].view_as(dst))
+        self._free.append(full)
+
+    def drain(self) -> None:
+        """Wait for every move in flight and land it in its destination."""
+        while self._inflight:
+            self._finish_oldest()
+
+    @property
+    def pending(self) -> int:
+        return len(self._inflight)
+
+    def buffers(self) -> list[torch.Tensor]:
+        """The pinned host buffers (host memory this stager holds)."""
+        return self._free + [full for full, *_ in self._inflight]
