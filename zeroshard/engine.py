@@ -20,7 +20,7 @@ from torch import nn
 from zeroshard.comm import Comm
 from zeroshard.distributed import default_device
 from zeroshard.memory import measure
-from zeroshard.offload.nvme import SwapSpace
+from zeroshard.offload.nvme import BufferPool, SwapSpace
 from zeroshard.offload.placement import Placement
 from zeroshard.offload.swapped_adam import SwappedAdam
 from zeroshard.optim import optimizer_factory
@@ -192,11 +192,21 @@ class Engine(nn.Module):
         layout = FlatLayout(
             [p.numel() for p in plan.params], world, groups=plan.segments, align=align
         )
-        swap = None
+        swap = pool = None
         if self.placement.param_nvme:
             esize = torch.empty((), dtype=self.policy.compute).element_size()
             space = self._swap_space(self.placement.param_nvme)
             swap = space.file("params", layout.shard_numel * esize)
+            off = self._config.zero_optimization.offload_param
+            # buffer_size (elements) bounds a buffer; none is larger than the largest chunk
+            largest = max((seg.chunk for seg in layout.segments), default=0)
+            if largest > off.buffer_size:
+                raise ValueError(
+                    f"zero_optimization.offload_param.buffer_size: {off.buffer_size} elements "
+                    f"is smaller than this rank's largest parameter chunk ({largest}); "
+                    "raise it or lower stage3_prefetch_bucket_size / reduce_bucket_size"
+                )
+            pool = BufferPool(off.buffer_count, largest * esize, "offload_param.buffer_size")
         flat = FlatParams(
             plan.params,
             plan.group_of,
@@ -209,13 +219,16 @@ class Engine(nn.Module):
             value_of=take_value,
             shard_device=self.placement.param_shard,
             swap=swap,
+            swap_pool=pool,
         )
         return flat, plan.persistent
 
     def _swap_space(self, path: str) -> SwapSpace:
         """One swap directory per rank and ``nvme_path``."""
         if path not in self._swap_spaces:
-            self._swap_spaces[path] = SwapSpace(path, f"rank{self.comm.rank}")
+            # aio.queue_depth = swap requests in flight = I/O threads (each blocks in one)
+            threads = self._config.aio.queue_depth
+            self._swap_spaces[path] = SwapSpace(path, f"rank{self.comm.rank}", threads=threads)
         return self._swap_spaces[path]
 
     def _swapped_adam(self) -> SwappedAdam:

@@ -39,6 +39,50 @@ def aligned_empty(nbytes: int) -> torch.Tensor:
     return raw[skip : skip + nbytes]
 
 
+class BufferPool:
+    """``count`` aligned host buffers of ``nbytes`` each (allocated on first use), lent
+    out for swap I/O: NVMe offload's RAM footprint is this pool, not the swapped data.
+
+    ``what`` names the config keys in errors (e.g. ``offload_param.buffer_size``).
+    """
+
+    def __init__(self, count: int, nbytes: int, what: str) -> None:
+        if count < 1:
+            raise ValueError(f"{what.replace('size', 'count')}: must be >= 1, got {count}")
+        self.count, self.nbytes, self.what = count, round_up(nbytes), what
+        self._free: list[torch.Tensor] = []
+        self._lent: dict[int, torch.Tensor] = {}  # data_ptr -> whole buffer
+        self.allocated = 0
+
+    def acquire(self, nbytes: int) -> torch.Tensor | None:
+        """A uint8 view of ``nbytes`` (rounded up to ``ALIGN``) of a free buffer, or None
+        when all ``count`` buffers are lent out."""
+        need = round_up(nbytes)
+        if need > self.nbytes:
+            raise ValueError(
+                f"{self.what}: a swap transfer needs {need} bytes but buffers hold "
+                f"{self.nbytes}; raise {self.what}"
+            )
+        if not self._free:
+            if self.allocated == self.count:
+                return None
+            self._free.append(aligned_empty(self.nbytes))
+            self.allocated += 1
+        whole = self._free.pop()
+        self._lent[whole.data_ptr()] = whole
+        return whole[:need]
+
+    def release(self, view: torch.Tensor) -> None:
+        self._free.append(self._lent.pop(view.data_ptr()))
+
+    @property
+    def lent(self) -> int:
+        return len(self._lent)
+
+    def buffers(self) -> list[torch.Tensor]:
+        return self._free + list(self._lent.values())
+
+
 def _as_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.view(torch.uint8).reshape(-1).numpy())
 

@@ -37,6 +37,8 @@ class FlatParams:
         shard_device: where the stage-3 shard lives (the CPU with parameter offload).
         swap: a ``SwapFile`` to keep the stage-3 shard in instead of memory (NVMe);
             the layout must then be aligned to whole disk blocks.
+        swap_pool: the :class:`~zeroshard.offload.nvme.BufferPool` its reads and writes
+            go through (``offload_param.buffer_count`` x ``buffer_size``).
     """
 
     def __init__(
@@ -53,6 +55,7 @@ class FlatParams:
         value_of=None,
         shard_device: torch.device | None = None,
         swap=None,
+        swap_pool=None,
     ) -> None:
         if layout.numels != tuple(p.numel() for p in params):
             raise ValueError("layout does not match the parameters")
@@ -63,6 +66,7 @@ class FlatParams:
         self.full: torch.Tensor | None = None
         self.shard: torch.Tensor | None = None
         self.swap = None  # a SwapFile holding the shard (parameter offload to NVMe)
+        self.swap_pool = swap_pool
         self.chunks: list[torch.Tensor] | None = None
         segs = layout.segments
         value_of = value_of or (lambda p: p.detach().reshape(-1))
@@ -133,14 +137,34 @@ class FlatParams:
         self.swap.read(buf, seg.shard_start * self.esize)
         return buf
 
+    def read_chunk_pooled(self, s: int) -> torch.Tensor | None:
+        """Like :meth:`read_chunk` for a swapped shard, into a buffer of the pool (give
+        it back with :meth:`release_chunk`); None when every pool buffer is lent out."""
+        seg = self.layout.segments[s]
+        raw = self.swap_pool.acquire(seg.chunk * self.esize)
+        if raw is None:
+            return None
+        buf = raw.view(self.dtype)[: seg.chunk]
+        self.swap.read(raw, seg.shard_start * self.esize)
+        return buf
+
+    def release_chunk(self, buf: torch.Tensor) -> None:
+        self.swap_pool.release(buf)
+
     def write_chunk(self, s: int, values: torch.Tensor, lo: int = 0) -> None:
         """Store ``values`` into this rank's chunk of segment ``s`` from element ``lo``."""
         if self.swap is None:
             self.chunks[s][lo : lo + values.numel()].copy_(values, non_blocking=True)
             return
-        buf = aligned_empty(values.numel() * self.esize).view(self.dtype)
-        buf.copy_(values)
-        self.swap.write(buf, (self.layout.segments[s].shard_start + lo) * self.esize)
+        nbytes = values.numel() * self.esize
+        raw = self.swap_pool.acquire(nbytes) if self.swap_pool is not None else None
+        buf = (raw if raw is not None else aligned_empty(nbytes)).view(self.dtype)
+        buf[: values.numel()].copy_(values)
+        self.swap.write(
+            buf[: values.numel()], (self.layout.segments[s].shard_start + lo) * self.esize
+        )
+        if raw is not None:
+            self.swap_pool.release(raw)
 
     def read_range(self, a: int, b: int) -> torch.Tensor:
         """A copy of shard positions ``[a, b)``."""
@@ -160,8 +184,9 @@ class FlatParams:
                 self.write_chunk(seg.index, values[lo - a : hi - a], lo - seg.shard_start)
 
     def memory(self) -> list[torch.Tensor]:
-        """Persistent parameter storage held in memory (nothing when swapped to NVMe)."""
-        return [t for t in (self.full, self.shard) if t is not None]
+        """Persistent parameter storage held in memory (with NVMe: the buffer pool)."""
+        pool = self.swap_pool.buffers() if self.swap_pool is not None else []
+        return [t for t in (self.full, self.shard) if t is not None] + pool
 
     def nvme_bytes(self) -> int:
         return self.swap.nbytes if self.swap is not None else 0

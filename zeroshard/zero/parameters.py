@@ -152,6 +152,7 @@ class ParamGatherer:
                 p
             )
         self._handles: dict[int, Handle] = {}
+        self._reads: dict[int, torch.Tensor] = {}  # NVMe: pool buffers under an all-gather
         self._gathered: set[int] = set()
         self._users = [0] * len(layout.segments)
         # prefetched and not yet asked for, in launch order: the only units freed to make
@@ -219,12 +220,22 @@ class ParamGatherer:
     def _launch(self, s: int, *, prefetch: bool = False) -> None:
         if s in self._gathered or s in self._handles:
             return
+        if self.flat.swap_pool is not None:  # NVMe: read into a buffer of the pool
+            chunk = self.flat.read_chunk_pooled(s)
+            while chunk is None:  # every buffer is under an all-gather in flight
+                if prefetch:  # (same decision on every rank: counts, not timing)
+                    return
+                self._wait(next(o for o in self._handles if o in self._reads))
+                chunk = self.flat.read_chunk_pooled(s)
+            self._reads[s] = chunk
+        else:
+            chunk = self.flat.read_chunk(s)  # a view, in memory or offloaded to the CPU
         buf = self.unit_buffers[s]
         nbytes = buf.numel() * buf.element_size()
         if buf.untyped_storage().nbytes() != nbytes:  # a same-size resize_ reallocates
             buf.untyped_storage().resize_(nbytes)
         with torch.autograd._unsafe_preserve_version_counter(buf):
-            chunk = self.flat.read_chunk(s).to(buf.device, non_blocking=True)  # may be offloaded
+            chunk = chunk.to(buf.device, non_blocking=True)
             self._handles[s] = self.comm.all_gather(buf, chunk, async_op=True)
         if s not in self.persistent:
             self.live_numel += self._numel[s]
@@ -239,6 +250,9 @@ class ParamGatherer:
         if handle is not None:
             with torch.autograd._unsafe_preserve_version_counter(self.unit_buffers[s]):
                 handle.wait()
+        read = self._reads.pop(s, None)
+        if read is not None:  # the all-gather has consumed it
+            self.flat.release_chunk(read)
         if s not in self._gathered:
             self._gathered.add(s)
             for pi in self.flat.layout.segments[s].params:
