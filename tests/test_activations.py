@@ -4,8 +4,10 @@ honoured. Single process except the engine test (one rank)."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
+import weakref
 
 import multirank
 import pytest
@@ -194,20 +196,345 @@ def test_offload_without_recompute(monkeypatch: pytest.MonkeyPatch) -> None:
     assert len(spy.packed) >= 10 and spy.unpacked == len(spy.packed)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_offload_moves_to_pinned_host_memory_on_cuda() -> None:
-    x = torch.randn(4, 8, device="cuda")
-    packed = checkpointing._to_host(x)
-    dev, host = packed
-    assert host.device.type == "cpu" and host.is_pinned() and dev == x.device
-    assert torch.equal(checkpointing._to_device(packed), x)
-    ref = _gpt(dropout=0.1).cuda()
-    ids = torch.randint(0, 256, (2, 33), device="cuda")
+class FakeEvent:
+    def __init__(self, n: int) -> None:
+        self.n, self.done = n, False
+
+
+class FakeMover:
+    """Stands in for the stream mover on CPU: "copies" by cloning, moves CPU tensors too,
+    records every call by pack index; a copy to host completes only when the test says so
+    (or when the queue waits on it)."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, int]] = []
+        self.d2h: list[FakeEvent] = []
+
+    def moves(self, t: torch.Tensor) -> bool:
+        return True
+
+    def to_host(self, t: torch.Tensor) -> tuple[torch.Tensor, FakeEvent]:
+        n = len(self.d2h)
+        host = t.detach().clone()
+        host.fake_n = n
+        self.calls.append(("d2h", n))
+        self.d2h.append(FakeEvent(n))
+        return host, self.d2h[-1]
+
+    def to_device(self, host: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, FakeEvent]:
+        self.calls.append(("h2d", host.fake_n))
+        event = FakeEvent(host.fake_n)
+        event.done = True
+        return host.clone(), event
+
+    def use(self, dev: torch.Tensor, event: FakeEvent) -> None:
+        self.calls.append(("use", event.n))
+
+    def done(self, event: FakeEvent) -> bool:
+        return event.done
+
+    def wait(self, event: FakeEvent) -> None:
+        self.calls.append(("wait", event.n))
+        event.done = True
+
+    def complete(self, upto: int | None = None) -> None:
+        for event in self.d2h[:upto]:
+            event.done = True
+
+    def of(self, kind: str) -> list[int]:
+        return [n for k, n in self.calls if k == kind]
+
+
+class Recorder:
+    """A fake-mover queue installed as the module's queue, with every entry packed (weakly:
+    the graph owns them) and every unpack (by pack index) recorded."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, **kwargs) -> None:
+        self.mover = FakeMover()
+        self.queue = q = checkpointing._OffloadQueue(self.mover, **kwargs)
+        self.refs: list[weakref.ref] = []
+        self.groups: list[int] = []  # the group (block) of each entry, numbered
+        pack, unpack = q.pack, q.unpack
+        numbers: dict[int, int] = {}
+
+        def recording_pack(t):
+            entry = pack(t)
+            self.refs.append(weakref.ref(entry))
+            self.groups.append(numbers.setdefault(id(entry.group), len(numbers)))
+            return entry
+
+        def recording_unpack(entry):
+            self.mover.calls.append(("unpack", entry.host.fake_n))
+            return unpack(entry)
+
+        q.pack, q.unpack = recording_pack, recording_unpack
+        monkeypatch.setattr(checkpointing, "_QUEUE", q)
+
+    @property
+    def entries(self) -> list:
+        return [r() for r in self.refs]
+
+    def assert_empty(self) -> None:
+        """Nothing outlives the backward: no source held, no entry left alive."""
+        q = self.queue
+        assert not q.pending and q.inflight_bytes == 0
+        assert [r for r in self.refs if r() is not None] == []
+
+
+def _mlp(blocks: int = 4) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(*(nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(blocks)))
+
+
+def _mlp_grads(model: nn.Module, x: torch.Tensor, before_backward=lambda: None):
+    model.zero_grad(set_to_none=True)
+    out = model(x).square().sum()
+    before_backward()
+    out.backward()
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def test_offload_queue_copies_each_tensor_once_each_way_and_prefetches(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    ref = _mlp()
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
+    g0 = _mlp_grads(ref, x)
+    model = copy.deepcopy(ref)
+    assert apply_activation_offload(model, lambda name, m: name in {"0", "1", "2", "3"}) == 4
+    rec = Recorder(monkeypatch)
+    mover = rec.mover
+
+    def after_forward() -> None:
+        n = len(rec.entries)
+        assert mover.of("d2h") == list(range(n)) and n >= 8
+        # copies not complete: every source is held (nothing released early)
+        assert all(e.src is not None for e in rec.entries) and len(rec.queue.pending) == n
+        mover.complete()
+        # complete but not yet observed: still held until the queue polls
+        assert all(e.src is not None for e in rec.entries)
+
+    g1 = _mlp_grads(model, x, after_forward)
+    assert _max_diff(g0, g1) <= TOL
+    n = len(rec.refs)
+    assert sorted(mover.of("d2h")) == list(range(n))  # once to host
+    assert sorted(mover.of("h2d")) == list(range(n))  # once back (sources were released)
+    assert sorted(mover.of("unpack")) == list(range(n))
+    calls = mover.calls
+    for i in range(n):
+        # the compute stream is made to wait on each copy back before it uses the result
+        assert calls.index(("h2d", i)) < calls.index(("use", i))
+    # backward unpacks in (roughly) reverse pack order: all but the first tensor unpacked
+    # were already on their way back when their unpack came
+    first = mover.of("unpack")[0]
+    assert first == n - 1
+    late = [i for i in range(n) if calls.index(("h2d", i)) > calls.index(("unpack", i))]
+    assert late == [first]
+    rec.assert_empty()
+
+
+def test_offload_queue_unfinished_copies_skip_the_copy_back_and_are_drained(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    ref = _mlp()
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
+    g0 = _mlp_grads(ref, x)
+    model = copy.deepcopy(ref)
+    apply_activation_offload(model, nn.Tanh)  # the tanh outputs only
+    rec = Recorder(monkeypatch)
+    g1 = _mlp_grads(model, x)  # no copy to host ever completes on its own
+    assert _max_diff(g0, g1) <= TOL
+    n = len(rec.refs)
+    assert n == 4 and rec.mover.of("h2d") == []  # the sources were still there: used as is
+    # the end of backward waited for the copies and released the sources
+    assert sorted(rec.mover.of("wait")) == list(range(n))
+    rec.assert_empty()
+
+
+def test_offload_queue_bounds_the_sources_held(monkeypatch: pytest.MonkeyPatch) -> None:
+    rec = Recorder(monkeypatch, max_inflight_bytes=2 * 64 * 4)
+    kept = [checkpointing._to_host(torch.randn(64)) for _ in range(5)]
+    assert rec.mover.of("wait") == [0, 1, 2]  # the oldest copies, waited for in order
+    assert [e.src is None for e in kept] == [True, True, True, False, False]
+    assert rec.queue.inflight_bytes == 2 * 64 * 4
+    rec.mover.complete()
+    checkpointing._QUEUE.reap()
+    assert all(e.src is None for e in kept) and not rec.queue.pending
+
+
+def test_offload_queue_second_backward_fetches_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    rec = Recorder(monkeypatch)
+    w = torch.randn(16, 16, requires_grad=True)
+    with checkpointing.offload_saved_tensors():
+        y = torch.tanh(torch.randn(4, 16) @ w).sum()
+    rec.mover.complete()
+    y.backward(retain_graph=True)
+    g = w.grad.clone()
+    y.backward()
+    assert torch.allclose(w.grad, 2 * g)
+    n = len(rec.refs)
+    assert sorted(rec.mover.of("d2h")) == list(range(n))
+    assert sorted(rec.mover.of("h2d")) == sorted(2 * list(range(n)))
+    rec.assert_empty()
+
+
+def test_offload_queue_refuses_a_source_modified_while_copied(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    Recorder(monkeypatch)
+    x = torch.randn(4, requires_grad=True)
+    with checkpointing.offload_saved_tensors():
+        y = x * 2
+        z = y.sin()  # saves y
+        y.add_(1)  # while y's copy to host may still be reading it
+    with pytest.raises(RuntimeError, match="modified in place"):
+        z.sum().backward()
+
+
+@pytest.mark.parametrize("policy", [None, "full", "selective"])
+def test_offload_queue_on_gpt(monkeypatch: pytest.MonkeyPatch, policy: str | None) -> None:
+    ref = _gpt(dropout=0.1)
+    ids = torch.randint(0, 256, (2, 33), generator=torch.Generator().manual_seed(1))
+    _, g0 = _gpt_grads(ref, ids)
+    model = copy.deepcopy(ref)
+    if policy is None:
+        apply_activation_offload(model, Block)
+    else:
+        apply_activation_checkpointing(model, Block, policy, offload=True)
+    rec = Recorder(monkeypatch)
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(3)
+    loss = model(ids[:, :-1], ids[:, 1:])
+    rec.mover.complete()
+    loss.backward()
+    g1 = [p.grad for p in model.parameters()]
+    assert _max_diff(g0, g1) <= TOL
+    n = len(rec.refs)
+    assert sorted(rec.mover.of("d2h")) == list(range(n))
+    assert sorted(rec.mover.of("h2d")) == list(range(n))
+    calls = rec.mover.calls
+    late = [i for i in range(n) if calls.index(("h2d", i)) > calls.index(("unpack", i))]
+    # all were prefetched but some of the block unpacked first (nothing was before it)
+    assert {rec.groups[i] for i in late} == {rec.groups[-1]}
+    assert len(late) <= max(1, n // 10)
+    rec.assert_empty()
+
+
+class _Stream:
+    def __init__(self, api: FakeStreamApi, name: str) -> None:
+        self.api, self.name = api, name
+
+    def wait_stream(self, other: _Stream) -> None:
+        self.api.log.append(("wait_stream", self.name, other.name))
+
+    def wait_event(self, event: _Event) -> None:
+        self.api.log.append(("wait_event", self.name, event.name))
+
+
+class _Event:
+    def __init__(self, api: FakeStreamApi) -> None:
+        self.api, self.name = api, f"event{len(api.log)}"
+
+    def record(self, stream: _Stream) -> None:
+        self.api.log.append(("record", self.name, stream.name))
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        pass
+
+
+class FakeStreamApi:
+    """Stands in for ``torch.cuda``'s stream API; records what is asked of it."""
+
+    def __init__(self) -> None:
+        self.log: list[tuple[str, ...]] = []
+        self.compute = _Stream(self, "compute")
+
+    def Stream(self, device: torch.device) -> _Stream:
+        return _Stream(self, "side")
+
+    def Event(self) -> _Event:
+        return _Event(self)
+
+    def current_stream(self, device: torch.device) -> _Stream:
+        return self.compute
+
+    @contextlib.contextmanager
+    def stream(self, s: _Stream):
+        self.log.append(("on", s.name))
+        yield
+        self.log.append(("off", s.name))
+
+
+def test_stream_mover_orders_the_streams(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The real mover's stream protocol, on CPU, with a recording stand-in for
+    ``torch.cuda``: wait for compute, copy on the side stream, protect, record; and on the
+    way back the compute stream waits on the copy's event."""
+    api = FakeStreamApi()
+    monkeypatch.setattr(checkpointing._StreamMover, "_api", staticmethod(lambda device: api))
+    monkeypatch.setattr(checkpointing._StreamMover, "moves", lambda self, t: True)
+    monkeypatch.setattr(
+        torch.Tensor, "record_stream", lambda t, s: api.log.append(("record_stream", s.name))
+    )
+    mover = checkpointing._StreamMover()
+    x = torch.randn(4, 8)
+    host, d2h = mover.to_host(x)
+    assert torch.equal(host, x) and host.data_ptr() != x.data_ptr()
+    assert api.log == [
+        ("wait_stream", "side", "compute"),  # the source is ready
+        ("on", "side"),  # the copy is queued there
+        ("off", "side"),
+        ("record_stream", "side"),  # its memory is not reused before the copy is done
+        ("record", d2h.name, "side"),
+    ]
+    api.log.clear()
+    dev, h2d = mover.to_device(host, x.device)
+    mover.use(dev, h2d)
+    assert api.log == [
+        ("on", "side"),
+        ("off", "side"),
+        ("record", h2d.name, "side"),
+        ("wait_event", "compute", h2d.name),  # compute uses it only once it has arrived
+        ("record_stream", "compute"),
+    ]
+    # and through the whole model: one side stream, gradients unchanged
+    monkeypatch.setattr(checkpointing, "_QUEUE", checkpointing._OffloadQueue(mover))
+    ref = _gpt(dropout=0.1)
+    ids = torch.randint(0, 256, (2, 33), generator=torch.Generator().manual_seed(1))
     _, g0 = _gpt_grads(ref, ids)
     model = copy.deepcopy(ref)
     apply_activation_checkpointing(model, Block, "selective", offload=True)
     _, g1 = _gpt_grads(model, ids)
     assert _max_diff(g0, g1) <= TOL
+    assert len(mover._side) == 1 and not checkpointing._QUEUE.pending
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_offload_moves_to_pinned_host_memory_on_cuda() -> None:
+    x = torch.randn(4, 8, device="cuda")
+    packed = checkpointing._to_host(x)
+    assert isinstance(packed, checkpointing._Offloaded)
+    assert packed.host.device.type == "cpu" and packed.host.is_pinned()
+    assert packed.device == x.device
+    torch.cuda.synchronize()
+    checkpointing._QUEUE.reap()
+    assert packed.src is None  # the copy was seen complete: the source was let go
+    back = checkpointing._to_device(packed)
+    assert torch.equal(back, x) and back.data_ptr() != x.data_ptr()
+    ref = _gpt(dropout=0.1).cuda()
+    ids = torch.randint(0, 256, (2, 33), device="cuda")
+    _, g0 = _gpt_grads(ref, ids)
+    for apply in (
+        lambda m: apply_activation_checkpointing(m, Block, "selective", offload=True),
+        lambda m: apply_activation_offload(m, Block),
+    ):
+        model = copy.deepcopy(ref)
+        apply(model)
+        _, g1 = _gpt_grads(model, ids)
+        assert _max_diff(g0, g1) <= TOL
+    assert not checkpointing._QUEUE.pending  # drained at the end of each backward
 
 
 # -- configure(): DeepSpeed's activation_checkpointing section --------------------------------
