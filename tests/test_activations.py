@@ -1,6 +1,7 @@
-"""Activation checkpointing and offload (zeroshard.checkpointing): gradients equal the
-plain run with dropout on, memory actually drops, the DeepSpeed config section is
-honoured. Single process except the engine test (one rank)."""
+"""Activation checkpointing and offload (zeroshard.checkpointing,
+zeroshard.activation_offload): gradients equal the plain run with dropout on, memory
+actually drops, the DeepSpeed config section is honoured. Single process except the
+engine test (one rank)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from zeroshard import checkpointing
+from zeroshard import activation_offload, checkpointing
 from zeroshard.checkpointing import (
     apply_activation_checkpointing,
     apply_activation_offload,
@@ -41,7 +42,7 @@ class Spy:
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.packed: list[tuple[int, ...]] = []
         self.unpacked = 0
-        to_host, to_device = checkpointing._to_host, checkpointing._to_device
+        to_host, to_device = activation_offload._to_host, activation_offload._to_device
 
         def pack(t):
             self.packed.append(tuple(t.shape))
@@ -51,8 +52,8 @@ class Spy:
             self.unpacked += 1
             return to_device(p)
 
-        monkeypatch.setattr(checkpointing, "_to_host", pack)
-        monkeypatch.setattr(checkpointing, "_to_device", unpack)
+        monkeypatch.setattr(activation_offload, "_to_host", pack)
+        monkeypatch.setattr(activation_offload, "_to_device", unpack)
 
 
 def _max_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
@@ -251,7 +252,7 @@ class Recorder:
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch, **kwargs) -> None:
         self.mover = FakeMover()
-        self.queue = q = checkpointing._OffloadQueue(self.mover, **kwargs)
+        self.queue = q = activation_offload._OffloadQueue(self.mover, **kwargs)
         self.refs: list[weakref.ref] = []
         self.groups: list[int] = []  # the group (block) of each entry, numbered
         pack, unpack = q.pack, q.unpack
@@ -268,7 +269,7 @@ class Recorder:
             return unpack(entry)
 
         q.pack, q.unpack = recording_pack, recording_unpack
-        monkeypatch.setattr(checkpointing, "_QUEUE", q)
+        monkeypatch.setattr(activation_offload, "_QUEUE", q)
 
     @property
     def entries(self) -> list:
@@ -353,12 +354,12 @@ def test_offload_queue_unfinished_copies_skip_the_copy_back_and_are_drained(
 
 def test_offload_queue_bounds_the_sources_held(monkeypatch: pytest.MonkeyPatch) -> None:
     rec = Recorder(monkeypatch, max_inflight_bytes=2 * 64 * 4)
-    kept = [checkpointing._to_host(torch.randn(64)) for _ in range(5)]
+    kept = [activation_offload._to_host(torch.randn(64)) for _ in range(5)]
     assert rec.mover.of("wait") == [0, 1, 2]  # the oldest copies, waited for in order
     assert [e.src is None for e in kept] == [True, True, True, False, False]
     assert rec.queue.inflight_bytes == 2 * 64 * 4
     rec.mover.complete()
-    checkpointing._QUEUE.reap()
+    activation_offload._QUEUE.reap()
     assert all(e.src is None for e in kept) and not rec.queue.pending
 
 
@@ -473,12 +474,12 @@ def test_stream_mover_orders_the_streams(monkeypatch: pytest.MonkeyPatch) -> Non
     ``torch.cuda``: wait for compute, copy on the side stream, protect, record; and on the
     way back the compute stream waits on the copy's event."""
     api = FakeStreamApi()
-    monkeypatch.setattr(checkpointing._StreamMover, "_api", staticmethod(lambda device: api))
-    monkeypatch.setattr(checkpointing._StreamMover, "moves", lambda self, t: True)
+    monkeypatch.setattr(activation_offload._StreamMover, "_api", staticmethod(lambda device: api))
+    monkeypatch.setattr(activation_offload._StreamMover, "moves", lambda self, t: True)
     monkeypatch.setattr(
         torch.Tensor, "record_stream", lambda t, s: api.log.append(("record_stream", s.name))
     )
-    mover = checkpointing._StreamMover()
+    mover = activation_offload._StreamMover()
     x = torch.randn(4, 8)
     host, d2h = mover.to_host(x)
     assert torch.equal(host, x) and host.data_ptr() != x.data_ptr()
@@ -500,7 +501,7 @@ def test_stream_mover_orders_the_streams(monkeypatch: pytest.MonkeyPatch) -> Non
         ("record_stream", "compute"),
     ]
     # and through the whole model: one side stream, gradients unchanged
-    monkeypatch.setattr(checkpointing, "_QUEUE", checkpointing._OffloadQueue(mover))
+    monkeypatch.setattr(activation_offload, "_QUEUE", activation_offload._OffloadQueue(mover))
     ref = _gpt(dropout=0.1)
     ids = torch.randint(0, 256, (2, 33), generator=torch.Generator().manual_seed(1))
     _, g0 = _gpt_grads(ref, ids)
@@ -508,20 +509,20 @@ def test_stream_mover_orders_the_streams(monkeypatch: pytest.MonkeyPatch) -> Non
     apply_activation_checkpointing(model, Block, "selective", offload=True)
     _, g1 = _gpt_grads(model, ids)
     assert _max_diff(g0, g1) <= TOL
-    assert len(mover._side) == 1 and not checkpointing._QUEUE.pending
+    assert len(mover._side) == 1 and not activation_offload._QUEUE.pending
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_offload_moves_to_pinned_host_memory_on_cuda() -> None:
     x = torch.randn(4, 8, device="cuda")
-    packed = checkpointing._to_host(x)
-    assert isinstance(packed, checkpointing._Offloaded)
+    packed = activation_offload._to_host(x)
+    assert isinstance(packed, activation_offload._Offloaded)
     assert packed.host.device.type == "cpu" and packed.host.is_pinned()
     assert packed.device == x.device
     torch.cuda.synchronize()
-    checkpointing._QUEUE.reap()
+    activation_offload._QUEUE.reap()
     assert packed.src is None  # the copy was seen complete: the source was let go
-    back = checkpointing._to_device(packed)
+    back = activation_offload._to_device(packed)
     assert torch.equal(back, x) and back.data_ptr() != x.data_ptr()
     ref = _gpt(dropout=0.1).cuda()
     ids = torch.randint(0, 256, (2, 33), device="cuda")
@@ -534,7 +535,7 @@ def test_offload_moves_to_pinned_host_memory_on_cuda() -> None:
         apply(model)
         _, g1 = _gpt_grads(model, ids)
         assert _max_diff(g0, g1) <= TOL
-    assert not checkpointing._QUEUE.pending  # drained at the end of each backward
+    assert not activation_offload._QUEUE.pending  # drained at the end of each backward
 
 
 # -- configure(): DeepSpeed's activation_checkpointing section --------------------------------
@@ -623,8 +624,8 @@ def _engine_applies_section(rank: int, world: int) -> dict:
     import zeroshard
 
     packed = []
-    to_host = checkpointing._to_host
-    checkpointing._to_host = lambda t: (packed.append(tuple(t.shape)), to_host(t))[1]
+    to_host = activation_offload._to_host
+    activation_offload._to_host = lambda t: (packed.append(tuple(t.shape)), to_host(t))[1]
     weights = []
     for use in (False, True):
         torch.manual_seed(0)

@@ -1,5 +1,6 @@
-"""Saving a sharded checkpoint: every rank writes its own pieces, in parallel; rank 0
-writes the JSON manifest and publishes the directory atomically.
+"""Saving a sharded checkpoint: every rank writes its own pieces, in parallel (with an
+unsharded layout, an equal 1/N of the flat range each); rank 0 writes the JSON manifest
+and publishes the directory atomically.
 
 Communication: three all-reduces of a tiny int64 table on the engine's device (through
 ``comm``): after rank 0 prepares the temporary directory, after every rank wrote its file
@@ -20,6 +21,7 @@ import json
 import os
 import random
 import shutil
+from dataclasses import replace
 
 import torch
 
@@ -33,7 +35,7 @@ from zeroshard.checkpoint.format import (
     raise_if_failed,
     write_text_atomic,
 )
-from zeroshard.checkpoint.shards import ShardAccess
+from zeroshard.checkpoint.shards import OwnedPiece, ShardAccess
 from zeroshard.safetensors_io import DTYPE_NAMES, StreamWriter
 
 
@@ -176,10 +178,28 @@ def save(engine, save_dir: str, tag: str, client_state: dict | None, save_latest
     return final
 
 
+def _pieces_to_write(engine, access, rank: int) -> list[OwnedPiece]:
+    """The pieces ``rank`` writes. Sharded layouts: its own. Unsharded ones (stage 0, or
+    one rank): every rank holds everything, so the flat range is split in ``world``
+    equal parts and each rank writes one, in parallel, with nothing written twice."""
+    world = engine.comm.world_size
+    if engine.flat.sharded or world == 1:
+        return access.pieces
+    total = engine.flat.layout.shard_numel
+    a, b = rank * total // world, (rank + 1) * total // world
+    out = []
+    for p in access.pieces:
+        lo, hi = max(a, p.shard_lo), min(b, p.shard_lo + p.hi - p.lo)
+        if lo < hi:
+            d = lo - p.shard_lo
+            out.append(replace(p, lo=p.lo + d, hi=p.lo + d + hi - lo, shard_lo=lo))
+    return out
+
+
 def _write_rank_file(engine, access, names, kinds, path: str) -> None:
     rank = engine.comm.rank
     entries, sources = [], []
-    for piece in access.pieces:
+    for piece in _pieces_to_write(engine, access, rank):
         name = names[piece.param]
         for kind in kinds if piece.group >= 0 else ["param"]:
             dtype = engine.flat.dtype if kind == "param" else torch.float32
@@ -222,10 +242,13 @@ def _manifest(engine, access, names, kinds, sizes, client_json, tag) -> dict:
             "group": flat.group_of[i],
             "pieces": [],
         }
-    owners = range(world) if flat.sharded else [0]
-    for r in owners:
-        for piece in layout.pieces(r):
-            params[names[piece.param]]["pieces"].append([r, piece.param_lo, piece.param_hi])
+    for r in range(world):
+        if flat.sharded:
+            spans = [(p.param, p.param_lo, p.param_hi) for p in layout.pieces(r)]
+        else:  # split as _pieces_to_write splits it (every rank has the same pieces)
+            spans = [(p.param, p.lo, p.hi) for p in _pieces_to_write(engine, access, r)]
+        for i, lo, hi in spans:
+            params[names[i]]["pieces"].append([r, lo, hi])
     whole = {
         n: {"shape": list(t.shape), "dtype": DTYPE_NAMES[t.dtype], "buffer": is_buffer}
         for n, (t, is_buffer) in whole_tensors(engine).items()
