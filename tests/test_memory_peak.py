@@ -12,68 +12,24 @@ freed blocks in its heap, which would measure the allocator, not zeroshard).
 from __future__ import annotations
 
 import os
-import resource
 
 import multirank
 import pytest
-import torch
-
-
-def _peak_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
-def _current_mib() -> float:
-    # The baseline is the resident set now, not the peak so far: importing torch and
-    # starting the process group peak higher than where they settle, and subtracting
-    # that transient would understate what training adds.
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    raise RuntimeError("VmRSS missing from /proc/self/status")
+import rss
 
 
 def _train(rank: int, world: int, stage: int) -> dict:
-    import zeroshard
-    import zeroshard.engine
-    from zeroshard.models import GPT, GPTConfig
+    from zeroshard.models import GPTConfig
 
-    # Warm-up: the first optimizer construction imports ~70 MB of torch modules.
-    warm = torch.nn.Parameter(torch.zeros(1))
-    warm.grad = torch.zeros(1)
-    torch.optim.AdamW([warm], fused=True).step()
-    base = _current_mib()
     cfg = GPTConfig(vocab_size=256, seq_len=16, n_layer=12, n_head=10, d_model=640)
-    config = {
-        "train_micro_batch_size_per_gpu": 1,
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
-        "zero_optimization": {
-            "stage": stage,
-            "reduce_bucket_size": 2**22,
-            "allgather_bucket_size": 2**22,
-            "stage3_prefetch_bucket_size": 2**21,
-        },
-        "steps_per_print": 10**6,
+    zc = {
+        "stage": stage,
+        "reduce_bucket_size": 2**22,
+        "allgather_bucket_size": 2**22,
+        "stage3_prefetch_bucket_size": 2**21,
     }
-    torch.manual_seed(0)
-    if stage == 3:
-        with zeroshard.zero.Init():
-            model = GPT(cfg)
-    else:
-        model = GPT(cfg)
-    engine, *_ = zeroshard.initialize(
-        model=model, model_parameters=model.parameters(), config=config
-    )
-    ids = torch.randint(0, 256, (1, 17))
-    for _ in range(2):
-        engine.backward(engine(ids[:, :-1], ids[:, 1:]))
-        engine.step()
-    return {
-        "delta_mib": _peak_mib() - base,
-        "params": cfg.num_params(),
-        "memory": engine.memory_stats(),
-    }
+    engine, delta = rss.train_gpt(cfg, zc, partitioned=stage == 3)
+    return {"delta_mib": delta, "params": cfg.num_params(), "memory": engine.memory_stats()}
 
 
 def test_stage3_peak_is_one_nth_of_stage0(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -12,6 +12,7 @@ import os
 import multirank
 import parity
 import pytest
+import rss
 import torch
 from test_parity import TOL, _worker
 
@@ -147,42 +148,14 @@ def test_stale_swap_dirs_of_dead_processes_are_removed(tmp_path, monkeypatch) ->
     space.close()
 
 
-def _rss_mib() -> tuple[float, float]:
-    """(resident now, peak so far) of this process, MiB."""
-    import resource
-
-    with open("/proc/self/status") as f:
-        now = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
-    return now / 1024, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
 def _train_gpt(rank: int, world: int, nvme: str | None) -> dict:
-    import zeroshard
-    from zeroshard.models import GPT, GPTConfig
+    from zeroshard.models import GPTConfig
 
-    warm = torch.nn.Parameter(torch.zeros(1))  # import the optimizer machinery first
-    warm.grad = torch.zeros(1)
-    torch.optim.AdamW([warm], fused=True).step()
-    base, _ = _rss_mib()
     zc: dict = {"stage": 3, "stage3_param_persistence_threshold": 0}
     if nvme:
         zc.update(_nvme(nvme, sub_group_size=1_000_000))
-    config = {
-        "train_micro_batch_size_per_gpu": 1,
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
-        "zero_optimization": zc,
-        "steps_per_print": 10**6,
-    }
-    torch.manual_seed(0)
-    with zeroshard.zero.Init():
-        model = GPT(GPTConfig(vocab_size=256, seq_len=16, n_layer=8, n_head=8, d_model=512))
-    engine, *_ = zeroshard.initialize(
-        model=model, model_parameters=model.parameters(), config=config
-    )
-    ids = torch.randint(0, 256, (1, 17))
-    for _ in range(2):
-        engine.backward(engine(ids[:, :-1], ids[:, 1:]))
-        engine.step()
+    cfg = GPTConfig(vocab_size=256, seq_len=16, n_layer=8, n_head=8, d_model=512)
+    engine, delta = rss.train_gpt(cfg, zc, partitioned=True)
     m = engine.memory_stats()
     pools = []
     if nvme:
@@ -190,7 +163,7 @@ def _train_gpt(rank: int, world: int, nvme: str | None) -> dict:
             t for s in engine.optimizer.inner.sets for t in s.values()
         ]
     return {
-        "delta_mib": _rss_mib()[1] - base,
+        "delta_mib": delta,
         "memory": m,
         "pool_bytes": sum(t.untyped_storage().nbytes() for t in pools),
         "pool_buffers": len(pools),
