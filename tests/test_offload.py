@@ -78,6 +78,7 @@ def _memory(rank, world):
                     "moved": stager.submitted if stager is not None else 0,
                     "pending": stager.pending if stager is not None else 0,
                     "buckets": len(engine.flat.layout.segments),
+                    "pipelined": engine.optimizer._pipelined,
                 }
             )
     return out
@@ -105,6 +106,7 @@ def test_hybrid_cpu_adamw_one_rank() -> None:
 
 def test_offload_keeps_optimizer_state_off_the_device() -> None:
     for per_rank in multirank.run(_memory, 2, timeout=300):
+        assert any(r["pipelined"] for r in per_rank)  # the parity model has several buckets
         for r in per_rank:
             # the optimizer side (masters, moments, gradient shard) is in CPU memory; on a
             # CPU-only run the masters are the parameters themselves (nothing to copy),
@@ -115,6 +117,9 @@ def test_offload_keeps_optimizer_state_off_the_device() -> None:
             # per micro-step (stage 2) or at the boundary (stage 1), and none is left
             assert r["moved"] == (r["buckets"] if r["staged"] else 0), r
             assert r["pending"] == 0, r
+            # the GPU path steps segment by segment, each one's copy back overlapping
+            # the next one's step
+            assert r["pipelined"] == (r["staged"] and r["buckets"] > 1), r
             m = r["memory"]
             total = m["params"] + m["grads"] + m["optimizer_states"]
             assert sum(m["by_location"].values()) == total

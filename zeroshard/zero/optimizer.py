@@ -21,12 +21,15 @@ import torch
 
 from zeroshard.comm import Comm
 from zeroshard.offload.placement import Placement
+from zeroshard.offload.staging import stage_on_cpu
 from zeroshard.offload.swapped_adam import SwappedAdam
 from zeroshard.precision import DtypePolicy, LossScaler
 from zeroshard.zero.flat import FlatParams
 from zeroshard.zero.gradients import GradReducer
 
 _EAGER_STATE = (torch.optim.Adam, torch.optim.AdamW)
+# optimizers whose update of an element depends only on that element's state
+_ELEMENTWISE = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
 
 
 class ShardedOptimizer:
@@ -60,6 +63,14 @@ class ShardedOptimizer:
         self.clip, self.check_overflow = clip, check_overflow
         self.global_grad_norm: float | None = None
         self.overflow = False
+        host = masters[0].device if masters else flat.device
+        self._pipelined = (
+            self.separate_masters
+            and bool(masters)
+            and type(inner) in _ELEMENTWISE
+            and (host != flat.device or stage_on_cpu())
+            and len(masters) > 1
+        )
         self._init_state()
 
     @property
@@ -134,13 +145,36 @@ class ShardedOptimizer:
             grads = self._attach_grads()
             if factor != 1.0 and grads:
                 torch._foreach_mul_(grads, factor)
-            self.inner.step()
+            if self._pipelined:
+                self._step_and_write_back_by_segment()
+            else:
+                self.inner.step()
+                self._write_back()
             for group in self.inner.param_groups:
                 for m in group["params"]:
                     m.grad = None
-            self._write_back()
         self.scaler.update(overflow=False)
         return True
+
+    def _step_and_write_back_by_segment(self) -> None:
+        """Offload to a separate host: step one segment's masters, then start its
+        non-blocking copy back into the device parameters, so the copy of segment k runs
+        while the host steps segment k+1 (elementwise optimizers only: a segment's
+        update does not depend on the others)."""
+        groups = self.inner.param_groups
+        every = [g["params"] for g in groups]
+        spans = [self.flat._spans[gi] for gi in range(len(groups))]
+        try:
+            for s in range(len(self.masters)):
+                for g, params, sp in zip(groups, every, spans, strict=True):
+                    g["params"] = [
+                        m for m, (seg, _, _) in zip(params, sp, strict=False) if seg == s
+                    ]
+                self.inner.step()
+                self.flat.write_chunk(s, self.masters[s])
+        finally:
+            for g, params in zip(groups, every, strict=True):
+                g["params"] = params
 
     def _write_back(self) -> None:
         """Cast the updated fp32 master chunks into this rank's parameter chunks."""
