@@ -71,6 +71,7 @@ class ShardedOptimizer:
             and (host != flat.device or stage_on_cpu())
             and len(masters) > 1
         )
+        self._by_segment: list[list[list[torch.Tensor]]] | None = None
         self._init_state()
 
     @property
@@ -163,13 +164,19 @@ class ShardedOptimizer:
         update does not depend on the others)."""
         groups = self.inner.param_groups
         every = [g["params"] for g in groups]
-        spans = [self.flat._spans[gi] for gi in range(len(groups))]
+        if self._by_segment is None:  # per segment, per group: its master views (once)
+            spans = [self.flat._spans[gi] for gi in range(len(groups))]
+            self._by_segment = [
+                [
+                    [m for m, (seg, _, _) in zip(params, sp, strict=False) if seg == s]
+                    for params, sp in zip(every, spans, strict=True)
+                ]
+                for s in range(len(self.masters))
+            ]
         try:
-            for s in range(len(self.masters)):
-                for g, params, sp in zip(groups, every, spans, strict=True):
-                    g["params"] = [
-                        m for m, (seg, _, _) in zip(params, sp, strict=False) if seg == s
-                    ]
+            for s, per_group in enumerate(self._by_segment):
+                for g, params in zip(groups, per_group, strict=True):
+                    g["params"] = params
                 self.inner.step()
                 self.flat.write_chunk(s, self.masters[s])
         finally:
