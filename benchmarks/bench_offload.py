@@ -41,6 +41,7 @@ import platform
 import re
 import resource
 import shlex
+import shutil
 import statistics
 import subprocess
 import sys
@@ -87,12 +88,25 @@ def _triad_gbs(numel: int, steps: int) -> float:
     return 3 * 4 * numel / t / 1e9
 
 
-def _raw_fused(numel: int, steps: int) -> float:
+def _sync() -> None:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
+def _raw_fused(numel: int, steps: int, clip: float = 0.0) -> float:
+    """torch's fused AdamW; with ``clip``, clipped by hand first (``clip_grad_norm_``:
+    a norm pass and a multiply pass over the gradient), as a hand-written loop does."""
     p = torch.nn.Parameter(torch.rand(numel))
     p.grad = torch.rand(numel) * 1e-3
     opt = torch.optim.AdamW([p], lr=1e-3, weight_decay=0.1, fused=True)
-    opt.step()
-    return _median_time(opt.step, steps)
+
+    def step() -> None:
+        if clip:
+            torch.nn.utils.clip_grad_norm_([p], clip)
+        opt.step()
+
+    step()
+    return _median_time(step, steps)
 
 
 class _Flat(torch.nn.Module):
@@ -104,9 +118,13 @@ class _Flat(torch.nn.Module):
         return (self.w * x).sum()
 
 
-def _zeroshard(numel: int, steps: int, staged: bool = False) -> tuple[float, float]:
+def _zeroshard(
+    numel: int, steps: int, staged: bool = False, clip: float = 0.0
+) -> tuple[float, float]:
     """(whole sharded-optimizer step, inner kernel alone) with offload_optimizer cpu.
-    ``staged``: the GPU code path (separate fp32 masters, write-back into the params)."""
+    ``staged``: on a CPU-only host, the GPU code path (separate fp32 masters, write-back
+    into the params); on a GPU host that path is taken anyway, with the host-to-device
+    copies of the write-back counted (the step ends when they have landed)."""
     import zeroshard
     from zeroshard.offload.staging import STAGE_ON_CPU_ENV
 
@@ -115,15 +133,24 @@ def _zeroshard(numel: int, steps: int, staged: bool = False) -> tuple[float, flo
     model = _Flat(numel)
     cfg = {
         "train_micro_batch_size_per_gpu": 1,
+        "gradient_clipping": clip,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.1}},
-        "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
+        "zero_optimization": {
+            "stage": 2,
+            "offload_optimizer": {"device": "cpu", "pin_memory": True},
+        },
     }
     engine, *_ = zeroshard.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     os.environ.pop(STAGE_ON_CPU_ENV)
-    engine.backward(engine(torch.full((numel,), 1e-3)))
+    engine.backward(engine(torch.full((numel,), 1e-3, device=engine.device)))
     opt = engine.optimizer
-    opt.step()
-    whole = _median_time(opt.step, steps)
+
+    def step() -> None:
+        opt.step()
+        _sync()
+
+    step()
+    whole = _median_time(step, steps)
     inner = opt.inner
     opt._attach_grads()
     inner_t = _median_time(inner.step, steps)
@@ -134,23 +161,29 @@ _DS_SNIPPET = r"""
 import statistics, sys, time, torch
 from deepspeed.ops.adam import DeepSpeedCPUAdam
 torch.set_num_threads(int(sys.argv[3]))
-n, steps = int(sys.argv[1]), int(sys.argv[2])
+n, steps, clip = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[4])
 p = torch.nn.Parameter(torch.rand(n)); p.grad = torch.rand(n) * 1e-3
 opt = DeepSpeedCPUAdam([p], lr=1e-3, weight_decay=0.1, adamw_mode=True)
-opt.step()
+def step():
+    if clip:  # DeepSpeed's offload step: global norm, then grad.mul_ by the clip factor
+        torch.nn.utils.clip_grad_norm_([p], clip)
+    opt.step()
+step()
 ts = []
 for _ in range(steps):
-    t0 = time.perf_counter(); opt.step(); ts.append(time.perf_counter() - t0)
+    t0 = time.perf_counter(); step(); ts.append(time.perf_counter() - t0)
 print("RESULT", statistics.median(ts))
 """
 
 
-def _deepspeed_cpu_adam(py: str, numel: int, steps: int, threads: int) -> float | None:
-    if not os.path.exists(py):
+def _deepspeed_cpu_adam(
+    py: str, numel: int, steps: int, threads: int, clip: float = 0.0
+) -> float | None:
+    if not os.path.exists(py) and not shutil.which(py):
         return None
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": str(threads)}
     out = subprocess.run(
-        [py, "-c", _DS_SNIPPET, str(numel), str(steps), str(threads)],
+        [py, "-c", _DS_SNIPPET, str(numel), str(steps), str(threads), str(clip)],
         capture_output=True,
         text=True,
         env=env,
@@ -165,33 +198,39 @@ def _deepspeed_cpu_adam(py: str, numel: int, steps: int, threads: int) -> float 
 
 def part_adam(args) -> str:
     torch.set_num_threads(args.threads)
-    n, steps = args.numel, args.steps
-    rows: dict[str, list[float]] = {
-        "triad": [],
-        "torch": [],
-        "zs": [],
-        "zs_inner": [],
-        "zs_gpu": [],
-        "ds": [],
-    }
+    n, steps, clip = args.numel, args.steps, args.clip
+    gpu = torch.cuda.is_available()
+    keys = ["torch", "zs", "zs_inner", "ds", "torch_clip", "zs_clip", "ds_clip"]
+    if not gpu:
+        keys.append("zs_gpu")
+    rows: dict[str, list[float]] = {k: [] for k in ["triad", *keys]}
+
+    def run(key: str) -> None:
+        if key == "torch":
+            rows[key].append(_raw_fused(n, steps))
+        elif key == "torch_clip":
+            rows[key].append(_raw_fused(n, steps, clip))
+        elif key == "zs":
+            whole, inner = _zeroshard(n, steps)
+            rows["zs"].append(whole)
+            rows["zs_inner"].append(inner)
+        elif key == "zs_clip":
+            rows[key].append(_zeroshard(n, steps, clip=clip)[0])
+        elif key == "zs_gpu":
+            rows[key].append(_zeroshard(n, steps, staged=True)[0])
+        elif key in ("ds", "ds_clip"):
+            c = clip if key == "ds_clip" else 0.0
+            t = _deepspeed_cpu_adam(args.ds_python, n, steps, args.threads, c)
+            if t is not None:
+                rows[key].append(t)
+
     # DeepSpeed's first run JIT-builds its kernel; do it before timing anything.
     _deepspeed_cpu_adam(args.ds_python, 1024, 1, args.threads)
+    order = [k for k in keys if k != "zs_inner"]
     for r in range(args.rounds):
         rows["triad"].append(_triad_gbs(n, steps))
-        order = [0, 1, 3, 2] if r % 2 == 0 else [2, 3, 1, 0]
-        for i in order:
-            if i == 0:
-                rows["torch"].append(_raw_fused(n, steps))
-            elif i == 1:
-                whole, inner = _zeroshard(n, steps)
-                rows["zs"].append(whole)
-                rows["zs_inner"].append(inner)
-            elif i == 3:
-                rows["zs_gpu"].append(_zeroshard(n, steps, staged=True)[0])
-            else:
-                t = _deepspeed_cpu_adam(args.ds_python, n, steps, args.threads)
-                if t is not None:
-                    rows["ds"].append(t)
+        for key in order if r % 2 == 0 else order[::-1]:
+            run(key)
         print(f"round {r}: " + ", ".join(f"{k}={v[-1]:.4g}" for k, v in rows.items() if v))
     bw = statistics.median(rows["triad"])
     roof = bw * 1e9 / ADAM_BYTES
@@ -207,9 +246,21 @@ def part_adam(args) -> str:
             f"{n / t / roof * 100:.0f}% | {note} |"
         )
 
+    where = (
+        f"GPU host ({torch.cuda.get_device_name(0)}): the whole step includes the write-back's "
+        "host-to-device copies (pinned masters)"
+        if gpu
+        else "CPU-only host"
+    )
+    whole_note = (
+        "fused AdamW on pinned CPU masters, each segment's H2D copy overlapping the next "
+        "segment's step"
+        if gpu
+        else "CPU-only run: fused AdamW on the masters, which are the parameters"
+    )
     lines = [
         f"{n / 1e6:.0f}M fp32 parameters, {args.threads} thread(s), {args.rounds} rounds x "
-        f"{steps} steps (median); triad bandwidth {bw:.1f} GB/s "
+        f"{steps} steps (median); {where}; triad bandwidth {bw:.1f} GB/s "
         f"[{min(rows['triad']):.1f}-{max(rows['triad']):.1f}] -> AdamW roof "
         f"{roof / 1e6:.0f} M params/s ({ADAM_BYTES} B/param)",
         "",
@@ -217,20 +268,35 @@ def part_adam(args) -> str:
         "of roof | what it does |",
         "|---|---|---|---|---|---|",
         line("torch AdamW(fused=True)", "torch", "the kernel, nothing else"),
-        line(
-            "zeroshard offload_optimizer cpu (whole step)",
-            "zs",
-            "CPU-only run: fused AdamW on the masters, which are the parameters "
-            "(clip scaling, grads attached)",
-        ),
-        line(
-            "zeroshard, GPU code path (whole step)",
-            "zs_gpu",
-            "fused AdamW on separate CPU masters + write-back into the params "
-            "(on a GPU host: the H2D copy)",
-        ),
         line("zeroshard inner kernel", "zs_inner", "the fused AdamW on the CPU master only"),
         line("DeepSpeedCPUAdam", "ds", "DeepSpeed 0.19.8's C++ kernel (adamw_mode)"),
+        line("zeroshard offload_optimizer cpu (whole step)", "zs", whole_note),
+    ]
+    if not gpu:
+        lines.append(
+            line(
+                "zeroshard, GPU code path (whole step)",
+                "zs_gpu",
+                "fused AdamW on separate CPU masters + write-back into the params "
+                "(on a GPU host: the H2D copy)",
+            )
+        )
+    lines += [
+        line(
+            f"torch fused AdamW + clip_grad_norm_({clip})",
+            "torch_clip",
+            "by hand: norm pass, multiply pass, kernel",
+        ),
+        line(
+            f"DeepSpeedCPUAdam + clip {clip}",
+            "ds_clip",
+            "as DeepSpeed's offload step does it: norm pass, grad.mul_, kernel",
+        ),
+        line(
+            f"zeroshard whole step, gradient_clipping {clip}",
+            "zs_clip",
+            "norm pass, then the clip factor folded into the fused kernel (grad_scale)",
+        ),
     ]
     return "\n".join(lines)
 
@@ -461,6 +527,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--clip", type=float, default=1.0, help="gradient_clipping of the clip rows")
     p.add_argument(
         "--ds-python", default=os.path.join(ROOT, ".venv-bench", "bin", "python"), help="for DS"
     )

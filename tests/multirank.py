@@ -1,7 +1,7 @@
 """Run a function on N ranks (gloo, CPU) in spawned processes, with a hard timeout.
 
-Each rank joins a process group backed by a FileStore in a temp dir (no ports), uses
-one thread, runs ``fn(rank, world_size, *args)`` and writes its JSON-serializable
+Each rank joins a process group backed by a FileStore in a temp dir (no ports): NCCL
+when the ranks compute on CUDA and each has its own GPU, else gloo. It uses one thread, runs ``fn(rank, world_size, *args)`` and writes its JSON-serializable
 return value to a file the parent reads back. A rank that raises fails the call with
 that rank's traceback; a hang past ``timeout`` kills every rank and fails.
 """
@@ -27,9 +27,16 @@ def _entry(rank: int, world_size: int, tmp: str, fn, args) -> None:
     faulthandler.enable(open(os.path.join(tmp, f"fault{rank}.txt"), "w"), all_threads=True)  # noqa: SIM115
     torch.set_num_threads(1)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    from zeroshard.distributed import default_backend, default_device
+
     try:
+        backend = default_backend()
+        if backend == "nccl" and world_size > torch.cuda.device_count():
+            backend = "gloo"  # ranks share a GPU: NCCL refuses that, gloo copies via host
+        if backend == "nccl":
+            torch.cuda.set_device(default_device())
         dist.init_process_group(
-            "gloo",
+            backend,
             store=dist.FileStore(os.path.join(tmp, "store"), world_size),
             rank=rank,
             world_size=world_size,

@@ -159,7 +159,7 @@ def train(case: dict, rank: int, world: int, norms: list | None = None):
     micro, gas = case.get("micro", 2), case.get("gas", 1)
     losses = []
     for step in range(case.get("steps", 4)):
-        x, y = batch(step, micro * gas * world)
+        x, y = (t.to(engine.device) for t in batch(step, micro * gas * world))
         total = 0.0
         for m in range(gas):
             lo = (m * world + rank) * micro
@@ -178,7 +178,10 @@ def full_params(engine) -> dict[str, torch.Tensor]:
     from zeroshard.zero import GatheredParameters
 
     with GatheredParameters(list(engine.module.parameters())):
-        return {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}
+        return {
+            n: p.detach().to("cpu", torch.float32, copy=True)
+            for n, p in engine.module.named_parameters()
+        }
 
 
 def max_param_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:

@@ -68,7 +68,7 @@ def _train(engine, rank: int, world: int, steps: range) -> list[float]:
     micro = ROWS // world
     losses = []
     for step in steps:
-        x, y = parity.batch(step, ROWS)
+        x, y = (t.to(engine.device) for t in parity.batch(step, ROWS))
         loss = engine(x[rank * micro : (rank + 1) * micro], y[rank * micro : (rank + 1) * micro])
         engine.backward(loss)
         engine.step()

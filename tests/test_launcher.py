@@ -134,7 +134,9 @@ def test_hostfile_nnodes_nproc_and_exclude(tmp_path):
 def test_single_node_defaults_and_include():
     assert layout().nproc_per_node == 1  # no GPUs: one process
     assert layout(device_count=3).nproc_per_node == 3  # default: one per device
-    assert layout("--nproc_per_node", "5", device_count=3).nproc_per_node == 5
+    assert layout("--nproc_per_node", "2", device_count=3).nproc_per_node == 2
+    with pytest.raises(LaunchError, match="--nproc 5 but this node has 3 visible GPU"):
+        layout("--nproc_per_node", "5", device_count=3)  # NCCL: one rank per GPU
     got = layout("--include", "localhost:0,1")  # on CPU the list sets the count
     assert (got.nproc_per_node, got.master_port, got.local_slots) == (2, None, None)
     got = layout("--include", "localhost:1,3", device_count=4)

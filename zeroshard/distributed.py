@@ -39,15 +39,32 @@ def local_rank() -> int:
     return int(os.environ.get("LOCAL_RANK", os.environ.get("OMPI_COMM_WORLD_LOCAL_RANK", 0)))
 
 
+ACCELERATOR_ENV = "ZEROSHARD_ACCELERATOR"
+
+
+def use_cuda() -> bool:
+    """Whether ranks compute on CUDA devices: yes when CUDA is present, unless
+    ``ZEROSHARD_ACCELERATOR`` (or DeepSpeed's ``DS_ACCELERATOR``) says ``cpu``."""
+    name = next((v for v in (ACCELERATOR_ENV, "DS_ACCELERATOR") if os.environ.get(v)), None)
+    if name is None:
+        return torch.cuda.is_available()
+    want = os.environ[name].strip().lower()
+    if want not in ("cpu", "cuda"):
+        raise ValueError(f"{name}={os.environ[name]!r}: zeroshard supports 'cpu' and 'cuda'")
+    if want == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(f"{name}=cuda, but torch.cuda.is_available() is False")
+    return want == "cuda"
+
+
 def default_device() -> torch.device:
     """This rank's accelerator (``cuda:LOCAL_RANK``) if there is one, else the CPU."""
-    if torch.cuda.is_available():
+    if use_cuda():
         return torch.device("cuda", local_rank() % torch.cuda.device_count())
     return torch.device("cpu")
 
 
 def default_backend() -> str:
-    return "nccl" if torch.cuda.is_available() else "gloo"
+    return "nccl" if use_cuda() else "gloo"
 
 
 def init_distributed(
@@ -82,6 +99,13 @@ def init_distributed(
         os.environ["WORLD_SIZE"] = str(world_size)
     env_world = int(os.environ.get("WORLD_SIZE", "1"))
     if backend == "nccl":
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        if local_world > torch.cuda.device_count():
+            raise RuntimeError(
+                f"init_distributed: LOCAL_WORLD_SIZE={local_world} ranks on this node but "
+                f"{torch.cuda.device_count()} visible GPU(s); NCCL cannot put two ranks on "
+                "one GPU (set ZEROSHARD_ACCELERATOR=cpu for CPU ranks with gloo)"
+            )
         torch.cuda.set_device(default_device())
     if init_method is not None or env_world > 1 or "MASTER_ADDR" in os.environ:
         missing = [k for k in ("RANK", "WORLD_SIZE") if k not in os.environ]

@@ -23,6 +23,10 @@ import torch
 from zeroshard.offload.nvme import aligned_empty
 from zeroshard.zero.partition import FlatLayout
 
+# Elements of the device buffer that host values pass through when their dtype differs
+# from the parameters' (64 MiB of fp32).
+_UPLOAD_NUMEL = 1 << 24
+
 
 class FlatParams:
     """Trainable parameters in a flat, segment-padded buffer, split into param groups.
@@ -68,6 +72,7 @@ class FlatParams:
         self.swap = None  # a SwapFile holding the shard (parameter offload to NVMe)
         self.swap_pool = swap_pool
         self.chunks: list[torch.Tensor] | None = None
+        self._upload: torch.Tensor | None = None  # see _upload_and_cast
         segs = layout.segments
         value_of = value_of or (lambda p: p.detach().reshape(-1))
         if full:
@@ -154,7 +159,11 @@ class FlatParams:
     def write_chunk(self, s: int, values: torch.Tensor, lo: int = 0) -> None:
         """Store ``values`` into this rank's chunk of segment ``s`` from element ``lo``."""
         if self.swap is None:
-            self.chunks[s][lo : lo + values.numel()].copy_(values, non_blocking=True)
+            dst = self.chunks[s][lo : lo + values.numel()]
+            if dst.device != values.device and dst.dtype != values.dtype:
+                self._upload_and_cast(dst, values)
+            else:
+                dst.copy_(values, non_blocking=True)
             return
         nbytes = values.numel() * self.esize
         raw = self.swap_pool.acquire(nbytes) if self.swap_pool is not None else None
@@ -165,6 +174,23 @@ class FlatParams:
         )
         if raw is not None:
             self.swap_pool.release(raw)
+
+    def _upload_and_cast(self, dst: torch.Tensor, values: torch.Tensor) -> None:
+        """Host ``values`` into a device chunk of another dtype (fp32 masters into bf16
+        parameters). ``copy_`` would cast on the host into a pageable temporary, whose
+        upload then blocks the host: instead the values go as they are (from pinned
+        memory: without blocking) into a device buffer of at most ``_UPLOAD_NUMEL``
+        elements, and the device casts. One buffer is enough: the copies and casts are
+        ordered on the current stream."""
+        n = min(values.numel(), _UPLOAD_NUMEL)
+        buf = self._upload
+        if buf is None or buf.numel() < n or buf.dtype != values.dtype:
+            buf = self._upload = torch.empty(n, dtype=values.dtype, device=dst.device)
+        for a in range(0, values.numel(), buf.numel()):
+            b = min(a + buf.numel(), values.numel())
+            part = buf[: b - a]
+            part.copy_(values[a:b], non_blocking=True)
+            dst[a:b].copy_(part)
 
     def read_range(self, a: int, b: int) -> torch.Tensor:
         """A copy of shard positions ``[a, b)``."""

@@ -1,0 +1,221 @@
+"""ZeRO-Offload on a GPU host: one GPU, one rank, a bf16 GPT, AdamW.
+
+    python benchmarks/bench_offload_gpu.py --preset 1B --rounds 3
+
+Systems, each in a fresh process, interleaved round by round:
+
+* ``gpu``: stage 2 without offload (masters and Adam states in GPU memory: the speed a
+  model that fits reaches);
+* ``offload``: stage 2 + ``offload_optimizer: {device: cpu, pin_memory: true}``:
+  gradient chunks leave the GPU during backward through pinned double buffers on a side
+  stream; the CPU steps the fp32 masters segment by segment, each segment's upload and
+  cast back into the bf16 parameters overlapping the next segment's step;
+* ``offload-serial``: the same with the per-segment pipeline turned off (step every
+  segment, then upload every segment): what the overlap saves;
+* ``naive``: a hand-written CPU-AdamW hybrid (seeds/004 without ZeRO): after backward,
+  the bf16 gradients go to the CPU (``.float().cpu()``), torch's fused AdamW steps fp32
+  masters there, and the result is copied back into the parameters.
+
+Reported: median step time (forward + backward + step, synchronized), tokens/s, the
+GPU memory peak, and the losses of the first and last step (all four run the same
+data and the same update rule, so the losses must agree to bf16 noise).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+SYSTEMS = ("gpu", "offload", "offload-serial", "naive")
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _batch(step: int, micro: int, seq: int, vocab: int, device) -> tuple:
+    g = torch.Generator().manual_seed(step)
+    data = torch.randint(0, vocab, (micro, seq + 1), generator=g).to(device)
+    return data[:, :-1], data[:, 1:]
+
+
+def _zeroshard_step_fn(model, system: str, args):
+    import zeroshard
+
+    zero = {"stage": 2, "reduce_bucket_size": args.bucket, "allgather_bucket_size": args.bucket}
+    if system != "gpu":
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    cfg = {
+        "train_micro_batch_size_per_gpu": args.micro,
+        "gradient_clipping": 1.0,
+        "bf16": {"enabled": True},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.1}},
+        "zero_optimization": zero,
+        "steps_per_print": 10**9,
+    }
+    engine, *_ = zeroshard.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    if system == "offload-serial":
+        engine.optimizer._pipelined = False
+
+    def step(x, y) -> float:
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        return loss
+
+    return step, engine.device
+
+
+def _naive_step_fn(model, args):
+    dev = torch.device("cuda")
+    model.to(dev, torch.bfloat16)
+    params = [p for p in model.parameters() if p.requires_grad]
+    masters = [p.detach().float().cpu().pin_memory().requires_grad_(True) for p in params]
+    opt = torch.optim.AdamW(masters, lr=1e-4, weight_decay=0.1, fused=True)
+
+    def step(x, y):
+        loss = model(x, y)
+        loss.backward()
+        for m, p in zip(masters, params, strict=True):
+            m.grad = p.grad.float().cpu()
+            p.grad = None
+        torch.nn.utils.clip_grad_norm_(masters, 1.0)
+        opt.step()
+        with torch.no_grad():
+            for m, p in zip(masters, params, strict=True):
+                p.copy_(m)
+        return loss
+
+    return step, dev
+
+
+def child(system: str, args) -> dict:
+    from zeroshard.models import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    cfg = GPTConfig.preset(args.preset, vocab_size=args.vocab, seq_len=args.seq)
+    model = GPT(cfg)
+    n = sum(p.numel() for p in model.parameters())
+    t0 = time.perf_counter()
+    if system == "naive":
+        step, dev = _naive_step_fn(model, args)
+    else:
+        step, dev = _zeroshard_step_fn(model, system, args)
+    init = time.perf_counter() - t0
+    times, losses = [], []
+    for i in range(args.warmup + args.steps):
+        x, y = _batch(i, args.micro, args.seq, args.vocab, dev)
+        _sync()
+        t0 = time.perf_counter()
+        loss = step(x, y)
+        _sync()
+        if i >= args.warmup:
+            times.append(time.perf_counter() - t0)
+        losses.append(float(loss))
+    return {
+        "params": n,
+        "step": statistics.median(times),
+        "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else 0.0,
+        "init": init,
+        "first_loss": losses[0],
+        "last_loss": losses[-1],
+    }
+
+
+def _run_child(system: str, argv: list[str]) -> dict | None:
+    cmd = [sys.executable, os.path.abspath(__file__), "_child", system, *argv]
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1200)
+    for line in out.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[7:])
+    print(f"{system} failed:\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}", file=sys.stderr)
+    return None
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", default="1B")
+    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--seq", type=int, default=1024)
+    p.add_argument("--micro", type=int, default=8)
+    p.add_argument("--bucket", type=int, default=50_000_000)
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--systems", default=",".join(SYSTEMS))
+    p.add_argument("--results", default=os.path.join(HERE, "RESULTS.md"))
+    p.add_argument("--no-record", action="store_true")
+    return p
+
+
+def main() -> None:
+    if len(sys.argv) > 2 and sys.argv[1] == "_child":
+        system, args = sys.argv[2], _parser().parse_args(sys.argv[3:])
+        print("RESULT " + json.dumps(child(system, args)), flush=True)
+        return
+    args = _parser().parse_args()
+    argv = sys.argv[1:]
+    child_argv = [a for a in argv if a not in ("--no-record",)]
+    systems = args.systems.split(",")
+    runs: dict[str, list[dict]] = {s: [] for s in systems}
+    for r in range(args.rounds):
+        for s in systems if r % 2 == 0 else systems[::-1]:
+            res = _run_child(s, child_argv)
+            if res is not None:
+                runs[s].append(res)
+                print(f"round {r} {s}: {res}", flush=True)
+    tokens = args.micro * args.seq
+    base = statistics.median(x["step"] for x in runs["gpu"]) if runs.get("gpu") else None
+    any_run = next(v[0] for v in runs.values() if v)
+    lines = [
+        f"GPT {args.preset} ({any_run['params'] / 1e9:.2f}B params, vocab {args.vocab}), bf16, "
+        f"seq {args.seq}, micro-batch {args.micro}, AdamW, clip 1.0, bucket {args.bucket:,}; "
+        f"{torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no GPU'}, "
+        f"{os.cpu_count()} CPU cores; {args.rounds} rounds "
+        f"x {args.steps} timed steps after {args.warmup} warm-up (median [min-max] of rounds)",
+        "",
+        "| system | step s | x gpu | tokens/s | GPU peak GiB | loss first -> last |",
+        "|---|---|---|---|---|---|",
+    ]
+    for s in systems:
+        v = runs[s]
+        if not v:
+            lines.append(f"| {s} | failed | | | | |")
+            continue
+        st = [x["step"] for x in v]
+        med = statistics.median(st)
+        ratio = f"{med / base:.2f}" if base else ""
+        lines.append(
+            f"| {s} | {med:.3f} [{min(st):.3f}-{max(st):.3f}] | {ratio} | {tokens / med:,.0f} | "
+            f"{max(x['peak_gib'] for x in v):.1f} | {v[0]['first_loss']:.4f} -> "
+            f"{v[0]['last_loss']:.4f} |"
+        )
+    body = "\n".join(lines)
+    print(body)
+    if not args.no_record:
+        stamp = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
+        head = (
+            f"## {stamp} bench_offload_gpu: torch {torch.__version__}, "
+            f"Python {platform.python_version()}"
+        )
+        command = "python3 benchmarks/bench_offload_gpu.py " + shlex.join(argv)
+        with open(args.results, "a") as f:
+            f.write(f"\n{head}\n\n`{command}`\n\n{body}\n")
+
+
+if __name__ == "__main__":
+    main()
