@@ -39,6 +39,7 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 SYSTEMS = ("gpu", "offload", "offload-serial", "naive")
+PHASES = {"fwd+bwd": 0.0, "step": 0.0, "norm": 0.0}  # seconds summed over timed steps
 
 
 def _sync() -> None:
@@ -70,10 +71,27 @@ def _zeroshard_step_fn(model, system: str, args):
     if system == "offload-serial":
         engine.optimizer._pipelined = False
 
+    opt = engine.optimizer
+    norm_fn = opt._global_norm
+
+    def timed_norm() -> float:
+        t0 = time.perf_counter()
+        out = norm_fn()
+        PHASES["norm"] += time.perf_counter() - t0
+        return out
+
+    opt._global_norm = timed_norm
+
     def step(x, y) -> float:
+        t0 = time.perf_counter()
         loss = engine(x, y)
         engine.backward(loss)
+        _sync()
+        t1 = time.perf_counter()
         engine.step()
+        _sync()
+        PHASES["fwd+bwd"] += t1 - t0
+        PHASES["step"] += time.perf_counter() - t1
         return loss
 
     return step, engine.device
@@ -124,12 +142,15 @@ def child(system: str, args) -> dict:
         _sync()
         if i >= args.warmup:
             times.append(time.perf_counter() - t0)
+        else:
+            PHASES.update(dict.fromkeys(PHASES, 0.0))
         losses.append(float(loss))
     return {
         "params": n,
         "step": statistics.median(times),
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else 0.0,
         "init": init,
+        "phases": {k: v / args.steps for k, v in PHASES.items()},
         "first_loss": losses[0],
         "last_loss": losses[-1],
     }
@@ -188,20 +209,25 @@ def main() -> None:
         f"{os.cpu_count()} CPU cores; {args.rounds} rounds "
         f"x {args.steps} timed steps after {args.warmup} warm-up (median [min-max] of rounds)",
         "",
-        "| system | step s | x gpu | tokens/s | GPU peak GiB | loss first -> last |",
-        "|---|---|---|---|---|---|",
+        "| system | step s | x gpu | tokens/s | fwd+bwd / step / norm s | GPU peak GiB "
+        "| loss first -> last |",
+        "|---|---|---|---|---|---|---|",
     ]
     for s in systems:
         v = runs[s]
         if not v:
-            lines.append(f"| {s} | failed | | | | |")
+            lines.append(f"| {s} | failed | | | | | |")
             continue
         st = [x["step"] for x in v]
         med = statistics.median(st)
+        ph = v[len(v) // 2]["phases"]
+        phases = (
+            f"{ph['fwd+bwd']:.3f} / {ph['step']:.3f} / {ph['norm']:.3f}" if ph["step"] else "n/a"
+        )
         ratio = f"{med / base:.2f}" if base else ""
         lines.append(
             f"| {s} | {med:.3f} [{min(st):.3f}-{max(st):.3f}] | {ratio} | {tokens / med:,.0f} | "
-            f"{max(x['peak_gib'] for x in v):.1f} | {v[0]['first_loss']:.4f} -> "
+            f"{phases} | {max(x['peak_gib'] for x in v):.1f} | {v[0]['first_loss']:.4f} -> "
             f"{v[0]['last_loss']:.4f} |"
         )
     body = "\n".join(lines)

@@ -120,9 +120,15 @@ def estimate(
     loc = {"device": param_bytes + grad_bytes + opt_bytes + buffers}
     if offload != "none" and stage >= 1:
         loc["device"] -= opt_bytes
-        moved_grads = grad_bytes if stage >= 2 else 0
-        loc["device"] -= moved_grads
-        loc["cpu"] = moved_grads
+        # the owned gradient shard is accumulated in CPU memory, in fp32 (stage 1: a
+        # copy there at the boundary, besides the full gradient on the device)
+        host_grads = round(4 * shard)
+        if stage >= 2:
+            loc["device"] -= grad_bytes
+            grad_bytes = host_grads
+        else:
+            grad_bytes += host_grads
+        loc["cpu"] = host_grads
         loc[offload] = loc.get(offload, 0) + opt_bytes
     if offload_params and stage == 3:
         loc["device"] -= param_bytes

@@ -64,8 +64,8 @@ class GradReducer:
         on_bucket_ready: called with a segment index once all its gradients are in (the
             stage-3 gatherer frees that unit's parameters then).
         accum_device: with optimizer offload, the host (CPU) where the reduced chunks
-            go: the owned gradient shard lives there (stages 2, 3: accumulated there every
-            micro-step; stages 0, 1: copied there at the boundary). Each bucket's chunk
+            go: the owned gradient shard lives there, in fp32 (stages 2, 3: accumulated
+            there every micro-step; stages 0, 1: copied there at the boundary). Each bucket's chunk
             is moved through a double-buffered :class:`HostStager` as soon as its
             reduction completes, while backward goes on. None: no offload.
     """
@@ -106,7 +106,11 @@ class GradReducer:
             self._stager = HostStager(flat.device, chunk, dtype)
         if sharded or self._stager is not None:
             where = accum_device or flat.device
-            self.grad_shard = torch.zeros(layout.shard_numel, dtype=dtype, device=where)
+            # On a separate host the shard is accumulated in fp32, the dtype the CPU
+            # optimizer reads: the moves stay in the gradient dtype (half the bytes over
+            # the bus), and neither the norm nor the step converts every element again.
+            host = torch.float32 if self._stager is not None else dtype
+            self.grad_shard = torch.zeros(layout.shard_numel, dtype=host, device=where)
             self.grad_chunks = [
                 self.grad_shard[s.shard_start : s.shard_start + s.chunk] for s in layout.segments
             ]

@@ -32,6 +32,17 @@ _EAGER_STATE = (torch.optim.Adam, torch.optim.AdamW)
 _ELEMENTWISE = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
 
 
+def _sum_of_squares(c: torch.Tensor) -> torch.Tensor:
+    """fp32 sum of squares of one gradient chunk. An fp32 chunk in CPU memory (the
+    offloaded shard) goes through BLAS ``dot``, which uses every core: torch's CPU norm
+    reduction ran on one (measured, torch 2.11 on a 16-core host: 38 ms per 100M
+    elements at any thread count, ``dot`` 7 ms; it was 0.42 s of a 1B model's 0.75 s
+    offloaded step)."""
+    if c.device.type == "cpu" and c.dtype == torch.float32:
+        return torch.dot(c, c)
+    return torch.linalg.vector_norm(c, dtype=torch.float32).square()
+
+
 class ShardedOptimizer:
     """Unscale, check overflow, clip by global norm, step, write back, re-gather.
 
@@ -118,8 +129,8 @@ class ShardedOptimizer:
         """L2 norm of the whole (averaged) gradient: local chunks, summed over shards."""
         chunks = self.reducer.grad_chunks
         if chunks:
-            norms = torch.stack([torch.linalg.vector_norm(c, dtype=torch.float32) for c in chunks])
-            local = norms.square().sum().reshape(1).to(self.flat.device)
+            local = torch.stack([_sum_of_squares(c) for c in chunks]).sum()
+            local = local.reshape(1).to(self.flat.device)
         else:
             local = torch.zeros(1, dtype=torch.float32, device=self.flat.device)
         if self.flat.sharded:
