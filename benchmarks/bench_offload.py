@@ -62,7 +62,12 @@ LAYOUTS = {
         "offload_param": {"device": "cpu"},
     },
     "s3+nvme": {
-        "offload_optimizer": {"device": "nvme", "pipeline_read": True, "pipeline_write": True},
+        "offload_optimizer": {
+            "device": "nvme",
+            "pipeline_read": True,
+            "pipeline_write": True,
+            "buffer_count": 6,
+        },
         "offload_param": {"device": "nvme"},
         "sub_group_size": 20_000_000,  # 3 x 2 buffer sets of 80 MB per rank
     },

@@ -436,6 +436,18 @@ BAD = {
         "zero_optimization.offload_param.nvme_path",
         "needs nvme_path",
     ),
+    "nvme_optimizer_pipeline_buffers": (
+        _zero(
+            offload_optimizer={"device": "nvme", "nvme_path": "/x", "pipeline_read": True},
+        ),
+        "zero_optimization.offload_optimizer.buffer_count",
+        "needs 6 sub-group buffers (master, exp_avg, exp_avg_sq for two sub-groups",
+    ),
+    "nvme_optimizer_buffers": (
+        _zero(offload_optimizer={"device": "nvme", "nvme_path": "/x", "buffer_count": 2}),
+        "zero_optimization.offload_optimizer.buffer_count",
+        "needs 3 sub-group buffers",
+    ),
     "param_key_in_optimizer_offload": (
         _zero(offload_optimizer={"device": "cpu", "max_in_cpu": 10}),
         "zero_optimization.offload_optimizer.max_in_cpu",

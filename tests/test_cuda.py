@@ -48,7 +48,12 @@ def _cases(tmp) -> list[dict]:
             "stage": 3,
             "extra": {
                 Z: {
-                    "offload_optimizer": {**nvme, "pipeline_read": True, "pipeline_write": True},
+                    "offload_optimizer": {
+                        **nvme,
+                        "pipeline_read": True,
+                        "pipeline_write": True,
+                        "buffer_count": 6,
+                    },
                     "offload_param": nvme,
                     "sub_group_size": 5000,
                     **part,

@@ -20,7 +20,12 @@ from test_parity import TOL, _worker
 def _nvme(path: str, **extra) -> dict:
     off = {"device": "nvme", "nvme_path": path}
     return {
-        "offload_optimizer": {**off, "pipeline_read": True, "pipeline_write": True},
+        "offload_optimizer": {
+            **off,
+            "pipeline_read": True,
+            "pipeline_write": True,
+            "buffer_count": 6,
+        },
         "offload_param": off,
         "stage3_param_persistence_threshold": 0,
         "sub_group_size": 5000,  # several sub-groups: exercises the read/step/write pipeline

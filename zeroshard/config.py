@@ -306,7 +306,9 @@ class OffloadConfig:
     nvme_path: str | None = None
     #: Use page-locked CPU buffers.
     pin_memory: bool = False
-    #: NVMe buffer-pool size; None resolves to DeepSpeed's default, 5 (param) / 4 (optimizer).
+    #: NVMe buffer-pool size; None resolves to DeepSpeed's default, 5 (param) / 4
+    #: (optimizer). Optimizer: 3 buffers of ``sub_group_size`` per sub-group in flight
+    #: (one; two with pipeline_read/write), so at least 3 / 6; more are not allocated.
     buffer_count: int | None = None
     #: param only: elements per NVMe buffer.
     buffer_size: int = 100_000_000
@@ -339,6 +341,18 @@ class OffloadConfig:
             object.__setattr__(self, "buffer_count", 5 if self.kind == "param" else 4)
         for name in ("buffer_count", "buffer_size", "max_in_cpu"):
             check(getattr(self, name) >= 0, name, f"must be >= 0, got {getattr(self, name)}")
+        if self.kind == "optimizer" and self.device == "nvme":
+            # a sub-group in flight holds its master and both moments (the gradient stays
+            # in CPU memory); pipeline_read/write keep a second sub-group in flight
+            piped = self.pipeline_read or self.pipeline_write
+            need = 3 * (2 if piped else 1)
+            check(
+                self.buffer_count >= need,
+                "buffer_count",
+                f"NVMe optimizer offload needs {need} sub-group buffers (master, exp_avg, "
+                f"exp_avg_sq{' for two sub-groups, with pipeline_read/pipeline_write' if piped else ''}), "
+                f"got {self.buffer_count}",
+            )
         for name in ("ratio", "cpuadam_cores_perc"):
             value = getattr(self, name)
             check(0.0 <= value <= 1.0, name, f"must be in [0, 1], got {value}")

@@ -11,6 +11,9 @@ Master weights: with fp32 training the master chunks *are* the parameter storage
 no copy); in bf16/fp16 training, or when the optimizer is offloaded, they are an fp32
 copy of this rank's chunks only (on the offload device), and the updated values are
 copied back into the parameters after the step.
+
+Gradient scaling (fp16 unscale times the clip factor) is handed to torch's fused kernels
+as ``grad_scale``, so it costs no pass of its own over the gradients.
 """
 
 from __future__ import annotations
