@@ -303,6 +303,19 @@ def part_adam(args) -> str:
             "norm pass, then the clip factor folded into the fused kernel (grad_scale)",
         ),
     ]
+    lines += ["", "Per-round ratios (median over rounds; each round runs both, adjacent):", ""]
+    for a, b, what in (
+        ("zs", "ds", "zeroshard whole step / DeepSpeedCPUAdam, no clipping"),
+        ("zs_clip", "ds_clip", f"zeroshard whole step / DeepSpeedCPUAdam, clip {clip}"),
+        ("zs_clip", "torch_clip", f"zeroshard whole step / torch by hand, clip {clip}"),
+    ):
+        if rows[a] and len(rows[a]) == len(rows[b]):
+            ratios = [x / y for x, y in zip(rows[a], rows[b], strict=True)]
+            wins = sum(r < 1 for r in ratios)
+            lines.append(
+                f"- {what}: {statistics.median(ratios):.2f} "
+                f"[{min(ratios):.2f}-{max(ratios):.2f}], faster in {wins} of {len(ratios)} rounds"
+            )
     return "\n".join(lines)
 
 

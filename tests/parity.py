@@ -17,6 +17,8 @@ import torch.nn.functional as F  # noqa: F401  (kept for case authors)
 from zeroshard.models import GPT, GPTConfig
 
 SEQ = 16
+TOL = 2e-5  # parity tolerance against the fp32 reference (losses, parameters, norms)
+BF16_TOL = (2e-3, 1.5e-2, 1e-2)  # bf16 runs against the same fp32 reference
 LR, LR_NODECAY, WD = 1e-3, 2e-3, 0.1
 MOMENTUM = 0.9
 
@@ -193,3 +195,32 @@ def l2_param_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> flo
     """L2 norm of the difference of all parameters taken together."""
     assert a.keys() == b.keys(), a.keys() ^ b.keys()
     return sum((a[k].float() - b[k].float()).square().sum().item() for k in a) ** 0.5
+
+
+def assert_parity(cases: list[dict], results: list, world: int) -> None:
+    """Each case's per-rank results (``test_parity._worker``'s) match the reference:
+    mean loss per step, final parameters, the pre-clip global norm of clipping cases;
+    and the reference moved far more than the tolerance (a lost step cannot pass)."""
+    failures = []
+    for i, case in enumerate(cases):
+        per_rank = [r[i] for r in results]
+        steps = len(per_rank[0]["losses"])
+        losses = [sum(r["losses"][s] for r in per_rank) / world for s in range(steps)]
+        loss_diff = max(abs(a - b) for a, b in zip(losses, per_rank[0]["ref_losses"], strict=True))
+        param_diff = max(r["param_diff"] for r in per_rank)
+        norm_diff = max(  # the engine reports the pre-clip norm when it clips
+            (
+                abs(a - b)
+                for r in per_rank
+                for a, b in zip(r["norms"], r["ref_norms"], strict=True)
+                if case.get("clip", 0.0) > 0
+            ),
+            default=0.0,
+        )
+        tol = BF16_TOL if case.get("dtype") == "bf16" else (TOL, TOL, TOL)
+        close = loss_diff <= tol[0] and param_diff <= tol[1] and norm_diff <= tol[2]
+        if not (close and per_rank[0]["movement"] > 50 * TOL):
+            failures.append(
+                f"{case}: loss {loss_diff:.3g} param {param_diff:.3g} norm {norm_diff:.3g}"
+            )
+    assert not failures, "\n".join(failures)

@@ -17,7 +17,7 @@ import pytest
 import test_checkpoint
 import torch
 from test_offload import CPU
-from test_parity import TOL, _worker
+from test_parity import _worker
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -75,42 +75,14 @@ def _cases(tmp) -> list[dict]:
     return cases
 
 
-def _check(cases: list[dict], results: list, world: int) -> None:
-    failures = []
-    for i, case in enumerate(cases):
-        per_rank = [r[i] for r in results]
-        steps = len(per_rank[0]["losses"])
-        losses = [sum(r["losses"][s] for r in per_rank) / world for s in range(steps)]
-        loss_diff = max(abs(a - b) for a, b in zip(losses, per_rank[0]["ref_losses"], strict=True))
-        param_diff = max(r["param_diff"] for r in per_rank)
-        norm_diff = max(  # the engine reports the pre-clip norm when it clips
-            (
-                abs(a - b)
-                for r in per_rank
-                for a, b in zip(r["norms"], r["ref_norms"], strict=True)
-                if case.get("clip", 0.0) > 0
-            ),
-            default=0.0,
-        )
-        moved = per_rank[0]["movement"]
-        # bf16 runs: the bound test_nvme.py uses for bf16 against the fp32 reference
-        tol = (2e-3, 1.5e-2, 1e-2) if case.get("dtype") == "bf16" else (TOL, TOL, TOL)
-        close = loss_diff <= tol[0] and param_diff <= tol[1] and norm_diff <= tol[2]
-        if not (close and moved > 50 * TOL):
-            failures.append(
-                f"{case}: loss {loss_diff:.3g} param {param_diff:.3g} norm {norm_diff:.3g}"
-            )
-    assert not failures, "\n".join(failures)
-
-
 def test_parity_on_cuda_one_rank(tmp_path) -> None:
     cases = _cases(tmp_path)
-    _check(cases, multirank.run(_worker, 1, cases, timeout=600), 1)
+    parity.assert_parity(cases, multirank.run(_worker, 1, cases, timeout=600), 1)
 
 
 def test_parity_on_cuda_two_ranks_sharing_the_gpu(tmp_path) -> None:
     cases = [c for c in _cases(tmp_path) if c["stage"] > 0]
-    _check(cases, multirank.run(_worker, 2, cases, timeout=600), 2)
+    parity.assert_parity(cases, multirank.run(_worker, 2, cases, timeout=600), 2)
 
 
 def _offload_path(rank: int, world: int) -> list[dict]:

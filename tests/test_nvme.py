@@ -14,7 +14,7 @@ import parity
 import pytest
 import rss
 import torch
-from test_parity import TOL, _worker
+from test_parity import _worker
 
 
 def _nvme(path: str, **extra) -> dict:
@@ -62,15 +62,7 @@ def test_nvme_parity(tmp_path) -> None:
             },
         },
     ]
-    results = multirank.run(_worker, 2, cases, timeout=600)
-    for i, case in enumerate(cases):
-        per_rank = [r[i] for r in results]
-        steps = len(per_rank[0]["losses"])
-        losses = [sum(r["losses"][s] for r in per_rank) / 2 for s in range(steps)]
-        loss_diff = max(abs(a - b) for a, b in zip(losses, per_rank[0]["ref_losses"], strict=True))
-        param_diff = max(r["param_diff"] for r in per_rank)
-        tol = (2e-3, 1.5e-2) if case.get("dtype") == "bf16" else (TOL, TOL)
-        assert loss_diff <= tol[0] and param_diff <= tol[1], (case, loss_diff, param_diff)
+    parity.assert_parity(cases, multirank.run(_worker, 2, cases, timeout=600), 2)
     assert not os.listdir(tmp_path / "a"), "swap files left behind after a clean exit"
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import multirank
 import parity
-from test_parity import TOL, _worker
+from test_parity import _worker
 
 CPU = {"device": "cpu", "pin_memory": True}
 
@@ -45,19 +45,6 @@ def _cases() -> list[dict]:
     return [{**c, "staged": staged} for c in cases for staged in (False, True)]
 
 
-def _check(cases, results, world):
-    failures = []
-    for i, case in enumerate(cases):
-        per_rank = [r[i] for r in results]
-        steps = len(per_rank[0]["losses"])
-        losses = [sum(r["losses"][s] for r in per_rank) / world for s in range(steps)]
-        loss_diff = max(abs(a - b) for a, b in zip(losses, per_rank[0]["ref_losses"], strict=True))
-        param_diff = max(r["param_diff"] for r in per_rank)
-        if not (loss_diff <= TOL and param_diff <= TOL):
-            failures.append(f"{case}: loss diff {loss_diff:.3g}, param diff {param_diff:.3g}")
-    assert not failures, "\n".join(failures)
-
-
 def _memory(rank, world):
     out = []
     for stage in (1, 2):
@@ -86,7 +73,7 @@ def _memory(rank, world):
 
 def test_offload_parity_two_ranks() -> None:
     cases = _cases()
-    _check(cases, multirank.run(_worker, 2, cases, timeout=600), 2)
+    parity.assert_parity(cases, multirank.run(_worker, 2, cases, timeout=600), 2)
 
 
 def test_hybrid_cpu_adamw_one_rank() -> None:
@@ -101,7 +88,7 @@ def test_hybrid_cpu_adamw_one_rank() -> None:
             "extra": {"zero_optimization": {"offload_optimizer": CPU}},
         }
     ]
-    _check(cases, multirank.run(_worker, 1, cases, timeout=300), 1)
+    parity.assert_parity(cases, multirank.run(_worker, 1, cases, timeout=300), 1)
 
 
 def test_offload_keeps_optimizer_state_off_the_device() -> None:

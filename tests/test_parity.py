@@ -14,7 +14,7 @@ import multirank
 import parity
 import pytest
 
-TOL = 2e-5
+TOL = parity.TOL
 
 STAGES = [0, 1, 2, 3]
 
