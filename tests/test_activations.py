@@ -295,15 +295,23 @@ def _mlp_grads(model: nn.Module, x: torch.Tensor, before_backward=lambda: None):
     return [p.grad.clone() for p in model.parameters()]
 
 
-def test_offload_queue_copies_each_tensor_once_each_way_and_prefetches(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def _offload_mlp(monkeypatch: pytest.MonkeyPatch, select):
+    """(input, reference grads, an offloaded copy of the MLP, blocks wrapped, recorder)."""
     ref = _mlp()
     x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
     g0 = _mlp_grads(ref, x)
     model = copy.deepcopy(ref)
-    assert apply_activation_offload(model, lambda name, m: name in {"0", "1", "2", "3"}) == 4
-    rec = Recorder(monkeypatch)
+    wrapped = apply_activation_offload(model, select)
+    return x, g0, model, wrapped, Recorder(monkeypatch)
+
+
+def test_offload_queue_copies_each_tensor_once_each_way_and_prefetches(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    x, g0, model, wrapped, rec = _offload_mlp(
+        monkeypatch, lambda name, m: name in {"0", "1", "2", "3"}
+    )
+    assert wrapped == 4
     mover = rec.mover
 
     def after_forward() -> None:
@@ -337,12 +345,7 @@ def test_offload_queue_copies_each_tensor_once_each_way_and_prefetches(
 def test_offload_queue_unfinished_copies_skip_the_copy_back_and_are_drained(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    ref = _mlp()
-    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
-    g0 = _mlp_grads(ref, x)
-    model = copy.deepcopy(ref)
-    apply_activation_offload(model, nn.Tanh)  # the tanh outputs only
-    rec = Recorder(monkeypatch)
+    x, g0, model, _, rec = _offload_mlp(monkeypatch, nn.Tanh)  # the tanh outputs only
     g1 = _mlp_grads(model, x)  # no copy to host ever completes on its own
     assert _max_diff(g0, g1) <= TOL
     n = len(rec.refs)

@@ -626,10 +626,22 @@ def _opt_state(engine) -> tuple[list[float], dict]:
     return access.group_steps(), states
 
 
+def _failed_load(engine, root: str) -> tuple[str | None, bool]:
+    """Load tag "s" expecting a CheckpointError: (its message or None, whether the
+    parameters are as they were)."""
+    from zeroshard.checkpoint.load import CheckpointError
+
+    snap = parity.full_params(engine)
+    try:
+        engine.load_checkpoint(root, tag="s")
+        error = None
+    except CheckpointError as exc:
+        error = str(exc)
+    return error, _same(snap, parity.full_params(engine))
+
+
 def _load_options(rank: int, world: int, root: str) -> dict:
     import logging
-
-    from zeroshard.checkpoint.load import CheckpointError
 
     case = {"stage": 1}
     src = _engine(case, world)
@@ -670,13 +682,7 @@ def _load_options(rank: int, world: int, root: str) -> dict:
     sgd = _engine(
         {**case, "optimizer": {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}}}, world
     )
-    snap = parity.full_params(sgd)
-    try:
-        sgd.load_checkpoint(root, tag="s")
-        out["sgd_error"] = None
-    except CheckpointError as exc:
-        out["sgd_error"] = str(exc)
-    out["sgd_untouched"] = _same(snap, parity.full_params(sgd))
+    out["sgd_error"], out["sgd_untouched"] = _failed_load(sgd, root)
     sgd.load_checkpoint(root, tag="s", load_optimizer_states=False)
     out["sgd_params_only"] = _same(saved, parity.full_params(sgd))
 
@@ -684,12 +690,7 @@ def _load_options(rank: int, world: int, root: str) -> dict:
     # with one parameter the checkpoint lacks
     e = _gpt_engine(world, bias=False, unused=True)
     snap = parity.full_params(e)
-    try:
-        e.load_checkpoint(root, tag="s")
-        out["strict_error"] = None
-    except CheckpointError as exc:
-        out["strict_error"] = str(exc)
-    out["strict_untouched"] = _same(snap, parity.full_params(e))
+    out["strict_error"], out["strict_untouched"] = _failed_load(e, root)
     records = []
     handler = logging.Handler()
     handler.emit = records.append
