@@ -1051,3 +1051,27 @@ def test_reader_keeps_strict_json_otherwise() -> None:
     with pytest.raises(ConfigError, match=r"^<string>:1:\d+: invalid JSON"):
         loads_relaxed("{train_batch_size: 8}")
     assert loads_relaxed('{"a": [1, 2,], "b": "x,]"}') == {"a": [1, 2], "b": "x,]"}
+
+
+def test_offloaded_masters_are_pinned_on_cuda_unless_pin_memory_is_false() -> None:
+    """The issue's "(pinned, when CUDA) CPU memory": unset pin_memory means pinned fp32
+    masters on a GPU (their uploads must not block the host); an explicit false, as
+    DeepSpeed's default, keeps them pageable; on a CPU-only run nothing is pinned."""
+    import torch
+
+    from zeroshard.offload.placement import Placement
+
+    def pinned(offload: dict, device: str) -> bool:
+        zero = parsed(_zero(offload_optimizer=offload)).zero_optimization
+        return Placement.from_config(zero, torch.device(device)).pin_memory
+
+    assert (
+        parsed(
+            _zero(offload_optimizer={"device": "cpu"})
+        ).zero_optimization.offload_optimizer.pin_memory
+        is None
+    )
+    assert pinned({"device": "cpu"}, "cuda")
+    assert pinned({"device": "cpu", "pin_memory": True}, "cuda")
+    assert not pinned({"device": "cpu", "pin_memory": False}, "cuda")
+    assert not pinned({"device": "cpu"}, "cpu")

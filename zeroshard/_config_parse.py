@@ -262,7 +262,7 @@ def _parse_offload(data: Mapping[str, Any] | None, kind: str) -> OffloadConfig:
     values: dict[str, Any] = {
         "device": f.string("device", "none", choices=OFFLOAD_DEVICES),
         "nvme_path": f.string("nvme_path", None, nullable=True),
-        "pin_memory": f.boolean("pin_memory", False),
+        "pin_memory": f.boolean("pin_memory", None),
         "buffer_count": f.integer("buffer_count", None, minimum=0),
     }
     if kind == "param":
@@ -305,7 +305,7 @@ def _parse_zero(top: Fields) -> tuple[ZeroConfig, list[str]]:
     # DeepSpeed, we ignore parameter offload below stage 3 and optimizer offload at stage
     # 0 (DeepSpeed-Chat's generated configs rely on that); the engine warns about them.
     ignored: list[str] = []
-    pin = values["cpu_offload_use_pin_memory"] or False
+    pin = values["cpu_offload_use_pin_memory"]
     used_from = {"param": 3, "optimizer": 1}
     for kind, switch in (("optimizer", "cpu_offload"), ("param", "cpu_offload_param")):
         section = f.section(f"offload_{kind}")

@@ -29,8 +29,10 @@ class OffloadConfig:
     device: str = "none"
     #: Directory for NVMe swap files; required with device "nvme".
     nvme_path: str | None = None
-    #: Use page-locked CPU buffers.
-    pin_memory: bool = False
+    #: Page-locked CPU memory for what is copied to the GPU (the fp32 masters), so the
+    #: copies run without blocking the host. None (not given): pinned on CUDA. DeepSpeed's
+    #: default is false; false here keeps them pageable (the uploads then block).
+    pin_memory: bool | None = None
     #: NVMe buffer-pool size; None resolves to DeepSpeed's default, 5 (param) / 4
     #: (optimizer). Optimizer: 3 buffers of ``sub_group_size`` per sub-group in flight
     #: (one; two with pipeline_read/write), so at least 3 / 6; more are not allocated.

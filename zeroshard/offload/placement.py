@@ -9,8 +9,9 @@ config sections decide where those shards are kept:
   accumulated gradient shard (device, or CPU memory: ZeRO-Offload and the CPU-AdamW
   hybrid of seeds/004).
 
-With CUDA, CPU-side buffers are page-locked when ``pin_memory`` is set, so device<->CPU
-copies can run asynchronously.
+With CUDA, the CPU-side fp32 masters are page-locked unless ``pin_memory`` is false, so
+their copies to the device run asynchronously (the gradient staging buffers of
+``staging.py`` are always pinned on CUDA).
 """
 
 from __future__ import annotations
@@ -42,7 +43,8 @@ class Placement:
             device=device,
             param_shard=_CPU if pa.device in ("cpu", "nvme") else device,
             optimizer=_CPU if op.device in ("cpu", "nvme") else device,
-            pin_memory=device.type == "cuda" and (op.pin_memory or pa.pin_memory),
+            # unset means pinned on CUDA: the masters' uploads must not block the host
+            pin_memory=device.type == "cuda" and (op.pin_memory is not False or pa.pin_memory),
             param_offload=pa.device,
             optimizer_offload=op.device,
             param_nvme=pa.nvme_path if pa.device == "nvme" else None,
