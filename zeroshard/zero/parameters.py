@@ -57,6 +57,7 @@ from torch import nn
 
 from zeroshard.comm import Comm, Handle
 from zeroshard.zero.flat import FlatParams
+from zeroshard.zero.hooks import AccessTrackingDict, wrap_outputs
 
 
 class WholeParams:
@@ -106,20 +107,6 @@ class WholeParams:
 def _segments_of(flat: FlatParams, params: list[torch.Tensor]) -> list[int]:
     index = {id(p): pi for pi, p in enumerate(flat.params)}
     return sorted({flat.layout.param_segment[index[id(p)]] for p in params if id(p) in index})
-
-
-class _PreBackward(torch.autograd.Function):
-    """Identity in forward; in backward, gathers a module's units before its backward runs."""
-
-    @staticmethod
-    def forward(ctx, gatherer, units, *tensors):
-        ctx.gatherer, ctx.units = gatherer, units
-        return tensors if len(tensors) > 1 else tensors[0]
-
-    @staticmethod
-    def backward(ctx, *grads):
-        ctx.gatherer.gather_for_backward(ctx.units)
-        return (None, None, *grads)
 
 
 class ParamGatherer:
@@ -187,7 +174,7 @@ class ParamGatherer:
             self.units_of[m] = tuple(sorted(units - self.persistent))
             self._hooks.append(m.register_forward_pre_hook(self._pre_forward))
             self._hooks.append(m.register_forward_hook(self._post_forward))
-            m._parameters = _AccessTrackingDict(m._parameters, self._on_access)
+            m._parameters = AccessTrackingDict(m._parameters, self._on_access)
 
     # -- instrumentation --------------------------------------------------------------
     def reset_stats(self) -> None:
@@ -374,7 +361,7 @@ class ParamGatherer:
         if module is self._root and not self.in_backward:
             self._release_speculative()  # prefetched for this forward but never used
         if units and torch.is_grad_enabled() and not self.in_backward:
-            return _wrap_outputs(output, self, units)
+            return wrap_outputs(output, self, units)
         return output
 
     def gather_for_backward(self, units: tuple[int, ...]) -> None:
@@ -426,54 +413,3 @@ class ParamGatherer:
     def buffers(self) -> list[torch.Tensor]:
         """The shard (unless swapped to NVMe) plus the always-gathered persistent segments."""
         return [*self.flat.memory(), *(self.unit_buffers[s] for s in self.persistent)]
-
-
-class _AccessTrackingDict(dict):
-    """A module's ``_parameters`` that reports each ``module.name`` read (``nn.Module.
-    __getattr__`` indexes this dict), so parameters used outside their own module's
-    forward are gathered too. Iteration and ``parameters()`` do not report."""
-
-    __slots__ = ("_on_access",)
-
-    def __init__(self, params: dict, on_access) -> None:
-        super().__init__(params)
-        self._on_access = on_access
-
-    def __getitem__(self, name: str):
-        value = dict.__getitem__(self, name)
-        if value is not None:
-            self._on_access(value)
-        return value
-
-
-def _wrap_outputs(output, gatherer: ParamGatherer, units: tuple[int, ...]):
-    """Route the floating-point tensors of ``output`` through :class:`_PreBackward`."""
-    if torch.is_tensor(output):
-        if output.requires_grad:
-            return _PreBackward.apply(gatherer, units, output)
-        return output
-    if isinstance(output, (tuple, list)):
-        idx = [i for i, o in enumerate(output) if torch.is_tensor(o) and o.requires_grad]
-        if not idx:
-            return output
-        wrapped = _PreBackward.apply(gatherer, units, *(output[i] for i in idx))
-        wrapped = wrapped if isinstance(wrapped, tuple) else (wrapped,)
-        items = list(output)
-        for i, w in zip(idx, wrapped, strict=True):
-            items[i] = w
-        return (
-            type(output)(items)
-            if isinstance(output, tuple) and not hasattr(output, "_fields")
-            else (type(output)(*items) if hasattr(output, "_fields") else items)
-        )
-    if isinstance(output, dict):
-        keys = [k for k, v in output.items() if torch.is_tensor(v) and v.requires_grad]
-        if not keys:
-            return output
-        wrapped = _PreBackward.apply(gatherer, units, *(output[k] for k in keys))
-        wrapped = wrapped if isinstance(wrapped, tuple) else (wrapped,)
-        new = output.copy()  # keeps the mapping type (e.g. a transformers ModelOutput)
-        for k, w in zip(keys, wrapped, strict=True):
-            new[k] = w
-        return new
-    return output
