@@ -3,6 +3,7 @@ ranks and by plain single-process PyTorch on the full batch.
 
 A *case* is a dict: stage, gas (accumulation steps), micro (micro-batch), clip, steps,
 client (pass a torch optimizer instead of a config section), dtype ("fp32"|"bf16"|"fp16"),
+dropout (the GPT's dropout probability; 0 by default),
 bucket (reduce/allgather bucket elements), extra (merged into the config), lr (the decay
 group's lr; the no-decay group gets twice it), opt (the config optimizer, a key of OPTS).
 """
@@ -46,6 +47,7 @@ def build_model(case: dict) -> GPT:
         n_head=2,
         d_model=32,
         tie_embeddings=case.get("tied", True),
+        dropout=case.get("dropout", 0.0),
     )
     model = GPT(cfg)
     if case.get("frozen", True):

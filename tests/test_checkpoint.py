@@ -87,6 +87,9 @@ RESUME_CASES = [
     {"stage": 3, "zero": {"offload_optimizer": CPU, "offload_param": CPU}},
     {"stage": 1, "dtype": "fp16"},
     {"stage": 3, "dtype": "bf16"},
+    # dropout: the resumed run draws the same masks only if the checkpoint restored
+    # each rank's RNG state (a fresh process starts from the build seed)
+    {"stage": 2, "dropout": 0.2},
     # SGD keeps no state until its first step: a fresh engine must still take the
     # saved momentum_buffer
     {"stage": 2, "optimizer": {"type": "SGD", "params": {"lr": 1e-2, "momentum": 0.9}}},
