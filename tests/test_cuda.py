@@ -135,21 +135,27 @@ def test_offload_takes_the_pinned_stream_path() -> None:
         assert r["stage"] == 3 or r["by_location"].get("cuda:0", 0) > 0, r
 
 
+# The cases run on the H100 (2026-11-23). The dropout case came later: attention dropout
+# under deterministic algorithms is not yet checked on a GPU.
+_CUDA_RESUME = [c for c in test_checkpoint.RESUME_CASES if not c.get("dropout")]
+
+
 def _resume(rank: int, world: int, phase: str, root: str) -> list:
     torch.use_deterministic_algorithms(True)
+    test_checkpoint.RESUME_CASES = _CUDA_RESUME
     return test_checkpoint._resume_phase(rank, world, phase, root)
 
 
 @pytest.mark.parametrize("world", [1, 2])
 def test_exact_resume_on_cuda(tmp_path, world: int) -> None:
     """Save at step 5 and resume: the same losses and parameters, bit for bit, as 10
-    uninterrupted steps, for every stage, CPU offload, fp16 and bf16 (checkpoint.py's
-    cases); the GPU tensors and CUDA RNG state go through the checkpoint."""
+    uninterrupted steps, for every stage, CPU offload, fp16 and bf16 (test_checkpoint's
+    cases); the GPU tensors go through the checkpoint."""
     root = str(tmp_path)
     straight = multirank.run(_resume, world, "straight", root, timeout=600)
     multirank.run(_resume, world, "first", root, timeout=600)
     resumed = multirank.run(_resume, world, "second", root, timeout=600)
-    for i, case in enumerate(test_checkpoint.RESUME_CASES):
+    for i, case in enumerate(_CUDA_RESUME):
         a, b = straight[0][i], resumed[0][i]
         assert a["losses"] == b["losses"], (case, a["losses"], b["losses"])
         assert a["params"] == b["params"], case
