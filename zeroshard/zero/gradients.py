@@ -65,9 +65,9 @@ class GradReducer:
             stage-3 gatherer frees that unit's parameters then).
         accum_device: with optimizer offload, the host (CPU) where the reduced chunks
             go: the owned gradient shard lives there, in fp32 (stages 2, 3: accumulated
-            there every micro-step; stages 0, 1: copied there at the boundary). Each bucket's chunk
-            is moved through a double-buffered :class:`HostStager` as soon as its
-            reduction completes, while backward goes on. None: no offload.
+            there every micro-step; stages 0, 1: copied there at the boundary). Each
+            bucket's chunk is moved through a double-buffered :class:`HostStager` as
+            soon as its reduction completes, while backward goes on. None: no offload.
     """
 
     def __init__(

@@ -86,6 +86,9 @@ class ShardedOptimizer:
             and len(masters) > 1
         )
         self._by_segment: list[list[list[torch.Tensor]]] | None = None
+        # offload to a GPU: the event after the last non-blocking copies of the masters
+        # to the device; the next step waits on it before it rewrites the masters
+        self._uploaded = None
         self._init_state()
 
     @property
@@ -157,6 +160,9 @@ class ShardedOptimizer:
         if isinstance(self.inner, SwappedAdam):  # masters live in swap files
             self.inner.swapped_step(self.reducer.grad_shard, factor, self.flat.write_range)
         else:
+            if self._uploaded is not None:  # never in practice: backward synced long ago
+                self._uploaded.synchronize()
+                self._uploaded = None
             grads = self._attach_grads()
             folded = factor != 1.0 and bool(grads) and self._fold_scale(grads[0].device, factor)
             if factor != 1.0 and grads and not folded:
@@ -170,11 +176,20 @@ class ShardedOptimizer:
             finally:
                 if folded:
                     del self.inner.grad_scale
+            self._record_uploads()
             for group in self.inner.param_groups:
                 for m in group["params"]:
                     m.grad = None
         self.scaler.update(overflow=False)
         return True
+
+    def _record_uploads(self) -> None:
+        """With separate host masters on an accelerator, mark the end of their copies to
+        the device (they read the pinned masters after ``step`` returns)."""
+        dev = self.flat.device
+        host = self.masters[0].device if self.masters else dev
+        if self.separate_masters and self.masters and dev.type != "cpu" and host != dev:
+            self._uploaded = getattr(torch, dev.type).current_stream(dev).record_event()
 
     def _fold_scale(self, device: torch.device, factor: float) -> bool:
         """Let torch's fused kernel scale the gradients (unscale and clip) inside its one
