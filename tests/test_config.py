@@ -437,14 +437,22 @@ BAD = {
         "needs nvme_path",
     ),
     "nvme_optimizer_pipeline_buffers": (
-        _zero(
-            offload_optimizer={"device": "nvme", "nvme_path": "/x", "pipeline_read": True},
+        _with(
+            zero_optimization={
+                "stage": 3,
+                "offload_optimizer": {"device": "nvme", "nvme_path": "/x", "pipeline_read": True},
+            }
         ),
         "zero_optimization.offload_optimizer.buffer_count",
         "needs 6 sub-group buffers (master, exp_avg, exp_avg_sq for two sub-groups",
     ),
     "nvme_optimizer_buffers": (
-        _zero(offload_optimizer={"device": "nvme", "nvme_path": "/x", "buffer_count": 2}),
+        _with(
+            zero_optimization={
+                "stage": 3,
+                "offload_optimizer": {"device": "nvme", "nvme_path": "/x", "buffer_count": 2},
+            }
+        ),
         "zero_optimization.offload_optimizer.buffer_count",
         "needs 3 sub-group buffers",
     ),
@@ -1075,3 +1083,12 @@ def test_offloaded_masters_are_pinned_on_cuda_unless_pin_memory_is_false() -> No
     assert pinned({"device": "cpu", "pin_memory": True}, "cuda")
     assert not pinned({"device": "cpu", "pin_memory": False}, "cuda")
     assert not pinned({"device": "cpu"}, "cpu")
+
+
+def test_buffer_count_is_not_checked_on_an_ignored_offload_section() -> None:
+    """Like DeepSpeed, optimizer offload at stage 0 is ignored (with a warning): its
+    buffer_count is not held against it."""
+    off = {"device": "nvme", "nvme_path": "/x", "pipeline_read": True}
+    cfg = parsed(_with(zero_optimization={"stage": 0, "offload_optimizer": off}))
+    assert not cfg.zero_optimization.offload_optimizer.enabled
+    assert cfg.ignored_enabled == ("zero_optimization.offload_optimizer",)

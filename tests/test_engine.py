@@ -254,3 +254,55 @@ def test_single_process_without_launcher() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "OK 1 4" in out.stdout
+
+
+def _scale_edge_cases(rank: int, world: int) -> dict:
+    """The clip/unscale factor handed to torch's fused kernel as grad_scale, at its
+    edges: an infinite gradient norm (factor 0: applied as a multiply, as torch's
+    clip_grad_norm_ does, giving NaN, not a crash), and a param group that is not fused
+    (it cannot take grad_scale: the factor is applied by a separate multiply)."""
+    import zeroshard
+
+    out = {}
+    case = {"stage": 2, "clip": 1.0, "steps": 1}
+    _, engine = parity.train(case, rank, world)
+    x, y = parity.batch(7, 2)
+    engine.backward(engine(x, y))
+    engine.reducer.grad_chunks[0][0] = float("inf")
+    engine.step()  # must not raise
+    out["inf_norm"] = engine.get_global_grad_norm()
+    out["nan_params"] = any(p.isnan().any().item() for p in engine.module.parameters())
+
+    model = parity.build_model(case)
+    decay, nodecay = (g["params"] for g in parity.param_groups(model, with_hyper=False))
+    client = torch.optim.AdamW(
+        [{"params": decay, "fused": False}, {"params": nodecay}], lr=1e-3, fused=True
+    )
+    cfg = parity.ds_config({"stage": 2, "clip": 0.05, "client": True})
+    engine, *_ = zeroshard.initialize(model=model, optimizer=client, config=cfg)
+    out["mixed_fused"] = [g.get("fused") for g in engine.optimizer.inner.param_groups]
+    x, y = parity.batch(0, 2)
+    engine.backward(engine(x, y))
+    engine.step()  # must not raise: the non-fused group refuses grad_scale
+    out["mixed_norm"] = engine.get_global_grad_norm()
+    return out
+
+
+def test_fused_grad_scale_edge_cases() -> None:
+    r = multirank.run(_scale_edge_cases, 1, timeout=300)[0]
+    assert r["inf_norm"] == math.inf and r["nan_params"], r
+    assert r["mixed_fused"] == [False, True], r
+    assert r["mixed_norm"] > 0.05, r  # clipping was active: the factor was applied
+
+
+def test_nccl_with_more_local_ranks_than_gpus_is_a_clear_error(monkeypatch) -> None:
+    import torch.distributed as dist
+
+    from zeroshard.distributed import init_distributed
+
+    if dist.is_initialized():
+        pytest.skip("a process group already exists in this process")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(torch.cuda.device_count() + 1))
+    with pytest.raises(RuntimeError, match=r"LOCAL_WORLD_SIZE=.* NCCL cannot put two ranks"):
+        init_distributed(dist_backend="nccl")
+    assert not dist.is_initialized()

@@ -68,18 +68,6 @@ class OffloadConfig:
             object.__setattr__(self, "buffer_count", 5 if self.kind == "param" else 4)
         for name in ("buffer_count", "buffer_size", "max_in_cpu"):
             check(getattr(self, name) >= 0, name, f"must be >= 0, got {getattr(self, name)}")
-        if self.kind == "optimizer" and self.device == "nvme":
-            # a sub-group in flight holds its master and both moments (the gradient stays
-            # in CPU memory); pipeline_read/write keep a second sub-group in flight
-            piped = self.pipeline_read or self.pipeline_write
-            need = 3 * (2 if piped else 1)
-            check(
-                self.buffer_count >= need,
-                "buffer_count",
-                f"NVMe optimizer offload needs {need} sub-group buffers (master, exp_avg, "
-                f"exp_avg_sq{' for two sub-groups, with pipeline_read/pipeline_write' if piped else ''}), "
-                f"got {self.buffer_count}",
-            )
         for name in ("ratio", "cpuadam_cores_perc"):
             value = getattr(self, name)
             check(0.0 <= value <= 1.0, name, f"must be in [0, 1], got {value}")
@@ -227,6 +215,18 @@ class ZeroConfig:
                 "offload_optimizer.device",
                 f"NVMe optimizer offload needs ZeRO stage 3 (stage is {self.stage})",
             )
+            if opt.device == "nvme":
+                # a sub-group in flight holds its master and both moments (the gradient
+                # stays in CPU memory); pipeline_read/write keep a second one in flight
+                piped = opt.pipeline_read or opt.pipeline_write
+                need = 3 * (2 if piped else 1)
+                two = " for two sub-groups, with pipeline_read/pipeline_write" if piped else ""
+                check(
+                    opt.buffer_count >= need,
+                    "offload_optimizer.buffer_count",
+                    f"NVMe optimizer offload needs {need} sub-group buffers (master, "
+                    f"exp_avg, exp_avg_sq{two}), got {opt.buffer_count}",
+                )
             check(
                 opt.ratio == 1.0 or self.stage == 3,
                 "offload_optimizer.ratio",

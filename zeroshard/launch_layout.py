@@ -165,12 +165,6 @@ def plan_layout(args: argparse.Namespace, device_count: int) -> Layout:
         )
     nnodes = len(hosts) if args.hostfile else (args.nnodes or 1)
     nproc = len(pool[hosts[0]])
-    if device_count and not args.hostfile and nproc > device_count:
-        raise LaunchError(
-            f"--nproc {nproc} but this node has {device_count} visible GPU(s), and NCCL "
-            f"cannot put two ranks on one GPU: use --nproc {device_count}, or set "
-            "ZEROSHARD_ACCELERATOR=cpu to run the ranks on the CPU"
-        )
     node_rank = args.node_rank
     if node_rank is None and nnodes == 1:
         node_rank = 0

@@ -210,7 +210,17 @@ def main(args: argparse.Namespace) -> int:
                 "this node only; run the command on every node",
                 file=sys.stderr,
             )
-        layout = plan_layout(args, _device_count())
+        devices = _device_count()
+        layout = plan_layout(args, devices)
+        if devices and layout.nproc_per_node > devices and not args.hostfile:
+            # not an error: ranks may share a GPU through gloo; NCCL refuses (and
+            # init_distributed says so on every rank)
+            print(
+                f"zeroshard: {layout.nproc_per_node} ranks on {devices} visible GPU(s): "
+                "ranks share GPUs, which NCCL refuses (use gloo, or "
+                "ZEROSHARD_ACCELERATOR=cpu for CPU ranks)",
+                file=sys.stderr,
+            )
         argv = torchrun_argv(args, layout)
     except LaunchError as e:
         print(f"zeroshard: error: {e}", file=sys.stderr)

@@ -181,7 +181,9 @@ class FlatParams:
         upload then blocks the host: instead the values go as they are (from pinned
         memory: without blocking) into a device buffer of at most ``_UPLOAD_NUMEL``
         elements, and the device casts. One buffer is enough: the copies and casts are
-        ordered on the current stream."""
+        ordered on the current stream. The buffer is not in ``memory_stats()``."""
+        if values.numel() == 0:
+            return
         n = min(values.numel(), _UPLOAD_NUMEL)
         buf = self._upload
         if buf is None or buf.numel() < n or buf.dtype != values.dtype:

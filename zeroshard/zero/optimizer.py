@@ -195,9 +195,15 @@ class ShardedOptimizer:
         """Let torch's fused kernel scale the gradients (unscale and clip) inside its one
         pass over memory, as AMP's GradScaler does, instead of a separate multiply that
         reads and writes every gradient once more. Fused Adam/AdamW/SGD only."""
-        if type(self.inner) not in _ELEMENTWISE or not self.inner.defaults.get("fused"):
+        if type(self.inner) not in _ELEMENTWISE:
             return False
-        # the kernel divides by grad_scale: within an ulp of multiplying by factor
+        if not all(g.get("fused") for g in self.inner.param_groups):
+            return False  # a non-fused group refuses grad_scale
+        # the kernel divides by grad_scale (within an ulp of multiplying by factor); a
+        # zero factor (an infinite norm) or one whose inverse overflows fp32 is applied
+        # as a plain multiply, as before
+        if not factor > 0.0 or 1.0 / factor > torch.finfo(torch.float32).max:
+            return False
         self.inner.grad_scale = torch.tensor(1.0 / factor, dtype=torch.float32, device=device)
         return True
 
