@@ -20,9 +20,8 @@ from torch import nn
 from zeroshard.comm import Comm
 from zeroshard.distributed import default_device
 from zeroshard.memory import measure
-from zeroshard.offload.nvme import BufferPool, SwapSpace
 from zeroshard.offload.placement import Placement
-from zeroshard.offload.swapped_adam import SwappedAdam
+from zeroshard.offload.swaps import EngineSwaps
 from zeroshard.optim import optimizer_factory
 from zeroshard.precision import DtypePolicy, LossScaler
 from zeroshard.schedulers import build_scheduler
@@ -113,7 +112,8 @@ class Engine(nn.Module):
         if self.policy.compute != torch.float32:
             module.register_forward_pre_hook(self._cast_inputs, with_kwargs=True)
         self._broadcast_initial_state()
-        self._swap_spaces: dict[str, SwapSpace] = {}
+        self._swaps = EngineSwaps(config, comm.rank)
+        self._swap_spaces = self._swaps.spaces  # nvme_path -> this rank's swap directory
         self.flat, persistent = self._flatten(param_groups)
         zc = config.zero_optimization
         if self.sharding.parameters:
@@ -146,7 +146,11 @@ class Engine(nn.Module):
             self.placement,
             client=client_optimizer,
             factory=factory,
-            swapped=self._swapped_adam if self.placement.optimizer_nvme else None,
+            swapped=(
+                (lambda: self._swaps.swapped_adam(self.flat, self.placement.optimizer_nvme))
+                if self.placement.optimizer_nvme
+                else None
+            ),
         )
         self.loss_scaler = LossScaler.from_config(config.fp16)
         self.optimizer = ShardedOptimizer(
@@ -195,18 +199,7 @@ class Engine(nn.Module):
         swap = pool = None
         if self.placement.param_nvme:
             esize = torch.empty((), dtype=self.policy.compute).element_size()
-            space = self._swap_space(self.placement.param_nvme)
-            swap = space.file("params", layout.shard_numel * esize)
-            off = self._config.zero_optimization.offload_param
-            # buffer_size (elements) bounds a buffer; none is larger than the largest chunk
-            largest = max((seg.chunk for seg in layout.segments), default=0)
-            if largest > off.buffer_size:
-                raise ValueError(
-                    f"zero_optimization.offload_param.buffer_size: {off.buffer_size} elements "
-                    f"is smaller than this rank's largest parameter chunk ({largest}); "
-                    "raise it or lower stage3_prefetch_bucket_size / reduce_bucket_size"
-                )
-            pool = BufferPool(off.buffer_count, largest * esize, "offload_param.buffer_size")
+            swap, pool = self._swaps.param_store(self.placement.param_nvme, layout, esize)
         flat = FlatParams(
             plan.params,
             plan.group_of,
@@ -222,32 +215,6 @@ class Engine(nn.Module):
             swap_pool=pool,
         )
         return flat, plan.persistent
-
-    def _swap_space(self, path: str) -> SwapSpace:
-        """One swap directory per rank and ``nvme_path``."""
-        if path not in self._swap_spaces:
-            # aio.queue_depth = swap requests in flight = I/O threads (each blocks in one)
-            threads = self._config.aio.queue_depth
-            self._swap_spaces[path] = SwapSpace(path, f"rank{self.comm.rank}", threads=threads)
-        return self._swap_spaces[path]
-
-    def _swapped_adam(self) -> SwappedAdam:
-        zc, opt = self._config.zero_optimization, self._config.optimizer
-        if opt is None or opt.type == "SGD":
-            raise ValueError(
-                "zero_optimization.offload_optimizer.device: NVMe offload needs the config's "
-                'optimizer to be Adam or AdamW (e.g. "optimizer": {"type": "AdamW"})'
-            )
-        off = zc.offload_optimizer
-        return SwappedAdam(
-            self.flat,
-            self._swap_space(self.placement.optimizer_nvme),
-            decoupled=opt.type == "AdamW" or opt.adam_w_mode,
-            sub_group_numel=int(zc.sub_group_size),
-            pipeline_read=off.pipeline_read,
-            pipeline_write=off.pipeline_write,
-            initial_master=lambda a, b: self.flat.read_range(a, b),
-        )
 
     def _broadcast_initial_state(self) -> None:
         """Every rank starts from rank 0's parameters and buffers."""

@@ -88,6 +88,7 @@ class ShardedOptimizer:
         self._by_segment: list[list[list[torch.Tensor]]] | None = None
         # offload to a GPU: the event after the last non-blocking copies of the masters
         # to the device; the next step waits on it before it rewrites the masters
+        self._uploads = self.separate_masters and bool(masters) and host != flat.device
         self._uploaded = None
         self._init_state()
 
@@ -186,9 +187,8 @@ class ShardedOptimizer:
     def _record_uploads(self) -> None:
         """With separate host masters on an accelerator, mark the end of their copies to
         the device (they read the pinned masters after ``step`` returns)."""
-        dev = self.flat.device
-        host = self.masters[0].device if self.masters else dev
-        if self.separate_masters and self.masters and dev.type != "cpu" and host != dev:
+        if self._uploads:
+            dev = self.flat.device
             self._uploaded = getattr(torch, dev.type).current_stream(dev).record_event()
 
     def _fold_scale(self, device: torch.device, factor: float) -> bool:

@@ -1,0 +1,59 @@
+"""The NVMe swap resources of one engine: a swap directory per ``nvme_path`` (one per
+rank), the stage-3 parameter shard's swap file with its buffer pool, and the Adam whose
+masters and moments live in swap files. No communication."""
+
+from __future__ import annotations
+
+from zeroshard.offload.nvme import BufferPool, SwapSpace
+from zeroshard.offload.swapped_adam import SwappedAdam
+from zeroshard.zero.flat import FlatParams
+from zeroshard.zero.partition import FlatLayout
+
+
+class EngineSwaps:
+    """Builds what NVMe offload needs from the config, for the rank ``rank``."""
+
+    def __init__(self, config, rank: int) -> None:
+        self.config, self.rank = config, rank
+        self.spaces: dict[str, SwapSpace] = {}
+
+    def space(self, path: str) -> SwapSpace:
+        """One swap directory per rank and ``nvme_path``."""
+        if path not in self.spaces:
+            # aio.queue_depth = swap requests in flight = I/O threads (each blocks in one)
+            threads = self.config.aio.queue_depth
+            self.spaces[path] = SwapSpace(path, f"rank{self.rank}", threads=threads)
+        return self.spaces[path]
+
+    def param_store(self, path: str, layout: FlatLayout, esize: int):
+        """The parameter shard's swap file and the pool its reads and writes go through."""
+        swap = self.space(path).file("params", layout.shard_numel * esize)
+        off = self.config.zero_optimization.offload_param
+        # buffer_size (elements) bounds a buffer; none is larger than the largest chunk
+        largest = max((seg.chunk for seg in layout.segments), default=0)
+        if largest > off.buffer_size:
+            raise ValueError(
+                f"zero_optimization.offload_param.buffer_size: {off.buffer_size} elements "
+                f"is smaller than this rank's largest parameter chunk ({largest}); "
+                "raise it or lower stage3_prefetch_bucket_size / reduce_bucket_size"
+            )
+        return swap, BufferPool(off.buffer_count, largest * esize, "offload_param.buffer_size")
+
+    def swapped_adam(self, flat: FlatParams, path: str) -> SwappedAdam:
+        """Adam/AdamW over ``flat``'s shard with its state in swap files under ``path``."""
+        zc, opt = self.config.zero_optimization, self.config.optimizer
+        if opt is None or opt.type == "SGD":
+            raise ValueError(
+                "zero_optimization.offload_optimizer.device: NVMe offload needs the config's "
+                'optimizer to be Adam or AdamW (e.g. "optimizer": {"type": "AdamW"})'
+            )
+        off = zc.offload_optimizer
+        return SwappedAdam(
+            flat,
+            self.space(path),
+            decoupled=opt.type == "AdamW" or opt.adam_w_mode,
+            sub_group_numel=int(zc.sub_group_size),
+            pipeline_read=off.pipeline_read,
+            pipeline_write=off.pipeline_write,
+            initial_master=flat.read_range,
+        )
