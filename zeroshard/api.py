@@ -10,13 +10,14 @@ import argparse
 import random
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
-from zeroshard.comm import Comm
 from zeroshard.config import ConfigError, load_config
-from zeroshard.distributed import init_distributed
+from zeroshard.distributed import default_device, init_distributed
 from zeroshard.engine import Engine
 from zeroshard.optim import hyperparams
+from zeroshard.parallel.mesh import Mesh, MeshShape
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -143,14 +144,21 @@ def initialize(
     """
     if model is None:
         raise ValueError("initialize: model is required")
-    if mpu is not None or mesh_param is not None:
+    if mesh_param is not None:
         raise NotImplementedError(
-            "initialize: mpu / mesh_param (model parallelism) is not built yet in zeroshard"
+            "initialize: mesh_param is not built yet in zeroshard; give the parallel sizes "
+            "in the config (zero_optimization.mics_shard_size) or pass mpu="
         )
     source = _config_from_args(args, config, config_params)
     init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
-    comm = Comm()
-    cfg = load_config(source, dp_world_size=comm.world_size)
+    world = dist.get_world_size()
+    if mpu is not None:
+        mesh = Mesh.from_mpu(mpu)
+        cfg = load_config(source, dp_world_size=mesh.size("dp"))
+    else:
+        cfg = load_config(source, dp_world_size=world)
+        shape = MeshShape.for_world(world, shard_size=cfg.zero_optimization.mics_shard_size)
+        mesh = Mesh.build(shape, device_type=default_device().type)
     if cfg.seed is not None:
         random.seed(cfg.seed)
         torch.manual_seed(cfg.seed)
@@ -158,7 +166,7 @@ def initialize(
     engine = Engine(
         model,
         cfg,
-        comm,
+        mesh,
         param_groups=groups,
         client_optimizer=client,
         lr_scheduler=lr_scheduler,

@@ -1,9 +1,11 @@
 """The only door to ``torch.distributed`` collectives, and the ledger that counts them.
 
-Every collective zeroshard issues goes through a :class:`Comm` (a process group plus a
-:class:`Ledger`). The ledger records, per op, the number of calls, the bytes moved and
-the seconds the caller was blocked (issue time plus time spent in ``wait()``; work that
-overlaps compute therefore shows up as little time).
+Every collective zeroshard issues goes through a :class:`Comm` (a process group, the
+name of the mesh axis it spans, and a :class:`Ledger`). The ledger records, per axis
+and op, the number of calls, the bytes moved and the seconds the caller was blocked
+(issue time plus time spent in ``wait()``; work that overlaps compute therefore shows
+up as little time). The Comms of one mesh share one ledger, so ``snapshot()`` totals
+per op and ``by_axis()`` splits them by axis.
 
 Byte convention (the ZeRO paper's): all-reduce counts 2x the buffer (it is a
 reduce-scatter plus an all-gather), reduce-scatter counts the full unsharded input,
@@ -39,26 +41,42 @@ class OpStats:
     seconds: float = 0.0
 
 
+Stats = dict[str, dict[str, float | int]]
+
+
 class Ledger:
-    """Per-op call, byte and blocked-time totals for this rank."""
+    """Per-(axis, op) call, byte and blocked-time totals for this rank."""
 
     def __init__(self) -> None:
-        self._ops: dict[str, OpStats] = defaultdict(OpStats)
+        self._ops: dict[tuple[str, str], OpStats] = defaultdict(OpStats)
 
-    def record(self, op: str, nbytes: int, seconds: float) -> None:
-        s = self._ops[op]
+    def record(self, op: str, nbytes: int, seconds: float, axis: str = "world") -> None:
+        s = self._ops[axis, op]
         s.calls += 1
         s.bytes += int(nbytes)
         s.seconds += seconds
 
-    def add_seconds(self, op: str, seconds: float) -> None:
-        self._ops[op].seconds += seconds
+    def add_seconds(self, op: str, seconds: float, axis: str = "world") -> None:
+        self._ops[axis, op].seconds += seconds
 
-    def snapshot(self) -> dict[str, dict[str, float | int]]:
-        return {
-            op: {"calls": s.calls, "bytes": s.bytes, "seconds": s.seconds}
-            for op, s in sorted(self._ops.items())
-        }
+    @staticmethod
+    def _totals(items) -> Stats:
+        out: Stats = {}
+        for op, s in items:
+            t = out.setdefault(op, {"calls": 0, "bytes": 0, "seconds": 0.0})
+            t["calls"] += s.calls
+            t["bytes"] += s.bytes
+            t["seconds"] += s.seconds
+        return dict(sorted(out.items()))
+
+    def snapshot(self) -> Stats:
+        """``{op: {"calls", "bytes", "seconds"}}``, summed over axes."""
+        return self._totals((op, s) for (_, op), s in self._ops.items())
+
+    def by_axis(self) -> dict[str, Stats]:
+        """``{axis: {op: {"calls", "bytes", "seconds"}}}``."""
+        axes = sorted({axis for axis, _ in self._ops})
+        return {a: self._totals((op, s) for (ax, op), s in self._ops.items() if ax == a) for a in axes}
 
     def total_bytes(self) -> int:
         return sum(s.bytes for s in self._ops.values())
@@ -76,8 +94,10 @@ class Handle:
         ledger: Ledger | None,
         op: str,
         then: Callable[[], None] | None = None,
+        axis: str = "world",
     ) -> None:
         self._work, self._ledger, self._op, self._then = work, ledger, op, then
+        self._axis = axis
         self.done = work is None and then is None
 
     def wait(self) -> None:
@@ -89,7 +109,7 @@ class Handle:
         if self._then is not None:
             self._then()
         if self._ledger is not None:
-            self._ledger.add_seconds(self._op, time.perf_counter() - t0)
+            self._ledger.add_seconds(self._op, time.perf_counter() - t0, self._axis)
         self.done = True
         self._work = self._then = None  # keep no reference into the backend's threads
 
@@ -101,12 +121,20 @@ def _nbytes(t: torch.Tensor) -> int:
 class Comm:
     """A process group with a ledger. All zeroshard collectives go through here.
 
-    ``async_op=True`` returns a :class:`Handle`; otherwise the op completes before
-    returning (and ``None`` is returned).
+    ``axis`` names the mesh axis (or axes, joined by ``"+"``) the group spans; the
+    ledger files this Comm's bytes under it. ``async_op=True`` returns a
+    :class:`Handle`; otherwise the op completes before returning (and ``None`` is
+    returned).
     """
 
-    def __init__(self, group: dist.ProcessGroup | None = None, ledger: Ledger | None = None):
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None = None,
+        ledger: Ledger | None = None,
+        axis: str = "world",
+    ):
         self.group = group
+        self.axis = axis
         self.ledger = ledger if ledger is not None else Ledger()
         initialized = dist.is_available() and dist.is_initialized()
         self.world_size = dist.get_world_size(group) if initialized else 1
@@ -124,8 +152,8 @@ class Comm:
     ) -> Handle | None:
         t0 = time.perf_counter()
         work = fn()
-        self.ledger.record(op, nbytes, time.perf_counter() - t0)
-        handle = Handle(work, self.ledger, op, then)
+        self.ledger.record(op, nbytes, time.perf_counter() - t0, self.axis)
+        handle = Handle(work, self.ledger, op, then, self.axis)
         if async_op:
             return handle
         handle.wait()

@@ -103,7 +103,6 @@ NOT_BUILT: tuple[tuple[str, Callable[[Config], bool], str], ...] = (
     ("zero_optimization.zero_quantized_weights", lambda c: c.zero_optimization.zero_quantized_weights, "ZeRO++ quantized weight communication (qwZ)"),
     ("zero_optimization.zero_quantized_nontrainable_weights", lambda c: c.zero_optimization.zero_quantized_nontrainable_weights, "ZeRO++ quantized frozen weights"),
     ("zero_optimization.zero_quantized_gradients", lambda c: c.zero_optimization.zero_quantized_gradients, "ZeRO++ quantized gradient communication (qgZ)"),
-    ("zero_optimization.mics_shard_size", lambda c: c.zero_optimization.mics_shard_size > 0, "MiCS sharding"),
     ("zero_optimization.zenflow", lambda c: c.zero_optimization.zenflow is not None, "ZenFlow"),
     ("fp16.fp16_master_weights_and_grads", lambda c: c.fp16.fp16_master_weights_and_grads, "fp16 master weights and gradients"),
     ("bf16.bf16_master_weights_and_grads", lambda c: c.bf16.bf16_master_weights_and_grads, "bf16 master weights and gradients"),

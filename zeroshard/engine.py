@@ -4,9 +4,15 @@ The engine orchestrates strategy objects chosen once from the config and holds n
 stage-specific branches: what is sharded (:class:`Sharding`) decides the flat layout's
 world size, the gradient reducer's mode and, at stage 3, the parameter gatherer.
 
-Communication it issues itself: at construction, one broadcast per flat group, frozen
-parameter and buffer (rank 0's initial values). Everything else comes from the reducer
-(backward) and the sharded optimizer (step); see their module docstrings.
+It works on a :class:`~zeroshard.parallel.mesh.Mesh`: ZeRO shards over the mesh's
+``zero_shard`` group and replicates shards across ``zero_replicate`` (hybrid sharding,
+MiCS / HSDP); the data loader splits batches over ``dp``; ranks that share a tensor,
+sequence or pipeline group see the same batch.
+
+Communication it issues itself: at construction, one broadcast per parameter and
+buffer over the ``replicas`` group (its first rank's initial values). Everything else
+comes from the reducer (backward) and the sharded optimizer (step); see their module
+docstrings.
 """
 
 from __future__ import annotations
@@ -17,12 +23,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from zeroshard.comm import Comm
-from zeroshard.distributed import default_device
+from zeroshard.distributed import default_device, local_rank
 from zeroshard.memory import measure
 from zeroshard.offload.placement import Placement
 from zeroshard.offload.swaps import EngineSwaps
 from zeroshard.optim import optimizer_factory
+from zeroshard.parallel.mesh import Mesh
 from zeroshard.precision import DtypePolicy, LossScaler
 from zeroshard.schedulers import build_scheduler
 from zeroshard.zero.flat import FlatParams
@@ -87,7 +93,7 @@ class Engine(nn.Module):
         self,
         module: nn.Module,
         config,
-        comm: Comm,
+        mesh: Mesh,
         *,
         param_groups: list[dict],
         client_optimizer: torch.optim.Optimizer | None = None,
@@ -98,11 +104,20 @@ class Engine(nn.Module):
         super().__init__()
         self.module = module
         self._config = config
-        self.comm = comm
+        self.mesh = mesh
+        self.comm = mesh.comm("world")  # every rank: checkpoints' agreement, barriers
         self.device = default_device()
         self.policy = DtypePolicy.from_config(config)
         self.placement = Placement.from_config(config.zero_optimization, self.device)
         self.sharding = Sharding.for_stage(config.zero_optimization.stage)
+        if mesh.size("zero_replicate") > 1 and not self.sharding.optimizer:
+            raise ValueError(
+                "zero_optimization.mics_shard_size: hybrid sharding needs ZeRO stage 1, 2 or 3 "
+                "(stage 0 shards nothing)"
+            )
+        # what ZeRO shards over, and the groups its collectives run in
+        shard_comm = mesh.comm("zero_shard")
+        replicas = mesh.comm("replicas")
         self.micro_steps = 0
         self.global_steps = 0
         self.global_samples = 0
@@ -112,25 +127,27 @@ class Engine(nn.Module):
         if self.policy.compute != torch.float32:
             module.register_forward_pre_hook(self._cast_inputs, with_kwargs=True)
         self._broadcast_initial_state()
-        self._swaps = EngineSwaps(config, comm.rank)
+        self._swaps = EngineSwaps(config, self.comm.rank)
         self._swap_spaces = self._swaps.spaces  # nvme_path -> this rank's swap directory
         self.flat, persistent = self._flatten(param_groups)
         zc = config.zero_optimization
         if self.sharding.parameters:
             self.params = ParamGatherer(
                 self.flat,
-                comm,
+                shard_comm,
+                replicas,
                 module,
                 persistent=persistent,
                 prefetch_numel=int(zc.stage3_prefetch_bucket_size),
                 max_live_numel=int(zc.stage3_max_live_parameters),
             )
         else:
-            self.params = WholeParams(self.flat, comm)
+            self.params = WholeParams(self.flat, shard_comm, replicas)
         registration = {id(p): i for i, p in enumerate(module.parameters())}
         self.reducer = GradReducer(
             self.flat,
-            comm,
+            shard_comm if self.flat.sharded else replicas,
+            replicate=mesh.comm("zero_replicate"),
             dtype=self.policy.grad,
             sharded=self.sharding.gradients,
             overlap=zc.overlap_comm or not self.sharding.optimizer,
@@ -158,7 +175,7 @@ class Engine(nn.Module):
             self.reducer,
             inner,
             masters,
-            comm,
+            shard_comm,
             policy=self.policy,
             scaler=self.loss_scaler,
             clip=config.gradient_clipping,
@@ -172,14 +189,14 @@ class Engine(nn.Module):
 
             checkpointing.configure(deepspeed_config=config.activation_checkpointing)
         for name in config.ignored_enabled:
-            if comm.rank == 0:
+            if self.comm.rank == 0:
                 log.warning("zeroshard: config section %r is accepted but has no effect", name)
 
     # -- construction -------------------------------------------------------------------
     def _flatten(self, param_groups: list[dict]) -> tuple[FlatParams, list[int]]:
         """Lay parameters out flat: gradient buckets (stages 0-2) or module units (stage 3)."""
         zc = self._config.zero_optimization
-        world = self.comm.world_size if self.sharding.optimizer else 1
+        world = self.mesh.size("zero_shard") if self.sharding.optimizer else 1
         bucket = int(min(zc.reduce_bucket_size, zc.allgather_bucket_size))
         if self.sharding.parameters:
             plan = plan_units(
@@ -205,7 +222,7 @@ class Engine(nn.Module):
             plan.group_of,
             [{k: v for k, v in spec.items() if k != "params"} for spec in param_groups],
             layout,
-            self.comm.rank,
+            self.mesh.coord("zero_shard"),
             device=self.device,
             dtype=self.policy.compute,
             full=not self.sharding.parameters,
@@ -217,12 +234,14 @@ class Engine(nn.Module):
         return flat, plan.persistent
 
     def _broadcast_initial_state(self) -> None:
-        """Every rank starts from rank 0's parameters and buffers."""
+        """Every replica starts from the first one's parameters and buffers (with tensor
+        or pipeline parallelism, ranks of other groups hold other tensors)."""
+        replicas = self.mesh.comm("replicas")
         for p in self.module.parameters():
             if not is_sealed(p):  # zero.Init slices are rank 0's values already
-                self.comm.broadcast(p.data, src=0)
+                replicas.broadcast(p.data, src=0)
         for b in self.module.buffers():
-            self.comm.broadcast(b, src=0)
+            replicas.broadcast(b, src=0)
 
     def _make_scheduler(self, client):
         sc = self._config.scheduler
@@ -242,7 +261,10 @@ class Engine(nn.Module):
             return None
         from torch.utils.data import DataLoader, DistributedSampler
 
-        sampler = DistributedSampler(data, num_replicas=self.comm.world_size, rank=self.comm.rank)
+        # ranks that share a tensor, sequence or pipeline group get the same samples
+        sampler = DistributedSampler(
+            data, num_replicas=self.mesh.size("dp"), rank=self.mesh.coord("dp")
+        )
         return DataLoader(
             data,
             batch_size=self._config.train_micro_batch_size_per_gpu,
@@ -408,16 +430,19 @@ class Engine(nn.Module):
 
     @property
     def dp_world_size(self) -> int:
-        return self.comm.world_size
+        """Ranks that see different samples (the batch rule's data-parallel size)."""
+        return self.mesh.size("dp")
 
     @property
     def local_rank(self) -> int:
-        return self.device.index or 0
+        """This process's rank on its node (the launcher's ``LOCAL_RANK``)."""
+        return local_rank()
 
     # -- the ledger and the memory report -------------------------------------------
-    def comm_stats(self) -> dict[str, dict[str, float | int]]:
-        """``{op: {"calls", "bytes", "seconds"}}`` on this rank since the last reset."""
-        return self.comm.ledger.snapshot()
+    def comm_stats(self, by_axis: bool = False) -> dict:
+        """``{op: {"calls", "bytes", "seconds"}}`` on this rank since the last reset;
+        with ``by_axis``, ``{axis: {op: {...}}}`` (axes and groups of the mesh)."""
+        return self.comm.ledger.by_axis() if by_axis else self.comm.ledger.snapshot()
 
     def reset_comm_stats(self) -> None:
         self.comm.ledger.reset()

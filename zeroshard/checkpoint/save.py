@@ -36,6 +36,7 @@ from zeroshard.checkpoint.format import (
     write_text_atomic,
 )
 from zeroshard.checkpoint.shards import OwnedPiece, ShardAccess
+from zeroshard.parallel.mesh import AXES
 from zeroshard.safetensors_io import DTYPE_NAMES, StreamWriter
 
 
@@ -179,11 +180,14 @@ def save(engine, save_dir: str, tag: str, client_state: dict | None, save_latest
 
 
 def _pieces_to_write(engine, access, rank: int) -> list[OwnedPiece]:
-    """The pieces ``rank`` writes. Sharded layouts: its own. Unsharded ones (stage 0, or
-    one rank): every rank holds everything, so the flat range is split in ``world``
-    equal parts and each rank writes one, in parallel, with nothing written twice."""
+    """The pieces ``rank`` writes. Sharded layouts: its own, if it is in the first
+    replica (hybrid sharding keeps identical shards in the others). Unsharded ones
+    (stage 0, or one rank): every rank holds everything, so the flat range is split in
+    ``world`` equal parts and each rank writes one, in parallel, nothing written twice."""
     world = engine.comm.world_size
-    if engine.flat.sharded or world == 1:
+    if engine.flat.sharded:
+        return access.pieces if engine.mesh.coord("zero_replicate", rank) == 0 else []
+    if world == 1:
         return access.pieces
     total = engine.flat.layout.shard_numel
     a, b = rank * total // world, (rank + 1) * total // world
@@ -242,9 +246,12 @@ def _manifest(engine, access, names, kinds, sizes, client_json, tag) -> dict:
             "group": flat.group_of[i],
             "pieces": [],
         }
+    mesh = engine.mesh
     for r in range(world):
-        if flat.sharded:
-            spans = [(p.param, p.param_lo, p.param_hi) for p in layout.pieces(r)]
+        if flat.sharded:  # the first replica's ranks write the shards
+            first = mesh.coord("zero_replicate", r) == 0
+            pieces = layout.pieces(mesh.coord("zero_shard", r)) if first else []
+            spans = [(p.param, p.param_lo, p.param_hi) for p in pieces]
         else:  # split as _pieces_to_write splits it (every rank has the same pieces)
             spans = [(p.param, p.lo, p.hi) for p in _pieces_to_write(engine, access, r)]
         for i, lo, hi in spans:
@@ -266,6 +273,7 @@ def _manifest(engine, access, names, kinds, sizes, client_json, tag) -> dict:
         "version": 1,
         "tag": tag,
         "world_size": world,
+        "mesh": {a: getattr(mesh.shape, a) for a in AXES},
         "zero_stage": engine.zero_optimization_stage(),
         "compute_dtype": DTYPE_NAMES[flat.dtype],
         "offload": {

@@ -52,7 +52,10 @@ class GradReducer:
 
     Args:
         flat: the flat parameters.
-        comm: the data-parallel communicator.
+        comm: the group gradients are reduced over: the ZeRO shard group (reduce-scatter)
+            when ``flat`` is sharded, else every data-parallel replica (all-reduce).
+        replicate: with hybrid sharding (MiCS / HSDP), the group of ranks holding the
+            same shard: each reduced chunk is then all-reduced over it. None: no replicas.
         dtype: gradient buffer / communication dtype.
         sharded: keep only this rank's gradient chunks (stages 2, 3).
         overlap: launch a bucket's collective as soon as it is complete; otherwise the
@@ -60,7 +63,8 @@ class GradReducer:
         registration_index: position of each parameter in ``module.parameters()``,
             used to order buckets like backward produces them.
         predivide: divide gradients by this before communication and by
-            ``world_size / predivide`` after (DeepSpeed's gradient_predivide_factor).
+            ``ranks / predivide`` after, ``ranks`` being every rank whose gradients are
+            averaged (DeepSpeed's gradient_predivide_factor).
         on_bucket_ready: called with a segment index once all its gradients are in (the
             stage-3 gatherer frees that unit's parameters then).
         accum_device: with optimizer offload, the host (CPU) where the reduced chunks
@@ -75,6 +79,7 @@ class GradReducer:
         flat: FlatParams,
         comm: Comm,
         *,
+        replicate: Comm | None = None,
         dtype: torch.dtype,
         sharded: bool,
         overlap: bool = True,
@@ -84,18 +89,24 @@ class GradReducer:
         accum_device: torch.device | None = None,
     ) -> None:
         self.flat, self.comm, self.dtype = flat, comm, dtype
+        self.replicate = replicate if replicate is not None and replicate.world_size > 1 else None
+        if self.replicate is not None and not flat.sharded:
+            raise ValueError("internal: replicated reduction needs a sharded layout")
+        # gradients are averaged over every rank that produced one
+        self._contributors = comm.world_size * (self.replicate.world_size if self.replicate else 1)
         self._on_bucket_ready = on_bucket_ready
         self.sharded, self.overlap, self.predivide = sharded, overlap, predivide
         self._boundary = True
         self._hooks = []
-        self._pending: list[tuple[_Bucket, Handle | None]] = []
+        # (bucket, handle, phase): "reduce" over ``comm``, then "replicate" (hybrid only)
+        self._pending: list[tuple[_Bucket, Handle | None, str]] = []
         self._free_staging: list[torch.Tensor] = []
         layout = flat.layout
         self._staging_numel = max((seg.numel for seg in layout.segments), default=0)
         self._accumulated = False  # whether grad_shard already holds a micro-step
         self._any_grad = False  # whether any gradient arrived in this accumulation window
         self._window_filled: set[int] = set()  # full mode: params with a gradient this window
-        own = comm.rank if flat.sharded else 0
+        own = flat.rank
         self.grad_full: torch.Tensor | None = None
         self.grad_shard: torch.Tensor | None = None
         self._views: list[torch.Tensor | None] = [None] * len(flat.params)
@@ -226,25 +237,33 @@ class GradReducer:
         if self.predivide != 1.0:
             src.div_(self.predivide)
         if g.sharded:
-            rank = self.comm.rank
-            out = src[rank * seg.chunk : (rank + 1) * seg.chunk]
-            handle = self.comm.reduce_scatter(out, src, async_op=True)
+            handle = self.comm.reduce_scatter(self._own(b, src), src, async_op=True)
         else:
             handle = self.comm.all_reduce(src, async_op=True)
-        self._pending.append((b, handle))
+        self._pending.append((b, handle, "reduce"))
         if not self.overlap:
-            self._complete_oldest()
+            while any(entry[0] is b for entry in self._pending):
+                self._complete_oldest()
+
+    def _own(self, b: _Bucket, src: torch.Tensor) -> torch.Tensor:
+        """This rank's chunk of bucket ``b``'s segment-sized buffer ``src``."""
+        chunk = self.flat.layout.segments[b.segment].chunk
+        return src[self.flat.rank * chunk : (self.flat.rank + 1) * chunk]
 
     def _complete_oldest(self) -> None:
-        b, handle = self._pending.pop(0)
+        b, handle, phase = self._pending.pop(0)
         handle.wait()
         g = self.flat
         seg = g.layout.segments[b.segment]
-        post = self.comm.world_size / self.predivide
+        if phase == "reduce" and self.replicate is not None:
+            # hybrid sharding: the reduced chunk is summed across the replicas next
+            own = self._own(b, b.staging if self.sharded else self.grad_full[seg.start :])
+            self._pending.insert(0, (b, self.replicate.all_reduce(own, async_op=True), "replicate"))
+            return
+        post = self._contributors / self.predivide
         chunk = self.grad_chunks[b.segment]
         if self.sharded:
-            rank = self.comm.rank if g.sharded else 0
-            reduced = b.staging[rank * seg.chunk : (rank + 1) * seg.chunk]
+            reduced = self._own(b, b.staging)
             if post != 1.0:
                 reduced.div_(post)
             if self._stager is not None:
@@ -267,7 +286,7 @@ class GradReducer:
 
     def _staging_for(self, b: _Bucket) -> torch.Tensor:
         if b.staging is None:
-            if not self._free_staging and self._pending:
+            while not self._free_staging and self._pending:
                 self._complete_oldest()
             if self._free_staging:
                 b.staging = self._free_staging.pop()

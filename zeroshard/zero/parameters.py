@@ -61,10 +61,14 @@ from zeroshard.zero.hooks import AccessTrackingDict, wrap_outputs
 
 
 class WholeParams:
-    """Stages 0-2: every rank holds every parameter (views of ``flat.full``)."""
+    """Stages 0-2: every rank holds every parameter (views of ``flat.full``).
 
-    def __init__(self, flat: FlatParams, comm: Comm) -> None:
-        self.flat, self.comm = flat, comm
+    ``comm`` is the group the layout is sharded over (the updated chunks are all-gathered
+    in it); ``replicas`` spans every rank holding these parameters (``GatheredParameters``
+    broadcasts a modifier's values over it, ``modifier_rank`` being a rank in it)."""
+
+    def __init__(self, flat: FlatParams, comm: Comm, replicas: Comm) -> None:
+        self.flat, self.comm, self.replicas = flat, comm, replicas
 
     def after_step(self) -> None:
         """Re-assemble whole parameters from every rank's updated chunks."""
@@ -97,7 +101,7 @@ class WholeParams:
         if modifier_rank is None:
             return []
         for p in params:
-            self.comm.broadcast(p.data, src=modifier_rank)
+            self.replicas.broadcast(p.data, src=modifier_rank)
         return _segments_of(self.flat, params)
 
     def buffers(self) -> list[torch.Tensor]:
@@ -110,19 +114,21 @@ def _segments_of(flat: FlatParams, params: list[torch.Tensor]) -> list[int]:
 
 
 class ParamGatherer:
-    """Gathers and frees stage-3 parameter units from module hooks."""
+    """Gathers and frees stage-3 parameter units from module hooks. ``comm`` and
+    ``replicas`` as for :class:`WholeParams`."""
 
     def __init__(
         self,
         flat: FlatParams,
         comm: Comm,
+        replicas: Comm,
         module: nn.Module,
         *,
         persistent: Iterable[int],
         prefetch_numel: int,
         max_live_numel: int,
     ) -> None:
-        self.flat, self.comm = flat, comm
+        self.flat, self.comm, self.replicas = flat, comm, replicas
         self.persistent = set(persistent)
         self.prefetch_numel, self.max_live_numel = prefetch_numel, max_live_numel
         layout = flat.layout
@@ -398,7 +404,7 @@ class ParamGatherer:
         segs = _segments_of(self.flat, params)
         if modifier_rank is not None:
             for p in params:
-                self.comm.broadcast(p.data, src=modifier_rank)
+                self.replicas.broadcast(p.data, src=modifier_rank)
             rank = self.flat.rank
             for s in segs:
                 seg = self.flat.layout.segments[s]

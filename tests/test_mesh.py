@@ -1,0 +1,163 @@
+"""The device mesh and its first 2-D use, hybrid sharding (MiCS / HSDP).
+
+Pure index math first (no processes); then one 4-rank spawn (2 replicas x 2 shards)
+that trains at stages 1, 2 and 3 against the single-process fp32 reference and records
+one step's ledger per mesh axis.
+"""
+
+from __future__ import annotations
+
+import multirank
+import parity
+import pytest
+
+from zeroshard.parallel.mesh import AXES, Mesh, MeshError, MeshShape
+
+TOL = parity.TOL
+SHARD = 2  # zero_optimization.mics_shard_size: 4 ranks = 2 replicas x 2 shards
+
+
+def test_coords_are_row_major_with_tp_fastest():
+    shape = MeshShape(pp=2, dp_replicate=1, dp_shard=2, sp=1, tp=2)
+    assert shape.world == 8
+    assert shape.coords(0) == dict.fromkeys(AXES, 0)
+    assert shape.coords(1)["tp"] == 1 and shape.coords(2)["dp_shard"] == 1
+    assert shape.coords(4)["pp"] == 1
+    for rank in range(8):
+        assert shape.rank_of(shape.coords(rank)) == rank
+    assert shape.partitions(("tp",)) == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert shape.partitions(("dp_shard",)) == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert shape.partitions(("pp", "tp")) == [[0, 1, 4, 5], [2, 3, 6, 7]]
+
+
+def test_for_world_hybrid_and_errors():
+    assert MeshShape.for_world(8) == MeshShape(dp_shard=8)
+    assert MeshShape.for_world(8, shard_size=2) == MeshShape(dp_replicate=4, dp_shard=2)
+    assert MeshShape.for_world(8, shard_size=8) == MeshShape(dp_shard=8)
+    assert MeshShape.for_world(8, shard_size=-1) == MeshShape(dp_shard=8)
+    assert MeshShape.for_world(8, tp=2, pp=2) == MeshShape(pp=2, dp_shard=2, tp=2)
+    with pytest.raises(MeshError, match="mics_shard_size: 3 does not divide"):
+        MeshShape.for_world(8, shard_size=3)
+    with pytest.raises(MeshError, match="autotp_size"):
+        MeshShape.for_world(6, tp=4)
+    with pytest.raises(MeshError, match="whole number"):
+        MeshShape(tp=0)
+
+
+def test_one_process_mesh_has_local_comms():
+    mesh = Mesh.build(MeshShape())
+    assert mesh.size("dp") == 1 and mesh.coord("zero_shard") == 0
+    assert mesh.comm("zero_shard").world_size == 1
+    with pytest.raises(KeyError, match="no mesh axis"):
+        mesh.comm("data")
+
+
+def _cases() -> list[dict]:
+    z = {"zero_optimization": {"mics_shard_size": SHARD, "stage3_param_persistence_threshold": 0}}
+    return [
+        {"stage": 1, "gas": 2, "clip": 0.8, "frozen": False, "extra": z},
+        {"stage": 2, "gas": 2, "clip": 0.8, "frozen": False, "bucket": 3000, "extra": z},
+        {"stage": 2, "gas": 1, "frozen": False, "bucket": 10**9, "extra": z},
+        {"stage": 3, "gas": 2, "clip": 0.8, "frozen": False, "extra": z},
+        # the GPU code path's offload (separate host masters, staged moves) with replicas
+        {"stage": 2, "gas": 2, "frozen": False, "staged": True, "extra": _offload(z)},
+        {"stage": 3, "gas": 1, "frozen": False, "staged": True, "extra": _offload(z)},
+    ]
+
+
+def _offload(z: dict) -> dict:
+    zo = {**z["zero_optimization"], "offload_optimizer": {"device": "cpu"}}
+    return {"zero_optimization": zo}
+
+
+def _worker(rank: int, world: int, cases: list[dict], ckpt: str) -> dict:
+    from test_parity import _worker as parity_worker
+
+    out = {"parity": parity_worker(rank, world, cases), "ledger": {}}
+    for case in cases[:4]:
+        # untied: a tied embedding is gathered once more, for the head's forward
+        one = {**case, "gas": 1, "clip": 0.0, "steps": 1, "tied": False}
+        _, engine = parity.train(one, rank, world)
+        engine.reset_comm_stats()
+        x, y = parity.batch(99, 2 * world)
+        engine.backward(engine(x[2 * rank : 2 * rank + 2], y[2 * rank : 2 * rank + 2]))
+        engine.step()
+        out["ledger"][f"stage{case['stage']}-{case.get('bucket')}"] = {
+            "axes": engine.comm_stats(by_axis=True),
+            "numel": engine.flat.layout.total_numel,
+            "stage": case["stage"],
+            "coords": engine.mesh.coords,
+            "dp": engine.dp_world_size,
+        }
+    out["checkpoint"] = _checkpoint(rank, world, ckpt)
+    return out
+
+
+def _step(engine, rank: int, world: int, step: int) -> float:
+    x, y = parity.batch(step, 2 * world)
+    loss = engine(x[2 * rank : 2 * rank + 2], y[2 * rank : 2 * rank + 2])
+    engine.backward(loss)
+    engine.step()
+    return loss.item()
+
+
+def _checkpoint(rank: int, world: int, ckpt: str) -> dict:
+    """A hybrid stage-3 save loads into the same layout, into plain ZeRO-2 and into
+    hybrid ZeRO-1; each continues like the engine that saved it."""
+    z = {"mics_shard_size": SHARD, "stage3_param_persistence_threshold": 0}
+    case = {"stage": 3, "gas": 1, "steps": 3, "extra": {"zero_optimization": z}}
+    _, engine = parity.train(case, rank, world)
+    engine.save_checkpoint(ckpt, tag="hybrid")
+    saved = parity.full_params(engine)
+    _step(engine, rank, world, 50)
+    after = parity.full_params(engine)
+    out = {}
+    for name, stage, mics in (("same", 3, SHARD), ("zero2", 2, -1), ("hybrid1", 1, SHARD)):
+        zc = {"mics_shard_size": mics, "stage3_param_persistence_threshold": 0}
+        _, other = parity.train(
+            {"stage": stage, "steps": 0, "extra": {"zero_optimization": zc}}, rank, world
+        )
+        other.load_checkpoint(ckpt, tag="hybrid")
+        loaded = parity.full_params(other)
+        _step(other, rank, world, 50)
+        out[name] = {
+            "loaded": parity.max_param_diff(loaded, saved),
+            "continued": parity.max_param_diff(parity.full_params(other), after),
+        }
+    return out
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    ckpt = str(tmp_path_factory.mktemp("hybrid-ckpt"))
+    return multirank.run(_worker, 4, _cases(), ckpt, timeout=600)
+
+
+def test_hybrid_checkpoint_reshards(results):
+    for r in results:
+        for name, diffs in r["checkpoint"].items():
+            assert diffs["loaded"] == 0.0, (name, diffs)
+            assert diffs["continued"] <= (0.0 if name == "same" else TOL), (name, diffs)
+
+
+def test_hybrid_parity(results):
+    parity.assert_parity(_cases(), [r["parity"] for r in results], 4)
+
+
+def test_hybrid_ledger_per_axis(results):
+    """All-gathers and reduce-scatters stay inside the shard group; across replicas
+    only the all-reduce of each reduced shard, 4 Psi / shard size (counted 2x)."""
+    for rank, r in enumerate(results):
+        for key, led in r["ledger"].items():
+            axes, numel, stage = led["axes"], led["numel"], led["stage"]
+            assert led["dp"] == 4
+            assert led["coords"]["dp_shard"] == rank % SHARD
+            assert led["coords"]["dp_replicate"] == rank // SHARD
+            assert set(axes) == {"zero_shard", "zero_replicate"}, (key, axes)
+            shard, rep = axes["zero_shard"], axes["zero_replicate"]
+            assert set(shard) == {"reduce_scatter", "all_gather"}, (key, shard)
+            assert set(rep) == {"all_reduce"}, (key, rep)
+            assert shard["reduce_scatter"]["bytes"] == 4 * numel, key
+            gathers = 2 if stage == 3 else 1  # stage 3: forward and backward
+            assert shard["all_gather"]["bytes"] == gathers * 4 * numel, key
+            assert rep["all_reduce"]["bytes"] == 2 * 4 * numel // SHARD, key
