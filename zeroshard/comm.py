@@ -76,7 +76,9 @@ class Ledger:
     def by_axis(self) -> dict[str, Stats]:
         """``{axis: {op: {"calls", "bytes", "seconds"}}}``."""
         axes = sorted({axis for axis, _ in self._ops})
-        return {a: self._totals((op, s) for (ax, op), s in self._ops.items() if ax == a) for a in axes}
+        return {
+            a: self._totals((op, s) for (ax, op), s in self._ops.items() if ax == a) for a in axes
+        }
 
     def total_bytes(self) -> int:
         return sum(s.bytes for s in self._ops.values())

@@ -265,10 +265,7 @@ class Mesh:
         """The Comm over an axis or a named group; its ledger entries carry ``name``."""
         axes = self._axes(name)
         if axes not in self._comms:
-            if self._groups:
-                group = self._groups[axes]
-            else:  # one process, no process group
-                group = None
+            group = self._groups[axes] if self._groups else None  # None: one process
             self._comms[axes] = Comm(group, self.ledger, axis=name)
         return self._comms[axes]
 
@@ -278,7 +275,9 @@ class Mesh:
             return GROUPS[name]
         if name in AXES:
             return (name,)
-        raise KeyError(f"no mesh axis or group named {name!r} (axes {AXES}, groups {tuple(GROUPS)})")
+        raise KeyError(
+            f"no mesh axis or group named {name!r} (axes {AXES}, groups {tuple(GROUPS)})"
+        )
 
     def describe(self) -> str:
         return describe(self.shape)
