@@ -141,9 +141,10 @@ def reference(
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def train(case: dict, rank: int, world: int, norms: list | None = None):
+def train(case: dict, rank: int, world: int, norms: list | None = None, mpu=None):
     """Train with zeroshard on this rank; returns (per-step mean micro loss, engine).
-    ``norms``, if given, receives ``engine.get_global_grad_norm()`` after each step."""
+    ``norms``, if given, receives ``engine.get_global_grad_norm()`` after each step.
+    ``rank`` / ``world`` are the data-parallel rank and size (``mpu``: passed on)."""
     import zeroshard
 
     model = build_model(case)
@@ -158,7 +159,7 @@ def train(case: dict, rank: int, world: int, norms: list | None = None):
     from zeroshard.offload.staging import STAGE_ON_CPU_ENV
 
     os.environ[STAGE_ON_CPU_ENV] = "1" if case.get("staged") else "0"
-    engine, _, _, _ = zeroshard.initialize(model=model, config=ds_config(case), **kwargs)
+    engine, _, _, _ = zeroshard.initialize(model=model, config=ds_config(case), mpu=mpu, **kwargs)
     os.environ.pop(STAGE_ON_CPU_ENV)
     micro, gas = case.get("micro", 2), case.get("gas", 1)
     losses = []

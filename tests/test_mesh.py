@@ -90,7 +90,40 @@ def _worker(rank: int, world: int, cases: list[dict], ckpt: str) -> dict:
             "dp": engine.dp_world_size,
         }
     out["checkpoint"] = _checkpoint(rank, world, ckpt)
+    out["mpu"] = _mpu(rank, world)
     return out
+
+
+class _MPU:
+    """A Megatron-style mpu: tensor-parallel pairs of adjacent ranks, data-parallel
+    across them (the model is replicated here, so tp ranks compute the same thing)."""
+
+    def __init__(self, rank: int, world: int) -> None:
+        import torch.distributed as dist
+
+        tp_groups = [dist.new_group([r, r + 1]) for r in range(0, world, 2)]
+        dp_groups = [dist.new_group(list(range(j, world, 2))) for j in range(2)]
+        self.tp, self.dp = tp_groups[rank // 2], dp_groups[rank % 2]
+
+    def get_data_parallel_group(self):
+        return self.dp
+
+    def get_model_parallel_group(self):
+        return self.tp
+
+
+def _mpu(rank: int, world: int) -> dict:
+    import torch.distributed as dist
+
+    mpu = _MPU(rank, world)
+    case = {"stage": 2, "gas": 2, "clip": 0.8}
+    _, ref_params = parity.reference(case, 2)
+    _, engine = parity.train(case, dist.get_rank(mpu.dp), 2, mpu=mpu)
+    return {
+        "dp": engine.dp_world_size,
+        "tp": engine.mesh.size("tp"),
+        "param": parity.max_param_diff(parity.full_params(engine), ref_params),
+    }
 
 
 def _step(engine, rank: int, world: int, step: int) -> float:
@@ -161,3 +194,10 @@ def test_hybrid_ledger_per_axis(results):
             gathers = 2 if stage == 3 else 1  # stage 3: forward and backward
             assert shard["all_gather"]["bytes"] == gathers * 4 * numel, key
             assert rep["all_reduce"]["bytes"] == 2 * 4 * numel // SHARD, key
+
+
+def test_initialize_with_mpu(results):
+    for r in results:
+        m = r["mpu"]
+        assert (m["dp"], m["tp"]) == (2, 2)
+        assert m["param"] <= TOL, m
