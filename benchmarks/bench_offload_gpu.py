@@ -69,7 +69,7 @@ def _zeroshard_step_fn(model, system: str, args):
     }
     engine, *_ = zeroshard.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     if system == "offload-serial":
-        engine.optimizer._pipelined = False
+        engine.optimizer.states.pipelined = False
 
     opt = engine.optimizer
     norm_fn = opt._global_norm

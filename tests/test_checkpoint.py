@@ -618,7 +618,7 @@ def _opt_state(engine) -> tuple[list[float], dict]:
 
     access = ShardAccess(engine)
     states = {}
-    for key in access.state_keys():
+    for key in [k for k in access.kinds() if k not in ("param", "master")]:
         states[key] = torch.cat(
             [
                 access.get(key, p.shard_lo, p.shard_lo + p.hi - p.lo)

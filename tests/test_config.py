@@ -571,7 +571,6 @@ NOT_BUILT_CASES = {
     "hpz": (_zero(zero_hpz_partition_size=8), "zero_optimization.zero_hpz_partition_size"),
     "qwz": (_zero(zero_quantized_weights=True), "zero_optimization.zero_quantized_weights"),
     "qgz": (_zero(zero_quantized_gradients=True), "zero_optimization.zero_quantized_gradients"),
-    "mics": (_zero(mics_shard_size=4), "zero_optimization.mics_shard_size"),
     "pipeline": (_with(pipeline={"stages": 2}), "pipeline"),
     "amp": (_with(amp={"enabled": True, "opt_level": "O1"}), "amp"),
     "torch_autocast": (_with(torch_autocast={"enabled": True}), "torch_autocast"),

@@ -93,7 +93,7 @@ def _offload_path(rank: int, world: int) -> list[dict]:
             extra.update(offload_param=CPU, stage3_param_persistence_threshold=0)
         case = {"stage": stage, "steps": 2, "gas": 2, "micro": 1, "extra": {Z: extra}}
         _, engine = parity.train(case, rank, world)
-        opt, stager = engine.optimizer, engine.reducer._stager
+        opt, stager = engine.optimizer.states, engine.reducer._stager
         out.append(
             {
                 "stage": stage,
@@ -102,8 +102,8 @@ def _offload_path(rank: int, world: int) -> list[dict]:
                 "masters_on": sorted({str(m.device) for m in opt.masters}),
                 "masters_pinned": all(m.is_pinned() for m in opt.masters),
                 "grads_on": sorted({str(g.device) for g in engine.reducer.grad_chunks}),
-                "separate": opt.separate_masters,
-                "pipelined": opt._pipelined,
+                "separate": opt.separate,
+                "pipelined": opt.pipelined,
                 "side_stream": stager is not None and stager._stream is not None,
                 "stager_pinned": stager is not None
                 and all(b.is_pinned() for b in stager.buffers()),

@@ -156,7 +156,7 @@ def _train_gpt(rank: int, world: int, nvme: str | None) -> dict:
     m = engine.memory_stats()
     pools = []
     if nvme:
-        pools = engine.flat.swap_pool.buffers() + [
+        pools = engine.flat.store.buffers() + [
             t for s in engine.optimizer.inner.sets for t in s.values()
         ]
     return {

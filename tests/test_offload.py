@@ -59,16 +59,56 @@ def _memory(rank, world):
                     "stage": stage,
                     "staged": staged,
                     "memory": engine.memory_stats(),
-                    "masters_on": str(engine.optimizer.masters[0].device),
+                    "masters_on": str(engine.optimizer.states.masters[0].device),
                     "grad_on": str(engine.reducer.grad_chunks[0].device),
-                    "separate": engine.optimizer.separate_masters,
+                    "separate": engine.optimizer.states.separate,
                     "moved": stager.submitted if stager is not None else 0,
                     "pending": stager.pending if stager is not None else 0,
                     "buckets": len(engine.flat.layout.segments),
-                    "pipelined": engine.optimizer._pipelined,
+                    "pipelined": engine.optimizer.states.pipelined,
                 }
             )
     return out
+
+
+def _one_host_copy(rank, world):
+    """Stage 3 with parameters and optimizer offloaded to the host, bf16, on the GPU code
+    path: bytes per element of this rank's shard, by kind."""
+    out = {}
+    for dtype in ("bf16", "fp32"):
+        zc = {
+            "offload_optimizer": CPU,
+            "offload_param": CPU,
+            "stage3_param_persistence_threshold": 0,
+        }
+        case = {"stage": 3, "steps": 1, "staged": True, "dtype": dtype, "frozen": False}
+        case["extra"] = {"zero_optimization": zc}
+        _, engine = parity.train(case, rank, world)
+        shard = engine.flat.layout.shard_numel
+        m = engine.memory_stats()
+        out[dtype] = {
+            "params": m["params"] / shard,
+            "optimizer_states": m["optimizer_states"] / shard,
+            "store_dtype": str(engine.flat.store.dtype),
+            "separate": engine.optimizer.states.separate,
+            "kinds": engine.optimizer.states.kinds,
+        }
+    return out
+
+
+def test_offloaded_stage3_keeps_one_fp32_host_copy() -> None:
+    """With parameters and optimizer both in host memory the fp32 master *is* the
+    parameter shard: 4 bytes of parameters and 8 of Adam moments per shard element,
+    no separate master copy and no write-back (before: a bf16 shard plus an fp32 master,
+    2 + 12 bytes, or 4 + 12 in fp32). Gathers cast to bf16 on the device."""
+    for per_rank in multirank.run(_one_host_copy, 2, timeout=300):
+        for dtype, r in per_rank.items():
+            assert r["store_dtype"] == "torch.float32" and not r["separate"], r
+            assert r["params"] == 4.0, r  # the fp32 shard = master
+            # Adam's two moments, plus a few step counters
+            assert 8.0 <= r["optimizer_states"] < 8.01, r
+            # bf16 checkpoints still save the fp32 masters for an exact resume
+            assert ("master" in r["kinds"]) == (dtype == "bf16"), r
 
 
 def test_offload_parity_two_ranks() -> None:

@@ -18,6 +18,7 @@ docstrings.
 from __future__ import annotations
 
 import logging
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -26,21 +27,26 @@ from torch import nn
 from zeroshard.distributed import default_device, local_rank
 from zeroshard.memory import measure
 from zeroshard.offload.placement import Placement
+from zeroshard.offload.store import MemoryShard
 from zeroshard.offload.swaps import EngineSwaps
 from zeroshard.optim import optimizer_factory
 from zeroshard.parallel.mesh import Mesh
 from zeroshard.precision import DtypePolicy, LossScaler
 from zeroshard.schedulers import build_scheduler
 from zeroshard.zero.flat import FlatParams
-from zeroshard.zero.gathered import register_owner
+from zeroshard.zero.gathered import register_owner, unregister_owner
 from zeroshard.zero.gradients import GradReducer
 from zeroshard.zero.init import is_sealed, take_value
-from zeroshard.zero.optimizer import ShardedOptimizer, build_inner_optimizer
+from zeroshard.zero.optimizer import ShardedOptimizer
 from zeroshard.zero.parameters import ParamGatherer, WholeParams
 from zeroshard.zero.partition import FlatLayout
 from zeroshard.zero.plan import plan_buckets, plan_units
+from zeroshard.zero.states import build_memory_states
 
 log = logging.getLogger("zeroshard")
+
+# the live engine of each model, so a second initialize() tears the first one down
+_ENGINES: weakref.WeakKeyDictionary[nn.Module, weakref.ref] = weakref.WeakKeyDictionary()
 
 _ALIGN = 16  # chunk sizes are multiples of 16 elements (vector-friendly offsets)
 _NVME_ALIGN = 2048  # 4 KiB disk blocks even for 16-bit parameters
@@ -123,9 +129,20 @@ class Engine(nn.Module):
         self.global_samples = 0
         self.skipped_steps = 0
         self._step_applied = False
+        previous = _ENGINES[module]() if module in _ENGINES else None
+        if previous is not None and not previous.destroyed:
+            log.warning(
+                "zeroshard: initialize() on a model another engine manages; that engine "
+                "is destroyed first (call engine.destroy() yourself to silence this)"
+            )
+            previous.destroy()
+        _ENGINES[module] = weakref.ref(self)
+        self.destroyed = False
         _move_module(module, self.device, self.policy.compute)
+        self._installed = []
         if self.policy.compute != torch.float32:
-            module.register_forward_pre_hook(self._cast_inputs, with_kwargs=True)
+            cast = module.register_forward_pre_hook(self._cast_inputs, with_kwargs=True)
+            self._installed.append(cast)
         self._broadcast_initial_state()
         self._swaps = EngineSwaps(config, self.comm.rank)
         self._swap_spaces = self._swaps.spaces  # nvme_path -> this rank's swap directory
@@ -156,25 +173,11 @@ class Engine(nn.Module):
             on_bucket_ready=self.params.release,
             accum_device=self.placement.optimizer if self.placement.offload_optimizer else None,
         )
-        factory = optimizer_factory(config.optimizer, self.device) if config.optimizer else None
-        inner, masters = build_inner_optimizer(
-            self.flat,
-            self.policy,
-            self.placement,
-            client=client_optimizer,
-            factory=factory,
-            swapped=(
-                (lambda: self._swaps.swapped_adam(self.flat, self.placement.optimizer_nvme))
-                if self.placement.optimizer_nvme
-                else None
-            ),
-        )
         self.loss_scaler = LossScaler.from_config(config.fp16)
         self.optimizer = ShardedOptimizer(
             self.flat,
             self.reducer,
-            inner,
-            masters,
+            self._optimizer_states(client_optimizer),
             shard_comm,
             policy=self.policy,
             scaler=self.loss_scaler,
@@ -193,6 +196,21 @@ class Engine(nn.Module):
                 log.warning("zeroshard: config section %r is accepted but has no effect", name)
 
     # -- construction -------------------------------------------------------------------
+    def _optimizer_states(self, client: torch.optim.Optimizer | None):
+        """Masters and optimizer states: in swap files (NVMe offload) or in memory."""
+        if self.placement.optimizer_nvme:
+            if client is not None:
+                raise ValueError(
+                    "zero_optimization.offload_optimizer.device: NVMe offload steps the "
+                    "config's Adam/AdamW itself; pass no optimizer to initialize() with it"
+                )
+            return self._swaps.swapped_adam(self.flat, self.placement.optimizer_nvme)
+        cfg = self._config.optimizer
+        factory = optimizer_factory(cfg, self.device) if cfg is not None else None
+        return build_memory_states(
+            self.flat, self.policy, self.placement, client=client, factory=factory
+        )
+
     def _flatten(self, param_groups: list[dict]) -> tuple[FlatParams, list[int]]:
         """Lay parameters out flat: gradient buckets (stages 0-2) or module units (stage 3)."""
         zc = self._config.zero_optimization
@@ -213,10 +231,7 @@ class Engine(nn.Module):
         layout = FlatLayout(
             [p.numel() for p in plan.params], world, groups=plan.segments, align=align
         )
-        swap = pool = None
-        if self.placement.param_nvme:
-            esize = torch.empty((), dtype=self.policy.compute).element_size()
-            swap, pool = self._swaps.param_store(self.placement.param_nvme, layout, esize)
+        store = self._param_store(layout) if self.sharding.parameters else None
         flat = FlatParams(
             plan.params,
             plan.group_of,
@@ -225,13 +240,22 @@ class Engine(nn.Module):
             self.mesh.coord("zero_shard"),
             device=self.device,
             dtype=self.policy.compute,
-            full=not self.sharding.parameters,
+            store=store,
             value_of=take_value,
-            shard_device=self.placement.param_shard,
-            swap=swap,
-            swap_pool=pool,
         )
         return flat, plan.persistent
+
+    def _param_store(self, layout: FlatLayout):
+        """Stage 3's shard store: an NVMe swap file, or memory. In memory, where the
+        optimizer states live too, the shard is kept in the master dtype: it *is* the
+        fp32 master (no second copy, no write-back; gathers cast on the device)."""
+        place = self.placement
+        if place.param_nvme:
+            return self._swaps.param_store(place.param_nvme, layout, self.policy.compute)
+        masters_here = place.same_place_for_masters()
+        dtype = self.policy.master if masters_here else self.policy.compute
+        pin = place.pin_memory and place.param_shard.type == "cpu"
+        return MemoryShard.empty(layout, dtype, place.param_shard, pin)
 
     def _broadcast_initial_state(self) -> None:
         """Every replica starts from the first one's parameters and buffers (with tensor
@@ -276,8 +300,39 @@ class Engine(nn.Module):
         dtype = self.policy.compute
         return _cast_floating(args, dtype), _cast_floating(kwargs, dtype)
 
+    # -- teardown ---------------------------------------------------------------------
+    def destroy(self) -> None:
+        """Remove every hook this engine installed and free its buffers (DeepSpeed's
+        name). The module keeps its parameters, whole (stage 3 gathers them back unit by
+        unit), as plain tensors: it trains as plain torch or goes to ``initialize``
+        again. The engine is unusable afterwards."""
+        if self.destroyed:
+            return
+        self.reducer.remove_hooks()
+        self.params.remove()
+        for h in self._installed:
+            h.remove()
+        self._installed.clear()
+        unregister_owner(self)
+        for p in self.module.parameters():
+            p.grad = None
+        self._swaps.close()
+        self.destroyed = True
+        if self.module in _ENGINES and _ENGINES[self.module]() is self:
+            del _ENGINES[self.module]
+        # drop the buffers (the parameters at stages 0-2 keep their views of the flat one)
+        self.reducer = self.optimizer = self.flat = self.params = None
+
+    def _check_alive(self) -> None:
+        if self.destroyed:
+            raise RuntimeError(
+                "this zeroshard engine was destroyed (engine.destroy(), or initialize() "
+                "called again on its model); use the engine the latest initialize() returned"
+            )
+
     # -- the training loop --------------------------------------------------------------
     def forward(self, *args, **kwargs):
+        self._check_alive()
         return self.module(*args, **kwargs)
 
     def is_gradient_accumulation_boundary(self) -> bool:
@@ -286,6 +341,7 @@ class Engine(nn.Module):
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True):
         """Backward of ``loss / accumulation steps`` (times the fp16 loss scale); on the
         reducing micro-steps, gradients are reduced while backward runs."""
+        self._check_alive()
         scaled = loss
         gas = self.gradient_accumulation_steps()
         if scale_wrt_gas and gas > 1:
@@ -303,6 +359,7 @@ class Engine(nn.Module):
 
     def step(self, lr_kwargs: dict | None = None) -> None:
         """Count a micro-step; at the accumulation boundary, update the model."""
+        self._check_alive()
         self._step_applied = False
         if self.is_gradient_accumulation_boundary():
             self._step_applied = self.optimizer.step()

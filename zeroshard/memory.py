@@ -220,7 +220,10 @@ def measure(engine) -> dict:
             loc = str(t.device)
             out["by_location"][loc] = out["by_location"].get(loc, 0) + storage.nbytes()
         out[kind] = total
-    nvme = {"params": engine.flat.nvme_bytes(), "optimizer_states": engine.optimizer.nvme_bytes()}
+    nvme = {
+        "params": engine.flat.store.disk_bytes(),
+        "optimizer_states": engine.optimizer.states.disk_bytes(),
+    }
     for kind, nbytes in nvme.items():
         if nbytes:
             out[kind] += nbytes

@@ -237,7 +237,8 @@ def check_model(manifest: dict, engine, path: str, strict: bool = True) -> set[s
 
 def _accepted_kinds(engine, access: ShardAccess, manifest: dict) -> set[str]:
     live = type(engine.optimizer.inner).__name__
-    ok = set(access.state_keys()) | _STATE_KINDS.get(live, set())
+    held = {k for k in access.kinds() if k not in ("param", "master")}
+    ok = held | _STATE_KINDS.get(live, set())
     if live not in _STATE_KINDS and live == manifest["optimizer"].get("type"):
         ok |= set(manifest["kinds"])  # the same client optimizer: it made these
     return ok

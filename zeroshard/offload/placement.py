@@ -65,6 +65,22 @@ class Placement:
         GPU code path: separate masters, staged gradient moves, write-back), for tests."""
         return self.device.type != "cpu" or stage_on_cpu()
 
+    @property
+    def optimizer_on_host(self) -> bool:
+        """Masters and states in host memory apart from the device's (CPU offload on a
+        GPU, or its CPU-only rehearsal)."""
+        return self.optimizer_offload == "cpu" and self.host_is_separate
+
+    @property
+    def param_on_host(self) -> bool:
+        """The stage-3 parameter shard in host memory apart from the device's."""
+        return self.param_offload == "cpu" and self.host_is_separate
+
+    def same_place_for_masters(self) -> bool:
+        """Whether the parameter shard and the optimizer states share one memory, so
+        fp32 masters can be the parameter shard itself."""
+        return self.param_on_host == self.optimizer_on_host and self.optimizer_offload != "nvme"
+
     @classmethod
     def on(cls, device: torch.device) -> Placement:
         """Everything on ``device`` (no offload)."""

@@ -9,8 +9,10 @@ the parameters, write all three back. With ``pipeline_read`` the next sub-group 
 while this one steps; with ``pipeline_write`` its writes finish while the next one
 steps; RAM holds only the buffer sets (3 buffers of one sub-group each).
 
-It quacks like a torch optimizer where the engine needs it to: ``param_groups`` (so
-schedulers change ``lr``), ``state`` (empty: nothing is in memory) and ``state_dict``.
+It is the NVMe store of the shard-store protocol (``offload/store.py``, and
+``zero/states.py`` for the memory one): ``step(reducer, factor)``, ``kinds``,
+``read``/``write`` of a kind at shard positions, ``buffers()`` and ``disk_bytes()``;
+and it quacks like a torch optimizer where schedulers need it to (``param_groups``).
 """
 
 from __future__ import annotations
@@ -57,7 +59,7 @@ class SwappedAdam:
         self.runs = sorted(
             (flat.layout.segments[s].shard_start + lo, flat.layout.segments[s].shard_start + hi, g)
             for g in range(len(self.param_groups))
-            for s, lo, hi in flat._spans[g]
+            for s, lo, hi in flat.group_spans(g)
         )
         self.files = {k: space.file(k, n * 4) for k in _KEYS}
         self.pipeline_read, self.pipeline_write = pipeline_read, pipeline_write
@@ -70,6 +72,27 @@ class SwappedAdam:
             buf = self.sets[0]["master"]
             buf[: b - a].copy_(initial_master(a, b))
             self.files["master"].write(buf[: self._io(a, b)], a * 4)
+
+    kinds = _KEYS
+
+    @property
+    def inner(self) -> SwappedAdam:
+        return self
+
+    def init_state(self, zero_grads) -> None:
+        """The moments start as zeros in their files already."""
+
+    def step(self, reducer, factor: float) -> None:
+        """Step on ``reducer.grad_shard`` scaled by ``factor``; each sub-group's new
+        masters go into the parameter store as soon as they are computed."""
+        store = self.flat.store
+        self.swapped_step(reducer.grad_shard, factor, lambda a, b, m: store.write("param", a, m))
+
+    def refresh(self, segments: list[int]) -> None:
+        """Parameters of ``segments`` were changed from outside: copy them into the masters."""
+        for s in segments:
+            start = self.flat.layout.segments[s].shard_start
+            self.write("master", start, self.flat.store.chunk(s).float())
 
     # -- the step -----------------------------------------------------------------------
     @staticmethod
@@ -156,17 +179,23 @@ class SwappedAdam:
     def buffers(self) -> list[torch.Tensor]:
         return [t for s in self.sets for t in s.values()]
 
-    def nvme_bytes(self) -> int:
+    def disk_bytes(self) -> int:
         return sum(f.nbytes for f in self.files.values())
 
-    def read_state(self, key: str, a: int, b: int) -> torch.Tensor:
+    def group_steps(self) -> list[float]:
+        return [float(s) for s in self.steps]
+
+    def set_group_steps(self, steps: list[float]) -> None:
+        self.steps = [int(s) for s in steps]
+
+    def read(self, key: str, a: int, b: int) -> torch.Tensor:
         """A copy of ``master``/``exp_avg``/``exp_avg_sq`` for shard range [a, b)."""
         lo, hi = (a // (ALIGN // 4)) * (ALIGN // 4), -(-b // (ALIGN // 4)) * (ALIGN // 4)
         buf = aligned_empty((hi - lo) * 4).view(torch.float32)
         self.files[key].read(buf, lo * 4)
         return buf[a - lo : b - lo].clone()
 
-    def write_state(self, key: str, a: int, values: torch.Tensor) -> None:
+    def write(self, key: str, a: int, values: torch.Tensor) -> None:
         """Overwrite ``key`` at shard positions ``[a, a + len(values))`` (checkpoint load)."""
         b, e = a + values.numel(), ALIGN // 4
         lo, hi = (a // e) * e, -(-b // e) * e

@@ -4,7 +4,10 @@ masters and moments live in swap files. No communication."""
 
 from __future__ import annotations
 
+import torch
+
 from zeroshard.offload.nvme import BufferPool, SwapSpace
+from zeroshard.offload.store import SwapShard
 from zeroshard.offload.swapped_adam import SwappedAdam
 from zeroshard.zero.flat import FlatParams
 from zeroshard.zero.partition import FlatLayout
@@ -25,8 +28,9 @@ class EngineSwaps:
             self.spaces[path] = SwapSpace(path, f"rank{self.rank}", threads=threads)
         return self.spaces[path]
 
-    def param_store(self, path: str, layout: FlatLayout, esize: int):
-        """The parameter shard's swap file and the pool its reads and writes go through."""
+    def param_store(self, path: str, layout: FlatLayout, dtype: torch.dtype) -> SwapShard:
+        """The parameter shard's swap file, read and written through a buffer pool."""
+        esize = torch.empty((), dtype=dtype).element_size()
         swap = self.space(path).file("params", layout.shard_numel * esize)
         off = self.config.zero_optimization.offload_param
         # buffer_size (elements) bounds a buffer; none is larger than the largest chunk
@@ -37,7 +41,8 @@ class EngineSwaps:
                 f"is smaller than this rank's largest parameter chunk ({largest}); "
                 "raise it or lower stage3_prefetch_bucket_size / reduce_bucket_size"
             )
-        return swap, BufferPool(off.buffer_count, largest * esize, "offload_param.buffer_size")
+        pool = BufferPool(off.buffer_count, largest * esize, "offload_param.buffer_size")
+        return SwapShard(swap, pool, layout, dtype)
 
     def swapped_adam(self, flat: FlatParams, path: str) -> SwappedAdam:
         """Adam/AdamW over ``flat``'s shard with its state in swap files under ``path``."""
@@ -55,5 +60,11 @@ class EngineSwaps:
             sub_group_numel=int(zc.sub_group_size),
             pipeline_read=off.pipeline_read,
             pipeline_write=off.pipeline_write,
-            initial_master=flat.read_range,
+            initial_master=lambda a, b: flat.store.read("param", a, b),
         )
+
+    def close(self) -> None:
+        """Finish pending I/O and delete this engine's swap directories."""
+        for space in self.spaces.values():
+            space.close()
+        self.spaces.clear()

@@ -26,6 +26,12 @@ def register_owner(params: Iterable[torch.nn.Parameter], owner) -> None:
         _OWNER[id(p)] = (weakref.ref(p), weakref.ref(owner))
 
 
+def unregister_owner(owner) -> None:
+    """Forget every parameter ``owner`` manages (its teardown)."""
+    for k in [k for k, (_, o) in _OWNER.items() if o() is None or o() is owner]:
+        del _OWNER[k]
+
+
 def owner_of(param: torch.Tensor):
     """The engine managing ``param``, or None."""
     entry = _OWNER.get(id(param))

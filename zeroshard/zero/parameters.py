@@ -90,6 +90,9 @@ class WholeParams:
     def end_backward(self) -> None:
         pass
 
+    def remove(self) -> None:
+        """Nothing installed; the parameters stay views of the full buffer."""
+
     def release(self, segment: int) -> None:
         pass
 
@@ -213,22 +216,21 @@ class ParamGatherer:
     def _launch(self, s: int, *, prefetch: bool = False) -> None:
         if s in self._gathered or s in self._handles:
             return
-        if self.flat.swap_pool is not None:  # NVMe: read into a buffer of the pool
-            chunk = self.flat.read_chunk_pooled(s)
-            while chunk is None:  # every buffer is under an all-gather in flight
-                if prefetch:  # (same decision on every rank: counts, not timing)
-                    return
-                self._wait(next(o for o in self._handles if o in self._reads))
-                chunk = self.flat.read_chunk_pooled(s)
-            self._reads[s] = chunk
-        else:
-            chunk = self.flat.read_chunk(s)  # a view, in memory or offloaded to the CPU
+        store = self.flat.store
+        chunk = store.lend(s)  # a view in memory, or a pool buffer read from NVMe
+        while chunk is None:  # every pool buffer is under an all-gather in flight
+            if prefetch:  # (same decision on every rank: counts, not timing)
+                return
+            self._wait(next(o for o in self._handles if o in self._reads))
+            chunk = store.lend(s)
+        self._reads[s] = chunk
         buf = self.unit_buffers[s]
         nbytes = buf.numel() * buf.element_size()
         if buf.untyped_storage().nbytes() != nbytes:  # a same-size resize_ reallocates
             buf.untyped_storage().resize_(nbytes)
         with torch.autograd._unsafe_preserve_version_counter(buf):
-            chunk = chunk.to(buf.device, non_blocking=True)
+            # uploaded as stored (an fp32 master shard on the host), cast on the device
+            chunk = chunk.to(buf.device, non_blocking=True).to(buf.dtype)
             self._handles[s] = self.comm.all_gather(buf, chunk, async_op=True)
         if s not in self.persistent:
             self.live_numel += self._numel[s]
@@ -245,7 +247,7 @@ class ParamGatherer:
                 handle.wait()
         read = self._reads.pop(s, None)
         if read is not None:  # the all-gather has consumed it
-            self.flat.release_chunk(read)
+            self.flat.store.give_back(read)
         if s not in self._gathered:
             self._gathered.add(s)
             for pi in self.flat.layout.segments[s].params:
@@ -408,7 +410,7 @@ class ParamGatherer:
             rank = self.flat.rank
             for s in segs:
                 seg = self.flat.layout.segments[s]
-                self.flat.write_chunk(
+                self.flat.store.write_chunk(
                     s, self.unit_buffers[s][rank * seg.chunk : (rank + 1) * seg.chunk]
                 )
         for s in segs:
@@ -416,6 +418,26 @@ class ParamGatherer:
             self.release(s)
         return segs if modifier_rank is not None else []
 
+    def remove(self) -> None:
+        """Teardown: remove every hook and give each parameter its whole value back, one
+        unit at a time (one all-gather per unit), as plain tensors the module owns."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+        for m in self._root.modules():
+            if isinstance(m._parameters, AccessTrackingDict):
+                m._parameters = dict(m._parameters)
+        self.release_all()
+        for s in range(len(self.unit_buffers)):
+            self._gather_now((s,))  # persistent units are whole already
+            seg = self.flat.layout.segments[s]
+            whole = [self._views[pi].detach().clone() for pi in seg.params]
+            if s not in self.persistent:
+                self._free(s)
+            for pi, value in zip(seg.params, whole, strict=True):
+                self.flat.params[pi].data = value
+        self.unit_buffers = []
+
     def buffers(self) -> list[torch.Tensor]:
         """The shard (unless swapped to NVMe) plus the always-gathered persistent segments."""
-        return [*self.flat.memory(), *(self.unit_buffers[s] for s in self.persistent)]
+        return [*self.flat.store.buffers(), *(self.unit_buffers[s] for s in self.persistent)]

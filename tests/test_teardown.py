@@ -1,0 +1,94 @@
+"""Teardown: ``engine.destroy()`` removes every hook and leaves the model whole and
+usable; ``initialize`` a second time on the same model tears the first engine down, so
+the hook counts equal those of one ``initialize``. One 2-rank spawn runs every case."""
+
+from __future__ import annotations
+
+import multirank
+import parity
+import torch
+
+TOL = parity.TOL
+
+
+def _hook_counts(model: torch.nn.Module) -> dict[str, int]:
+    mods = list(model.modules())
+    return {
+        "forward_pre": sum(len(m._forward_pre_hooks) for m in mods),
+        "forward": sum(len(m._forward_hooks) for m in mods),
+        "grad": sum(len(p._post_accumulate_grad_hooks or {}) for p in model.parameters()),
+        "tracked": sum(type(m._parameters) is not dict for m in mods),
+    }
+
+
+def _case(stage: int, dtype: str, offload: bool) -> dict:
+    z: dict = {"stage3_param_persistence_threshold": 0} if stage == 3 else {}
+    if offload:
+        z["offload_optimizer"] = {"device": "cpu"}
+    return {"stage": stage, "dtype": dtype, "staged": offload, "extra": {"zero_optimization": z}}
+
+
+def _worker(rank: int, world: int) -> list[dict]:
+    import zeroshard
+
+    out = []
+    for stage, dtype, offload in (
+        (0, "bf16", False),
+        (1, "fp32", True),
+        (2, "bf16", False),
+        (3, "bf16", False),
+        (3, "fp32", True),
+    ):
+        case = {**_case(stage, dtype, offload), "steps": 2}
+        _, first = parity.train(case, rank, world)
+        model = first.module
+        once = _hook_counts(model)
+        before = parity.full_params(first)
+        # a second initialize on the same model, without destroy()
+        cfg = parity.ds_config(case)
+        second, *_ = zeroshard.initialize(
+            model=model, model_parameters=parity.param_groups(model), config=cfg
+        )
+        twice = _hook_counts(model)
+        stale = ""
+        try:
+            first.step()
+        except RuntimeError as exc:
+            stale = str(exc)
+        kept = parity.max_param_diff(parity.full_params(second), before)
+        # the second engine trains
+        x, y = parity.batch(7, 2 * world)
+        second.backward(second(x[2 * rank : 2 * rank + 2], y[2 * rank : 2 * rank + 2]))
+        second.step()
+        trained = parity.max_param_diff(parity.full_params(second), before)
+        # destroy: no hooks left, parameters whole, plain torch runs on them
+        whole = parity.full_params(second)
+        second.destroy()
+        gone = _hook_counts(model)
+        plain = {n: p.detach().float() for n, p in model.named_parameters()}
+        loss = model(x[:2], y[:2]).float().item()
+        out.append(
+            {
+                "case": [stage, dtype, offload],
+                "once": once,
+                "twice": twice,
+                "gone": gone,
+                "stale": stale,
+                "kept": kept,
+                "trained": trained,
+                "destroyed_equal": parity.max_param_diff(plain, whole),
+                "loss_finite": bool(torch.isfinite(torch.tensor(loss))),
+            }
+        )
+    return out
+
+
+def test_reinitialize_and_destroy() -> None:
+    for per_rank in multirank.run(_worker, 2, timeout=300):
+        for r in per_rank:
+            assert r["once"] == r["twice"], r
+            assert r["once"]["grad"] > 0, r  # the reducer's hooks were there
+            assert r["gone"] == {"forward_pre": 0, "forward": 0, "grad": 0, "tracked": 0}, r
+            assert "destroyed" in r["stale"], r
+            assert r["kept"] == 0.0 and r["trained"] > 0, r
+            assert r["destroyed_equal"] == 0.0 and r["loss_finite"], r

@@ -1,0 +1,197 @@
+"""Where a rank's parameter shard lives: memory (the device, or CPU memory, pinned on
+CUDA) or an NVMe swap file. No communication.
+
+Both stores answer one protocol, the one the optimizer-state stores
+(``zero/states.py``) answer too, so the flat parameters, the sharded optimizer and
+checkpoints never ask where a shard is:
+
+* ``kinds``: the kinds of state held (here ``("param",)``);
+* ``read(kind, a, b)`` / ``write(kind, a, values)``: a copy of shard positions
+  ``[a, b)`` / overwrite from ``a`` (checkpoints, ``zero.Init`` hand-over);
+* ``buffers()``: the tensors held in memory (``memory_stats()``); ``disk_bytes()``;
+
+and, for the stage-3 gatherer and the optimizer's write-back, per segment ``s`` of the
+layout (this rank's chunk of it):
+
+* ``lend(s)``: the chunk to all-gather from, or None when a swapped store's buffer pool
+  is exhausted; ``give_back(buf)`` once the all-gather has read it;
+* ``write_chunk(s, values, lo)``: store ``values`` from element ``lo`` of the chunk,
+  casting (and uploading) as needed;
+* ``fill(s)`` / ``commit(s, buf)``: a writable buffer for the chunk and the call that
+  stores it, to build a shard segment by segment.
+
+A store's dtype need not be the compute dtype: with CPU optimizer offload on a GPU the
+stage-3 shard *is* the fp32 master (one host copy, as FSDP2's CPU offload keeps), and
+gathers cast to the compute dtype on the device after the upload.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from zeroshard.offload.nvme import BufferPool, SwapFile, aligned_empty
+from zeroshard.zero.partition import FlatLayout
+
+# Elements of the device buffer that host values pass through when their dtype differs
+# from the destination's (64 MiB of fp32).
+_UPLOAD_NUMEL = 1 << 24
+
+
+def _ranges(layout: FlatLayout, a: int, b: int):
+    """``(segment, lo, hi)`` pieces of shard positions ``[a, b)``, relative to each chunk."""
+    for seg in layout.segments:
+        lo, hi = max(a, seg.shard_start), min(b, seg.shard_start + seg.chunk)
+        if lo < hi:
+            yield seg.index, lo - seg.shard_start, hi - seg.shard_start
+
+
+def _write_ranges(store, a: int, values: torch.Tensor) -> None:
+    for s, lo, hi in _ranges(store.layout, a, a + values.numel()):
+        start = store.layout.segments[s].shard_start
+        store.write_chunk(s, values[lo + start - a : hi + start - a], lo)
+
+
+class MemoryShard:
+    """A shard in one memory buffer; every chunk is a view of it.
+
+    ``buffer`` is the shard itself (stage 3) or, when parameters are whole (stages 0-2),
+    their full flat buffer, with ``views`` this rank's chunk of each segment in it."""
+
+    kinds = ("param",)
+
+    def __init__(
+        self, buffer: torch.Tensor, layout: FlatLayout, views: list[torch.Tensor] | None = None
+    ) -> None:
+        self.buffer, self.layout = buffer, layout
+        if views is None:
+            views = [buffer[s.shard_start : s.shard_start + s.chunk] for s in layout.segments]
+        self.views = views
+        self.dtype, self.device = buffer.dtype, buffer.device
+        self._upload: torch.Tensor | None = None  # see _upload_and_cast
+
+    @classmethod
+    def empty(cls, layout: FlatLayout, dtype: torch.dtype, device, pin: bool) -> MemoryShard:
+        # empty, not zeros: pages get touched as values arrive, so building the shard
+        # while zero.Init's slices are released one by one does not double the peak
+        buf = torch.empty(layout.shard_numel, dtype=dtype, device=device, pin_memory=pin)
+        return cls(buf, layout)
+
+    # -- per segment --------------------------------------------------------------------
+    def lend(self, s: int) -> torch.Tensor:
+        return self.views[s]
+
+    def chunk(self, s: int) -> torch.Tensor:
+        return self.views[s]
+
+    def give_back(self, buf: torch.Tensor) -> None:
+        pass
+
+    def fill(self, s: int) -> torch.Tensor:
+        return self.views[s]
+
+    def commit(self, s: int, buf: torch.Tensor) -> None:
+        pass
+
+    def write_chunk(self, s: int, values: torch.Tensor, lo: int = 0) -> None:
+        dst = self.views[s][lo : lo + values.numel()]
+        if dst.device != values.device and dst.dtype != values.dtype:
+            self._upload_and_cast(dst, values)
+        else:
+            dst.copy_(values, non_blocking=True)
+
+    def _upload_and_cast(self, dst: torch.Tensor, values: torch.Tensor) -> None:
+        """Host ``values`` into a device chunk of another dtype (fp32 masters into bf16
+        parameters). ``copy_`` would cast on the host into a pageable temporary, whose
+        upload then blocks the host: instead the values go as they are (from pinned
+        memory: without blocking) into a device buffer of at most ``_UPLOAD_NUMEL``
+        elements, and the device casts. One buffer is enough: the copies and casts are
+        ordered on the current stream. The buffer is not in ``buffers()``."""
+        if values.numel() == 0:
+            return
+        n = min(values.numel(), _UPLOAD_NUMEL)
+        buf = self._upload
+        if buf is None or buf.numel() < n or buf.dtype != values.dtype:
+            buf = self._upload = torch.empty(n, dtype=values.dtype, device=dst.device)
+        for a in range(0, values.numel(), buf.numel()):
+            b = min(a + buf.numel(), values.numel())
+            part = buf[: b - a]
+            part.copy_(values[a:b], non_blocking=True)
+            dst[a:b].copy_(part)
+
+    # -- the protocol -------------------------------------------------------------------
+    def read(self, kind: str, a: int, b: int) -> torch.Tensor:
+        parts = [self.views[s][lo:hi] for s, lo, hi in _ranges(self.layout, a, b)]
+        return torch.cat(parts) if parts else torch.empty(0, dtype=self.dtype)
+
+    def write(self, kind: str, a: int, values: torch.Tensor) -> None:
+        _write_ranges(self, a, values)
+
+    def buffers(self) -> list[torch.Tensor]:
+        return [self.buffer]
+
+    def disk_bytes(self) -> int:
+        return 0
+
+
+class SwapShard:
+    """A shard in an NVMe swap file; chunks move through a pool of aligned buffers (the
+    RAM it holds). Chunk offsets are whole disk blocks (``FlatLayout(align=...)``)."""
+
+    kinds = ("param",)
+    device = torch.device("cpu")
+
+    def __init__(self, file: SwapFile, pool: BufferPool, layout: FlatLayout, dtype) -> None:
+        self.file, self.pool, self.layout, self.dtype = file, pool, layout, dtype
+        self.esize = torch.empty((), dtype=dtype).element_size()
+
+    def _offset(self, s: int, lo: int = 0) -> int:
+        return (self.layout.segments[s].shard_start + lo) * self.esize
+
+    def _read_into(self, s: int, raw: torch.Tensor) -> torch.Tensor:
+        self.file.read(raw, self._offset(s))
+        return raw.view(self.dtype)[: self.layout.segments[s].chunk]
+
+    # -- per segment --------------------------------------------------------------------
+    def lend(self, s: int) -> torch.Tensor | None:
+        raw = self.pool.acquire(self.layout.segments[s].chunk * self.esize)
+        return None if raw is None else self._read_into(s, raw)
+
+    def give_back(self, buf: torch.Tensor) -> None:
+        self.pool.release(buf)
+
+    def chunk(self, s: int) -> torch.Tensor:
+        """A fresh copy of chunk ``s`` (outside the pool)."""
+        return self._read_into(s, aligned_empty(self.layout.segments[s].chunk * self.esize))
+
+    def fill(self, s: int) -> torch.Tensor:
+        return aligned_empty(self.layout.segments[s].chunk * self.esize).view(self.dtype)
+
+    def commit(self, s: int, buf: torch.Tensor) -> None:
+        self.file.write(buf, self._offset(s))
+
+    def write_chunk(self, s: int, values: torch.Tensor, lo: int = 0) -> None:
+        """Whole chunks are written as they are; a part of one is read, patched and
+        written back whole (swap I/O moves whole disk blocks)."""
+        chunk = self.layout.segments[s].chunk
+        raw = self.pool.acquire(chunk * self.esize)
+        buf = raw if raw is not None else aligned_empty(chunk * self.esize)
+        if lo or values.numel() != chunk:
+            self.file.read(buf, self._offset(s))
+        buf.view(self.dtype)[lo : lo + values.numel()].copy_(values)
+        self.file.write(buf, self._offset(s))
+        if raw is not None:
+            self.pool.release(raw)
+
+    # -- the protocol -------------------------------------------------------------------
+    def read(self, kind: str, a: int, b: int) -> torch.Tensor:
+        parts = [self.chunk(s)[lo:hi] for s, lo, hi in _ranges(self.layout, a, b)]
+        return torch.cat(parts) if parts else torch.empty(0, dtype=self.dtype)
+
+    def write(self, kind: str, a: int, values: torch.Tensor) -> None:
+        _write_ranges(self, a, values)
+
+    def buffers(self) -> list[torch.Tensor]:
+        return self.pool.buffers()
+
+    def disk_bytes(self) -> int:
+        return self.file.nbytes
