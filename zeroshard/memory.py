@@ -5,7 +5,9 @@ Model states follow the ZeRO paper. With Ψ parameters, N data-parallel ranks an
 mixed-precision Adam (2-byte parameters and gradients, K = 12 bytes of fp32 master,
 momentum and variance per parameter): stage 0 holds 16Ψ per rank, stage 1
 4Ψ + 12Ψ/N, stage 2 2Ψ + 14Ψ/N, stage 3 16Ψ/N. In fp32 training the parameters are
-the master weights (K = 8). Offload moves the optimizer side (masters, moments and,
+the master weights (K = 8). zeroshard's stage 3 keeps the parameter shard in fp32 where
+the optimizer states live too, so it is the master: 4 + 2 + 8 = 14Ψ/N in mixed
+precision. Offload moves the optimizer side (masters, moments and,
 from stage 2, the gradient shard) to CPU memory or NVMe files, and at stage 3 the
 parameter shard too. zeroshard's own buffers are included: the gradient staging
 buckets (stages 2-3) and the gathered always-resident small parameters (stage 3).
@@ -106,8 +108,13 @@ def estimate(
     n = nproc * nnodes
     psi = int(params)
     p_b, g_b, master_b, states_b = PRECISIONS[precision]
+    compute_b = p_b  # gathered parameters
     if offload != "none" and master_b == 0:
         master_b = 4  # an offloaded optimizer keeps its own fp32 masters
+    # a stage-3 shard kept where its optimizer states are (both on the device, or both
+    # in CPU memory) is the fp32 master itself: 4 bytes of parameters, no separate master
+    if stage == 3 and master_b and (offload == "cpu") == offload_params and offload != "nvme":
+        p_b, master_b = 4, 0
     shard = psi / n
     param_bytes = round(p_b * (shard if stage == 3 else psi))
     grad_bytes = round(g_b * (shard if stage >= 2 else psi))
@@ -116,7 +123,7 @@ def estimate(
     if stage == 2:
         buffers = g_b * min(bucket_numel or psi, psi)
     elif stage == 3:
-        buffers = g_b * largest_unit + p_b * persistent_numel
+        buffers = g_b * largest_unit + compute_b * persistent_numel
     loc = {"device": param_bytes + grad_bytes + opt_bytes + buffers}
     if offload != "none" and stage >= 1:
         loc["device"] -= opt_bytes
@@ -134,7 +141,7 @@ def estimate(
         loc["device"] -= param_bytes
         where = "nvme" if offload == "nvme" else "cpu"
         loc[where] = loc.get(where, 0) + param_bytes
-    comm = (3 if stage == 3 else 2) * p_b * psi if n > 1 else 0
+    comm = (3 if stage == 3 else 2) * compute_b * psi if n > 1 else 0
     return Estimate(
         stage=stage,
         offload=offload,
