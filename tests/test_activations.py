@@ -42,7 +42,7 @@ class Spy:
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.packed: list[tuple[int, ...]] = []
         self.unpacked = 0
-        to_host, to_device = activation_offload._to_host, activation_offload._to_device
+        to_host, to_device = activation_offload.to_host, activation_offload.to_device
 
         def pack(t):
             self.packed.append(tuple(t.shape))
@@ -52,8 +52,8 @@ class Spy:
             self.unpacked += 1
             return to_device(p)
 
-        monkeypatch.setattr(activation_offload, "_to_host", pack)
-        monkeypatch.setattr(activation_offload, "_to_device", unpack)
+        monkeypatch.setattr(activation_offload, "to_host", pack)
+        monkeypatch.setattr(activation_offload, "to_device", unpack)
 
 
 def _max_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
@@ -357,7 +357,7 @@ def test_offload_queue_unfinished_copies_skip_the_copy_back_and_are_drained(
 
 def test_offload_queue_bounds_the_sources_held(monkeypatch: pytest.MonkeyPatch) -> None:
     rec = Recorder(monkeypatch, max_inflight_bytes=2 * 64 * 4)
-    kept = [activation_offload._to_host(torch.randn(64)) for _ in range(5)]
+    kept = [activation_offload.to_host(torch.randn(64)) for _ in range(5)]
     assert rec.mover.of("wait") == [0, 1, 2]  # the oldest copies, waited for in order
     assert [e.src is None for e in kept] == [True, True, True, False, False]
     assert rec.queue.inflight_bytes == 2 * 64 * 4
@@ -518,14 +518,14 @@ def test_stream_mover_orders_the_streams(monkeypatch: pytest.MonkeyPatch) -> Non
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_offload_moves_to_pinned_host_memory_on_cuda() -> None:
     x = torch.randn(4, 8, device="cuda")
-    packed = activation_offload._to_host(x)
+    packed = activation_offload.to_host(x)
     assert isinstance(packed, activation_offload._Offloaded)
     assert packed.host.device.type == "cpu" and packed.host.is_pinned()
     assert packed.device == x.device
     torch.cuda.synchronize()
     activation_offload._QUEUE.reap()
     assert packed.src is None  # the copy was seen complete: the source was let go
-    back = activation_offload._to_device(packed)
+    back = activation_offload.to_device(packed)
     assert torch.equal(back, x) and back.data_ptr() != x.data_ptr()
     ref = _gpt(dropout=0.1).cuda()
     ids = torch.randint(0, 256, (2, 33), device="cuda")
@@ -627,8 +627,8 @@ def _engine_applies_section(rank: int, world: int) -> dict:
     import zeroshard
 
     packed = []
-    to_host = activation_offload._to_host
-    activation_offload._to_host = lambda t: (packed.append(tuple(t.shape)), to_host(t))[1]
+    to_host = activation_offload.to_host
+    activation_offload.to_host = lambda t: (packed.append(tuple(t.shape)), to_host(t))[1]
     weights = []
     for use in (False, True):
         torch.manual_seed(0)

@@ -196,7 +196,30 @@ def _init_exact(rank, world):
     )
     values = parity.full_params(engine)
     equal = all(torch.equal(values[n], p.detach()) for n, p in eager.named_parameters())
-    return {"equal": equal, "rng_same": after_eager == after_init, "held_bytes": held}
+    # remote_device="cpu" keeps the slices in CPU memory, with the same values
+    torch.manual_seed(5)
+    with zeroshard.zero.Init(remote_device="cpu", pin_memory=True) as init:
+        on_cpu = GPT(cfg)
+    slices = {str(e.shard.device) for e in init._sealed.values()}
+    engine2, *_ = zeroshard.initialize(
+        model=on_cpu, model_parameters=on_cpu.parameters(), config=_config(3, **Z3)
+    )
+    values = parity.full_params(engine2)
+    cpu_equal = all(torch.equal(values[n], p.detach()) for n, p in eager.named_parameters())
+    refused = []
+    for kwargs in ({"remote_device": "nvme"}, {"zero_quantized_weights": True}):
+        try:
+            zeroshard.zero.Init(**kwargs)
+        except NotImplementedError as exc:
+            refused.append(str(exc))
+    return {
+        "equal": equal,
+        "rng_same": after_eager == after_init,
+        "held_bytes": held,
+        "cpu_slices": sorted(slices),
+        "cpu_equal": cpu_equal,
+        "refused": refused,
+    }
 
 
 def _ledger_memory(rank, world):
@@ -303,6 +326,9 @@ def test_partitioned_construction_is_exact(results):
         i = r["init"]
         assert i["equal"] and i["rng_same"]
         assert i["held_bytes"] == 0  # parameters hold no storage; the slices live in Init
+        assert i["cpu_slices"] == ["cpu"] and i["cpu_equal"]
+        assert "remote_device='nvme'" in i["refused"][0]
+        assert "zero_quantized_weights" in i["refused"][1]
 
 
 def test_ledger_three_psi(results):

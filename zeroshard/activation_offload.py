@@ -285,18 +285,18 @@ class _OffloadQueue:
 _QUEUE = _OffloadQueue(_StreamMover())
 
 
-def _to_host(t: torch.Tensor) -> Any:
+def to_host(t: torch.Tensor) -> Any:
     """Pack: a device tensor becomes an :class:`_Offloaded` whose copy to (pinned) host
     memory is under way; a CPU tensor stays as it is (CPU training: nothing to move)."""
     return _QUEUE.pack(t)
 
 
-def _to_device(packed: Any) -> torch.Tensor:
-    """Unpack what :func:`_to_host` packed."""
+def to_device(packed: Any) -> torch.Tensor:
+    """Unpack what :func:`to_host` packed."""
     return _QUEUE.unpack(packed)
 
 
-def _prefetch(packed: Any) -> None:
+def prefetch(packed: Any) -> None:
     _QUEUE.prefetch(packed)
 
 
@@ -306,7 +306,7 @@ class offload_saved_tensors(torch.autograd.graph.saved_tensors_hooks):
 
     def __init__(self, queue: _OffloadQueue | None = None) -> None:
         if queue is None:  # looked up at each call, so the module's functions can be wrapped
-            super().__init__(lambda t: _to_host(t), lambda packed: _to_device(packed))
+            super().__init__(lambda t: to_host(t), lambda packed: to_device(packed))
         else:
             super().__init__(queue.pack, queue.unpack)
         self._queue = queue

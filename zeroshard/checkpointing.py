@@ -60,7 +60,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint as _torch_checkpoint
 
-from zeroshard import activation_offload as _offload
+from zeroshard import activation_offload  # its functions looked up at each call
 from zeroshard.activation_offload import offload_saved_tensors  # re-exported
 
 log = logging.getLogger(__name__)
@@ -86,7 +86,9 @@ class _KeepMatmuls(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         if func in _KEEP:
             kept = out.detach()  # an alias: shares the storage and the version counter
-            self.store.append((_offload._to_host(kept) if self.offload else kept, kept._version))
+            self.store.append(
+                (activation_offload.to_host(kept) if self.offload else kept, kept._version)
+            )
         return out
 
 
@@ -108,7 +110,7 @@ class _ReuseMatmuls(TorchDispatchMode):
         if self.offload:
             for entry in self.store[i : i + 2]:
                 if entry is not None:
-                    _offload._prefetch(entry[0])
+                    activation_offload.prefetch(entry[0])
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func not in _KEEP:
@@ -128,7 +130,7 @@ class _ReuseMatmuls(TorchDispatchMode):
                 "selective checkpointing: a kept matmul output was modified in place after "
                 "forward; use policy 'full' for this block"
             )
-        return _offload._to_device(kept) if self.offload else kept
+        return activation_offload.to_device(kept) if self.offload else kept
 
 
 def _selective_contexts(offload: bool):

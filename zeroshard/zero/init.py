@@ -165,9 +165,16 @@ class Init:
     """Context manager (DeepSpeed's ``deepspeed.zero.Init``): parameters created inside
     are partitioned across the data-parallel ranks as soon as they are registered.
 
-    Accepts DeepSpeed's keyword arguments; ``dtype`` casts the kept slices, ``enabled``
-    turns it off. ``module=`` (partitioning an already built model) is not supported:
-    pass the model to ``initialize`` with a stage-3 config instead.
+    DeepSpeed's keyword arguments: ``dtype`` casts the kept slices, ``enabled`` turns it
+    off; ``remote_device="cpu"`` keeps them in CPU memory (pinned with ``pin_memory``).
+    Parameters are partitioned over the ranks that hold the same parameters: the
+    data-parallel group of ``mpu`` or ``data_parallel_group``, or the ``replicas`` group
+    of ``mesh`` (a :class:`~zeroshard.parallel.mesh.Mesh`), else every rank (the engine
+    re-slices them into its own layout at ``initialize``). ``module=`` (partitioning an
+    already built model) is not supported: pass the model to ``initialize`` with a
+    stage-3 config instead. ``mem_efficient_linear`` and the config arguments change
+    nothing here (stage 3 needs no special linear layer; the config is read by
+    ``initialize``).
     """
 
     def __init__(
@@ -182,6 +189,7 @@ class Init:
         enabled: bool = True,
         dtype: torch.dtype | None = None,
         mpu=None,
+        mesh=None,
         **kwargs,
     ) -> None:
         if module is not None:
@@ -189,7 +197,23 @@ class Init:
                 "zero.Init(module=...): partitioning a built model is done by initialize() "
                 "with a stage-3 config"
             )
+        refused = {k: v for k, v in kwargs.items() if v not in (None, False)}
+        if refused:
+            raise NotImplementedError(
+                f"zero.Init: {', '.join(sorted(refused))} is not built yet in zeroshard"
+            )
+        remote = str(remote_device).lower() if remote_device is not None else "none"
+        if remote not in ("none", "cpu", "cuda"):
+            raise NotImplementedError(
+                f"zero.Init(remote_device={remote_device!r}): only None, 'cpu' and the "
+                "compute device are built; NVMe-partitioned construction is not built yet"
+            )
+        self.remote_cpu, self.pin_memory = remote == "cpu", pin_memory
         self.enabled, self.dtype = enabled, dtype
+        if mpu is not None:
+            data_parallel_group = mpu.get_data_parallel_group()
+        elif mesh is not None and data_parallel_group is None:
+            data_parallel_group = mesh.comm("replicas").group
         self.group = data_parallel_group
         self._sealed: dict[int, Sealed] = {}  # storage id -> slice
         self._mode = None
@@ -202,6 +226,7 @@ class Init:
         init_distributed()
         self.comm = Comm(self.group)
         self.device = default_device()
+        self._keep_on = torch.device("cpu") if self.remote_cpu else self.device
         self._hook = register_module_parameter_registration_hook(self._on_register)
         self._mode = _PartitionMode(self)
         self._mode.__enter__()
@@ -231,7 +256,8 @@ class Init:
         value = param.detach().reshape(-1).to(dtype).clone()
         if dtype != param.dtype:
             param.data = torch.empty(param.shape, dtype=dtype, device=param.device)
-        shard = torch.zeros(self._chunk(numel), dtype=dtype, device=self.device)
+        pin = self.pin_memory and self._keep_on.type == "cpu" and self.device.type == "cuda"
+        shard = torch.zeros(self._chunk(numel), dtype=dtype, device=self._keep_on, pin_memory=pin)
         key = _storage_key(param)
         self._sealed[key] = Sealed(weakref.ref(param), shard, numel)
         self._keep_slice(key, value)
@@ -260,7 +286,7 @@ class Init:
         """All-gather a sealed parameter's slices into a temporary full flat tensor."""
         c = entry.shard.numel()
         out = torch.empty(c * self.comm.world_size, dtype=entry.shard.dtype, device=self.device)
-        self.comm.all_gather(out, entry.shard)
+        self.comm.all_gather(out, entry.shard.to(self.device))
         return out[: entry.numel]
 
     def run_on_full(self, func, name: str, args, kwargs):
