@@ -83,14 +83,14 @@ def test_owned_span_requires_contiguous_members() -> None:
 def test_stage3_persistence_thresholds() -> None:
     """numel <= stage3_param_persistence_threshold stays whole (DeepSpeed's rule), while
     the persistent total fits stage3_model_persistence_threshold."""
-    from zeroshard.zero.plan import plan_units
+    from zeroshard.zero.segments import unit_segments
 
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4), torch.nn.Linear(4, 8))
     groups = [{"params": list(model.parameters())}]
     sizes = {id(p): p.numel() for p in model.parameters()}  # 16, 4, 4, 4, 32, 8
 
     def persistent(threshold: int, model_threshold: int | None = None) -> list[int]:
-        plan = plan_units(model, groups, threshold, 10**6, model_threshold)
+        plan = unit_segments(model, groups, threshold, 10**6, model_threshold)
         return sorted(sizes[id(plan.params[i])] for s in plan.persistent for i in plan.segments[s])
 
     assert persistent(3) == []

@@ -40,7 +40,7 @@ from zeroshard.zero.init import is_sealed, take_value
 from zeroshard.zero.optimizer import ShardedOptimizer
 from zeroshard.zero.parameters import ParamGatherer, WholeParams
 from zeroshard.zero.partition import FlatLayout
-from zeroshard.zero.plan import plan_buckets, plan_units
+from zeroshard.zero.segments import bucket_segments, unit_segments
 from zeroshard.zero.states import build_memory_states
 
 log = logging.getLogger("zeroshard")
@@ -163,14 +163,14 @@ class Engine(nn.Module):
         registration = {id(p): i for i, p in enumerate(module.parameters())}
         self.reducer = GradReducer(
             self.flat,
-            shard_comm if self.flat.sharded else replicas,
+            shard_comm if self.flat.partitioned else replicas,
             replicate=mesh.comm("zero_replicate"),
             dtype=self.policy.grad,
             sharded=self.sharding.gradients,
             overlap=zc.overlap_comm or not self.sharding.optimizer,
             registration_index=registration,
             predivide=config.gradient_predivide_factor if config.prescale_gradients else 1.0,
-            on_bucket_ready=self.params.release,
+            on_bucket_ready=self.params.free_if_idle,
             accum_device=self.placement.optimizer if self.placement.offload_optimizer else None,
         )
         self.loss_scaler = LossScaler.from_config(config.fp16)
@@ -217,7 +217,7 @@ class Engine(nn.Module):
         world = self.mesh.size("zero_shard") if self.sharding.optimizer else 1
         bucket = int(min(zc.reduce_bucket_size, zc.allgather_bucket_size))
         if self.sharding.parameters:
-            plan = plan_units(
+            grouping = unit_segments(
                 self.module,
                 param_groups,
                 int(zc.stage3_param_persistence_threshold),
@@ -225,16 +225,16 @@ class Engine(nn.Module):
                 int(zc.stage3_model_persistence_threshold),
             )
         else:
-            plan = plan_buckets(self.module, param_groups, bucket)
+            grouping = bucket_segments(self.module, param_groups, bucket)
         # with the shard in swap files, chunks start and end on whole disk blocks
         align = _NVME_ALIGN if self.placement.param_nvme else _ALIGN if world > 1 else 1
         layout = FlatLayout(
-            [p.numel() for p in plan.params], world, groups=plan.segments, align=align
+            [p.numel() for p in grouping.params], world, groups=grouping.segments, align=align
         )
         store = self._param_store(layout) if self.sharding.parameters else None
         flat = FlatParams(
-            plan.params,
-            plan.group_of,
+            grouping.params,
+            grouping.group_of,
             [{k: v for k, v in spec.items() if k != "params"} for spec in param_groups],
             layout,
             self.mesh.coord("zero_shard"),
@@ -243,7 +243,7 @@ class Engine(nn.Module):
             store=store,
             value_of=take_value,
         )
-        return flat, plan.persistent
+        return flat, grouping.persistent
 
     def _param_store(self, layout: FlatLayout):
         """Stage 3's shard store: an NVMe swap file, or memory. In memory, where the
@@ -433,10 +433,10 @@ class Engine(nn.Module):
         return True
 
     # -- zero.GatheredParameters support ----------------------------------------------
-    def gather_params(self, params: list[torch.Tensor]) -> None:
+    def open_gathered(self, params: list[torch.Tensor]) -> None:
         self.params.open(params)
 
-    def release_params(self, params: list[torch.Tensor], modifier_rank: int | None) -> None:
+    def close_gathered(self, params: list[torch.Tensor], modifier_rank: int | None) -> None:
         self.optimizer.refresh_masters(self.params.close(params, modifier_rank))
 
     # -- DeepSpeed-compatible accessors ---------------------------------------------

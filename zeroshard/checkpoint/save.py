@@ -185,7 +185,7 @@ def _pieces_to_write(engine, access, rank: int) -> list[OwnedPiece]:
     (stage 0, or one rank): every rank holds everything, so the flat range is split in
     ``world`` equal parts and each rank writes one, in parallel, nothing written twice."""
     world = engine.comm.world_size
-    if engine.flat.sharded:
+    if engine.flat.partitioned:
         return access.pieces if engine.mesh.coord("zero_replicate", rank) == 0 else []
     if world == 1:
         return access.pieces
@@ -248,7 +248,7 @@ def _manifest(engine, access, names, kinds, sizes, client_json, tag) -> dict:
         }
     mesh = engine.mesh
     for r in range(world):
-        if flat.sharded:  # the first replica's ranks write the shards
+        if flat.partitioned:  # the first replica's ranks write the shards
             first = mesh.coord("zero_replicate", r) == 0
             pieces = layout.pieces(mesh.coord("zero_shard", r)) if first else []
             spans = [(p.param, p.param_lo, p.param_hi) for p in pieces]

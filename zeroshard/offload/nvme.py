@@ -72,7 +72,7 @@ class BufferPool:
         self._lent[whole.data_ptr()] = whole
         return whole[:need]
 
-    def release(self, view: torch.Tensor) -> None:
+    def give_back(self, view: torch.Tensor) -> None:
         self._free.append(self._lent.pop(view.data_ptr()))
 
     @property

@@ -157,7 +157,7 @@ class SwapShard:
         return None if raw is None else self._read_into(s, raw)
 
     def give_back(self, buf: torch.Tensor) -> None:
-        self.pool.release(buf)
+        self.pool.give_back(buf)
 
     def chunk(self, s: int) -> torch.Tensor:
         """A fresh copy of chunk ``s`` (outside the pool)."""
@@ -180,7 +180,7 @@ class SwapShard:
         buf.view(self.dtype)[lo : lo + values.numel()].copy_(values)
         self.file.write(buf, self._offset(s))
         if raw is not None:
-            self.pool.release(raw)
+            self.pool.give_back(raw)
 
     # -- the protocol -------------------------------------------------------------------
     def read(self, kind: str, a: int, b: int) -> torch.Tensor:

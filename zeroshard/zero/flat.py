@@ -112,8 +112,8 @@ class FlatParams:
         return len(self.hyperparams)
 
     @property
-    def sharded(self) -> bool:
-        """Whether optimizer state (and so ownership of chunks) is split across ranks."""
+    def partitioned(self) -> bool:
+        """Whether the layout is split across ranks (each owns its chunks: ZeRO 1-3)."""
         return self.layout.world_size > 1
 
     def group_spans(self, group: int) -> list[tuple[int, int, int]]:

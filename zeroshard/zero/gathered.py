@@ -73,9 +73,9 @@ class GatheredParameters:
 
     def __enter__(self) -> GatheredParameters:
         for owner, ps in self._by_owner.values():
-            owner.gather_params(ps)
+            owner.open_gathered(ps)
         return self
 
     def __exit__(self, *exc) -> None:
         for owner, ps in self._by_owner.values():
-            owner.release_params(ps, None if exc[0] is not None else self.modifier_rank)
+            owner.close_gathered(ps, None if exc[0] is not None else self.modifier_rank)

@@ -90,7 +90,7 @@ class GradReducer:
     ) -> None:
         self.flat, self.comm, self.dtype = flat, comm, dtype
         self.replicate = replicate if replicate is not None and replicate.world_size > 1 else None
-        if self.replicate is not None and not flat.sharded:
+        if self.replicate is not None and not flat.partitioned:
             raise ValueError("internal: replicated reduction needs a sharded layout")
         # gradients are averaged over every rank that produced one
         self._contributors = comm.world_size * (self.replicate.world_size if self.replicate else 1)
@@ -236,7 +236,7 @@ class GradReducer:
                     src[lo:hi].zero_()
         if self.predivide != 1.0:
             src.div_(self.predivide)
-        if g.sharded:
+        if g.partitioned:
             handle = self.comm.reduce_scatter(self._own(b, src), src, async_op=True)
         else:
             handle = self.comm.all_reduce(src, async_op=True)
@@ -280,7 +280,7 @@ class GradReducer:
             return
         if post != 1.0:
             src = self.grad_full[seg.start : seg.start + seg.numel]
-            (src if not g.sharded else self._device_chunks[b.segment]).div_(post)
+            (src if not g.partitioned else self._device_chunks[b.segment]).div_(post)
         if self._stager is not None:  # offload at stages 0, 1: the boundary's chunk to host
             self._stager.submit(self._device_chunks[b.segment], chunk, accumulate=False)
 

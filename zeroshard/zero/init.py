@@ -329,7 +329,7 @@ class Init:
         return out
 
     # -- hand-over to the engine ------------------------------------------------------
-    def release(self, param: torch.Tensor) -> None:
+    def hand_over(self, param: torch.Tensor) -> None:
         """The engine has taken ``param`` over."""
         self._sealed.pop(_storage_key(param), None)
         if not self._sealed and self in _ACTIVE:
@@ -373,5 +373,5 @@ def take_value(param: torch.Tensor) -> torch.Tensor:
         return param.detach().reshape(-1)
     init, entry = found
     value = init.full_value(entry)
-    init.release(param)
+    init.hand_over(param)
     return value

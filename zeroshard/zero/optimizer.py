@@ -86,7 +86,7 @@ class ShardedOptimizer:
             local = local.reshape(1).to(self.flat.device)
         else:
             local = torch.zeros(1, dtype=torch.float32, device=self.flat.device)
-        if self.flat.sharded:  # the shards of the ZeRO group partition the gradient
+        if self.flat.partitioned:  # the shards of the ZeRO group partition the gradient
             self.comm.all_reduce(local)
         return math.sqrt(float(local))
 

@@ -73,7 +73,7 @@ class WholeParams:
     def after_step(self) -> None:
         """Re-assemble whole parameters from every rank's updated chunks."""
         flat = self.flat
-        if not flat.sharded:
+        if not flat.partitioned:
             return
         handles = [
             self.comm.all_gather(
@@ -93,7 +93,7 @@ class WholeParams:
     def remove(self) -> None:
         """Nothing installed; the parameters stay views of the full buffer."""
 
-    def release(self, segment: int) -> None:
+    def free_if_idle(self, segment: int) -> None:
         pass
 
     def open(self, params: list[torch.Tensor]) -> None:
@@ -287,15 +287,15 @@ class ParamGatherer:
             self.flat.params[pi].data = self._placeholder
         self.unit_buffers[s].untyped_storage().resize_(0)
 
-    def release(self, s: int) -> None:
+    def free_if_idle(self, s: int) -> None:
         """Free unit ``s`` unless it is persistent or still in use by a running forward."""
         if s not in self.persistent and self._users[s] == 0 and self._is_live(s):
             self._free(s)
 
-    def release_all(self) -> None:
+    def free_all(self) -> None:
         for s in list(self._gathered | set(self._handles)):
             self._users[s] = 0
-            self.release(s)
+            self.free_if_idle(s)
 
     def _release_speculative(self) -> None:
         for s in list(self._speculative):
@@ -365,7 +365,7 @@ class ParamGatherer:
         for s in units:
             self._users[s] -= 1
             if not self.in_backward:
-                self.release(s)
+                self.free_if_idle(s)
         if module is self._root and not self.in_backward:
             self._release_speculative()  # prefetched for this forward but never used
         if units and torch.is_grad_enabled() and not self.in_backward:
@@ -389,7 +389,7 @@ class ParamGatherer:
         self.in_backward = False
         if self._bwd_order is None and self._recording_bwd:
             self._bwd_order = self._recording_bwd
-        self.release_all()
+        self.free_all()
 
     def after_step(self) -> None:
         self.refresh_persistent()
@@ -415,7 +415,7 @@ class ParamGatherer:
                 )
         for s in segs:
             self._users[s] -= 1
-            self.release(s)
+            self.free_if_idle(s)
         return segs if modifier_rank is not None else []
 
     def remove(self) -> None:
@@ -427,7 +427,7 @@ class ParamGatherer:
         for m in self._root.modules():
             if isinstance(m._parameters, AccessTrackingDict):
                 m._parameters = dict(m._parameters)
-        self.release_all()
+        self.free_all()
         for s in range(len(self.unit_buffers)):
             self._gather_now((s,))  # persistent units are whole already
             seg = self.flat.layout.segments[s]

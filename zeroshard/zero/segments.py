@@ -1,9 +1,9 @@
-"""Which parameter goes in which segment of the flat layout. Pure planning, no tensors
+"""Which parameter goes in which segment of the flat layout. Pure index work, no tensors
 are allocated and nothing is communicated.
 
-* :func:`plan_buckets` (stages 0-2): trainable parameters in backward order (last
+* :func:`bucket_segments` (stages 0-2): trainable parameters in backward order (last
   layers first), packed greedily into gradient buckets.
-* :func:`plan_units` (stage 3): one segment per module holding the parameters it owns
+* :func:`unit_segments` (stage 3): one segment per module holding the parameters it owns
   directly (trainable and frozen alike, since both are sharded); parameters smaller than
   the persistence threshold are packed into persistent segments that stay gathered.
 
@@ -24,7 +24,7 @@ FROZEN = -1  # group index of parameters no optimizer group updates
 
 
 @dataclass(frozen=True)
-class LayoutPlan:
+class SegmentPlan:
     params: list[nn.Parameter]  # in layout order
     group_of: list[int]  # param-group index per parameter (FROZEN for frozen ones)
     segments: list[list[int]]  # indices into ``params``, contiguous and in order
@@ -41,13 +41,13 @@ def _group_index(param_groups: list[dict]) -> dict[int, int]:
 
 def _assemble(
     members: list[list[nn.Parameter]], group: dict[int, int], persistent_from: int
-) -> LayoutPlan:
+) -> SegmentPlan:
     params, segments = [], []
     for seg in members:
         seg = sorted(seg, key=lambda p: group.get(id(p), FROZEN))  # stable: keeps order in a group
         segments.append(list(range(len(params), len(params) + len(seg))))
         params += seg
-    return LayoutPlan(
+    return SegmentPlan(
         params=params,
         group_of=[group.get(id(p), FROZEN) for p in params],
         segments=segments,
@@ -55,7 +55,7 @@ def _assemble(
     )
 
 
-def plan_buckets(module: nn.Module, param_groups: list[dict], bucket_numel: int) -> LayoutPlan:
+def bucket_segments(module: nn.Module, param_groups: list[dict], bucket_numel: int) -> SegmentPlan:
     """Stages 0-2: trainable parameters only, in gradient buckets."""
     group = _group_index(param_groups)
     order = {id(p): i for i, p in enumerate(module.parameters())}
@@ -68,13 +68,13 @@ def plan_buckets(module: nn.Module, param_groups: list[dict], bucket_numel: int)
     return _assemble(members, group, persistent_from=len(members))
 
 
-def plan_units(
+def unit_segments(
     module: nn.Module,
     param_groups: list[dict],
     persistence_threshold: int,
     bucket_numel: int,
     model_persistence_threshold: int | None = None,
-) -> LayoutPlan:
+) -> SegmentPlan:
     """Stage 3: a segment per module of its own parameters; small ones persistent.
 
     As in DeepSpeed, a parameter with ``numel <= persistence_threshold`` stays whole on
