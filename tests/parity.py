@@ -227,3 +227,9 @@ def assert_parity(cases: list[dict], results: list, world: int) -> None:
                 f"{case}: loss {loss_diff:.3g} param {param_diff:.3g} norm {norm_diff:.3g}"
             )
     assert not failures, "\n".join(failures)
+
+
+def flag_bytes(engine) -> int:
+    """Ledger bytes of the step's used-parameter flags: an all-reduce (counted twice) of
+    one byte per trainable parameter, on each group gradients are reduced over."""
+    return 2 * sum(g >= 0 for g in engine.flat.group_of)

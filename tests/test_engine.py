@@ -39,11 +39,19 @@ def _ledger_and_memory(rank: int, world: int) -> dict:
     out = {}
     for stage in (0, 1, 2):
         engine, stats = _one_step({"stage": stage, "bucket": BIG, "frozen": False}, rank, world)
-        out[f"ledger{stage}"] = {"stats": stats, "psi": _psi(engine)}
+        out[f"ledger{stage}"] = {
+            "stats": stats,
+            "psi": _psi(engine),
+            "flags": parity.flag_bytes(engine),
+        }
         out[f"memory{stage}"] = engine.memory_stats()
     # a small bucket at stage 0: still exactly 2 x 4 Psi, in several all-reduces
     engine, stats = _one_step({"stage": 0, "bucket": 3000}, rank, world)
-    out["ledger0_buckets"] = {"stats": stats, "psi": _psi(engine)}
+    out["ledger0_buckets"] = {
+        "stats": stats,
+        "psi": _psi(engine),
+        "flags": parity.flag_bytes(engine),
+    }
     # stage 2 with a small bucket: the gradient shard plus a staging pool of few buckets
     engine, _ = _one_step({"stage": 2, "bucket": SMALL, "frozen": False}, rank, world)
     trainable = [p for p in engine.module.parameters() if p.requires_grad]
@@ -163,16 +171,19 @@ def test_engine_ranks(tmp_path, world: int) -> None:
 
 
 def _check_ledger_and_memory(lm: dict, world: int) -> None:
-    # Stage 0: an all-reduce of every gradient, exactly 2 x 4 Psi bytes, nothing else.
+    # Stage 0: an all-reduce of every gradient, exactly 2 x 4 Psi bytes, plus the
+    # used-parameter flags (a byte per parameter), nothing else.
     for key in ("ledger0", "ledger0_buckets"):
         stats, psi = lm[key]["stats"], lm[key]["psi"]
         assert set(stats) == {"all_reduce"}, stats
-        assert stats["all_reduce"]["bytes"] == 2 * 4 * psi
-    assert lm["ledger0_buckets"]["stats"]["all_reduce"]["calls"] > 1
+        assert stats["all_reduce"]["bytes"] == 2 * 4 * psi + lm[key]["flags"]
+    assert lm["ledger0_buckets"]["stats"]["all_reduce"]["calls"] > 2
     # Stages 1 and 2: reduce-scatter + all-gather of the whole model, 2 x 4 Psi (+-2%).
     for stage in (1, 2):
-        stats, psi = lm[f"ledger{stage}"]["stats"], lm[f"ledger{stage}"]["psi"]
-        assert set(stats) == {"reduce_scatter", "all_gather"}, stats
+        led = lm[f"ledger{stage}"]
+        stats, psi = led["stats"], led["psi"]
+        assert set(stats) == {"reduce_scatter", "all_gather", "all_reduce"}, stats
+        assert stats["all_reduce"]["bytes"] == led["flags"], stats
         moved = stats["reduce_scatter"]["bytes"] + stats["all_gather"]["bytes"]
         assert abs(moved - 8 * psi) <= 0.02 * 8 * psi, (stage, moved, 8 * psi)
     # memory: fp32 Adam -> 8 Psi / N optimizer bytes from stage 1; grads 4 Psi / N at stage 2.

@@ -88,6 +88,7 @@ def _worker(rank: int, world: int, cases: list[dict], ckpt: str) -> dict:
             "stage": case["stage"],
             "coords": engine.mesh.coords,
             "dp": engine.dp_world_size,
+            "flags": parity.flag_bytes(engine),
         }
     out["checkpoint"] = _checkpoint(rank, world, ckpt)
     out["mpu"] = _mpu(rank, world)
@@ -188,12 +189,14 @@ def test_hybrid_ledger_per_axis(results):
             assert led["coords"]["dp_replicate"] == rank // SHARD
             assert set(axes) == {"zero_shard", "zero_replicate"}, (key, axes)
             shard, rep = axes["zero_shard"], axes["zero_replicate"]
-            assert set(shard) == {"reduce_scatter", "all_gather"}, (key, shard)
+            assert set(shard) == {"reduce_scatter", "all_gather", "all_reduce"}, (key, shard)
             assert set(rep) == {"all_reduce"}, (key, rep)
             assert shard["reduce_scatter"]["bytes"] == 4 * numel, key
             gathers = 2 if stage == 3 else 1  # stage 3: forward and backward
             assert shard["all_gather"]["bytes"] == gathers * 4 * numel, key
-            assert rep["all_reduce"]["bytes"] == 2 * 4 * numel // SHARD, key
+            # besides the used-parameter flags, one byte per parameter on each group
+            assert shard["all_reduce"]["bytes"] == led["flags"], key
+            assert rep["all_reduce"]["bytes"] == 2 * 4 * numel // SHARD + led["flags"], key
 
 
 def test_initialize_with_mpu(results):

@@ -238,6 +238,7 @@ def _ledger_memory(rank, world):
         engine.step()
     return {
         "stats": engine.comm_stats(),
+        "flags": parity.flag_bytes(engine),
         "psi": psi,
         "memory": engine.memory_stats(),
         "largest_unit": max(s.numel for s in engine.flat.layout.segments),
@@ -335,7 +336,8 @@ def test_ledger_three_psi(results):
     for r in results:
         led = r["ledger"]
         stats, psi = led["stats"], led["psi"]
-        assert set(stats) == {"all_gather", "reduce_scatter"}, stats
+        assert set(stats) == {"all_gather", "reduce_scatter", "all_reduce"}, stats
+        assert stats["all_reduce"]["bytes"] == led["flags"]  # the used-parameter flags
         gathered = stats["all_gather"]["bytes"]
         scattered = stats["reduce_scatter"]["bytes"]
         assert abs(gathered - 2 * 4 * psi) <= 0.03 * 2 * 4 * psi, (gathered, psi)

@@ -51,15 +51,24 @@ class SwappedAdam:
                     "optimizer.params.amsgrad: not supported with NVMe optimizer offload"
                 )
         self.state: dict = {}
-        self.steps = [0] * len(self.param_groups)
+        # steps taken per parameter (torch's Adam counts them per tensor: a parameter
+        # left without gradients is not stepped, and its bias correction waits)
+        self.steps = {
+            pi: 0 for g in range(len(self.param_groups)) for *_, pi in flat.group_pieces(g)
+        }
         n = flat.layout.shard_numel
         elem = ALIGN // 2  # sub-group boundaries aligned for fp32 and 16-bit files alike
         size = max(elem, (min(sub_group_numel, max(n, 1)) // elem) * elem)
         self.subgroups = [(a, min(a + size, n)) for a in range(0, n, size)]
         self.runs = sorted(
-            (flat.layout.segments[s].shard_start + lo, flat.layout.segments[s].shard_start + hi, g)
+            (
+                flat.layout.segments[s].shard_start + lo,
+                flat.layout.segments[s].shard_start + hi,
+                g,
+                pi,
+            )
             for g in range(len(self.param_groups))
-            for s, lo, hi in flat.group_spans(g)
+            for s, lo, hi, pi in flat.group_pieces(g)
         )
         self.files = {k: space.file(k, n * 4) for k in _KEYS}
         self.pipeline_read, self.pipeline_write = pipeline_read, pipeline_write
@@ -82,11 +91,14 @@ class SwappedAdam:
     def init_state(self, zero_grads) -> None:
         """The moments start as zeros in their files already."""
 
-    def step(self, reducer, factor: float) -> None:
-        """Step on ``reducer.grad_shard`` scaled by ``factor``; each sub-group's new
-        masters go into the parameter store as soon as they are computed."""
+    def step(self, reducer, factor: float, unused: set[int] = frozenset()) -> None:
+        """Step on ``reducer.grad_shard`` scaled by ``factor``, skipping the parameters
+        in ``unused``; each sub-group's new masters go into the parameter store as soon
+        as they are computed."""
         store = self.flat.store
-        self.swapped_step(reducer.grad_shard, factor, lambda a, b, m: store.write("param", a, m))
+        self.swapped_step(
+            reducer.grad_shard, factor, lambda a, b, m: store.write("param", a, m), unused
+        )
 
     def refresh(self, segments: list[int]) -> None:
         """Parameters of ``segments`` were changed from outside: copy them into the masters."""
@@ -114,10 +126,12 @@ class SwappedAdam:
         grads: torch.Tensor,
         factor: float,
         on_updated: Callable[[int, int, torch.Tensor], None],
+        unused: set[int] = frozenset(),
     ) -> None:
         """Step every sub-group. ``grads``: this rank's whole gradient shard (CPU);
         ``factor``: unscale/clip multiplier; ``on_updated(a, b, masters)`` receives the
-        new fp32 masters of shard range ``[a, b)``."""
+        new fp32 masters of shard range ``[a, b)``; parameters in ``unused`` keep their
+        masters, moments and step counts."""
         nsets = len(self.sets)
         pending = self._read(0, 0)
         for i, (a, b) in enumerate(self.subgroups):
@@ -130,7 +144,7 @@ class SwappedAdam:
             g = grads[a:b].to(torch.float32)
             if factor != 1.0:
                 g = g * factor
-            self._apply(a, b, bufs, g)
+            self._apply(a, b, bufs, g, unused)
             on_updated(a, b, bufs["master"])
             n = self._io(a, b)
             writes = [
@@ -147,23 +161,30 @@ class SwappedAdam:
             for f in self._writes[slot]:
                 f.result()
             self._writes[slot] = []
-        self.steps = [s + 1 for s in self.steps]
+        for pi in self.steps:
+            if pi not in unused:
+                self.steps[pi] += 1
 
-    def _apply(self, a: int, b: int, bufs: dict[str, torch.Tensor], g: torch.Tensor) -> None:
-        for lo, hi, gi in self.runs:
+    def _apply(
+        self, a: int, b: int, bufs: dict[str, torch.Tensor], g: torch.Tensor, unused
+    ) -> None:
+        """One fused Adam call per (param group, step count) over the runs in [a, b)."""
+        batches: dict[tuple[int, int], list[slice]] = {}
+        for lo, hi, gi, pi in self.runs:
             lo, hi = max(lo, a), min(hi, b)
-            if lo >= hi:
-                continue
+            if lo < hi and pi not in unused:
+                batches.setdefault((gi, self.steps[pi]), []).append(slice(lo - a, hi - a))
+        for (gi, step), slices in batches.items():
             group = self.param_groups[gi]
             beta1, beta2 = group["betas"]
-            sl = slice(lo - a, hi - a)
             adam_functional(
-                [bufs["master"][sl]],
-                [g[sl]],
-                [bufs["exp_avg"][sl]],
-                [bufs["exp_avg_sq"][sl]],
+                [bufs["master"][sl] for sl in slices],
+                [g[sl] for sl in slices],
+                [bufs["exp_avg"][sl] for sl in slices],
+                [bufs["exp_avg_sq"][sl] for sl in slices],
                 [],
-                [torch.tensor(float(self.steps[gi]))],  # the kernel adds one, as a step does
+                # the kernel adds one, as a step does
+                [torch.tensor(float(step)) for _ in slices],
                 fused=True,
                 decoupled_weight_decay=self.decoupled,
                 amsgrad=False,
@@ -183,10 +204,15 @@ class SwappedAdam:
         return sum(f.nbytes for f in self.files.values())
 
     def group_steps(self) -> list[float]:
-        return [float(s) for s in self.steps]
+        """Per group, the most steps any of its parameters took."""
+        out = [0.0] * len(self.param_groups)
+        for _, _, gi, pi in self.runs:
+            out[gi] = max(out[gi], float(self.steps[pi]))
+        return out
 
     def set_group_steps(self, steps: list[float]) -> None:
-        self.steps = [int(s) for s in steps]
+        for _, _, gi, pi in self.runs:
+            self.steps[pi] = int(steps[gi])
 
     def read(self, key: str, a: int, b: int) -> torch.Tensor:
         """A copy of ``master``/``exp_avg``/``exp_avg_sq`` for shard range [a, b)."""

@@ -3,8 +3,10 @@
 :class:`FlatParams` lays the trainable parameters out with one
 :class:`~zeroshard.zero.partition.FlatLayout`. Segments may mix optimizer param groups;
 inside a segment a group's parameters sit next to each other, so a group's part of any
-rank's chunk is one contiguous range (:meth:`FlatParams.group_spans`) and the inner
-optimizer can step each group with its own hyperparameters.
+rank's chunk is one contiguous range and the inner optimizer can step each group with
+its own hyperparameters; it gets one view per parameter piece
+(:meth:`FlatParams.group_views`), so a parameter without a gradient is skipped as torch
+skips it.
 
 When parameters are whole (stages 0-2) it holds the whole flat buffer in the compute
 dtype and every parameter's ``.data`` is a view into it, so the optimizer's write-back
@@ -71,16 +73,15 @@ class FlatParams:
         else:
             self._fill(store, value_of)
         self.store = store
-        # per group: (segment, lo, hi) of this rank's part of the group, relative to the chunk
-        self._spans: list[list[tuple[int, int, int]]] = []
-        for g in range(len(hyperparams)):
-            spans = []
-            for seg in layout.segments:
-                members = [p for p in seg.params if group_of[p] == g]
-                lo, hi = layout.owned_span(seg.index, members, rank)
-                if hi > lo:
-                    spans.append((seg.index, lo - seg.shard_start, hi - seg.shard_start))
-            self._spans.append(spans)
+        # per group: (segment, lo, hi, parameter) of each piece of the group's parameters
+        # this rank owns, relative to the chunk, in shard order
+        self._pieces: list[list[tuple[int, int, int, int]]] = [[] for _ in hyperparams]
+        for piece in layout.pieces(rank):
+            g = group_of[piece.param]
+            if g >= 0:
+                start = layout.segments[piece.segment].shard_start
+                lo = piece.shard_lo - start
+                self._pieces[g].append((piece.segment, lo, lo + piece.numel, piece.param))
 
     def _fill(self, store, value_of) -> None:
         """Fill this rank's shard segment by segment (calling ``value_of`` for every
@@ -116,17 +117,19 @@ class FlatParams:
         """Whether the layout is split across ranks (each owns its chunks: ZeRO 1-3)."""
         return self.layout.world_size > 1
 
-    def group_spans(self, group: int) -> list[tuple[int, int, int]]:
-        """``(segment, lo, hi)``: where ``group``'s elements sit in this rank's chunks."""
-        return self._spans[group]
+    def group_pieces(self, group: int) -> list[tuple[int, int, int, int]]:
+        """``(segment, lo, hi, parameter)``: where each of ``group``'s parameters (the
+        part this rank owns) sits in this rank's chunks."""
+        return self._pieces[group]
 
     def group_views(self, per_segment: list[torch.Tensor], group: int) -> list[torch.Tensor]:
         """The sub-views of ``per_segment`` (one tensor per segment shaped like this rank's
-        chunk: parameters, gradients or masters) that hold ``group``'s elements.
+        chunk: parameters, gradients or masters) that hold ``group``'s parameters, one
+        per parameter piece (so each can be stepped, or skipped, on its own).
 
         A rank that owns nothing of a group gets one empty view, so that optimizers,
         which refuse empty param lists, still accept it."""
-        views = [per_segment[s][lo:hi] for s, lo, hi in self._spans[group]]
+        views = [per_segment[s][lo:hi] for s, lo, hi, _ in self._pieces[group]]
         if not views:
             views = [per_segment[0][:0] if per_segment else torch.empty(0, device=self.device)]
         return views

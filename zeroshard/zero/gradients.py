@@ -105,7 +105,7 @@ class GradReducer:
         self._staging_numel = max((seg.numel for seg in layout.segments), default=0)
         self._accumulated = False  # whether grad_shard already holds a micro-step
         self._any_grad = False  # whether any gradient arrived in this accumulation window
-        self._window_filled: set[int] = set()  # full mode: params with a gradient this window
+        self._window_filled: set[int] = set()  # params that got a gradient in this window
         own = flat.rank
         self.grad_full: torch.Tensor | None = None
         self.grad_shard: torch.Tensor | None = None
@@ -192,6 +192,7 @@ class GradReducer:
                 p.grad = view if self._zero_copy else None
             self._window_filled.add(pi)
         else:
+            self._window_filled.add(pi)
             staging = self._staging_for(bucket)
             lo, hi = bucket.slots[pi]
             slot = staging[lo:hi].view_as(p.grad)
@@ -330,6 +331,24 @@ class GradReducer:
         for pi, p in enumerate(self.flat.params):
             if self.flat.group_of[pi] >= 0:
                 p.grad = None
+
+    def unused_everywhere(self) -> set[int]:
+        """Trainable parameters that got no gradient on any rank in this accumulation
+        window: one all-reduce (max) of a byte per trainable parameter over every rank
+        that reduces gradients (torch skips a parameter whose ``grad`` is None; a
+        parameter used on some ranks only is stepped, its gradient averaged with zeros,
+        as DDP does)."""
+        flat = self.flat
+        trainable = [pi for pi in range(len(flat.params)) if flat.group_of[pi] >= 0]
+        if not trainable:
+            return set()
+        filled = self._window_filled
+        flags = torch.tensor([pi in filled for pi in trainable], dtype=torch.uint8)
+        flags = flags.to(flat.device)
+        self.comm.all_reduce(flags, op="max")
+        if self.replicate is not None:
+            self.replicate.all_reduce(flags, op="max")
+        return {pi for pi, used in zip(trainable, flags.tolist(), strict=True) if not used}
 
     def ensure_defined(self) -> None:
         """Before a step: a window in which no gradient arrived means zero gradients."""

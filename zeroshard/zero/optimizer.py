@@ -6,6 +6,8 @@ Communication at the step, per accumulation boundary:
 * one all-reduce of a single fp32 scalar (the squared gradient norm) over the ZeRO
   shard group when gradients are sharded and clipping or fp16 overflow detection needs
   the global norm (8 bytes);
+* one all-reduce (max) of a byte per trainable parameter over the gradient group: which
+  parameters got a gradient on some rank in the window (the others are not stepped);
 and nothing else: re-assembling whole parameters from the updated chunks is the job of
 ``zero/parameters.py``.
 
@@ -93,6 +95,7 @@ class ShardedOptimizer:
     def step(self) -> bool:
         """One optimizer step on the reduced gradients; False if skipped (fp16 overflow)."""
         self.reducer.ensure_defined()
+        unused = self.reducer.unused_everywhere()
         inv_scale = 1.0 / self.scaler.scale
         self.overflow = False
         if self.clip > 0 or self.check_overflow:
@@ -104,7 +107,7 @@ class ShardedOptimizer:
         factor = inv_scale
         if self.clip > 0:
             factor *= min(1.0, self.clip / (self.global_grad_norm + 1e-6))
-        self.states.step(self.reducer, factor)
+        self.states.step(self.reducer, factor, unused)
         self.scaler.update(overflow=False)
         return True
 

@@ -56,12 +56,12 @@ class MemoryStates:
         self._uploads = separate and bool(masters) and host != flat.device
         self._uploaded = None
         self._by_segment: list[list[list[torch.Tensor]]] | None = None
-        # (group, shard_lo, shard_hi, master view) of every inner-optimizer tensor
-        self._views: list[tuple[int, int, int, torch.Tensor]] = []
+        # (group, shard_lo, shard_hi, master view, parameter) of every optimizer tensor
+        self._views: list[tuple[int, int, int, torch.Tensor, int]] = []
         for g, group in enumerate(inner.param_groups):
-            for (s, lo, hi), view in zip(flat.group_spans(g), group["params"], strict=False):
+            for (s, lo, hi, pi), view in zip(flat.group_pieces(g), group["params"], strict=False):
                 start = flat.layout.segments[s].shard_start
-                self._views.append((g, start + lo, start + hi, view))
+                self._views.append((g, start + lo, start + hi, view, pi))
 
     @property
     def param_groups(self) -> list[dict]:
@@ -103,12 +103,19 @@ class MemoryStates:
                 grads.append(g)
         return grads
 
-    def step(self, reducer, factor: float) -> None:
-        """Step on ``reducer.grad_chunks`` scaled by ``factor``; write back if separate."""
+    def step(self, reducer, factor: float, unused: set[int] = frozenset()) -> None:
+        """Step on ``reducer.grad_chunks`` scaled by ``factor``; write back if separate.
+        Parameters in ``unused`` (no gradient on any rank) are skipped, as torch skips a
+        parameter whose ``grad`` is None: no moment update, no weight decay."""
         if self._uploaded is not None:  # never in practice: backward synced long ago
             self._uploaded.synchronize()
             self._uploaded = None
         grads = self._attach_grads(reducer.grad_chunks)
+        if unused:
+            for *_, view, pi in self._views:
+                if pi in unused:
+                    view.grad = None
+            grads = [v.grad for *_, v, _ in self._views if v.grad is not None]
         folded = factor != 1.0 and bool(grads) and self._fold_scale(grads[0].device, factor)
         if factor != 1.0 and grads and not folded:
             torch._foreach_mul_(grads, factor)
@@ -154,10 +161,10 @@ class MemoryStates:
         groups = self.inner.param_groups
         every = [g["params"] for g in groups]
         if self._by_segment is None:  # per segment, per group: its master views (once)
-            spans = [self.flat.group_spans(gi) for gi in range(len(groups))]
+            spans = [self.flat.group_pieces(gi) for gi in range(len(groups))]
             self._by_segment = [
                 [
-                    [m for m, (seg, _, _) in zip(params, sp, strict=False) if seg == s]
+                    [m for m, (seg, *_) in zip(params, sp, strict=False) if seg == s]
                     for params, sp in zip(every, spans, strict=True)
                 ]
                 for s in range(len(self.masters))
@@ -183,14 +190,14 @@ class MemoryStates:
     def kinds(self) -> list[str]:
         """``master`` (when it differs from the parameters) and the elementwise states."""
         keys: set[str] = set()
-        for _, _, _, view in self._views:
+        for _, _, _, view, _ in self._views:
             for k, v in self.inner.state.get(view, {}).items():
                 if torch.is_tensor(v) and v.numel() == view.numel() and v.dim() > 0:
                     keys.add(k)
         return (["master"] if self._master_kind else []) + sorted(keys)
 
     def _view_at(self, a: int) -> tuple[int, torch.Tensor]:
-        for _, lo, hi, view in self._views:
+        for _, lo, hi, view, _ in self._views:
             if lo <= a < hi:
                 return lo, view
         raise KeyError(f"shard position {a} is in no optimizer tensor")
@@ -221,15 +228,17 @@ class MemoryStates:
         state[kind][a - lo : b - lo].copy_(values)
 
     def group_steps(self) -> list[float]:
-        steps = []
-        for g in range(len(self.inner.param_groups)):
-            views = [v for gi, _, _, v in self._views if gi == g]
-            step = self.inner.state.get(views[0], {}).get("step") if views else None
-            steps.append(float(step) if step is not None else 0.0)
+        """Per group, the most steps any of its tensors took (a parameter left without
+        gradients for a while took fewer: checkpoints keep the group's count)."""
+        steps = [0.0] * len(self.inner.param_groups)
+        for gi, _, _, view, _ in self._views:
+            step = self.inner.state.get(view, {}).get("step")
+            if step is not None:
+                steps[gi] = max(steps[gi], float(step))
         return steps
 
     def set_group_steps(self, steps: list[float]) -> None:
-        for gi, _, _, view in self._views:
+        for gi, _, _, view, _ in self._views:
             st = self.inner.state.setdefault(view, {})
             old = st.get("step")
             if torch.is_tensor(old):
