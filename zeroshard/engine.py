@@ -135,7 +135,10 @@ class Engine(nn.Module):
             sharded=self.sharding.gradients,
             overlap=zc.overlap_comm or not self.sharding.optimizer,
             registration_index=registration,
-            predivide=config.gradient_predivide_factor if config.prescale_gradients else 1.0,
+            # DeepSpeed: prescaling divides by the world size first; otherwise the factor
+            predivide=comm.world_size
+            if config.prescale_gradients
+            else config.gradient_predivide_factor,
             on_bucket_ready=self.params.release,
             accum_device=self.placement.optimizer if self.placement.offload_optimizer else None,
         )
@@ -171,16 +174,17 @@ class Engine(nn.Module):
             from zeroshard import checkpointing
 
             checkpointing.configure(deepspeed_config=config.activation_checkpointing)
-        for name in config.ignored_enabled:
-            if comm.rank == 0:
-                log.warning("zeroshard: config section %r is accepted but has no effect", name)
+        if comm.rank == 0:
+            for key, reason in config.inert:
+                log.warning("zeroshard: config key %s has no effect here: %s", key, reason)
 
     # -- construction -------------------------------------------------------------------
     def _flatten(self, param_groups: list[dict]) -> tuple[FlatParams, list[int]]:
         """Lay parameters out flat: gradient buckets (stages 0-2) or module units (stage 3)."""
         zc = self._config.zero_optimization
         world = self.comm.world_size if self.sharding.optimizer else 1
-        bucket = int(min(zc.reduce_bucket_size, zc.allgather_bucket_size))
+        # reduce_bucket_size 0 means, as in DeepSpeed, each gradient reduced on its own
+        bucket = max(1, int(min(zc.reduce_bucket_size, zc.allgather_bucket_size)))
         if self.sharding.parameters:
             plan = plan_units(
                 self.module,
@@ -248,6 +252,7 @@ class Engine(nn.Module):
             batch_size=self._config.train_micro_batch_size_per_gpu,
             sampler=sampler,
             collate_fn=collate_fn,
+            drop_last=self._config.dataloader_drop_last,  # as DeepSpeed: the sampler still pads
         )
 
     def _cast_inputs(self, module, args, kwargs):
