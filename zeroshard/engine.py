@@ -128,6 +128,10 @@ class Engine(nn.Module):
         else:
             self.params = WholeParams(self.flat, comm)
         registration = {id(p): i for i, p in enumerate(module.parameters())}
+        # as DeepSpeed: prescaling divides by the world size first, else by the factor
+        predivide = config.gradient_predivide_factor
+        if config.prescale_gradients:
+            predivide = comm.world_size
         self.reducer = GradReducer(
             self.flat,
             comm,
@@ -135,10 +139,7 @@ class Engine(nn.Module):
             sharded=self.sharding.gradients,
             overlap=zc.overlap_comm or not self.sharding.optimizer,
             registration_index=registration,
-            # DeepSpeed: prescaling divides by the world size first; otherwise the factor
-            predivide=comm.world_size
-            if config.prescale_gradients
-            else config.gradient_predivide_factor,
+            predivide=predivide,
             on_bucket_ready=self.params.release,
             accum_device=self.placement.optimizer if self.placement.offload_optimizer else None,
         )
