@@ -58,7 +58,16 @@ from zeroshard._config_schema import (
 )
 from zeroshard._config_sections import (
     DTYPES,
+    OFFLOAD_DEVICES,
+    OPTIMIZER_TYPES,
+    SCHEDULER_TYPES,
     ActivationCheckpointingConfig,
+    AIOConfig,
+    BF16Config,
+    CheckpointConfig,
+    DataTypesConfig,
+    FP16Config,
+    OffloadConfig,
     OffloadOptimizerConfig,
     OffloadParamConfig,
     OptimizerConfig,
@@ -69,7 +78,9 @@ from zeroshard._config_sections import (
 
 # fmt: off
 __all__ = [
-    "ActivationCheckpointingConfig", "Config", "ConfigError", "OffloadOptimizerConfig",
+    "DTYPES", "OFFLOAD_DEVICES", "OPTIMIZER_TYPES", "SCHEDULER_TYPES", "AIOConfig",
+    "ActivationCheckpointingConfig", "BF16Config", "CheckpointConfig", "Config", "ConfigError",
+    "DataTypesConfig", "FP16Config", "OffloadConfig", "OffloadOptimizerConfig",
     "OffloadParamConfig", "OptimizerConfig", "SchedulerConfig", "ZeroConfig", "load_config",
     "read_config", "read_config_file", "read_section", "resolve_batch_sizes", "schema_table",
 ]
@@ -111,13 +122,13 @@ class Config(Section):
     dp_world_size: int = 1  # what the batch sizes were resolved for (not a key)
     optimizer: OptimizerConfig | None = key(None, doc="The optimizer to build; null: pass one to initialize().")
     scheduler: SchedulerConfig | None = key(None, doc="The learning-rate schedule, if any.")
-    fp16: sections.FP16Config = _section(sections.FP16Config, "fp16 mixed precision.")
-    bf16: sections.BF16Config = _section(sections.BF16Config, "bf16 mixed precision.", aliases=("bfloat16",))
+    fp16: FP16Config = _section(FP16Config, "fp16 mixed precision.")
+    bf16: BF16Config = _section(BF16Config, "bf16 mixed precision.", aliases=("bfloat16",))
     zero_optimization: ZeroConfig = _section(ZeroConfig, "ZeRO.")
     activation_checkpointing: ActivationCheckpointingConfig = _section(ActivationCheckpointingConfig, "Activation checkpointing.")
-    aio: sections.AIOConfig = _section(sections.AIOConfig, "Asynchronous I/O for NVMe offload.")
-    checkpoint: sections.CheckpointConfig = _section(sections.CheckpointConfig, "Checkpoints.")
-    data_types: sections.DataTypesConfig = _section(sections.DataTypesConfig, "Dtype overrides.")
+    aio: AIOConfig = _section(AIOConfig, "Asynchronous I/O for NVMe offload.")
+    checkpoint: CheckpointConfig = _section(CheckpointConfig, "Checkpoints.")
+    data_types: DataTypesConfig = _section(DataTypesConfig, "Dtype overrides.")
     gradient_clipping: float = key(0.0, doc="Clip the global gradient norm to this; 0 = off.", min=0, nullable=True)
     prescale_gradients: bool = key(False, doc="Divide gradients by the world size before the reduction.")
     gradient_predivide_factor: float = key(1.0, doc="Divide gradients by this before the reduction, the rest after.", above=0)
