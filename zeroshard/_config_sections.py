@@ -383,7 +383,7 @@ class AIOConfig(Section):
     intra_op_parallelism: int = key(1, INERT(_AIO), doc="Workers per request.", min=1, aliases=("thread_count",))
     single_submit: bool = key(False, INERT(_AIO), doc="Submit requests one by one.")
     overlap_events: bool = key(True, INERT(_AIO), doc="Overlap submission and completion.")
-    use_gds: bool = key(False, INERT("no GPUDirect Storage path: swaps go through pinned CPU memory"), doc="GPUDirect Storage.")
+    use_gds: bool = key(False, INERT("no GPUDirect Storage path: swaps go through CPU memory"), doc="GPUDirect Storage.")
     # fmt: on
 
 
