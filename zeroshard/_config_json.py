@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
+from collections.abc import Callable
 from typing import Any
 
-from zeroshard._config_fields import ConfigError
+from zeroshard._config_schema import ConfigError
 
 
 def read_config_file(path: str | os.PathLike[str]) -> Any:
@@ -40,18 +42,41 @@ def read_config_file(path: str | os.PathLike[str]) -> Any:
 
 def loads_relaxed(text: str, source: str = "<string>") -> Any:
     """Parse JSON text with comments and trailing commas allowed (see module docstring)."""
-    cleaned = _blank_trailing_commas(_blank_comments(text, source))
+    cleaned = _TRAILING_COMMA.sub(_blank(source), _COMMENT.sub(_blank(source), text))
     try:
         return json.loads(cleaned, object_pairs_hook=_no_duplicates)
     except json.JSONDecodeError as err:
-        raise ConfigError(
-            f"{source}:{err.lineno}:{err.colno}", f"invalid JSON: {err.msg}"
-        ) from None
+        where = f"{source}:{err.lineno}:{err.colno}"
+        raise ConfigError(where, f"invalid JSON: {err.msg}") from None
     except _DuplicateKey as err:
         # json does not tell where the object was; find the key's second occurrence.
-        line = _line_of_second(cleaned, json.dumps(err.key))
-        where = f"{source}:{line}" if line else source
+        quoted = json.dumps(err.key)
+        second = cleaned.find(quoted, cleaned.find(quoted) + 1)
+        where = f"{source}:{cleaned.count(chr(10), 0, second) + 1}" if second >= 0 else source
         raise ConfigError(where, f"duplicate key {err.key!r} in one object") from None
+
+
+# Matched left to right, so that a string is skipped whole: comments (an unterminated
+# /* alone), then commas followed by } or ] once the comments are blank.
+_STRING = r'"(?:\\.|[^"\\])*"'
+_COMMENT = re.compile(_STRING + r"|//[^\n]*|#[^\n]*|/\*.*?\*/|/\*", re.DOTALL)
+_TRAILING_COMMA = re.compile(_STRING + r"|,(?=\s*[}\]])")
+
+
+def _blank(source: str) -> Callable[[re.Match[str]], str]:
+    """A substitution that keeps strings and blanks the rest, newlines kept (so that
+    errors keep their line and column)."""
+
+    def blank(match: re.Match[str]) -> str:
+        token = match.group()
+        if token.startswith('"'):
+            return token
+        if token == "/*":
+            line = match.string.count("\n", 0, match.start()) + 1
+            raise ConfigError(f"{source}:{line}", "unterminated /* comment")
+        return re.sub(r"[^\n]", " ", token)
+
+    return blank
 
 
 class _DuplicateKey(Exception):
@@ -67,75 +92,3 @@ def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
             raise _DuplicateKey(key)
         result[key] = value
     return result
-
-
-def _line_of_second(text: str, quoted_key: str) -> int | None:
-    first = text.find(quoted_key)
-    second = text.find(quoted_key, first + 1) if first >= 0 else -1
-    return text.count("\n", 0, second) + 1 if second >= 0 else None
-
-
-def _blank_comments(text: str, source: str) -> str:
-    """Replace comments outside strings by spaces, keeping every newline."""
-    out = list(text)
-    i, n = 0, len(text)
-    in_string = False
-    while i < n:
-        ch = text[i]
-        if in_string:
-            if ch == "\\":
-                i += 2
-                continue
-            if ch == '"':
-                in_string = False
-            i += 1
-            continue
-        if ch == '"':
-            in_string = True
-            i += 1
-        elif ch == "#" or text.startswith("//", i):
-            end = text.find("\n", i)
-            end = n if end < 0 else end
-            out[i:end] = " " * (end - i)
-            i = end
-        elif text.startswith("/*", i):
-            end = text.find("*/", i + 2)
-            if end < 0:
-                line = text.count("\n", 0, i) + 1
-                raise ConfigError(f"{source}:{line}", "unterminated /* comment")
-            for j in range(i, end + 2):
-                if out[j] != "\n":
-                    out[j] = " "
-            i = end + 2
-        else:
-            i += 1
-    return "".join(out)
-
-
-def _blank_trailing_commas(text: str) -> str:
-    """Replace a comma that is followed (after whitespace) by ``}`` or ``]`` by a space."""
-    out = list(text)
-    in_string = False
-    last_comma = -1  # position of a comma seen outside strings, not yet followed by a value
-    i, n = 0, len(text)
-    while i < n:
-        ch = text[i]
-        if in_string:
-            if ch == "\\":
-                i += 2
-                continue
-            if ch == '"':
-                in_string = False
-        elif ch == '"':
-            in_string = True
-            last_comma = -1
-        elif ch == ",":
-            last_comma = i
-        elif ch in "}]":
-            if last_comma >= 0:
-                out[last_comma] = " "
-            last_comma = -1
-        elif not ch.isspace():
-            last_comma = -1
-        i += 1
-    return "".join(out)

@@ -193,7 +193,12 @@ def checkpoint(fn: Callable, *args, **kwargs):
 def _section(deepspeed_config: Any) -> Mapping[str, Any] | None:
     """The ``activation_checkpointing`` section of a config: a path, a dict, a parsed
     :class:`~zeroshard.config.Config` or the section itself."""
-    from zeroshard.config import ActivationCheckpointingConfig, Config, read_config_file
+    from zeroshard.config import (
+        ActivationCheckpointingConfig,
+        Config,
+        read_config_file,
+        read_section,
+    )
 
     if deepspeed_config is None:
         return None
@@ -202,8 +207,6 @@ def _section(deepspeed_config: Any) -> Mapping[str, Any] | None:
     elif isinstance(deepspeed_config, Config):
         section = deepspeed_config.activation_checkpointing
     else:
-        from zeroshard._config_parse import _parse_activation_checkpointing
-
         raw = (
             read_config_file(deepspeed_config)
             if isinstance(deepspeed_config, (str, os.PathLike))
@@ -213,7 +216,8 @@ def _section(deepspeed_config: Any) -> Mapping[str, Any] | None:
             raise TypeError(
                 f"deepspeed_config: expected a dict or a path, got {type(raw).__name__}"
             )
-        section = _parse_activation_checkpointing(raw.get("activation_checkpointing"))
+        data = raw.get("activation_checkpointing") or {}
+        section = read_section(ActivationCheckpointingConfig, data, "activation_checkpointing")
     return {f: getattr(section, f) for f in Settings.__dataclass_fields__}
 
 

@@ -1,33 +1,31 @@
-"""DeepSpeed-compatible JSON config, parsed into frozen, validated dataclasses.
+# ruff: noqa: RUF009  (fields are made by key(), which returns a dataclasses.field)
+"""DeepSpeed-compatible JSON config, read into frozen, validated dataclasses.
 
-``load_config(source, dp_world_size=N)`` takes a dict or a path to a JSON file (``//``,
-``#`` and ``/* */`` comments and trailing commas allowed, as DeepSpeed's hjson reader
-does), checks every key of every section, resolves the batch-size rule for ``N``
-data-parallel ranks and returns a :class:`Config`. The first problem raises
-:class:`ConfigError`, whose message starts with the dotted key path:
-``zero_optimization.stage: expected one of 0, 1, 2, 3, got 4``. Unknown keys get a
-"did you mean" suggestion. Checks run in this order: the file, key names and value types
-section by section, ranges and cross-field rules, the batch rule, then :data:`NOT_BUILT`.
+``load_config(source, dp_world_size=N)`` takes a dict or a JSON file (``//``, ``#`` and
+``/* */`` comments and trailing commas allowed, as with DeepSpeed's hjson), checks every
+key, resolves ``train_batch_size = micro x gradient_accumulation_steps x N`` (any one
+derived from the other two; absent, null or 0 mean "derive it") and returns a
+:class:`Config`. The first problem raises :class:`ConfigError`, whose message starts with
+the dotted key: ``zero_optimization.stage: expected one of 0, 1, 2, 3, got 4``.
 
-Semantics carried over from DeepSpeed (facts, not code): key names and defaults;
-``train_batch_size = train_micro_batch_size_per_gpu x gradient_accumulation_steps x
-dp_world_size`` with any one of the three derivable from the others (absent, null,
-``"auto"`` and 0 all mean "derive it"); optimizer type ``Adam`` meaning decoupled weight
-decay unless ``adam_w_mode`` is false; ``"auto"`` elsewhere (written by Hugging Face's
-Trainer, which fills it in) meaning "use the default"; stage-3 settings accepted with or
-without their ``stage3_`` prefix; duplicate keys in a file rejected.
+The dataclasses are the schema: each field is one key (``key()``: name, default, range,
+aliases, doc, status), and one reader walks them (``zeroshard._config_schema``). Every
+key is wired (the code uses it), not built (asking for it fails at load: "<key>:
+<feature> is not built yet in zeroshard") or inert (means nothing here, for the reason
+on the field); :func:`schema_table` lists them. The inert keys a config sets, and the
+offload sections its ZeRO stage does not use (ignored as in DeepSpeed), are in
+:attr:`Config.inert`, which the engine logs once from rank 0.
 
-Like DeepSpeed, offload settings the chosen stage does not use (parameter offload below
-stage 3, optimizer offload at stage 0) are ignored; they are dropped from the parsed
-sections and named in ``Config.ignored_enabled`` so the engine can warn.
+``"auto"`` is an error naming the key: only the Hugging Face integration fills it in,
+through ``auto_values={"optimizer.params.lr": 3e-4, ...}`` (canonical dotted key ->
+value; it replaces "auto" at that key, as the Trainer's ``fill_match`` does).
 
-Where we are stricter than DeepSpeed: unknown keys are errors everywhere (DeepSpeed
-ignores unknown top-level keys); booleans must be JSON booleans (pydantic would take
-``1`` or ``"true"``); NVMe or partial (ratio < 1) optimizer offload below stage 3 is an
-error; ``optimizer.params.max_grad_norm`` is an error, as in DeepSpeed's engine. Sections for features DeepSpeed has and we do not (pipeline, MoQ,
-...) are kept only in ``Config.raw``.
-
-This module issues no collectives and touches no devices.
+From DeepSpeed (facts, not code): key names and defaults; ``Adam`` meaning decoupled
+weight decay unless ``adam_w_mode`` is false; stage-3 keys with or without ``stage3_``;
+``"zero_optimization": true`` (stage 1, ``allgather_size``); ``steps_per_print``
+Infinity (accelerate's) or null meaning never; duplicate keys refused. Stricter: unknown
+keys are errors everywhere, booleans must be JSON booleans, numbers may not be strings.
+No collectives, no devices.
 """
 
 from __future__ import annotations
@@ -36,232 +34,220 @@ import copy
 import operator
 import os
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass, field, is_dataclass
+from typing import Any, ClassVar
 
 import torch
 
-from zeroshard import _config_keys as keys
-from zeroshard._config_fields import ConfigError, check, describe
+from zeroshard import _config_sections as sections
 from zeroshard._config_json import read_config_file
+from zeroshard._config_schema import (
+    AUTO,
+    INERT,
+    NOT_BUILT,
+    ConfigError,
+    KeyInfo,
+    Reading,
+    Section,
+    check,
+    describe,
+    key,
+    read_section,
+    schema_keys,
+    specs,
+)
 from zeroshard._config_sections import (
+    DTYPES,
+    OFFLOAD_DEVICES,
     OPTIMIZER_TYPES,
+    SCHEDULER_TYPES,
     ActivationCheckpointingConfig,
     AIOConfig,
     BF16Config,
     CheckpointConfig,
+    DataTypesConfig,
     FP16Config,
+    OffloadConfig,
+    OffloadOptimizerConfig,
+    OffloadParamConfig,
     OptimizerConfig,
     SchedulerConfig,
+    ZeroConfig,
+    enabled,
 )
-from zeroshard._config_zero import OFFLOAD_DEVICES, OffloadConfig, ZeroConfig
-
-__all__ = [
-    "DTYPES",
-    "NOT_BUILT",
-    "OFFLOAD_DEVICES",
-    "OPTIMIZER_TYPES",
-    "AIOConfig",
-    "ActivationCheckpointingConfig",
-    "BF16Config",
-    "CheckpointConfig",
-    "Config",
-    "ConfigError",
-    "FP16Config",
-    "OffloadConfig",
-    "OptimizerConfig",
-    "SchedulerConfig",
-    "ZeroConfig",
-    "load_config",
-    "resolve_batch_sizes",
-]
-
-
-# ---------------------------------------------------------------------------------------
-# Not built yet. These settings parse, but the library does not implement them yet, so a
-# config asking for them fails at load: "<key path>: <feature> is not built yet in
-# zeroshard". Delete a row when its feature lands. Rows are checked in order, on the
-# fully parsed Config; the first match is reported.
-# ---------------------------------------------------------------------------------------
-def _raw(config: Config, *path: str) -> Any:
-    """A value of the original dict (for sections we keep only as raw JSON)."""
-    value: Any = config.raw
-    for key in path:
-        value = value.get(key) if isinstance(value, Mapping) else None
-    return value
-
-
-def _on(config: Config, section: str) -> bool:
-    """The raw section exists and says ``"enabled": true``."""
-    return _raw(config, section, "enabled") is True
-
 
 # fmt: off
-NOT_BUILT: tuple[tuple[str, Callable[[Config], bool], str], ...] = (
-    ("zero_optimization.offload_optimizer.super_offload", lambda c: c.zero_optimization.offload_optimizer.super_offload, "SuperOffload"),
-    ("zero_optimization.zero_hpz_partition_size", lambda c: c.zero_optimization.zero_hpz_partition_size > 1, "ZeRO++ hierarchical partitioning (hpZ)"),
-    ("zero_optimization.zero_quantized_weights", lambda c: c.zero_optimization.zero_quantized_weights, "ZeRO++ quantized weight communication (qwZ)"),
-    ("zero_optimization.zero_quantized_nontrainable_weights", lambda c: c.zero_optimization.zero_quantized_nontrainable_weights, "ZeRO++ quantized frozen weights"),
-    ("zero_optimization.zero_quantized_gradients", lambda c: c.zero_optimization.zero_quantized_gradients, "ZeRO++ quantized gradient communication (qgZ)"),
-    ("zero_optimization.zenflow", lambda c: c.zero_optimization.zenflow is not None, "ZenFlow"),
-    ("fp16.fp16_master_weights_and_grads", lambda c: c.fp16.fp16_master_weights_and_grads, "fp16 master weights and gradients"),
-    ("bf16.bf16_master_weights_and_grads", lambda c: c.bf16.bf16_master_weights_and_grads, "bf16 master weights and gradients"),
-    ("bf16.bf16_optimizer_states", lambda c: c.bf16.bf16_optimizer_states, "bf16 optimizer states"),
-    ("optimizer.params.bias_correction", lambda c: c.optimizer is not None and not c.optimizer.bias_correction, "Adam without bias correction"),
-    ("data_types.param_dtype", lambda c: _raw(c, "data_types", "param_dtype") is not None, "a parameter dtype override"),
-    ("data_types.buffer_dtype", lambda c: _raw(c, "data_types", "buffer_dtype") is not None, "a buffer dtype override"),
-    ("gradient_allreduce_op", lambda c: str(_raw(c, "gradient_allreduce_op")).lower() == "sum", "summed (not averaged) gradient reduction"),
-    ("managed_gradient_accumulation", lambda c: _raw(c, "managed_gradient_accumulation") is False, "unmanaged gradient accumulation"),
-    ("sparse_gradients", lambda c: _raw(c, "sparse_gradients") is True, "sparse (CSR) gradients"),
-    ("graph_harvesting", lambda c: _raw(c, "graph_harvesting") is True, "CUDA graph harvesting"),
-    ("pipeline", lambda c: _raw(c, "pipeline") is not None, "pipeline parallelism"),
-    ("amp", lambda c: _on(c, "amp"), "Apex AMP"),
-    ("torch_autocast", lambda c: _on(c, "torch_autocast"), "torch.autocast mixed precision"),
-    ("sparse_attention", lambda c: _raw(c, "sparse_attention") is not None, "sparse attention"),
-    ("compression_training", lambda c: _raw(c, "compression_training") is not None, "compression training"),
-    ("data_efficiency", lambda c: _on(c, "data_efficiency"), "the data efficiency library"),
-    ("curriculum_learning", lambda c: _on(c, "curriculum_learning"), "curriculum learning"),
-    ("elasticity", lambda c: _on(c, "elasticity"), "elastic training"),
-    ("autotuning", lambda c: _on(c, "autotuning"), "the autotuner"),
-    ("hybrid_engine", lambda c: _on(c, "hybrid_engine"), "the hybrid (RLHF) engine"),
-    ("progressive_layer_drop", lambda c: _on(c, "progressive_layer_drop"), "progressive layer drop"),
-    ("eigenvalue", lambda c: _on(c, "eigenvalue"), "eigenvalue computation"),
-    ("quantize_training", lambda c: _on(c, "quantize_training"), "quantization-aware training (MoQ)"),
-    ("tensor_parallel", lambda c: keys.tensor_parallel_size(_raw(c, "tensor_parallel")) > 1, "tensor parallelism (AutoTP)"),
-    ("sequence_parallel_size", lambda c: (_raw(c, "sequence_parallel_size") or 1) > 1, "sequence parallelism"),
-    ("expert_parallel", lambda c: _on(c, "expert_parallel"), "expert parallelism (AutoEP)"),
-    ("compile", lambda c: _raw(c, "compile", "deepcompile") is True, "DeepCompile"),
-    ("weight_quantization", lambda c: _raw(c, "weight_quantization") is not None, "weight quantization"),
-    ("nebula", lambda c: _on(c, "nebula"), "the Nebula checkpoint engine"),
-    ("datastates", lambda c: _on(c, "datastates"), "the DataStates checkpoint engine"),
-)
+__all__ = [
+    "DTYPES", "OFFLOAD_DEVICES", "OPTIMIZER_TYPES", "SCHEDULER_TYPES", "AIOConfig",
+    "ActivationCheckpointingConfig", "BF16Config", "CheckpointConfig", "Config", "ConfigError",
+    "DataTypesConfig", "FP16Config", "OffloadConfig", "OffloadOptimizerConfig",
+    "OffloadParamConfig", "OptimizerConfig", "SchedulerConfig", "ZeroConfig", "load_config",
+    "read_config", "read_config_file", "read_section", "resolve_batch_sizes", "schema_table",
+]
 # fmt: on
 
+_BATCH = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 
-DTYPES = ("fp32", "fp16", "bf16")
-_TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+def _section(cls: type, doc: str, **meta: Any) -> Any:
+    return key(doc=doc, factory=cls, nullable=True, **meta)
+
+
+def _batch(doc: str) -> Any:
+    return key(
+        None, doc=doc + " Absent, null or 0: derived from the other two.", min=0, nullable=True
+    )
+
+
+def _feature(feature: str, on: Callable[[Any], bool] | None = None) -> Any:
+    """A DeepSpeed section zeroshard keeps as JSON: refused when on (default: given)."""
+    doc = f"DeepSpeed's {feature} settings, kept as given."
+    return key(None, NOT_BUILT(feature, on), doc=doc, check=sections.enabled_is_boolean)
+
+
+def _tp_on(section: Mapping[str, Any]) -> bool:
+    return sections.tensor_parallel_size(section) > 1
 
 
 @dataclass(frozen=True, kw_only=True)
-class Config:
+class Config(Section):
     """A whole, validated config. Build it with :func:`load_config`."""
 
-    #: Samples per optimizer step over all data-parallel ranks (resolved).
-    train_batch_size: int
-    #: Samples per rank per forward/backward (resolved).
-    train_micro_batch_size_per_gpu: int
-    #: Micro-batches accumulated per optimizer step (resolved).
-    gradient_accumulation_steps: int
-    #: The data-parallel world size the batch sizes were resolved for.
-    dp_world_size: int = 1
-    #: The optimizer to build, or None when the user passes one to initialize().
-    optimizer: OptimizerConfig | None = None
-    #: The learning-rate schedule, or None.
-    scheduler: SchedulerConfig | None = None
-    fp16: FP16Config = field(default_factory=FP16Config)
-    bf16: BF16Config = field(default_factory=BF16Config)
-    zero_optimization: ZeroConfig = field(default_factory=ZeroConfig)
-    activation_checkpointing: ActivationCheckpointingConfig = field(
-        default_factory=ActivationCheckpointingConfig
-    )
-    aio: AIOConfig = field(default_factory=AIOConfig)
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    #: Clip the global gradient norm to this value; 0 = off ("auto" reads as 0).
-    gradient_clipping: float = 0.0
-    #: Scale gradients by 1/world before the all-reduce rather than after.
-    prescale_gradients: bool = False
-    #: Divide gradients by this before the reduction, the rest after it.
-    gradient_predivide_factor: float = 1.0
-    #: Dtype of gradient communication, "fp32" | "fp16" | "bf16"; None = the gradients' own.
-    communication_data_type: str | None = None
-    #: Dtype gradients accumulate in (data_types.grad_accum_dtype); None = the model's.
-    grad_accum_dtype: str | None = None
-    #: Log progress every this many optimizer steps.
-    steps_per_print: int = 10
-    #: Seed for the engine's random state, if given.
-    seed: int | None = None
-    #: Time forward/backward/step (accepted; the engine may not report it yet).
-    wall_clock_breakdown: bool = False
-    #: Report memory use (accepted; the engine may not report it yet).
-    memory_breakdown: bool = False
-    #: Print the engine state after initialization.
-    dump_state: bool = False
-    #: Drop the last incomplete batch in the engine's data loader.
-    dataloader_drop_last: bool = False
-    #: Allow ZeRO with an optimizer zeroshard did not build.
-    zero_allow_untested_optimizer: bool = False
-    #: DeepSpeed: insist on its own CPU optimizer with offload (accepted, no effect).
-    zero_force_ds_cpu_optimizer: bool = True
-    #: Legacy: broadcast instead of all-gather of updated parameters (no effect).
-    disable_allgather: bool = False
-    #: Settings that are on but that zeroshard ignores, for the engine to warn about once:
-    #: monitoring/logging sections, and offload the chosen ZeRO stage does not use.
-    ignored_enabled: tuple[str, ...] = ()
-    #: The config as given (after comment stripping), for checkpoints.
+    HINTS: ClassVar[dict[str, str]] = {"allgather_size": "it is read only with the boolean form of 'zero_optimization'; use zero_optimization.allgather_bucket_size"}  # fmt: skip
+
+    # fmt: off
+    train_batch_size: int = _batch("Samples per optimizer step over all data-parallel ranks.")
+    train_micro_batch_size_per_gpu: int = _batch("Samples per rank per forward/backward.")
+    gradient_accumulation_steps: int = _batch("Micro-batches per optimizer step.")
+    dp_world_size: int = 1  # what the batch sizes were resolved for (not a key)
+    optimizer: OptimizerConfig | None = key(None, doc="The optimizer to build; null: pass one to initialize().")
+    scheduler: SchedulerConfig | None = key(None, doc="The learning-rate schedule, if any.")
+    fp16: FP16Config = _section(FP16Config, "fp16 mixed precision.")
+    bf16: BF16Config = _section(BF16Config, "bf16 mixed precision.", aliases=("bfloat16",))
+    zero_optimization: ZeroConfig = _section(ZeroConfig, "ZeRO.")
+    activation_checkpointing: ActivationCheckpointingConfig = _section(ActivationCheckpointingConfig, "Activation checkpointing.")
+    aio: AIOConfig = _section(AIOConfig, "Asynchronous I/O for NVMe offload.")
+    checkpoint: CheckpointConfig = _section(CheckpointConfig, "Checkpoints.")
+    data_types: DataTypesConfig = _section(DataTypesConfig, "Dtype overrides.")
+    gradient_clipping: float = key(0.0, doc="Clip the global gradient norm to this; 0 = off.", min=0, nullable=True)
+    prescale_gradients: bool = key(False, doc="Divide gradients by the world size before the reduction.")
+    gradient_predivide_factor: float = key(1.0, doc="Divide gradients by this before the reduction, the rest after.", above=0)
+    communication_data_type: str | None = key(None, doc="Dtype of gradient communication; null = the gradients'.", choices=DTYPES)
+    seq_parallel_communication_data_type: str = key("fp32", INERT("used only by sequence parallelism (not built)"), doc="Sequence-parallel dtype.", choices=DTYPES)
+    gradient_allreduce_op: str = key("mean", NOT_BUILT("summed (not averaged) gradient reduction"), doc="mean or sum.", choices=("mean", "sum"))
+    steps_per_print: int | None = key(10, doc="Log progress every this many steps; null or Infinity = never.", min=1, infinity=None)
+    seed: int | None = key(None, doc="Seed of Python's and torch's random state.", min=0)
+    dataloader_drop_last: bool = key(False, doc="The engine's data loader drops the last incomplete batch.")
+    wall_clock_breakdown: bool = key(False, NOT_BUILT("the wall-clock breakdown"), doc="Time forward/backward/step.")
+    memory_breakdown: bool = key(False, NOT_BUILT("the memory breakdown"), doc="Report memory use.")
+    dump_state: bool = key(False, NOT_BUILT("dumping the engine state"), doc="Print the engine state.")
+    zero_allow_untested_optimizer: bool = key(False, INERT("ZeRO takes any torch optimizer"), doc="ZeRO with a client optimizer.")
+    zero_force_ds_cpu_optimizer: bool = key(True, INERT("CPU offload steps torch's fused CPU Adam"), doc="Insist on DeepSpeed's CPU Adam.")
+    disable_allgather: bool = key(False, INERT("a legacy switch; updated parameters are always all-gathered"), doc="Broadcast, not all-gather.")
+    vocabulary_size: int | None = key(None, INERT("DeepSpeed only checks it for tensor-core alignment"), doc="Vocabulary size.", min=1)
+    sequence_parallel_size: int = key(1, NOT_BUILT("sequence parallelism", lambda v: v > 1), doc="Sequence-parallel degree.", min=1, nullable=True)
+    log_level: str | None = key(None, INERT("set the level of the 'zeroshard' logger with Python's logging"), doc="DeepSpeed's log level.")
+    sparse_gradients: bool = key(False, NOT_BUILT("sparse (CSR) gradients"), doc="Sparse embedding gradients.")
+    managed_gradient_accumulation: bool = key(True, NOT_BUILT("unmanaged gradient accumulation"), doc="Accumulate in the engine.")
+    graph_harvesting: bool = key(False, NOT_BUILT("CUDA graph harvesting"), doc="CUDA graph harvesting.")
+    use_data_before_expert_parallelism: bool = key(False, INERT("no expert parallelism"), doc="Data vs expert rank order.")
+    timers: sections.TimersConfig = _section(sections.TimersConfig, "Timers.")
+    tensorboard: sections.TensorBoardConfig = sections.tensorboard()
+    wandb: sections.WandbConfig = sections.wandb()
+    csv_monitor: sections.CSVMonitorConfig = sections.csv_monitor()
+    comet: sections.CometConfig = sections.comet()
+    comms_logger: sections.CommsLoggerConfig = sections.comms_logger()
+    flops_profiler: sections.FlopsProfilerConfig = sections.flops_profiler()
+    pipeline: dict[str, Any] | None = _feature("pipeline parallelism")
+    amp: dict[str, Any] | None = _feature("Apex AMP", enabled)
+    torch_autocast: dict[str, Any] | None = _feature("torch.autocast mixed precision", enabled)
+    sparse_attention: dict[str, Any] | None = _feature("sparse attention")
+    compression_training: dict[str, Any] | None = _feature("compression training")
+    data_efficiency: dict[str, Any] | None = _feature("the data efficiency library", enabled)
+    curriculum_learning: dict[str, Any] | None = _feature("curriculum learning", enabled)
+    elasticity: dict[str, Any] | None = _feature("elastic training", enabled)
+    autotuning: dict[str, Any] | None = _feature("the autotuner", enabled)
+    hybrid_engine: dict[str, Any] | None = _feature("the hybrid (RLHF) engine", enabled)
+    progressive_layer_drop: dict[str, Any] | None = _feature("progressive layer drop", enabled)
+    eigenvalue: dict[str, Any] | None = _feature("eigenvalue computation", enabled)
+    quantize_training: dict[str, Any] | None = _feature("quantization-aware training (MoQ)", enabled)
+    tensor_parallel: dict[str, Any] | None = _feature("tensor parallelism (AutoTP)", _tp_on)
+    expert_parallel: dict[str, Any] | None = _feature("expert parallelism (AutoEP)", enabled)
+    compile: dict[str, Any] | None = _feature("DeepCompile", lambda s: s.get("deepcompile") is True)
+    weight_quantization: dict[str, Any] | None = _feature("weight quantization")
+    nebula: dict[str, Any] | None = _feature("the Nebula checkpoint engine", enabled)
+    datastates: dict[str, Any] | None = _feature("the DataStates checkpoint engine", enabled)
+    # fmt: on
+    #: Keys this config sets that mean nothing here, as (dotted key, reason); the engine
+    #: logs them once from rank 0.
+    inert: tuple[tuple[str, str], ...] = field(default=(), compare=False)
+    #: Features this config asks for that are not built, as (dotted key, feature); only
+    #: :func:`read_config` returns such a config (:func:`load_config` refuses it).
+    not_built: tuple[tuple[str, str], ...] = field(default=(), compare=False)
+    #: The config as given (comments stripped, "auto" values filled), for checkpoints.
     raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         check(self.dp_world_size >= 1, "dp_world_size", "must be >= 1")
-        train, micro, gas = (
-            self.train_batch_size,
-            self.train_micro_batch_size_per_gpu,
-            self.gradient_accumulation_steps,
-        )
-        for name, value in zip(keys.BATCH_KEYS, (train, micro, gas), strict=True):
-            check(value >= 1, name, f"must be >= 1, got {value}")
-        world = self.dp_world_size
-        check(
-            train == micro * gas * world,
-            "train_batch_size",
-            f"{_batch_rule(train, micro, gas, world)} = {micro * gas * world}",
-        )
-        check(
-            not (self.fp16.enabled and self.bf16.enabled),
-            "bf16.enabled",
-            "fp16 and bf16 cannot both be enabled; choose one",
-        )
-        if self.bf16.bf16_master_weights_and_grads:
-            check(
-                self.zero_optimization.stage >= 1,
-                "bf16.bf16_master_weights_and_grads",
-                "needs ZeRO stage 1, 2 or 3",
-            )
-        check(
-            self.gradient_clipping >= 0,
-            "gradient_clipping",
-            f"must be >= 0 (0 turns clipping off), got {self.gradient_clipping}",
-        )
-        check(
-            self.gradient_predivide_factor > 0,
-            "gradient_predivide_factor",
-            f"must be > 0, got {self.gradient_predivide_factor}",
-        )
-        for name in ("communication_data_type", "grad_accum_dtype"):
-            value = getattr(self, name)
-            check(value is None or value in DTYPES, name, f"expected one of {DTYPES} or null")
-        check(self.steps_per_print >= 1, "steps_per_print", "must be >= 1")
+        given = [getattr(self, name) or None for name in _BATCH]  # 0 means "derive it"
+        resolved = resolve_batch_sizes(*given, self.dp_world_size)
+        for name, value in zip(_BATCH, resolved, strict=True):
+            object.__setattr__(self, name, value)
+        object.__setattr__(self, "inert", tuple(self.inert))
+        object.__setattr__(self, "not_built", tuple(self.not_built))
+        both = self.fp16.enabled and self.bf16.enabled
+        check(not both, "bf16.enabled", "fp16 and bf16 cannot both be enabled; choose one")
+
+    @classmethod
+    def json_compat(cls, values: dict, given: dict[str, str], note: Callable[[str, str], None]) -> dict:  # fmt: skip
+        """As in DeepSpeed, prescaling divides by the world size and ignores the factor."""
+        if values.get("prescale_gradients") and values.get("gradient_predivide_factor", 1) != 1:
+            note(given["gradient_predivide_factor"], "unused with prescale_gradients true: gradients are divided by the world size before the reduction, as in DeepSpeed")  # fmt: skip
+        return values
 
     @property
     def compute_dtype(self) -> torch.dtype:
         """bf16 if bf16 is enabled, fp16 if fp16 is, else fp32."""
-        if self.bf16.enabled:
-            return torch.bfloat16
-        if self.fp16.enabled:
-            return torch.float16
-        return torch.float32
+        return torch.bfloat16 if self.bf16.enabled else torch.float16 if self.fp16.enabled else torch.float32  # fmt: skip
+
+    @property
+    def grad_accum_dtype(self) -> str | None:
+        """``data_types.grad_accum_dtype`` ("fp32", "fp16" or "bf16"), or None."""
+        return self.data_types.grad_accum_dtype
 
 
-# ---------------------------------------------------------------------------------------
-# Loading
-# ---------------------------------------------------------------------------------------
+# -- loading -----------------------------------------------------------------------------
 def load_config(
-    source: Mapping[str, Any] | str | os.PathLike[str], *, dp_world_size: int = 1
+    source: Mapping[str, Any] | str | os.PathLike[str],
+    *,
+    dp_world_size: int = 1,
+    auto_values: Mapping[str, Any] | None = None,
 ) -> Config:
-    """Parse and validate a DeepSpeed config for ``dp_world_size`` data-parallel ranks.
+    """Read and validate a DeepSpeed config for ``dp_world_size`` data-parallel ranks.
 
     ``source`` is a dict or the path of a JSON file (``//``, ``#`` and ``/* */`` comments
-    and trailing commas allowed). Raises :class:`ConfigError` on the first problem.
+    and trailing commas allowed). ``auto_values`` maps dotted keys (``"optimizer.params.lr"``,
+    ``"train_micro_batch_size_per_gpu"``) to the values that replace ``"auto"`` there; it
+    is the Hugging Face integration's hook, and a key it names must be one the schema
+    knows. Raises :class:`ConfigError` on the first problem, including a feature that is
+    not built yet.
     """
+    config = read_config(source, dp_world_size=dp_world_size, auto_values=auto_values)
+    if config.not_built:
+        path, feature = config.not_built[0]
+        raise ConfigError(path, f"{feature} is not built yet in zeroshard")
+    return config
+
+
+def read_config(
+    source: Mapping[str, Any] | str | os.PathLike[str],
+    *,
+    dp_world_size: int = 1,
+    auto_values: Mapping[str, Any] | None = None,
+) -> Config:
+    """:func:`load_config` for tools that inspect configs: a config asking for features
+    that are not built is returned, with them in :attr:`Config.not_built`."""
     try:
         world = operator.index(dp_world_size)
     except TypeError:
@@ -269,22 +255,50 @@ def load_config(
     if isinstance(dp_world_size, bool) or world < 1:
         raise ValueError(f"dp_world_size must be a positive int, got {dp_world_size!r}")
     if isinstance(source, Mapping):
-        raw = copy.deepcopy(dict(source))
-        where = "config"
+        raw, where = copy.deepcopy(dict(source)), "config"
     elif isinstance(source, (str, os.PathLike)):
-        raw = read_config_file(source)
-        where = os.fspath(source)
+        raw, where = read_config_file(source), os.fspath(source)
     else:
         raise TypeError(f"config must be a dict or a path, got {type(source).__name__}")
     if not isinstance(raw, dict):
         raise ConfigError(where, f"expected a JSON object at the top level, got {describe(raw)}")
-    from zeroshard._config_parse import parse_config  # the parsers use the classes above
+    _fill_auto(raw, auto_values or {})
+    data = dict(raw)
+    if isinstance(data.get("zero_optimization"), bool):  # DeepSpeed's deprecated form
+        data["zero_optimization"] = {"stage": int(data["zero_optimization"])}
+        if "allgather_size" in data:
+            data["zero_optimization"]["allgather_bucket_size"] = data.pop("allgather_size")
+    reading = Reading(Config)
+    extra = {"raw": raw, "inert": reading.inert, "not_built": reading.not_built}
+    return read_section(Config, data, "", reading, dp_world_size=world, **extra)
 
-    config = parse_config(raw, world)
-    for path, predicate, feature in NOT_BUILT:
-        if predicate(config):
-            raise ConfigError(path, f"{feature} is not built yet in zeroshard")
-    return config
+
+def _fill_auto(raw: dict[str, Any], auto_values: Mapping[str, Any]) -> None:
+    """Put ``auto_values`` where ``raw`` says "auto" (a key may be spelled by an alias)."""
+    for path, value in auto_values.items():
+        cls, node, rest = Config, raw, tuple(path.split("."))
+        while True:
+            found = [s for s in specs(cls) if s.path == rest[: len(s.path)]]
+            if not found or (len(rest) > len(found[0].path) and not is_dataclass(found[0].type)):
+                raise ValueError(f"auto_values: {path!r} is not a key of the config schema")
+            spec = found[0]
+            for part in spec.path[:-1]:  # sub-objects, e.g. optimizer.params
+                node = node.get(part) if isinstance(node, dict) else None
+            names = (spec.path[-1], *spec.key.aliases)
+            name = next((n for n in names if isinstance(node, dict) and n in node), None)
+            rest = rest[len(spec.path) :]
+            if not rest:
+                if name is not None and node[name] == AUTO:
+                    node[name] = copy.deepcopy(value)
+                break
+            cls, node = spec.type, node[name] if name is not None else None
+
+
+def schema_table() -> list[KeyInfo]:
+    """Every key the config accepts: ``.path`` (dotted), ``.status.kind`` ("wired", "not
+    built" or "inert"; a key inside a refused section shares its status), ``.status.text``
+    (the feature or the reason) and ``.spec`` (the field: attr, type, default, key)."""
+    return list(schema_keys(Config))
 
 
 def resolve_batch_sizes(
@@ -326,8 +340,7 @@ def resolve_batch_sizes(
             gas = train // (micro * world)
     if train != micro * gas * world:
         raise ConfigError(
-            "train_batch_size",
-            f"{_batch_rule(train, micro, gas, world)} = {micro * gas * world}",
+            "train_batch_size", f"{_batch_rule(train, micro, gas, world)} = {micro * gas * world}"
         )
     return train, micro, gas
 
@@ -340,3 +353,8 @@ def _batch_rule(train: int, micro: int | None, gas: int | None, world: int) -> s
         f"train_batch_size ({train}) must equal train_micro_batch_size_per_gpu {show(micro)}"
         f" x gradient_accumulation_steps {show(gas)} x data-parallel world size ({world})"
     )
+
+
+if __name__ == "__main__":  # python -m zeroshard.config: the table of every key
+    for info in schema_table():
+        print(f"{info.path:60} {info.status.kind:9} {info.status.text}")

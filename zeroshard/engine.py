@@ -161,6 +161,10 @@ class Engine(nn.Module):
         else:
             self.params = WholeParams(self.flat, shard_comm, replicas)
         registration = {id(p): i for i, p in enumerate(module.parameters())}
+        # as DeepSpeed: prescaling divides by the world size first, else by the factor
+        predivide = config.gradient_predivide_factor
+        if config.prescale_gradients:
+            predivide = mesh.size("replicas")
         self.reducer = GradReducer(
             self.flat,
             shard_comm if self.flat.partitioned else replicas,
@@ -169,7 +173,7 @@ class Engine(nn.Module):
             sharded=self.sharding.gradients,
             overlap=zc.overlap_comm or not self.sharding.optimizer,
             registration_index=registration,
-            predivide=config.gradient_predivide_factor if config.prescale_gradients else 1.0,
+            predivide=predivide,
             on_bucket_ready=self.params.free_if_idle,
             accum_device=self.placement.optimizer if self.placement.offload_optimizer else None,
         )
@@ -191,9 +195,9 @@ class Engine(nn.Module):
             from zeroshard import checkpointing
 
             checkpointing.configure(deepspeed_config=config.activation_checkpointing)
-        for name in config.ignored_enabled:
-            if self.comm.rank == 0:
-                log.warning("zeroshard: config section %r is accepted but has no effect", name)
+        if self.comm.rank == 0:
+            for key, reason in config.inert:
+                log.warning("zeroshard: config key %s has no effect here: %s", key, reason)
 
     # -- construction -------------------------------------------------------------------
     def _optimizer_states(self, client: torch.optim.Optimizer | None):
@@ -215,7 +219,8 @@ class Engine(nn.Module):
         """Lay parameters out flat: gradient buckets (stages 0-2) or module units (stage 3)."""
         zc = self._config.zero_optimization
         world = self.mesh.size("zero_shard") if self.sharding.optimizer else 1
-        bucket = int(min(zc.reduce_bucket_size, zc.allgather_bucket_size))
+        # reduce_bucket_size 0 means, as in DeepSpeed, each gradient reduced on its own
+        bucket = max(1, int(min(zc.reduce_bucket_size, zc.allgather_bucket_size)))
         if self.sharding.parameters:
             grouping = unit_segments(
                 self.module,
@@ -294,6 +299,7 @@ class Engine(nn.Module):
             batch_size=self._config.train_micro_batch_size_per_gpu,
             sampler=sampler,
             collate_fn=collate_fn,
+            drop_last=self._config.dataloader_drop_last,  # as DeepSpeed: the sampler still pads
         )
 
     def _cast_inputs(self, module, args, kwargs):
