@@ -1,0 +1,1 @@
+"""Parallel axes beyond data parallelism: the device mesh (``mesh.py``)."""
