@@ -13,12 +13,25 @@ import torch
 import torch.nn.functional as F
 
 import multirank
-from tp_parity import F32, TOL, grad_diffs, local_param_bytes, param_diffs, run_fwd_bwd, tiny_llama, twin
+from tp_parity import (
+    F32,
+    TOL,
+    grad_diffs,
+    local_param_bytes,
+    param_diffs,
+    run_fwd_bwd,
+    tiny_llama,
+    twin,
+)
 from zeroshard.comm import Comm
 from zeroshard.models import GPT, GPTConfig
 from zeroshard.parallel.autotp import apply_tensor_parallel, sync_partial_grads
 from zeroshard.parallel.slices import TPSlice, assemble
-from zeroshard.parallel.tensor import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from zeroshard.parallel.tensor import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
 from zeroshard.parallel.vocab_loss import vocab_parallel_cross_entropy
 
 B, S = 2, 8
@@ -61,7 +74,11 @@ def _fake_comm(t: int = 2):
         (lambda: _gpt(n_head=3, d_model=24), 2, r"blocks\.0\.attn\.qkv: 3 attention heads"),
         (lambda: _gpt(vocab_size=63), 2, r"tok_emb: a vocabulary of 63 does not divide"),
         (lambda: tiny_llama(num_key_value_heads=1), 2, r"k_proj: 1 key/value heads .* divides 1"),
-        (lambda: tiny_llama(num_attention_heads=2, num_key_value_heads=2), 4, r"q_proj: 2 attention heads"),
+        (
+            lambda: tiny_llama(num_attention_heads=2, num_key_value_heads=2),
+            4,
+            r"q_proj: 2 attention heads",
+        ),
     ],
 )
 def test_refuses_indivisible_layouts(build, t, match):
@@ -76,7 +93,9 @@ def test_refuses_indivisible_layouts(build, t, match):
 def test_refuses_unknown_layer_and_names_the_fix():
     model = _gpt()
     model.extra = torch.nn.Linear(32, 32)
-    with pytest.raises(ValueError, match=r"does not know how to split extra \(Linear.*tp_plan=\{'extra'"):
+    with pytest.raises(
+        ValueError, match=r"does not know how to split extra \(Linear.*tp_plan=\{'extra'"
+    ):
         apply_tensor_parallel(model, _fake_comm())
     apply_tensor_parallel(model, _fake_comm(1), tp_plan={"extra": "replicate"})
     with pytest.raises(ValueError, match="style 'sideways' is not one"):
@@ -124,7 +143,9 @@ def _expected_ledger(sp: bool, b=B, s=S, h=32, v=64, layers=2) -> tuple[dict, di
     n = 2 * layers + 1  # two per layer, one for the embedding (forward) / head input (backward)
     logits = b * s * v * F32  # the head's gathered output
     if not sp:  # an all-reduce counts twice its buffer
-        return {"all_reduce": (n, n * 2 * one), "all_gather": (1, logits)}, {"all_reduce": (n, n * 2 * one)}
+        return {"all_reduce": (n, n * 2 * one), "all_gather": (1, logits)}, {
+            "all_reduce": (n, n * 2 * one)
+        }
     fwd = {"reduce_scatter": (n, n * one), "all_gather": (n + 1, n * one + logits)}
     return fwd, {"all_gather": (n, n * one), "reduce_scatter": (n, n * one)}
 
@@ -240,7 +261,11 @@ def results():
 
 
 def _run_all(rank, world):
-    return {"layers": _layers_case(rank, world), "gpt": _gpt_cases(rank, world), "hf": _hf_cases(rank, world)}
+    return {
+        "layers": _layers_case(rank, world),
+        "gpt": _gpt_cases(rank, world),
+        "hf": _hf_cases(rank, world),
+    }
 
 
 def test_layers_and_vocab_parallel_loss(results):
@@ -292,7 +317,9 @@ def test_parameter_bytes_divide_by_tp(results):
             full, local, expected = c["bytes"]
             assert local == expected, c["bytes"]
     full, local, _ = results[0]["gpt"]["tp"]["bytes"]
-    replicated = (16 * 32 + 2 * 6 * 32 + 2 * 32) * F32  # pos_emb; per block 2 norms + 2 row biases; ln_f
+    replicated = (
+        16 * 32 + 2 * 6 * 32 + 2 * 32
+    ) * F32  # pos_emb; per block 2 norms + 2 row biases; ln_f
     assert local == (full - replicated) // 2 + replicated
 
 

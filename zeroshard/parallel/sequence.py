@@ -44,10 +44,11 @@ from torch.utils.hooks import RemovableHandle
 
 from zeroshard import models
 from zeroshard.comm import Comm
-from zeroshard.parallel.gpt_attention import adapt_gpt_attention
+from zeroshard.parallel.gpt_attention import LocalHeadsAttention, adapt_gpt_attention
 from zeroshard.parallel.ring_attention import ring_attention, zigzag_positions
 
 SEQ_DIM = 1
+ATTENTIONS = (models.Attention, LocalHeadsAttention)
 _COMMS: weakref.WeakKeyDictionary[nn.Module, Comm] = weakref.WeakKeyDictionary()
 
 
@@ -274,12 +275,13 @@ def _gpt_position_hook(comm: Comm, load_balanced: bool):
 def _apply_context(model: nn.Module, comm: Comm, kind: str) -> list[RemovableHandle]:
     load_balanced = kind == "ring"
     if isinstance(model, models.GPT):
-        heads = model.cfg.n_head
-        if kind == "ulysses" and heads % comm.world_size:
-            raise ValueError(
-                f"Ulysses: the GPT's {heads} heads do not divide by sequence_parallel_size "
-                f"{comm.world_size}; choose a sequence_parallel_size that divides {heads}"
-            )
+        for attn in model.modules():  # heads are this rank's already under tensor parallelism
+            n = getattr(attn, "n_head", 0) if isinstance(attn, ATTENTIONS) else 0
+            if kind == "ulysses" and n % comm.world_size:
+                raise ValueError(
+                    f"Ulysses: the GPT's {n} heads do not divide by sequence_parallel_size "
+                    f"{comm.world_size}; choose a sequence_parallel_size that divides {n}"
+                )
         for attn in adapt_gpt_attention(model):
             attn.core = _gpt_core(comm, kind)
         return [model.pos_emb.register_forward_pre_hook(_gpt_position_hook(comm, load_balanced))]
