@@ -9,13 +9,13 @@ per step.
 
 from __future__ import annotations
 
+import multirank
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-
-import multirank
 from tp_parity import F32, TOL, grad_diffs, run_fwd_bwd, tiny_llama, twin
+
 from zeroshard.comm import Comm
 from zeroshard.models import GPT, GPTConfig
 from zeroshard.parallel.autotp import apply_tensor_parallel
@@ -139,7 +139,7 @@ def _models_case(rank, world):
         n_items = (shift != -100).sum()
         li, ls = (shard_sequence(x, comm, load_balanced=balanced) for x in (idx, shift))
 
-        def fn(m, li=li, ls=ls):
+        def fn(m, li=li, ls=ls, n_items=n_items):
             return m(
                 input_ids=li,
                 labels=ls,

@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import types
 
+import multirank
 import pytest
 import torch
 import torch.nn.functional as F
-
-import multirank
 from tp_parity import (
     F32,
     TOL,
@@ -23,16 +22,13 @@ from tp_parity import (
     tiny_llama,
     twin,
 )
+
 from zeroshard.comm import Comm
 from zeroshard.models import GPT, GPTConfig
 from zeroshard.parallel.autotp import apply_tensor_parallel, sync_partial_grads
+from zeroshard.parallel.linear import ColumnParallelLinear, RowParallelLinear
 from zeroshard.parallel.slices import TPSlice, assemble
-from zeroshard.parallel.tensor import (
-    ColumnParallelLinear,
-    RowParallelLinear,
-    VocabParallelEmbedding,
-)
-from zeroshard.parallel.vocab_loss import vocab_parallel_cross_entropy
+from zeroshard.parallel.vocab import VocabParallelEmbedding, vocab_parallel_cross_entropy
 
 B, S = 2, 8
 
@@ -103,7 +99,7 @@ def test_refuses_unknown_layer_and_names_the_fix():
 
 
 def test_refuses_tied_weight_split_two_ways():
-    with pytest.raises(ValueError, match="head.weight is the same tensor as tok_emb"):
+    with pytest.raises(ValueError, match=r"head\.weight is the same tensor as tok_emb"):
         apply_tensor_parallel(_gpt(), _fake_comm(), tp_plan={"head": "replicate"})
 
 
@@ -197,8 +193,14 @@ def _gpt_cases(rank, world):
 
 
 def _hf_cases(rank, world):
-    from transformers import BertConfig, BertForMaskedLM, GPT2Config, GPT2LMHeadModel, MixtralConfig
-    from transformers import MixtralForCausalLM
+    from transformers import (
+        BertConfig,
+        BertForMaskedLM,
+        GPT2Config,
+        GPT2LMHeadModel,
+        MixtralConfig,
+        MixtralForCausalLM,
+    )
 
     comm, vcomm, out = Comm(), Comm(), {}
     idx, tgt = _batch(64)
@@ -235,10 +237,12 @@ def _hf_cases(rank, world):
         "mixtral": (build_mixtral, causal, False),
         "bert": (build_bert, lambda m: m(input_ids=idx, labels=mlm_labels).loss, False),
     }
+    cases["llama_loss_parallel"] = (lambda: tiny_llama(), causal, False)
     for key, (build, fn, sp) in cases.items():
         ref = build().train()
         model = twin(ref)
-        sharding = apply_tensor_parallel(model, comm, sequence_parallel=sp)
+        lp = key.endswith("loss_parallel")
+        sharding = apply_tensor_parallel(model, comm, sequence_parallel=sp, loss_parallel=lp)
         loss_ref = fn(ref)
         loss_ref.backward()
         loss, fwd, bwd = run_fwd_bwd(model, comm, fn)
@@ -250,6 +254,7 @@ def _hf_cases(rank, world):
             "bwd": bwd,
             "bytes": _bytes(ref, model, sharding, world),
             "n_sharded": len(sharding.slices),
+            "logits": list(model(input_ids=idx, use_cache=False).logits.shape) if lp else None,
             "partial": sorted(sharding.partial_grad),
         }
     return out
@@ -298,15 +303,24 @@ def _ledger(sp: bool):
     return {k: list(v) for k, v in fwd.items()}, {k: list(v) for k, v in bwd.items()}
 
 
-@pytest.mark.parametrize("key", ["llama", "llama_sp", "gpt2", "mixtral", "bert"])
+@pytest.mark.parametrize(
+    "key", ["llama", "llama_sp", "llama_loss_parallel", "gpt2", "mixtral", "bert"]
+)
 def test_transformers_models_tp2_parity(results, key):
     for r in results:
         c = r["hf"][key]
         assert c["loss"] <= TOL, c["loss"]
         assert c["grads"] <= TOL, c["grads"]
         assert c["n_sharded"] > 0
-        if key.startswith("llama"):  # q, k and v (gate and up) share one f / one all-gather
+        if key in ("llama", "llama_sp"):  # q, k and v (gate and up) share one f / all-gather
             assert (c["fwd"], c["bwd"]) == _ledger(key == "llama_sp")
+        if key == "llama_loss_parallel":  # no b*s*V gather: logits stay split, 2 small all-reduces
+            assert c["logits"] == [B, S, 32]
+            fwd, bwd = _ledger(False)
+            n, tokens = fwd["all_reduce"][0], B * S
+            small = 2 * (tokens + 2 * tokens) * F32  # max over N, then (sum exp, target) of 2N
+            assert c["fwd"] == {"all_reduce": [n + 2, fwd["all_reduce"][1] + small]}
+            assert c["bwd"] == bwd
 
 
 def test_parameter_bytes_divide_by_tp(results):

@@ -40,25 +40,26 @@ from torch.utils.hooks import RemovableHandle
 
 from zeroshard import models
 from zeroshard.comm import Comm
-from zeroshard.parallel.autotp_plans import PlanEntry, Style, plan_entries
+from zeroshard.parallel.autotp_check import (
+    check_plan,
+    head_dim_of,
+    is_linear_like,
+    match_plan,
+    planned_slices,
+)
+from zeroshard.parallel.autotp_plans import Style, plan_entries
 from zeroshard.parallel.gpt_attention import adapt_gpt_attention
+from zeroshard.parallel.linear import ColumnParallelLinear, RowParallelLinear
 from zeroshard.parallel.sequence import prepare_megatron_sp
 from zeroshard.parallel.slices import (
     TPSlice,
     has_partial_grad,
     mark_partial_grad,
-    mark_sharded,
+    sliced_parameter,
     tp_slice_of,
 )
-from zeroshard.parallel.tensor import (
-    ColumnParallelLinear,
-    RowParallelLinear,
-    TPInput,
-    VocabParallelEmbedding,
-    copy_to_tp,
-    is_conv1d,
-    reduce_from_tp,
-)
+from zeroshard.parallel.tensor import TPInput, copy_to_tp, reduce_from_tp
+from zeroshard.parallel.vocab import VocabParallelEmbedding, causal_lm_loss
 
 _HEAD_COUNTS = ("num_heads", "num_attention_heads", "n_head", "n_heads", "num_key_value_heads",
                 "num_kv_heads")  # fmt: skip
@@ -80,183 +81,11 @@ class TPSharding:
         self.hooks.clear()
 
 
-def _is_linear(m: nn.Module) -> bool:
-    return isinstance(m, nn.Linear) or is_conv1d(m)
-
-
-def _head_dim(m: nn.Module | None) -> int | None:
-    if isinstance(m, models.Attention):
-        return m.qkv.out_features // 3 // m.n_head
-    for attr in ("head_dim", "attention_head_size"):
-        v = getattr(m, attr, None)
-        if isinstance(v, int) and v > 0:
-            return v
-    return None
-
-
-def _planned_slices(m: nn.Module, style: Style, comm: Comm) -> dict[str, TPSlice | None]:
-    """The slice each of ``m``'s own parameters will hold (None: replicated)."""
-
-    def sl(shape, dim, parts=1):
-        shape = tuple(shape)
-        return TPSlice(full_shape=shape, dim=dim, parts=(shape[dim] // parts,) * parts,
-                       rank=comm.rank, world=comm.world_size)  # fmt: skip
-
-    if style.kind == "embedding":
-        return {"weight": sl(m.weight.shape, 0)}
-    transposed = is_conv1d(m)  # weight stored (in, out)
-    out: dict[str, TPSlice | None] = {}
-    if style.kind == "column":
-        out["weight"] = sl(m.weight.shape, 1 if transposed else 0, style.parts)
-        if m.bias is not None:
-            out["bias"] = sl(m.bias.shape, 0, style.parts)
-    else:
-        out["weight"] = sl(m.weight.shape, 0 if transposed else 1)
-        if m.bias is not None:
-            out["bias"] = None
-    return out
-
-
-def _param_slice(p: torch.Tensor, style: Style, comm: Comm) -> TPSlice:
-    dim = p.dim() - (2 if style.kind == "column" else 1)
-    parts = style.parts if style.kind == "column" else 1
-    return TPSlice(full_shape=tuple(p.shape), dim=dim, parts=(p.shape[dim] // parts,) * parts,
-                   rank=comm.rank, world=comm.world_size)  # fmt: skip
-
-
-def _decide(model: nn.Module, entries: list[PlanEntry]):
-    """The first matching plan entry of each module and parameter name."""
-
-    def first(name):
-        return next((e for e in entries if e.matches(name)), None)
-
-    mods = {n: e for n, _ in model.named_modules() if n and (e := first(n)) is not None}
-    params = {n: e for n, _ in model.named_parameters() if (e := first(n)) is not None}
-    return mods, params
-
-
-def _check(model, comm, mods, params, sequence_parallel) -> dict[int, tuple[str, TPSlice | None]]:
-    """Every refusal, before anything changes; returns id(param) -> (owner, slice)."""
-    t = comm.world_size
-    named = dict(model.named_modules())
-    covering = [n for n, e in mods.items() if e.style.kind in ("replicate", "experts")]
-    unknown, kept_whole = [], []
-    plans: dict[int, tuple[str, TPSlice | None]] = {}
-
-    def claim(p, owner, spec):
-        prev = plans.get(id(p))
-        if prev is not None and prev[1] != spec:
-            raise ValueError(
-                f"{owner} and {prev[0]} share a weight but their tp_plan styles split it "
-                "differently; give tied layers the same style (embedding + column_gather)"
-            )
-        plans[id(p)] = (owner, spec)
-
-    for name, m in named.items():
-        if not (_is_linear(m) or isinstance(m, nn.Embedding)):
-            continue
-        entry = mods.get(name)
-        if entry is None or entry.style.kind in ("replicate", "experts"):
-            if entry is None and not any(name.startswith(c + ".") for c in covering):
-                unknown.append(f"{name} ({type(m).__name__} {tuple(m.weight.shape)})")
-            kept_whole.append((name, m))
-            continue
-        _check_layer(name, m, entry, named, model, t)
-        for attr, spec in _planned_slices(m, entry.style, comm).items():
-            claim(getattr(m, attr), name, spec)
-    if unknown:
-        shown = ", ".join(unknown[:4]) + (
-            f" and {len(unknown) - 4} more" if len(unknown) > 4 else ""
-        )
-        first = unknown[0].split(" ")[0]
-        raise ValueError(
-            f"AutoTP does not know how to split {shown}: add a tp_plan entry naming the layer "
-            f"(a name or pattern) and a style, e.g. tp_plan={{{first!r}: 'replicate'}} "
-            "(or 'column' / 'row' / 'embedding')"
-        )
-    for name, entry in params.items():
-        p = model.get_parameter(name)
-        if entry.style.kind in ("column", "row"):
-            spec = _param_slice(p, entry.style, comm)
-            if p.shape[spec.dim] % (t * entry.style.parts):
-                raise ValueError(
-                    f"{name}: dim {spec.dim} of size {p.shape[spec.dim]} does not split over {t} "
-                    f"ranks in {entry.style.parts} part(s)"
-                )
-            claim(p, name, spec)
-    for name, m in kept_whole:  # a layer kept whole must not share a weight that is split
-        for attr, p in m.named_parameters(recurse=False):
-            owner = plans.get(id(p))
-            if owner is not None and owner[1] is not None:
-                raise ValueError(
-                    f"{name}.{attr} is the same tensor as {owner[0]}'s, which is split; give "
-                    f"{name} the matching tp_plan style"
-                )
-    if sequence_parallel:
-        if any(mods[c].style.kind == "experts" for c in covering):
-            raise ValueError(
-                "sequence_parallel with mixture-of-experts layers is not built; turn it off"
-            )
-        if not isinstance(model, models.GPT):
-            extra = [n for n, m in named.items() if isinstance(m, nn.Embedding)
-                     and (mods.get(n) is None or mods[n].style.kind != "embedding")]  # fmt: skip
-            if extra:
-                raise ValueError(
-                    f"Megatron-SP: {', '.join(extra)} would see the whole sequence while the "
-                    "activations are split along it (learned position or token-type embeddings "
-                    "are not supported under sequence_parallel); turn sequence_parallel off"
-                )
-    return plans
-
-
-def _check_layer(name, m, entry: PlanEntry, named, model, t: int) -> None:
-    style = entry.style
-    where = f"{name} ({entry.source}: {entry.pattern!r})"
-    if isinstance(m, nn.Embedding) != (style.kind == "embedding"):
-        raise ValueError(f"{where}: style {style.kind!r} does not fit a {type(m).__name__}")
-    if style.gather_output and style.parts > 1:
-        raise ValueError(f"{where}: a gathered output cannot have fused parts")
-    if isinstance(m, nn.Embedding):
-        rows = m.num_embeddings
-    elif is_conv1d(m):
-        rows = m.weight.shape[1] if style.kind == "column" else m.weight.shape[0]
-    else:
-        rows = m.weight.shape[0] if style.kind == "column" else m.weight.shape[1]
-    if (style.kind == "embedding" or style.gather_output) and rows % t:
-        raise ValueError(
-            f"{name}: a vocabulary of {rows} does not divide by the tensor-parallel size {t}; "
-            f"pad it to a multiple of {t} (transformers: model.resize_token_embeddings(n, "
-            f"pad_to_multiple_of={t}); the built-in GPT: GPTConfig(vocab_size=...))"
-        )
-    if style.parts < 1 or rows % style.parts:
-        raise ValueError(f"{where}: {rows} features do not form {style.parts} equal parts")
-    part = rows // style.parts
-    parent = named[name.rpartition(".")[0]] if "." in name else model
-    hd = _head_dim(parent)
-    if hd and part % hd == 0 and (part // hd) % t:
-        heads = part // hd
-        cfg = getattr(parent, "config", None)
-        kv, n_q = (
-            getattr(cfg, "num_key_value_heads", None),
-            getattr(cfg, "num_attention_heads", None),
-        )
-        what = "key/value heads" if kv == heads and kv != n_q else "attention heads"
-        raise ValueError(
-            f"{name}: {heads} {what} (head_dim {hd}) do not divide by the tensor-parallel "
-            f"size {t}; use an autotp_size that divides {heads}"
-        )
-    if part % t:
-        raise ValueError(
-            f"{where}: {part} features per part do not split evenly over {t} ranks; use an "
-            f"autotp_size that divides {part}"
-        )
-
-
 def _convert(m: nn.Module, style: Style, comm: Comm, sp: bool, tp_input: TPInput) -> nn.Module:
     if style.kind == "embedding":
         return VocabParallelEmbedding.from_embedding(m, comm, sequence_parallel=sp)
     if style.kind == "column":
-        parts = None if style.parts == 1 else _planned_slices(m, style, comm)["weight"].parts
+        parts = None if style.parts == 1 else planned_slices(m, style, comm)["weight"].parts
         return ColumnParallelLinear.from_linear(
             m,
             comm,
@@ -299,16 +128,22 @@ def apply_tensor_parallel(
     *,
     tp_plan: dict | None = None,
     sequence_parallel: bool = False,
+    loss_parallel: bool = False,
 ) -> TPSharding:
     """Split ``model`` in place over ``comm`` (the tensor-parallel group).
 
     ``tp_plan`` maps module/parameter-name patterns to styles and overrides the model's
     plan. ``sequence_parallel`` turns on Megatron-SP: activations outside the
     tensor-parallel regions hold 1/t of the sequence (dim 1); inputs stay whole.
+    ``loss_parallel`` (transformers causal LMs) keeps the head's vocabulary split: its
+    logits are this rank's slice and the model's ``loss_function`` becomes the
+    vocab-parallel cross-entropy, so no rank holds full-vocabulary logits.
     """
+    if loss_parallel:
+        tp_plan = {_causal_lm_head(model): "column", **(tp_plan or {})}
     entries = plan_entries(model, tp_plan)
-    mods, params = _decide(model, entries)
-    plans = _check(model, comm, mods, params, sequence_parallel)
+    mods, params = match_plan(model, entries)
+    plans = check_plan(model, comm, mods, params, sequence_parallel)
     t = comm.world_size
     named = dict(model.named_modules())
     # id(old) -> (old, new); holding old keeps its id from being reused by a new tensor
@@ -321,7 +156,7 @@ def apply_tensor_parallel(
         if style.kind == "experts":
             hooks += _experts_hooks(m, comm)
             continue
-        if style.kind == "replicate" or not (_is_linear(m) or isinstance(m, nn.Embedding)):
+        if style.kind == "replicate" or not (is_linear_like(m) or isinstance(m, nn.Embedding)):
             continue
         new = _convert(m, style, comm, sequence_parallel, tp_input)
         for attr in ("weight", "bias"):
@@ -335,7 +170,7 @@ def apply_tensor_parallel(
         parent_name, _, child = name.rpartition(".")
         parent = named[parent_name] if parent_name else model
         setattr(parent, child, new)
-        if style.kind == "column" and _head_dim(parent):
+        if style.kind == "column" and head_dim_of(parent):
             attention_parents.add(parent_name)  # it reads head counts: make them local
     for name, entry in params.items():
         if entry.style.kind not in ("column", "row"):
@@ -344,9 +179,7 @@ def apply_tensor_parallel(
         owner = model.get_submodule(owner_name) if owner_name else model
         old = getattr(owner, attr)
         spec = plans[id(old)][1]
-        with torch.no_grad():
-            new = nn.Parameter(spec.take(old.detach()), requires_grad=old.requires_grad)
-        mark_sharded(new, spec)
+        new = sliced_parameter(old, spec)
         new_of[id(old)] = (old, new)
         setattr(owner, attr, new)
     for m in model.modules():  # any other holder of a replaced parameter (ties)
@@ -374,7 +207,20 @@ def apply_tensor_parallel(
         for p in model.parameters():
             if tp_slice_of(p) is None:
                 mark_partial_grad(p)  # it acts on this rank's share of the sequence
+    if loss_parallel:
+        model.loss_function = causal_lm_loss(comm)
     return _summary(model, hooks)
+
+
+def _causal_lm_head(model: nn.Module) -> str:
+    if not type(model).__name__.endswith("ForCausalLM") or not hasattr(model, "loss_function"):
+        raise ValueError(
+            f"loss_parallel: {type(model).__name__} does not compute its loss through "
+            "transformers' causal-LM loss_function (the built-in GPT computes cross-entropy on "
+            "whole logits inside its forward); leave loss_parallel off for it"
+        )
+    head = model.get_output_embeddings()
+    return next(n for n, m in model.named_modules() if m is head)
 
 
 def _gather_entry(tp_input: TPInput):

@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 _SLICE_ATTR = "zeroshard_tp_slice"
 _PARTIAL_ATTR = "zeroshard_tp_partial_grad"
@@ -80,6 +81,26 @@ class TPSlice:
             )
         pieces = [full.narrow(self.dim, a, b - a) for a, b in self.ranges()]
         return torch.cat(pieces, dim=self.dim).contiguous()
+
+
+def even_slice(shape, dim: int, rank: int, world: int, parts=None) -> TPSlice:
+    """Rank ``rank``'s slice of a ``shape`` tensor split along ``dim`` over ``world``
+    ranks; ``parts``: the fused tensors' sizes along ``dim`` (a count of equal parts or
+    their sizes; default one part)."""
+    shape = tuple(shape)
+    if parts is None:
+        parts = (shape[dim],)
+    elif isinstance(parts, int):
+        parts = (shape[dim] // parts,) * parts
+    return TPSlice(full_shape=shape, dim=dim, parts=tuple(parts), rank=rank, world=world)
+
+
+def sliced_parameter(p: torch.Tensor, spec: TPSlice) -> nn.Parameter:
+    """A new parameter holding ``spec``'s slice of the whole tensor ``p``, marked."""
+    with torch.no_grad():
+        new = nn.Parameter(spec.take(p.detach()), requires_grad=p.requires_grad)
+    mark_sharded(new, spec)
+    return new
 
 
 def assemble(locals_: Sequence[torch.Tensor], spec: TPSlice) -> torch.Tensor:
