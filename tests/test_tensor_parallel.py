@@ -98,6 +98,20 @@ def test_refuses_unknown_layer_and_names_the_fix():
         apply_tensor_parallel(_gpt(), _fake_comm(), tp_plan={"head": "sideways"})
 
 
+def test_user_plan_overrides_the_model_plan():
+    model = _gpt()
+    apply_tensor_parallel(model, _fake_comm(), tp_plan={"re:blocks\\.1\\.mlp\\..*": "replicate"})
+    assert type(model.blocks[1].mlp.fc) is torch.nn.Linear  # kept whole
+    assert type(model.blocks[0].mlp.fc).__name__ == "ColumnParallelLinear"
+    with pytest.raises(ValueError, match="Megatron-SP knows the built-in GPT and transformers"):
+        apply_tensor_parallel(
+            torch.nn.Sequential(torch.nn.Linear(4, 4)),
+            _fake_comm(),
+            tp_plan={"0": "column"},
+            sequence_parallel=True,
+        )
+
+
 def test_refuses_tied_weight_split_two_ways():
     with pytest.raises(ValueError, match=r"head\.weight is the same tensor as tok_emb"):
         apply_tensor_parallel(_gpt(), _fake_comm(), tp_plan={"head": "replicate"})

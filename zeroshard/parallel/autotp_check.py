@@ -17,7 +17,9 @@ from torch import nn
 from zeroshard import models
 from zeroshard.comm import Comm
 from zeroshard.parallel.autotp_plans import PlanEntry, Style
+from zeroshard.parallel.gpt_attention import LocalHeadsAttention
 from zeroshard.parallel.linear import is_conv1d
+from zeroshard.parallel.sequence import is_transformers_model
 from zeroshard.parallel.slices import TPSlice, even_slice
 
 
@@ -26,7 +28,8 @@ def is_linear_like(m: nn.Module) -> bool:
 
 
 def head_dim_of(m: nn.Module | None) -> int | None:
-    if isinstance(m, models.Attention):
+    """Width of one attention head of ``m`` (None: not an attention module we know)."""
+    if isinstance(m, (models.Attention, LocalHeadsAttention)):
         return m.qkv.out_features // 3 // m.n_head
     for attr in ("head_dim", "attention_head_size"):
         v = getattr(m, attr, None)
@@ -136,6 +139,11 @@ def check_plan(
         if any(mods[c].style.kind == "experts" for c in covering):
             raise ValueError(
                 "sequence_parallel with mixture-of-experts layers is not built; turn it off"
+            )
+        if not isinstance(model, models.GPT) and not is_transformers_model(model):
+            raise ValueError(
+                f"Megatron-SP knows the built-in GPT and transformers models, not "
+                f"{type(model).__name__}; turn sequence_parallel off"
             )
         if not isinstance(model, models.GPT):
             extra = [n for n, m in named.items() if isinstance(m, nn.Embedding)

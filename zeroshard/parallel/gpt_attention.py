@@ -53,16 +53,16 @@ class LocalHeadsAttention(nn.Module):
         return self.proj(o.transpose(1, 2).reshape(b, s, d))
 
 
-def adapt_gpt_attention(model: nn.Module, divide_heads_by: int = 1) -> list[LocalHeadsAttention]:
+def adapt_gpt_attention(model: nn.Module) -> list[LocalHeadsAttention]:
     """Replace every built-in ``Attention`` in ``model`` with a :class:`LocalHeadsAttention`
-    holding ``n_head // divide_heads_by`` heads (existing ones are returned as they are)."""
+    of the same ``n_head`` (existing ones are returned as they are)."""
     out = []
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, LocalHeadsAttention):
                 out.append(child)
             elif isinstance(child, models.Attention):
-                new = LocalHeadsAttention(child, child.n_head // divide_heads_by)
+                new = LocalHeadsAttention(child, child.n_head)
                 setattr(parent, name, new)
                 out.append(new)
     return out

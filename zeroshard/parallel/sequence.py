@@ -164,7 +164,14 @@ def _comm_for(module: nn.Module, kind: str) -> Comm:
     return comm
 
 
-def _check_mask(mask, module: nn.Module) -> None:
+def _check_mask(mask, module: nn.Module, kwargs: dict) -> None:
+    for key in ("sliding_window", "softcap"):
+        if kwargs.get(key) is not None:
+            raise ValueError(
+                f"{type(module).__name__}: zeroshard's sequence-parallel attention does not apply "
+                f"{key} (config.{key} = {kwargs[key]}); set it to None or turn sequence "
+                "parallelism off for this model"
+            )
     if mask is None:
         return
     if mask.dtype == torch.bool or not mask.is_floating_point():
@@ -184,7 +191,7 @@ def _is_causal(module: nn.Module, is_causal: bool | None) -> bool:
 
 def _hf_local(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
               is_causal=None, **kwargs):  # fmt: skip
-    _check_mask(attention_mask, module)
+    _check_mask(attention_mask, module, kwargs)
     out = _sdpa(query, key, value, causal=_is_causal(module, is_causal), scale=scaling,
                 dropout_p=dropout)  # fmt: skip
     return out.transpose(1, 2).contiguous(), None
@@ -192,7 +199,7 @@ def _hf_local(module, query, key, value, attention_mask, dropout=0.0, scaling=No
 
 def _hf_ulysses(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
                 is_causal=None, **kwargs):  # fmt: skip
-    _check_mask(attention_mask, module)
+    _check_mask(attention_mask, module, kwargs)
     out = ulysses_attention(query, key, value, _comm_for(module, "Ulysses"),
                             causal=_is_causal(module, is_causal), scale=scaling,
                             dropout_p=dropout)  # fmt: skip
@@ -201,7 +208,7 @@ def _hf_ulysses(module, query, key, value, attention_mask, dropout=0.0, scaling=
 
 def _hf_ring(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
              is_causal=None, **kwargs):  # fmt: skip
-    _check_mask(attention_mask, module)
+    _check_mask(attention_mask, module, kwargs)
     if dropout:
         raise ValueError(
             f"{type(module).__name__}: ring attention does not apply attention dropout"
@@ -227,7 +234,7 @@ def _use_hf_attention(model: nn.Module, name: str, comm: Comm) -> None:
         model.config._attn_implementation = name
 
 
-def _is_hf(model: nn.Module) -> bool:
+def is_transformers_model(model: nn.Module) -> bool:
     return hasattr(model, "config") and hasattr(model.config, "_attn_implementation")
 
 
@@ -285,7 +292,7 @@ def _apply_context(model: nn.Module, comm: Comm, kind: str) -> list[RemovableHan
         for attn in adapt_gpt_attention(model):
             attn.core = _gpt_core(comm, kind)
         return [model.pos_emb.register_forward_pre_hook(_gpt_position_hook(comm, load_balanced))]
-    if not _is_hf(model):
+    if not is_transformers_model(model):
         raise TypeError(
             f"{kind} attention knows the built-in GPT and Hugging Face models, not "
             f"{type(model).__name__}"
@@ -337,16 +344,9 @@ def prepare_megatron_sp(model: nn.Module, comm: Comm) -> list[RemovableHandle]:
             return (pos.narrow(0, comm.rank * n, n),)
 
         return [model.pos_emb.register_forward_pre_hook(hook)]
-    if not _is_hf(model):
+    if not is_transformers_model(model):
         raise TypeError(
             f"Megatron-SP knows the built-in GPT and Hugging Face models, not {type(model).__name__}"
-        )
-    extra = [n for n, m in model.named_modules() if type(m) is nn.Embedding]
-    if extra:
-        raise ValueError(
-            f"Megatron-SP: {', '.join(extra)} would see the whole sequence while the model's "
-            "activations are split along it (learned position or token-type embeddings are not "
-            "supported under sequence_parallel); turn sequence_parallel off for this model"
         )
     _use_hf_attention(model, "zeroshard_sdpa", comm)
     return [
