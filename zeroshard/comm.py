@@ -253,3 +253,42 @@ class Comm:
         out: list[object] = [None] * self.world_size
         dist.all_gather_object(out, obj, group=self.group)
         return out
+
+    def send_recv(
+        self,
+        send: torch.Tensor,
+        dst: int,
+        recv: torch.Tensor,
+        src: int,
+        async_op: bool = False,
+    ) -> Handle | None:
+        """Send ``send`` to group rank ``dst`` while receiving ``recv`` from group rank
+        ``src``, as one batch of point-to-point ops (a ring step). Filed as op
+        ``"send_recv"`` with the bytes sent (send/recv count the buffer; in a ring every
+        rank sends and receives as many)."""
+        if self.world_size == 1:
+            return self._local(lambda: recv.copy_(send), async_op)
+
+        def start() -> _Works:
+            def peer(r: int) -> int:
+                return dist.get_global_rank(self.group, r) if self.group is not None else r
+
+            ops = [
+                dist.P2POp(dist.isend, send, peer(dst), group=self.group),
+                dist.P2POp(dist.irecv, recv, peer(src), group=self.group),
+            ]
+            return _Works(dist.batch_isend_irecv(ops))
+
+        return self._run("send_recv", _nbytes(send), start, async_op)
+
+
+class _Works:
+    """Several in-flight works behind the one ``wait()`` a :class:`Handle` calls."""
+
+    def __init__(self, works: list[dist.Work]) -> None:
+        self._works = works
+
+    def wait(self) -> bool:
+        for w in self._works:
+            w.wait()
+        return True
