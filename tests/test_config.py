@@ -719,7 +719,6 @@ NOT_BUILT_CASES = {
         "zero_optimization.ignore_unused_parameters",
     ),
     "loco": (_zero(zeropp_loco_param={"err_beta": 0.5}), "zero_optimization.zeropp_loco_param"),
-    "leaf_module": (_zero(leaf_module={"classes": ["X"]}), "zero_optimization.leaf_module"),
     "mics_hierarchical": (
         _zero(mics_hierarchical_params_gather=True),
         "zero_optimization.mics_hierarchical_params_gather",

@@ -17,6 +17,10 @@ import torch.nn.functional as F
 from torch import nn
 
 TOL = 2e-5
+# Hugging Face models (test_zero3's bound): Adam divides each gradient by its own running
+# magnitude, so the float-order noise of a reduction over ranks is amplified in elements
+# whose gradient is near zero (measured up to 2.0e-5 on the tiny Mixtral at lr 1e-3)
+HF_TOL = 5e-5
 STEPS = 6
 MICRO = 2
 
@@ -142,3 +146,404 @@ def test_no_gradient_parameters_follow_torch(results):
             if worst > TOL:
                 failures.append(f"rank {rank} {case}: {diffs}")
     assert not failures, "\n".join(failures)
+
+
+# -- data-dependent control flow, generate(), frozen parameters, edits outside forward ------
+class MoE(nn.Module):
+    """A mixture of experts as people write it: experts in a ModuleList, an expert
+    that gets no token is skipped (so ranks run different modules)."""
+
+    def __init__(self, n: int = 4) -> None:
+        super().__init__()
+        self.router = nn.Linear(8, n)
+        self.experts = nn.ModuleList(nn.Linear(8, 8) for _ in range(n))
+
+    def forward(self, h):
+        choice = self.router(h).argmax(-1)
+        out = torch.zeros_like(h)
+        for e, expert in enumerate(self.experts):
+            hit = choice == e
+            if hit.any():
+                out = out + hit.unsqueeze(-1) * torch.tanh(expert(h))
+        return h + out
+
+
+class MoENet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, 8)
+        self.moe = MoE()
+        self.out = nn.Linear(8, 4)
+
+    def forward(self, x, y):
+        return F.mse_loss(self.out(self.moe(self.inp(x))), y)
+
+
+class LoRA(nn.Module):
+    """A frozen base Linear plus a trainable low-rank update (hand-written LoRA)."""
+
+    def __init__(self, n: int, r: int = 2) -> None:
+        super().__init__()
+        self.base = nn.Linear(n, n)
+        self.base.requires_grad_(False)
+        self.a = nn.Linear(n, r, bias=False)
+        self.b = nn.Linear(r, n, bias=False)
+
+    def forward(self, h):
+        return self.base(h) + self.b(self.a(h))
+
+
+class LoRANet(nn.Module):
+    """Every frozen layer's input needs a gradient (a trainable layer comes first), so
+    every unit is gathered in forward and again in backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(8, 32)
+        self.layers = nn.ModuleList(LoRA(32) for _ in range(3))
+        self.last = nn.Linear(32, 4)
+        self.last.requires_grad_(False)
+
+    def forward(self, x, y):
+        h = self.first(x)
+        for layer in self.layers:
+            h = torch.tanh(layer(h))
+        return F.mse_loss(self.last(h), y)
+
+
+def _z3_config(stage: int = 3, **zero) -> dict:
+    zc = {"stage": stage, "stage3_param_persistence_threshold": 0, **zero}
+    return {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}},
+        "zero_optimization": zc,
+        "steps_per_print": 10**6,
+    }
+
+
+def _fit(
+    build, rank, world, stage=3, steps=3, before_init=None, after_init=None, penalty=0.0, **zero
+):
+    """(max param diff against torch, engine): AdamW on ``build()``, this rank's rows."""
+    import zeroshard
+    from zeroshard.zero import GatheredParameters
+
+    torch.manual_seed(0)
+    ref = build()
+    opt = torch.optim.AdamW(
+        [p for p in ref.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.1
+    )
+    torch.manual_seed(0)
+    model = build()
+    if before_init is not None:
+        before_init(model)
+    engine, *_ = zeroshard.initialize(
+        model=model,
+        model_parameters=[p for p in model.parameters() if p.requires_grad],
+        config=_z3_config(stage, **zero),
+    )
+    if after_init is not None:  # on both: e.g. freezing a parameter after initialize
+        after_init(model)
+        after_init(ref)
+    for step in range(steps):
+        x, y = _data(step, MICRO * world)
+        loss = ref(x, y)
+        if penalty:
+            loss = loss + penalty * sum(p.pow(2).sum() for p in ref.parameters())
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        lo = rank * MICRO
+        loss = engine(x[lo : lo + MICRO], y[lo : lo + MICRO])
+        if penalty:  # the penalty is the whole batch's: each rank adds its share
+            loss = loss + penalty * sum(p.pow(2).sum() for p in model.parameters())
+        engine.backward(loss)
+        engine.step()
+    with GatheredParameters(list(model.parameters())):
+        got = {n: p.detach().clone() for n, p in model.named_parameters()}
+    diff = max((got[n] - p.detach()).abs().max().item() for n, p in ref.named_parameters())
+    return diff, engine
+
+
+def _errors(fn) -> str:
+    try:
+        fn()
+    except Exception as exc:  # the error the test expects, by message
+        return f"{type(exc).__name__}: {exc}"
+    return ""
+
+
+def _hf_moe(kind: str):
+    if kind == "mixtral":
+        from transformers import MixtralConfig, MixtralForCausalLM
+
+        cfg = MixtralConfig(
+            vocab_size=64,
+            hidden_size=16,
+            intermediate_size=16,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            num_local_experts=4,
+            num_experts_per_tok=1,
+            max_position_embeddings=32,
+        )
+        return MixtralForCausalLM(cfg)
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    cfg = Qwen2MoeConfig(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=16,
+        moe_intermediate_size=8,
+        shared_expert_intermediate_size=8,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        num_experts=4,
+        num_experts_per_tok=1,
+        max_position_embeddings=32,
+    )
+    return Qwen2MoeForCausalLM(cfg)
+
+
+def _hf_moe_case(rank, world, kind, offload):
+    import zeroshard
+    from zeroshard.zero import GatheredParameters
+
+    torch.manual_seed(0)
+    ref = _hf_moe(kind)
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    torch.manual_seed(0)
+    model = _hf_moe(kind)
+    zc = {"offload_optimizer": {"device": "cpu"}} if offload else {}
+    cfg = {**_z3_config(**zc), "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+    engine, *_ = zeroshard.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    routed: set[int] = set()  # the experts this rank's tokens went to, in layer 0
+    experts = model.model.layers[0].mlp.experts
+
+    def record(module, args):
+        routed.update(args[1].flatten().tolist())
+
+    experts.register_forward_pre_hook(record)
+    for step in range(2):
+        ids = torch.randint(0, 64, (world, 3), generator=torch.Generator().manual_seed(step))
+        ref(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+        mine = ids[rank : rank + 1]
+        engine.backward(engine(input_ids=mine, labels=mine).loss)
+        engine.step()
+    with GatheredParameters(list(model.parameters())):
+        got = {n: p.detach().clone() for n, p in model.named_parameters()}
+    diff = max((got[n] - p.detach()).abs().max().item() for n, p in ref.named_parameters())
+    return diff, sorted(routed)
+
+
+def _generate(rank, world):
+    """Stage-3 generate() with a different output length on each rank, no synced_gpus."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    import zeroshard
+
+    cfg = GPT2Config(
+        vocab_size=64,
+        n_positions=32,
+        n_embd=16,
+        n_layer=2,
+        n_head=2,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
+    torch.manual_seed(0)
+    ref = GPT2LMHeadModel(cfg)
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(cfg)
+    engine, *_ = zeroshard.initialize(
+        model=model, model_parameters=model.parameters(), config=_z3_config()
+    )
+    prompt = torch.tensor([[1, 2, 3]])
+    new = 3 if rank == 0 else 7
+    ours = engine.module.generate(prompt, max_new_tokens=new, do_sample=False, pad_token_id=0)
+    theirs = ref.generate(prompt, max_new_tokens=new, do_sample=False, pad_token_id=0)
+    return {"same": torch.equal(ours, theirs), "length": ours.shape[1]}
+
+
+def _ledger_lora(rank, world):
+    """One step of a LoRA model at stage 3: every unit all-gathered twice, only the
+    trainable units reduce-scattered; no gradient storage for frozen weights."""
+    out = {}
+    for offload in (False, True):
+        zc = {"offload_optimizer": {"device": "cpu"}} if offload else {}
+        diff, engine = _fit(LoRANet, rank, world, **zc)
+        engine.reset_comm_stats()
+        x, y = _data(50, MICRO * world)
+        engine.backward(
+            engine(x[rank * MICRO : (rank + 1) * MICRO], y[rank * MICRO : (rank + 1) * MICRO])
+        )
+        engine.step()
+        layout, group_of = engine.flat.layout, engine.flat.group_of
+        trainable = sum(s.numel for s in layout.segments if any(group_of[p] >= 0 for p in s.params))
+        out[str(offload)] = {
+            "diff": diff,
+            "stats": engine.comm_stats(),
+            "total": layout.total_numel,
+            "trainable": trainable,
+            "flags": 2 * sum(g >= 0 for g in group_of),
+            "grads": engine.memory_stats()["grads"],
+            "largest": max(s.numel for s in layout.segments),
+        }
+    return out
+
+
+def _edits(rank, world, stage):
+    """Parameters used or changed outside forward."""
+    import zeroshard
+    from zeroshard.zero import GatheredParameters
+
+    out = {}
+    # an L2 penalty over model.parameters(): works at stages 0-2, a clear error at 3
+    if stage < 3:
+        out["penalty"] = _fit(Net, rank, world, stage=stage, penalty=1e-3)[0]
+    else:
+        out["penalty"] = _errors(lambda: _fit(Net, rank, world, stage=3, penalty=1e-3))
+    # clamp_() after step(): persists (separate fp32 masters on the GPU code path)
+    import os
+
+    from zeroshard.offload.staging import STAGE_ON_CPU_ENV
+
+    os.environ[STAGE_ON_CPU_ENV] = "1"
+    torch.manual_seed(0)
+    ref = Net()
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    torch.manual_seed(0)
+    model = Net()
+    zc = {"offload_optimizer": {"device": "cpu"}} if stage else {}
+    engine, *_ = zeroshard.initialize(
+        model=model, model_parameters=model.parameters(), config=_z3_config(stage, **zc)
+    )
+    os.environ.pop(STAGE_ON_CPU_ENV)
+    outside = ""
+    for step in range(3):
+        x, y = _data(step, MICRO * world)
+        ref(x, y).backward()
+        opt.step()
+        opt.zero_grad()
+        with torch.no_grad():
+            ref.fc1.weight.clamp_(-0.05, 0.05)
+        lo = rank * MICRO
+        engine.backward(engine(x[lo : lo + MICRO], y[lo : lo + MICRO]))
+        engine.step()
+        if stage == 3:
+            outside = outside or _errors(lambda: model.fc1.weight.data.clamp_(-0.05, 0.05))
+            outside = outside or _errors(lambda: model.fc1.weight.clamp_(-0.05, 0.05))
+            with GatheredParameters([model.fc1.weight], modifier_rank=0), torch.no_grad():
+                model.fc1.weight.clamp_(-0.05, 0.05)
+        else:
+            with torch.no_grad():
+                model.fc1.weight.clamp_(-0.05, 0.05)
+    with GatheredParameters(list(model.parameters())):
+        got = {n: p.detach().clone() for n, p in model.named_parameters()}
+    out["clamp"] = max((got[n] - p.detach()).abs().max().item() for n, p in ref.named_parameters())
+    out["outside"] = outside
+
+    # unfreezing after initialize: the next backward names the parameter
+    def unfreeze():
+        torch.manual_seed(0)
+        m = Net()
+        m.maybe.weight.requires_grad_(False)
+        eng, *_ = zeroshard.initialize(
+            model=m,
+            model_parameters=[p for p in m.parameters() if p.requires_grad],
+            config=_z3_config(stage),
+        )
+        m.maybe.weight.requires_grad_(True)
+        x, y = _data(0, MICRO)
+        eng.backward(eng(x, y))
+
+    out["unfreeze"] = _errors(unfreeze)
+
+    # freezing after initialize: that parameter is not stepped, as in torch
+    def freeze(model):
+        model.maybe.bias.requires_grad_(False)
+
+    out["freeze"] = _fit(Net, rank, world, stage=stage, after_init=freeze)[0]
+    return out
+
+
+def _second(rank: int, world: int) -> dict:
+    torch.set_num_threads(1)
+    import zeroshard
+
+    out = {}
+    # a hand-written MoE: without a leaf, a clear error on every rank; as a leaf, parity
+    out["moe_no_leaf"] = _errors(lambda: _fit(MoENet, rank, world, steps=2))
+    for offload in (False, True):
+        zc = {"offload_optimizer": {"device": "cpu"}} if offload else {}
+        leaf = lambda m: zeroshard.utils.set_z3_leaf_modules(m, [MoE])  # noqa: E731
+        out[f"moe_leaf_{offload}"] = _fit(MoENet, rank, world, before_init=leaf, **zc)[0]
+    out["moe_config_leaf"] = _fit(MoENet, rank, world, leaf_module={"classes": ["MoE"]})[0]
+    out["moe_stage2"] = _fit(MoENet, rank, world, stage=2)[0]  # no gathers at stages 0-2
+    for kind in ("mixtral", "qwen2_moe"):
+        for offload in (False, True):
+            out[f"{kind}_{offload}"] = _hf_moe_case(rank, world, kind, offload)
+    out["generate"] = _generate(rank, world)
+    out["lora"] = _ledger_lora(rank, world)
+    out["edits"] = {stage: _edits(rank, world, stage) for stage in (0, 1, 2, 3)}
+    return out
+
+
+@pytest.fixture(scope="module")
+def second():
+    pytest.importorskip("transformers")
+    return multirank.run(_second, 2, timeout=900)
+
+
+def test_moe_routing_diverges_without_a_leaf_and_trains_as_one(second):
+    for r in second:
+        assert "GatherMismatchError" in r["moe_no_leaf"], r["moe_no_leaf"]
+        assert "set_z3_leaf_modules" in r["moe_no_leaf"] and "moe" in r["moe_no_leaf"]
+        for key in ("moe_leaf_False", "moe_leaf_True", "moe_config_leaf", "moe_stage2"):
+            assert r[key] <= TOL, (key, r[key])
+
+
+def test_hf_moe_with_an_expert_skipped_on_one_rank(second):
+    routed = [second[rank]["mixtral_False"][1] for rank in range(2)]
+    assert routed[0] != routed[1]  # the ranks' tokens go to different experts
+    for r in second:
+        for key in ("mixtral_False", "mixtral_True", "qwen2_moe_False", "qwen2_moe_True"):
+            assert r[key][0] <= HF_TOL, (key, r[key][0])
+
+
+def test_generate_with_different_lengths_needs_no_synced_gpus(second):
+    lengths = [r["generate"]["length"] for r in second]
+    assert lengths == [6, 10]
+    assert all(r["generate"]["same"] for r in second)
+
+
+def test_lora_ledger_and_no_frozen_gradients(second):
+    for r in second:
+        for offload, led in r["lora"].items():
+            stats = led["stats"]
+            assert led["diff"] <= TOL, (offload, led["diff"])
+            assert stats["all_gather"]["bytes"] == 2 * 4 * led["total"], (offload, stats)
+            assert stats["reduce_scatter"]["bytes"] == 4 * led["trainable"], (offload, stats)
+            assert stats["all_reduce"]["bytes"] == led["flags"], (offload, stats)
+            # the gradient shard covers trainable units only (plus the staging buffers)
+            assert led["grads"] <= 4 * led["trainable"] / 2 + 2 * 4 * led["largest"], led
+
+
+def test_parameters_touched_outside_forward(second):
+    for r in second:
+        for stage, e in r["edits"].items():
+            stage = int(stage)
+            if stage < 3:
+                assert e["penalty"] <= TOL, (stage, e)
+            else:
+                assert "PartitionedParameterError" in e["penalty"], e
+                assert "GatheredParameters" in e["penalty"], e
+                assert "fc1.weight" in e["outside"] and "GatheredParameters" in e["outside"], e
+            assert e["clamp"] <= TOL, (stage, e)
+            assert "maybe.weight" in e["unfreeze"] and "destroy" in e["unfreeze"], (stage, e)
+            assert e["freeze"] <= TOL, (stage, e)

@@ -21,12 +21,14 @@ _LAZY = {
     "init_distributed": "zeroshard.distributed",
 }
 
-__all__ = ["__version__", "add_config_arguments", "init_distributed", "initialize", "zero"]
+_SUBMODULES = ("zero", "utils")
+
+__all__ = ["__version__", "add_config_arguments", "init_distributed", "initialize", "utils", "zero"]
 
 
 def __getattr__(name: str):
-    if name == "zero":
-        return importlib.import_module("zeroshard.zero")
+    if name in _SUBMODULES:
+        return importlib.import_module(f"zeroshard.{name}")
     if name in _LAZY:
         return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'zeroshard' has no attribute {name!r}")

@@ -257,6 +257,26 @@ class LocoConfig(Section):
     reset_T: int = key(1024, doc="Steps between error resets.", min=1)
 
 
+# DeepSpeed's default leaf classes: the MoE blocks of Mixtral, Qwen2-MoE and Qwen3-MoE
+DEFAULT_LEAF_CLASSES = (
+    "transformers.models.mixtral.modeling_mixtral.MixtralSparseMoeBlock",
+    "transformers.models.qwen2_moe.modeling_qwen2_moe.Qwen2MoeSparseMoeBlock",
+    "transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeSparseMoeBlock",
+)
+
+
+@dataclass(frozen=True, kw_only=True)
+class LeafModuleConfig(Section):
+    """``zero_optimization.leaf_module``: stage-3 modules gathered whole at their forward,
+    whatever runs inside them (DeepSpeed's keys and default classes)."""
+
+    classes: list[str] = key(
+        doc="Classes, plain or qualified names.", factory=lambda: list(DEFAULT_LEAF_CLASSES)
+    )
+    names: list[str] = key(doc="Module names (as named_modules() gives them).", factory=list)
+    name_suffixes: list[str] = key(doc="Module name endings.", factory=list)
+
+
 _S3 = "Stage 3: "
 
 
@@ -305,9 +325,9 @@ class ZeroConfig(Section):
     pipeline_loading_checkpoint: bool = key(False, INERT("no pipeline parallelism"), doc=_S3 + "pipeline-mode loading.")
     override_module_apply: bool = key(True, INERT("zeroshard does not patch nn.Module.apply"), doc=_S3 + "gather in Module.apply.")
     log_trace_cache_warnings: bool = key(False, INERT("no trace cache: units are planned once"), doc=_S3 + "log trace misses.")
-    enable_sanity_checks: bool = key(False, INERT("no extra checks exist to switch on"), doc="DeepSpeed's internal checks.")
+    enable_sanity_checks: bool = key(False, doc=_S3 + "check before every gather that all ranks gather the same parameters (always done in the first forward and backward).")
     save_muon_momentum_buffer_in_memory: bool = key(False, INERT("no Muon optimizer"), doc="Muon with NVMe.")
-    leaf_module: dict[str, Any] | None = key(None, NOT_BUILT("stage-3 leaf modules"), doc=_S3 + "modules gathered whole.")
+    leaf_module: LeafModuleConfig = key(doc=_S3 + "modules gathered whole (MoE blocks).", factory=lambda: LeafModuleConfig())
     zenflow: dict[str, Any] | None = key(None, NOT_BUILT("ZenFlow"), doc="ZenFlow settings.")
     # fmt: on
 

@@ -57,6 +57,7 @@ from zeroshard._config_schema import (
     specs,
 )
 from zeroshard._config_sections import (
+    DEFAULT_LEAF_CLASSES,
     DTYPES,
     OFFLOAD_DEVICES,
     OPTIMIZER_TYPES,
@@ -67,6 +68,7 @@ from zeroshard._config_sections import (
     CheckpointConfig,
     DataTypesConfig,
     FP16Config,
+    LeafModuleConfig,
     OffloadConfig,
     OffloadOptimizerConfig,
     OffloadParamConfig,
@@ -78,11 +80,32 @@ from zeroshard._config_sections import (
 
 # fmt: off
 __all__ = [
-    "DTYPES", "OFFLOAD_DEVICES", "OPTIMIZER_TYPES", "SCHEDULER_TYPES", "AIOConfig",
-    "ActivationCheckpointingConfig", "BF16Config", "CheckpointConfig", "Config", "ConfigError",
-    "DataTypesConfig", "FP16Config", "OffloadConfig", "OffloadOptimizerConfig",
-    "OffloadParamConfig", "OptimizerConfig", "SchedulerConfig", "ZeroConfig", "load_config",
-    "read_config", "read_config_file", "read_section", "resolve_batch_sizes", "schema_table",
+    "DEFAULT_LEAF_CLASSES",
+    "DTYPES",
+    "OFFLOAD_DEVICES",
+    "OPTIMIZER_TYPES",
+    "SCHEDULER_TYPES",
+    "AIOConfig",
+    "ActivationCheckpointingConfig",
+    "BF16Config",
+    "CheckpointConfig",
+    "Config",
+    "ConfigError",
+    "DataTypesConfig",
+    "FP16Config",
+    "LeafModuleConfig",
+    "OffloadConfig",
+    "OffloadOptimizerConfig",
+    "OffloadParamConfig",
+    "OptimizerConfig",
+    "SchedulerConfig",
+    "ZeroConfig",
+    "load_config",
+    "read_config",
+    "read_config_file",
+    "read_section",
+    "resolve_batch_sizes",
+    "schema_table",
 ]
 # fmt: on
 

@@ -37,11 +37,13 @@ from zeroshard.zero.flat import FlatParams
 from zeroshard.zero.gathered import register_owner, unregister_owner
 from zeroshard.zero.gradients import GradReducer
 from zeroshard.zero.init import is_sealed, take_value
+from zeroshard.zero.leaves import find_leaves
 from zeroshard.zero.optimizer import ShardedOptimizer
-from zeroshard.zero.parameters import ParamGatherer, WholeParams
+from zeroshard.zero.parameters import ParamGatherer
 from zeroshard.zero.partition import FlatLayout
 from zeroshard.zero.segments import bucket_segments, unit_segments
 from zeroshard.zero.states import build_memory_states
+from zeroshard.zero.whole import WholeParams
 
 log = logging.getLogger("zeroshard")
 
@@ -157,6 +159,8 @@ class Engine(nn.Module):
                 persistent=persistent,
                 prefetch_numel=int(zc.stage3_prefetch_bucket_size),
                 max_live_numel=int(zc.stage3_max_live_parameters),
+                leaves=find_leaves(module, zc.leaf_module),
+                check_every_pass=zc.enable_sanity_checks,
             )
         else:
             self.params = WholeParams(self.flat, shard_comm, replicas)
@@ -189,6 +193,15 @@ class Engine(nn.Module):
             check_overflow=config.fp16.enabled,
         )
         register_owner(module.parameters(), self)
+        # parameters frozen now: unfreezing one later needs a new initialize()
+        laid_out = {
+            id(p) for p, g in zip(self.flat.params, self.flat.group_of, strict=True) if g >= 0
+        }
+        self._frozen = [
+            (name, p)
+            for name, p in module.named_parameters()
+            if not p.requires_grad and id(p) not in laid_out
+        ]
         self.lr_scheduler = self._make_scheduler(lr_scheduler)
         self.training_dataloader = self._make_loader(training_data, collate_fn)
         if "activation_checkpointing" in config.raw:  # as DeepSpeed: configures checkpoint()
@@ -348,6 +361,14 @@ class Engine(nn.Module):
         """Backward of ``loss / accumulation steps`` (times the fp16 loss scale); on the
         reducing micro-steps, gradients are reduced while backward runs."""
         self._check_alive()
+        for name, p in self._frozen:
+            if p.requires_grad:
+                raise RuntimeError(
+                    f"parameter {name!r} was frozen (requires_grad=False) when initialize() "
+                    "ran and now requires grad: zeroshard laid out its gradient and optimizer "
+                    "storage then. Call engine.destroy() and initialize() again after "
+                    "changing requires_grad, or unfreeze it before initialize()"
+                )
         scaled = loss
         gas = self.gradient_accumulation_steps()
         if scale_wrt_gas and gas > 1:
@@ -368,6 +389,8 @@ class Engine(nn.Module):
         self._check_alive()
         self._step_applied = False
         if self.is_gradient_accumulation_boundary():
+            if self.params.edited():  # e.g. p.clamp_() after the last step: keep it
+                self.optimizer.refresh_masters(list(range(len(self.flat.layout.segments))))
             self._step_applied = self.optimizer.step()
             if self._step_applied:
                 self.params.after_step()
@@ -444,6 +467,7 @@ class Engine(nn.Module):
 
     def close_gathered(self, params: list[torch.Tensor], modifier_rank: int | None) -> None:
         self.optimizer.refresh_masters(self.params.close(params, modifier_rank))
+        self.params.mark_clean()
 
     # -- DeepSpeed-compatible accessors ---------------------------------------------
     def train_batch_size(self) -> int:

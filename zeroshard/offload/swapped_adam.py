@@ -83,6 +83,7 @@ class SwappedAdam:
             self.files["master"].write(buf[: self._io(a, b)], a * 4)
 
     kinds = _KEYS
+    separate = True  # the masters are files of their own
 
     @property
     def inner(self) -> SwappedAdam:
@@ -92,12 +93,12 @@ class SwappedAdam:
         """The moments start as zeros in their files already."""
 
     def step(self, reducer, factor: float, unused: set[int] = frozenset()) -> None:
-        """Step on ``reducer.grad_shard`` scaled by ``factor``, skipping the parameters
+        """Step on the reducer's gradient shard scaled by ``factor``, skipping the parameters
         in ``unused``; each sub-group's new masters go into the parameter store as soon
         as they are computed."""
         store = self.flat.store
         self.swapped_step(
-            reducer.grad_shard, factor, lambda a, b, m: store.write("param", a, m), unused
+            reducer.grad_range, factor, lambda a, b, m: store.write("param", a, m), unused
         )
 
     def refresh(self, segments: list[int]) -> None:
@@ -123,12 +124,13 @@ class SwappedAdam:
 
     def swapped_step(
         self,
-        grads: torch.Tensor,
+        grads: Callable[[int, int], torch.Tensor],
         factor: float,
         on_updated: Callable[[int, int, torch.Tensor], None],
         unused: set[int] = frozenset(),
     ) -> None:
-        """Step every sub-group. ``grads``: this rank's whole gradient shard (CPU);
+        """Step every sub-group. ``grads(a, b)``: this rank's gradient at shard positions
+        ``[a, b)`` (CPU);
         ``factor``: unscale/clip multiplier; ``on_updated(a, b, masters)`` receives the
         new fp32 masters of shard range ``[a, b)``; parameters in ``unused`` keep their
         masters, moments and step counts."""
@@ -141,7 +143,7 @@ class SwappedAdam:
             if self.pipeline_read and i + 1 < len(self.subgroups):
                 pending = self._read(i + 1, (i + 1) % nsets)
             bufs = {k: v[: b - a] for k, v in self.sets[slot].items()}
-            g = grads[a:b].to(torch.float32)
+            g = grads(a, b).to(torch.float32)
             if factor != 1.0:
                 g = g * factor
             self._apply(a, b, bufs, g, unused)

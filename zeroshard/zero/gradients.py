@@ -102,7 +102,10 @@ class GradReducer:
         self._pending: list[tuple[_Bucket, Handle | None, str]] = []
         self._free_staging: list[torch.Tensor] = []
         layout = flat.layout
-        self._staging_numel = max((seg.numel for seg in layout.segments), default=0)
+        # segments with a trainable parameter: the only ones reduced and stored (stage 3
+        # keeps frozen parameters in segments of their own)
+        reduced = [seg for seg in layout.segments if any(flat.group_of[p] >= 0 for p in seg.params)]
+        self._staging_numel = max((seg.numel for seg in reduced), default=0)
         self._accumulated = False  # whether grad_shard already holds a micro-step
         self._any_grad = False  # whether any gradient arrived in this accumulation window
         self._window_filled: set[int] = set()  # params that got a gradient in this window
@@ -113,7 +116,7 @@ class GradReducer:
         self._stager: HostStager | None = None
         self._staging_events: dict[int, object] = {}  # staging buffer id -> copy event
         if accum_device is not None and (accum_device != flat.device or stage_on_cpu()):
-            chunk = max((s.chunk for s in layout.segments), default=0)
+            chunk = max((s.chunk for s in reduced), default=0)
             self._stager = HostStager(flat.device, chunk, dtype)
         if sharded or self._stager is not None:
             where = accum_device or flat.device
@@ -121,10 +124,12 @@ class GradReducer:
             # optimizer reads: the moves stay in the gradient dtype (half the bytes over
             # the bus), and neither the norm nor the step converts every element again.
             host = torch.float32 if self._stager is not None else dtype
-            self.grad_shard = torch.zeros(layout.shard_numel, dtype=host, device=where)
-            self.grad_chunks = [
-                self.grad_shard[s.shard_start : s.shard_start + s.chunk] for s in layout.segments
-            ]
+            self.grad_shard = torch.zeros(sum(s.chunk for s in reduced), dtype=host, device=where)
+            self.grad_chunks = [self.grad_shard[:0]] * len(layout.segments)  # frozen: none
+            start = 0
+            for seg in reduced:
+                self.grad_chunks[seg.index] = self.grad_shard[start : start + seg.chunk]
+                start += seg.chunk
         if not sharded:
             self.grad_full = torch.zeros(layout.total_numel, dtype=dtype, device=flat.device)
             self._device_chunks = [
@@ -138,7 +143,7 @@ class GradReducer:
         reg = registration_index or {}
         self._buckets: list[_Bucket] = []
         self._bucket_of: list[_Bucket] = [None] * len(flat.params)  # type: ignore[list-item]
-        for seg in layout.segments:
+        for seg in reduced:
             slots = {p: (lo, hi) for p, lo, hi in layout.segment_param_pieces(seg.index)}
             key = min((reg.get(id(flat.params[p]), 1 << 30) for p in seg.params), default=0)
             trainable = sum(flat.group_of[p] >= 0 for p in seg.params)
@@ -331,6 +336,20 @@ class GradReducer:
         for pi, p in enumerate(self.flat.params):
             if self.flat.group_of[pi] >= 0:
                 p.grad = None
+
+    def grad_range(self, a: int, b: int) -> torch.Tensor:
+        """This rank's reduced gradient at shard positions ``[a, b)`` (zeros where a
+        segment holds only frozen parameters)."""
+        parts = []
+        for seg in self.flat.layout.segments:
+            lo, hi = max(a, seg.shard_start), min(b, seg.shard_start + seg.chunk)
+            if lo < hi:
+                chunk = self.grad_chunks[seg.index]
+                if chunk.numel():
+                    parts.append(chunk[lo - seg.shard_start : hi - seg.shard_start])
+                else:
+                    parts.append(torch.zeros(hi - lo, dtype=chunk.dtype, device=chunk.device))
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def unused_everywhere(self) -> set[int]:
         """Trainable parameters that got no gradient on any rank in this accumulation

@@ -7,6 +7,9 @@ communication here: these only call back into the gatherer.
   (tensor, tuple, named tuple, list, dict, ``ModelOutput``) through it.
 * :class:`AccessTrackingDict`: a module's ``_parameters`` that reports each
   ``module.name`` read, so parameters used outside their own module are gathered too.
+* :func:`guard`: gives a parameter a subclass whose ``__torch_function__`` refuses ops
+  on it while it is released (only this rank's shard held), naming the parameter and
+  ``GatheredParameters``, instead of computing on an empty placeholder.
 """
 
 from __future__ import annotations
@@ -77,3 +80,81 @@ def wrap_outputs(output, gatherer, units: tuple[int, ...]):
             new[k] = w
         return new
     return output
+
+
+class PartitionedParameterError(RuntimeError):
+    """A stage-3 parameter used while only this rank's shard of it is held."""
+
+
+# what may touch a released parameter: metadata, and the ``.data`` / ``.grad`` plumbing
+_METADATA = frozenset(
+    {
+        "shape", "dtype", "device", "size", "dim", "ndim", "ndimension", "numel",
+        "nelement", "requires_grad", "requires_grad_", "is_leaf", "grad", "grad_fn",
+        "data", "_version", "layout", "is_floating_point", "is_complex", "element_size",
+        "is_cuda", "is_meta", "is_sparse", "names", "__repr__", "__format__", "__hash__",
+        "__reduce_ex__", "__deepcopy__", "__setstate__", "retain_grad", "register_hook",
+        "register_post_accumulate_grad_hook", "untyped_storage", "data_ptr",
+        "storage_offset", "stride", "is_contiguous", "_post_accumulate_grad_hooks", "T",
+    }
+)  # fmt: skip
+
+
+def _op_name(func) -> str:
+    """The op's name; for a property access, the property's (``Tensor.shape.__get__``
+    is "shape"); setters are "__set__" (assigning ``.data`` / ``.grad`` is always fine)."""
+    name = getattr(func, "__name__", "")
+    if name == "__get__":
+        return getattr(getattr(func, "__self__", None), "__name__", name)
+    return name
+
+
+def _check_then_run(cls, func, types, args=(), kwargs=None):
+    """A partitioned parameter's ``__torch_function__``: refuse ops on it while it is
+    released; otherwise run the op as a plain tensor op (as ``nn.Parameter`` does)."""
+    kwargs = kwargs or {}
+    name = _op_name(func)
+    if name not in _METADATA and name != "__set__":
+        for a in args:  # parameters are direct arguments: F.linear(x, w, b), w.clamp_()
+            d = getattr(a, "__dict__", None)
+            if d and d.get("_zs_released"):
+                raise PartitionedParameterError(
+                    f"parameter {d.get('_zs_name')!r} is partitioned across ranks (ZeRO "
+                    f"stage 3) and only this rank's shard is held here, so "
+                    f"{name or func} cannot use it; read or change it "
+                    "inside `with zeroshard.zero.GatheredParameters(params, "
+                    "modifier_rank=...)` (changes persist with modifier_rank) or inside "
+                    "its module's forward"
+                )
+    with torch._C.DisableTorchFunctionSubclass():
+        return func(*args, **kwargs)
+
+
+_GUARDED: dict[type, type] = {}
+
+
+def guard(param: torch.nn.Parameter, name: str) -> None:
+    """Make ``param`` refuse ops while released (see :func:`set_released`)."""
+    cls = type(param)
+    if cls not in _GUARDED:
+        _GUARDED[cls] = type(
+            f"Partitioned{cls.__name__}",
+            (cls,),
+            {"__torch_function__": classmethod(_check_then_run), "__module__": __name__},
+        )
+        _GUARDED[_GUARDED[cls]] = _GUARDED[cls]
+    param.__class__ = _GUARDED[cls]
+    param.__dict__["_zs_name"] = name
+
+
+def set_released(param: torch.Tensor, released: bool) -> None:
+    param.__dict__["_zs_released"] = released
+
+
+def unguard(param: torch.nn.Parameter) -> None:
+    """Give ``param`` its own class back."""
+    cls = type(param)
+    if cls.__module__ == __name__ and cls.__name__.startswith("Partitioned"):
+        param.__class__ = cls.__mro__[1]
+    param.__dict__.pop("_zs_name", None)
+    param.__dict__.pop("_zs_released", None)

@@ -1,15 +1,12 @@
-"""How whole parameters are made from shards: after each step, or around each use.
-
-:class:`WholeParams` (stages 0-2): parameters are whole on every rank; when optimizer
-state is sharded, each rank's updated chunks are all-gathered after the step, one
-all-gather per segment (the full parameter bytes, Ψ).
-
-:class:`ParamGatherer` (stage 3): parameters live as shards and are gathered per unit
-around their use.
+"""Stage 3: parameters live as shards and are gathered per unit around their use
+(:class:`ParamGatherer`; stages 0-2 keep them whole: ``whole.py``).
 
 A *unit* is one segment of the flat layout: the parameters a module owns directly
-(``recurse=False``). Parameters below ``stage3_param_persistence_threshold`` elements are
-packed into *persistent* segments that stay gathered on every rank.
+(``recurse=False``), trainable and frozen ones apart. Parameters below
+``stage3_param_persistence_threshold`` elements are packed into *persistent* segments
+that stay gathered on every rank. A *leaf* module (``leaves.py``: an MoE block, say) is
+gathered as a whole at its pre-forward, all of its descendants' units together, so
+data-dependent control flow inside it cannot make ranks gather different units.
 
 Communication (Ψ = parameter bytes of the non-persistent units):
 
@@ -45,7 +42,18 @@ prefetched, prefetches used, and speculative units evicted).
 
 Freeing keeps tensor objects alive: the unit buffer's storage is resized to zero and
 the parameters point at an empty placeholder, so tensors autograd saved during forward
-(views of the buffer) see the re-gathered values in backward.
+(views of the buffer) see the re-gathered values in backward. A released parameter
+refuses torch ops (``hooks.guard``), naming itself and ``GatherParameters``, instead of
+computing on the placeholder.
+
+Agreement: ranks must gather the same units in the same order. During the first forward
+and the first backward (and always with ``zero_optimization.enable_sanity_checks``)
+each gather is preceded by one all-reduce (max) of two int64 (this unit's index, and its
+negation): ranks that would gather different units raise, on every rank, an error naming
+both modules and the remedy (a leaf module), instead of gloo aborting or NCCL hanging.
+With more than one rank, modules carry FSDP2's ``_is_fsdp_managed_module`` marker, so
+Hugging Face ``generate()`` keeps every rank running forwards until all are done
+(``synced_gpus``), as it does for DeepSpeed ZeRO-3 and FSDP.
 """
 
 from __future__ import annotations
@@ -57,63 +65,12 @@ from torch import nn
 
 from zeroshard.comm import Comm, Handle
 from zeroshard.zero.flat import FlatParams
-from zeroshard.zero.hooks import AccessTrackingDict, wrap_outputs
+from zeroshard.zero.hooks import AccessTrackingDict, guard, set_released, unguard, wrap_outputs
+from zeroshard.zero.whole import segments_of
 
 
-class WholeParams:
-    """Stages 0-2: every rank holds every parameter (views of ``flat.full``).
-
-    ``comm`` is the group the layout is sharded over (the updated chunks are all-gathered
-    in it); ``replicas`` spans every rank holding these parameters (``GatheredParameters``
-    broadcasts a modifier's values over it, ``modifier_rank`` being a rank in it)."""
-
-    def __init__(self, flat: FlatParams, comm: Comm, replicas: Comm) -> None:
-        self.flat, self.comm, self.replicas = flat, comm, replicas
-
-    def after_step(self) -> None:
-        """Re-assemble whole parameters from every rank's updated chunks."""
-        flat = self.flat
-        if not flat.partitioned:
-            return
-        handles = [
-            self.comm.all_gather(
-                flat.segment_view(seg.index), flat.chunks[seg.index], async_op=True
-            )
-            for seg in flat.layout.segments
-        ]
-        for h in handles:
-            h.wait()
-
-    def begin_backward(self) -> None:
-        pass
-
-    def end_backward(self) -> None:
-        pass
-
-    def remove(self) -> None:
-        """Nothing installed; the parameters stay views of the full buffer."""
-
-    def free_if_idle(self, segment: int) -> None:
-        pass
-
-    def open(self, params: list[torch.Tensor]) -> None:
-        """Parameters are whole already."""
-
-    def close(self, params: list[torch.Tensor], modifier_rank: int | None) -> list[int]:
-        """Broadcast modified parameters; returns the segments whose chunks changed."""
-        if modifier_rank is None:
-            return []
-        for p in params:
-            self.replicas.broadcast(p.data, src=modifier_rank)
-        return _segments_of(self.flat, params)
-
-    def buffers(self) -> list[torch.Tensor]:
-        return [self.flat.full]
-
-
-def _segments_of(flat: FlatParams, params: list[torch.Tensor]) -> list[int]:
-    index = {id(p): pi for pi, p in enumerate(flat.params)}
-    return sorted({flat.layout.param_segment[index[id(p)]] for p in params if id(p) in index})
+class GatherMismatchError(RuntimeError):
+    """Ranks would gather different stage-3 units (raised on every rank)."""
 
 
 class ParamGatherer:
@@ -130,8 +87,13 @@ class ParamGatherer:
         persistent: Iterable[int],
         prefetch_numel: int,
         max_live_numel: int,
+        leaves: Iterable[nn.Module] = (),
+        check_every_pass: bool = False,
     ) -> None:
         self.flat, self.comm, self.replicas = flat, comm, replicas
+        # passes whose gathers are checked for agreement (first forward and backward)
+        self._check_every, self._check_left = check_every_pass, 2
+        self._unit_name = ["(no module)"] * len(flat.layout.segments)  # for errors
         self.persistent = set(persistent)
         self.prefetch_numel, self.max_live_numel = prefetch_numel, max_live_numel
         layout = flat.layout
@@ -174,16 +136,30 @@ class ParamGatherer:
         self.units_of: dict[nn.Module, tuple[int, ...]] = {}
         self._stack: list[nn.Module] = []  # modules whose forward is running
         self._hooks = []
-        for m in module.modules():
-            units = {
-                self._segment_of[id(p)]
-                for p in m.parameters(recurse=False)
-                if id(p) in self._segment_of
-            }
+        leaves = list(leaves)
+        inside_leaf = {id(d) for leaf in leaves for d in leaf.modules() if d is not leaf}
+        leaf_ids = {id(leaf) for leaf in leaves}
+        for name, m in reversed(list(module.named_modules())):
+            owned = m.parameters(recurse=id(m) in leaf_ids)
+            units = {self._segment_of[id(p)] for p in owned if id(p) in self._segment_of}
+            for s in units:
+                self._unit_name[s] = name or "(the root module)"
+            m._parameters = AccessTrackingDict(m._parameters, self._on_access)
+            if id(m) in inside_leaf:  # gathered with its leaf; no hooks of its own
+                continue
             self.units_of[m] = tuple(sorted(units - self.persistent))
             self._hooks.append(m.register_forward_pre_hook(self._pre_forward))
             self._hooks.append(m.register_forward_hook(self._post_forward))
-            m._parameters = AccessTrackingDict(m._parameters, self._on_access)
+        self._synced = comm.world_size > 1  # see the module docstring: synced generate()
+        for m in module.modules():
+            if self._synced and not hasattr(m, "_is_fsdp_managed_module"):
+                m._is_fsdp_managed_module = True
+        names = {}
+        for name, p in module.named_parameters():
+            names.setdefault(id(p), name)
+        for pi, p in enumerate(flat.params):
+            guard(p, names.get(id(p), f"parameter {pi}"))
+            set_released(p, self.flat.layout.param_segment[pi] not in self._gathered)
 
     # -- instrumentation --------------------------------------------------------------
     def reset_stats(self) -> None:
@@ -216,6 +192,8 @@ class ParamGatherer:
     def _launch(self, s: int, *, prefetch: bool = False) -> None:
         if s in self._gathered or s in self._handles:
             return
+        if self.comm.world_size > 1 and (self._check_every or self._check_left > 0):
+            self._agree(s)
         store = self.flat.store
         chunk = store.lend(s)  # a view in memory, or a pool buffer read from NVMe
         while chunk is None:  # every pool buffer is under an all-gather in flight
@@ -240,6 +218,24 @@ class ParamGatherer:
                 self._speculative[s] = None
                 self.prefetched += 1
 
+    def _agree(self, s: int) -> None:
+        """Check that every rank gathers unit ``s`` now (see the module docstring)."""
+        mine = torch.tensor([s, -s], dtype=torch.int64, device=self.flat.device)
+        self.comm.all_reduce(mine, op="max")
+        top, neg_low = mine.tolist()
+        if top == s and -neg_low == s:
+            return
+        other = top if top != s else -neg_low
+        raise GatherMismatchError(
+            f"ZeRO-3: ranks are about to gather different parameters: this rank those of "
+            f"{self._unit_name[s]!r}, another rank those of {self._unit_name[other]!r}. "
+            "The model ran different modules on different ranks (data-dependent control "
+            "flow: routing, early exit). Mark the module whose inside varies as a leaf, "
+            "gathered whole on every rank: zeroshard.utils.set_z3_leaf_modules(model, "
+            "[TheModuleClass]) before initialize, or the config's "
+            'zero_optimization.leaf_module {"classes": [...]}; for an MoE, its MoE block'
+        )
+
     def _wait(self, s: int) -> None:
         handle = self._handles.pop(s, None)
         if handle is not None:
@@ -251,7 +247,9 @@ class ParamGatherer:
         if s not in self._gathered:
             self._gathered.add(s)
             for pi in self.flat.layout.segments[s].params:
-                self.flat.params[pi].data = self._views[pi]
+                p = self.flat.params[pi]
+                p.data = self._views[pi]
+                set_released(p, False)
 
     def gather(self, s: int) -> None:
         """Gather unit ``s`` on demand (see :meth:`_gather_now`)."""
@@ -284,7 +282,9 @@ class ParamGatherer:
                 self.live_numel -= self._numel[s]
         self._speculative.pop(s, None)
         for pi in self.flat.layout.segments[s].params:
-            self.flat.params[pi].data = self._placeholder
+            p = self.flat.params[pi]
+            p.data = self._placeholder
+            set_released(p, True)
         self.unit_buffers[s].untyped_storage().resize_(0)
 
     def free_if_idle(self, s: int) -> None:
@@ -368,6 +368,7 @@ class ParamGatherer:
                 self.free_if_idle(s)
         if module is self._root and not self.in_backward:
             self._release_speculative()  # prefetched for this forward but never used
+            self._check_left = min(self._check_left, 1)  # the first forward is checked
         if units and torch.is_grad_enabled() and not self.in_backward:
             return wrap_outputs(output, self, units)
         return output
@@ -387,6 +388,7 @@ class ParamGatherer:
 
     def end_backward(self) -> None:
         self.in_backward = False
+        self._check_left = 0  # the first forward and backward are checked
         if self._bwd_order is None and self._recording_bwd:
             self._bwd_order = self._recording_bwd
         self.free_all()
@@ -394,16 +396,23 @@ class ParamGatherer:
     def after_step(self) -> None:
         self.refresh_persistent()
 
+    def mark_clean(self) -> None:
+        """Nothing to track: released parameters refuse edits (``hooks.guard``), and
+        ``GatheredParameters(modifier_rank=...)`` writes edits into the shards."""
+
+    def edited(self) -> bool:
+        return False
+
     def open(self, params: list[torch.Tensor]) -> None:
         """Gather the units holding ``params`` and keep them until :meth:`close`."""
-        segs = _segments_of(self.flat, params)
+        segs = segments_of(self.flat, params)
         for s in segs:
             self._users[s] += 1
         self._gather_now(segs)
 
     def close(self, params: list[torch.Tensor], modifier_rank: int | None) -> list[int]:
         """Optionally take ``modifier_rank``'s values into every shard; free the units."""
-        segs = _segments_of(self.flat, params)
+        segs = segments_of(self.flat, params)
         if modifier_rank is not None:
             for p in params:
                 self.replicas.broadcast(p.data, src=modifier_rank)
@@ -427,6 +436,10 @@ class ParamGatherer:
         for m in self._root.modules():
             if isinstance(m._parameters, AccessTrackingDict):
                 m._parameters = dict(m._parameters)
+            if self._synced and getattr(m, "_is_fsdp_managed_module", False):
+                del m._is_fsdp_managed_module
+        for p in self.flat.params:
+            unguard(p)
         self.free_all()
         for s in range(len(self.unit_buffers)):
             self._gather_now((s,))  # persistent units are whole already

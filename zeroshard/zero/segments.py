@@ -75,7 +75,9 @@ def unit_segments(
     bucket_numel: int,
     model_persistence_threshold: int | None = None,
 ) -> SegmentPlan:
-    """Stage 3: a segment per module of its own parameters; small ones persistent.
+    """Stage 3: a segment per module of its own parameters, its trainable and its frozen
+    ones apart (frozen segments are never reduced and hold no gradient storage); small
+    ones persistent.
 
     As in DeepSpeed, a parameter with ``numel <= persistence_threshold`` stays whole on
     every rank, as long as the persistent total stays within
@@ -96,9 +98,17 @@ def unit_segments(
                 budget -= p.numel()
             else:
                 own.append(p)
-        if own:
-            units.append(own)
-    packed = [
-        [small[i] for i in s] for s in greedy_segments([p.numel() for p in small], bucket_numel)
-    ]
+        units += _split_frozen(own, group)
+    packed = []
+    for kind in _split_frozen(small, group):
+        packed += [
+            [kind[i] for i in s] for s in greedy_segments([p.numel() for p in kind], bucket_numel)
+        ]
     return _assemble(units + packed, group, persistent_from=len(units))
+
+
+def _split_frozen(params: list[nn.Parameter], group: dict[int, int]) -> list[list[nn.Parameter]]:
+    """``params`` as up to two lists: the trainable ones, then the frozen ones."""
+    trainable = [p for p in params if group.get(id(p), FROZEN) >= 0]
+    frozen = [p for p in params if group.get(id(p), FROZEN) < 0]
+    return [kind for kind in (trainable, frozen) if kind]

@@ -1,0 +1,88 @@
+"""Stages 0-2: parameters are whole on every rank, views of the flat buffer.
+
+Communication: when optimizer state is sharded (stages 1-2), each rank's updated chunks
+are all-gathered after the step over the ZeRO shard group, one all-gather per segment
+(the full parameter bytes, Ψ); ``GatheredParameters(..., modifier_rank=r)`` broadcasts
+each given parameter over the ``replicas`` group when it closes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from zeroshard.comm import Comm
+from zeroshard.zero.flat import FlatParams
+
+
+def segments_of(flat: FlatParams, params: list[torch.Tensor]) -> list[int]:
+    """The segments holding ``params`` (others ignored), in order."""
+    index = {id(p): pi for pi, p in enumerate(flat.params)}
+    return sorted({flat.layout.param_segment[index[id(p)]] for p in params if id(p) in index})
+
+
+class WholeParams:
+    """Stages 0-2: every rank holds every parameter (views of ``flat.full``).
+
+    ``comm`` is the group the layout is sharded over (the updated chunks are all-gathered
+    in it); ``replicas`` spans every rank holding these parameters (``GatheredParameters``
+    broadcasts a modifier's values over it, ``modifier_rank`` being a rank in it)."""
+
+    def __init__(self, flat: FlatParams, comm: Comm, replicas: Comm) -> None:
+        self.flat, self.comm, self.replicas = flat, comm, replicas
+        self.mark_clean()
+
+    def _fingerprint(self) -> int:
+        # in-place edits bump the version counter of the parameter edited (``p.clamp_()``)
+        # or of the flat buffer (``p.data.clamp_()``); both only ever grow
+        return self.flat.full._version + sum(p._version for p in self.flat.params)
+
+    def mark_clean(self) -> None:
+        """The parameters and the masters agree now."""
+        self._clean = self._fingerprint()
+
+    def edited(self) -> bool:
+        """Whether a parameter was changed in place since :meth:`mark_clean` (e.g. a
+        ``clamp_()`` after ``step()``): the masters must take the new values."""
+        return self._fingerprint() != self._clean
+
+    def after_step(self) -> None:
+        """Re-assemble whole parameters from every rank's updated chunks."""
+        flat = self.flat
+        if not flat.partitioned:
+            self.mark_clean()
+            return
+        handles = [
+            self.comm.all_gather(
+                flat.segment_view(seg.index), flat.chunks[seg.index], async_op=True
+            )
+            for seg in flat.layout.segments
+        ]
+        for h in handles:
+            h.wait()
+        self.mark_clean()
+
+    def begin_backward(self) -> None:
+        pass
+
+    def end_backward(self) -> None:
+        pass
+
+    def remove(self) -> None:
+        """Nothing installed; the parameters stay views of the full buffer."""
+
+    def free_if_idle(self, segment: int) -> None:
+        pass
+
+    def open(self, params: list[torch.Tensor]) -> None:
+        """Parameters are whole already."""
+
+    def close(self, params: list[torch.Tensor], modifier_rank: int | None) -> list[int]:
+        """Broadcast modified parameters; returns the segments whose chunks changed."""
+        if modifier_rank is None:
+            return []
+        for p in params:
+            self.replicas.broadcast(p.data, src=modifier_rank)
+        return segments_of(self.flat, params)
+
+    def buffers(self) -> list[torch.Tensor]:
+        return [self.flat.full]
