@@ -683,8 +683,6 @@ NOT_BUILT_CASES = {
     "eigenvalue": (_with(eigenvalue={"enabled": True}), "eigenvalue"),
     "quantize_training": (_with(quantize_training={"enabled": True}), "quantize_training"),
     "sparse_gradients": (_with(sparse_gradients=True), "sparse_gradients"),
-    "tensor_parallel": (_with(tensor_parallel={"autotp_size": 2}), "tensor_parallel"),
-    "sequence_parallel": (_with(sequence_parallel_size=2), "sequence_parallel_size"),
     "bf16_master": (
         _zero() | {"bf16": {"enabled": True, "bf16_master_weights_and_grads": True}},
         "bf16.bf16_master_weights_and_grads",

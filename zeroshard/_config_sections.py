@@ -459,10 +459,3 @@ class TimersConfig(Section):
     """``timers``."""
 
     throughput: ThroughputTimerConfig = _throughput()
-
-
-def tensor_parallel_size(section: Mapping[str, Any]) -> int:
-    """The degree a ``tensor_parallel`` section asks for: autotp_size or tp.tp_size."""
-    tp = section.get("tp")
-    sizes = (section.get("autotp_size"), tp.get("tp_size") if isinstance(tp, Mapping) else None)
-    return max((s for s in sizes if isinstance(s, (int, float)) and not isinstance(s, bool)), default=1)  # fmt: skip

@@ -156,8 +156,14 @@ def initialize(
         mesh = Mesh.from_mpu(mpu)
         cfg = load_config(source, dp_world_size=mesh.size("dp"))
     else:
-        cfg = load_config(source, dp_world_size=world)
-        shape = MeshShape.for_world(world, shard_size=cfg.zero_optimization.mics_shard_size)
+        cfg = load_config(source, world_size=world)
+        shape = MeshShape.for_world(
+            world,
+            tp=cfg.tensor_parallel.size,
+            sp=cfg.sequence_parallel_size,
+            pp=cfg.pipeline_stages,
+            shard_size=cfg.zero_optimization.mics_shard_size,
+        )
         mesh = Mesh.build(shape, device_type=default_device().type)
     if cfg.seed is not None:
         random.seed(cfg.seed)

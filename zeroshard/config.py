@@ -41,6 +41,7 @@ import torch
 
 from zeroshard import _config_sections as sections
 from zeroshard._config_json import read_config_file
+from zeroshard._config_parallel import TensorParallelConfig
 from zeroshard._config_schema import (
     AUTO,
     INERT,
@@ -128,10 +129,6 @@ def _feature(feature: str, on: Callable[[Any], bool] | None = None) -> Any:
     return key(None, NOT_BUILT(feature, on), doc=doc, check=sections.enabled_is_boolean)
 
 
-def _tp_on(section: Mapping[str, Any]) -> bool:
-    return sections.tensor_parallel_size(section) > 1
-
-
 @dataclass(frozen=True, kw_only=True)
 class Config(Section):
     """A whole, validated config. Build it with :func:`load_config`."""
@@ -143,6 +140,7 @@ class Config(Section):
     train_micro_batch_size_per_gpu: int = _batch("Samples per rank per forward/backward.")
     gradient_accumulation_steps: int = _batch("Micro-batches per optimizer step.")
     dp_world_size: int = 1  # what the batch sizes were resolved for (not a key)
+    world_size: int | None = None  # given instead: dp is what tp x sp x pp leave (not a key)
     optimizer: OptimizerConfig | None = key(None, doc="The optimizer to build; null: pass one to initialize().")
     scheduler: SchedulerConfig | None = key(None, doc="The learning-rate schedule, if any.")
     fp16: FP16Config = _section(FP16Config, "fp16 mixed precision.")
@@ -156,7 +154,7 @@ class Config(Section):
     prescale_gradients: bool = key(False, doc="Divide gradients by the world size before the reduction.")
     gradient_predivide_factor: float = key(1.0, doc="Divide gradients by this before the reduction, the rest after.", above=0)
     communication_data_type: str | None = key(None, doc="Dtype of gradient communication; null = the gradients'.", choices=DTYPES)
-    seq_parallel_communication_data_type: str = key("fp32", INERT("used only by sequence parallelism (not built)"), doc="Sequence-parallel dtype.", choices=DTYPES)
+    seq_parallel_communication_data_type: str = key("fp32", INERT("sequence-parallel all-to-alls move activations in their own dtype"), doc="Sequence-parallel dtype.", choices=DTYPES)
     gradient_allreduce_op: str = key("mean", NOT_BUILT("summed (not averaged) gradient reduction"), doc="mean or sum.", choices=("mean", "sum"))
     steps_per_print: int | None = key(10, doc="Log progress every this many steps; null or Infinity = never.", min=1, infinity=None)
     seed: int | None = key(None, doc="Seed of Python's and torch's random state.", min=0)
@@ -168,7 +166,8 @@ class Config(Section):
     zero_force_ds_cpu_optimizer: bool = key(True, INERT("CPU offload steps torch's fused CPU Adam"), doc="Insist on DeepSpeed's CPU Adam.")
     disable_allgather: bool = key(False, INERT("a legacy switch; updated parameters are always all-gathered"), doc="Broadcast, not all-gather.")
     vocabulary_size: int | None = key(None, INERT("DeepSpeed only checks it for tensor-core alignment"), doc="Vocabulary size.", min=1)
-    sequence_parallel_size: int = key(1, NOT_BUILT("sequence parallelism", lambda v: v > 1), doc="Sequence-parallel degree.", min=1, nullable=True)
+    sequence_parallel_size: int = key(1, doc="Sequence-parallel degree (DeepSpeed's Ulysses; ring attention with sequence_parallel_mode 'ring').", min=1, nullable=True)
+    sequence_parallel_mode: str = key("ulysses", doc="zeroshard: 'ulysses' (all-to-all of heads) or 'ring' (ring attention, load-balanced causal chunks).", choices=("ulysses", "ring"))
     log_level: str | None = key(None, INERT("set the level of the 'zeroshard' logger with Python's logging"), doc="DeepSpeed's log level.")
     sparse_gradients: bool = key(False, NOT_BUILT("sparse (CSR) gradients"), doc="Sparse embedding gradients.")
     managed_gradient_accumulation: bool = key(True, NOT_BUILT("unmanaged gradient accumulation"), doc="Accumulate in the engine.")
@@ -194,7 +193,7 @@ class Config(Section):
     progressive_layer_drop: dict[str, Any] | None = _feature("progressive layer drop", enabled)
     eigenvalue: dict[str, Any] | None = _feature("eigenvalue computation", enabled)
     quantize_training: dict[str, Any] | None = _feature("quantization-aware training (MoQ)", enabled)
-    tensor_parallel: dict[str, Any] | None = _feature("tensor parallelism (AutoTP)", _tp_on)
+    tensor_parallel: TensorParallelConfig = _section(TensorParallelConfig, "Tensor parallelism (AutoTP).")
     expert_parallel: dict[str, Any] | None = _feature("expert parallelism (AutoEP)", enabled)
     compile: dict[str, Any] | None = _feature("DeepCompile", lambda s: s.get("deepcompile") is True)
     weight_quantization: dict[str, Any] | None = _feature("weight quantization")
@@ -212,6 +211,8 @@ class Config(Section):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.world_size is not None:
+            object.__setattr__(self, "dp_world_size", self._dp_of(self.world_size))
         check(self.dp_world_size >= 1, "dp_world_size", "must be >= 1")
         given = [getattr(self, name) or None for name in _BATCH]  # 0 means "derive it"
         resolved = resolve_batch_sizes(*given, self.dp_world_size)
@@ -230,6 +231,22 @@ class Config(Section):
         return values
 
     @property
+    def pipeline_stages(self) -> int:
+        """Pipeline stages the ``pipeline`` section asks for (1: none)."""
+        stages = (self.pipeline or {}).get("stages", 1)
+        return stages if isinstance(stages, int) and stages > 0 else 1
+
+    def _dp_of(self, world: int) -> int:
+        tp, sp, pp = self.tensor_parallel.size, self.sequence_parallel_size, self.pipeline_stages
+        check(
+            world % (tp * sp * pp) == 0,
+            "tensor_parallel.autotp_size",
+            f"tensor_parallel.autotp_size ({tp}) x sequence_parallel_size ({sp}) x "
+            f"pipeline.stages ({pp}) = {tp * sp * pp} does not divide the world size ({world})",
+        )
+        return world // (tp * sp * pp)
+
+    @property
     def compute_dtype(self) -> torch.dtype:
         """bf16 if bf16 is enabled, fp16 if fp16 is, else fp32."""
         return torch.bfloat16 if self.bf16.enabled else torch.float16 if self.fp16.enabled else torch.float32  # fmt: skip
@@ -245,6 +262,7 @@ def load_config(
     source: Mapping[str, Any] | str | os.PathLike[str],
     *,
     dp_world_size: int = 1,
+    world_size: int | None = None,
     auto_values: Mapping[str, Any] | None = None,
 ) -> Config:
     """Read and validate a DeepSpeed config for ``dp_world_size`` data-parallel ranks.
@@ -253,10 +271,13 @@ def load_config(
     and trailing commas allowed). ``auto_values`` maps dotted keys (``"optimizer.params.lr"``,
     ``"train_micro_batch_size_per_gpu"``) to the values that replace ``"auto"`` there; it
     is the Hugging Face integration's hook, and a key it names must be one the schema
-    knows. Raises :class:`ConfigError` on the first problem, including a feature that is
-    not built yet.
+    knows. ``world_size`` instead of ``dp_world_size``: the data-parallel size is what
+    the config's tensor, sequence and pipeline degrees leave of it. Raises
+    :class:`ConfigError` on the first problem, including a feature that is not built yet.
     """
-    config = read_config(source, dp_world_size=dp_world_size, auto_values=auto_values)
+    config = read_config(
+        source, dp_world_size=dp_world_size, world_size=world_size, auto_values=auto_values
+    )
     if config.not_built:
         path, feature = config.not_built[0]
         raise ConfigError(path, f"{feature} is not built yet in zeroshard")
@@ -267,6 +288,7 @@ def read_config(
     source: Mapping[str, Any] | str | os.PathLike[str],
     *,
     dp_world_size: int = 1,
+    world_size: int | None = None,
     auto_values: Mapping[str, Any] | None = None,
 ) -> Config:
     """:func:`load_config` for tools that inspect configs: a config asking for features
@@ -293,7 +315,9 @@ def read_config(
             data["zero_optimization"]["allgather_bucket_size"] = data.pop("allgather_size")
     reading = Reading(Config)
     extra = {"raw": raw, "inert": reading.inert, "not_built": reading.not_built}
-    return read_section(Config, data, "", reading, dp_world_size=world, **extra)
+    return read_section(
+        Config, data, "", reading, dp_world_size=world, world_size=world_size, **extra
+    )
 
 
 def _fill_auto(raw: dict[str, Any], auto_values: Mapping[str, Any]) -> None:

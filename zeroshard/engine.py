@@ -30,6 +30,12 @@ from zeroshard.offload.placement import Placement
 from zeroshard.offload.store import MemoryShard
 from zeroshard.offload.swaps import EngineSwaps
 from zeroshard.optim import optimizer_factory
+from zeroshard.parallel.apply import (
+    Parallelized,
+    gradient_summed_over_tp,
+    is_tp_sharded,
+    parallelize,
+)
 from zeroshard.parallel.mesh import Mesh
 from zeroshard.precision import DtypePolicy, LossScaler
 from zeroshard.schedulers import build_scheduler
@@ -38,7 +44,7 @@ from zeroshard.zero.gathered import register_owner, unregister_owner
 from zeroshard.zero.gradients import GradReducer
 from zeroshard.zero.init import is_sealed, take_value
 from zeroshard.zero.leaves import find_leaves
-from zeroshard.zero.optimizer import ShardedOptimizer
+from zeroshard.zero.optimizer import ShardedOptimizer, TensorParallelGrads
 from zeroshard.zero.parameters import ParamGatherer
 from zeroshard.zero.partition import FlatLayout
 from zeroshard.zero.segments import bucket_segments, unit_segments
@@ -145,7 +151,7 @@ class Engine(nn.Module):
         if self.policy.compute != torch.float32:
             cast = module.register_forward_pre_hook(self._cast_inputs, with_kwargs=True)
             self._installed.append(cast)
-        self._broadcast_initial_state()
+        param_groups = self._parallelize(param_groups)
         self._swaps = EngineSwaps(config, self.comm.rank)
         self._swap_spaces = self._swaps.spaces  # nvme_path -> this rank's swap directory
         self.flat, persistent = self._flatten(param_groups)
@@ -189,6 +195,7 @@ class Engine(nn.Module):
             shard_comm,
             policy=self.policy,
             scaler=self.loss_scaler,
+            tp=self._tp_grads(),
             clip=config.gradient_clipping,
             check_overflow=config.fp16.enabled,
         )
@@ -275,15 +282,47 @@ class Engine(nn.Module):
         pin = place.pin_memory and place.param_shard.type == "cpu"
         return MemoryShard.empty(layout, dtype, place.param_shard, pin)
 
-    def _broadcast_initial_state(self) -> None:
-        """Every replica starts from the first one's parameters and buffers (with tensor
-        or pipeline parallelism, ranks of other groups hold other tensors)."""
-        replicas = self.mesh.comm("replicas")
+    def _tp_grads(self) -> TensorParallelGrads | None:
+        """Where the tensor-parallel group's replicated parameters sit in this rank's
+        gradient chunks (see :class:`TensorParallelGrads`)."""
+        if self.mesh.size("tp") == 1:
+            return None
+        flat, replicated, partial = self.flat, [], []
+        for piece in flat.layout.pieces(flat.rank):
+            p = flat.params[piece.param]
+            if flat.group_of[piece.param] < 0 or is_tp_sharded(p):
+                continue
+            lo = piece.shard_lo - flat.layout.segments[piece.segment].shard_start
+            where = (piece.segment, lo, lo + piece.numel)
+            replicated.append(where)
+            if gradient_summed_over_tp(p):
+                partial.append(where)
+        return TensorParallelGrads(self.mesh.comm("tp"), replicated, partial)
+
+    def _parallelize(self, param_groups: list[dict]) -> list[dict]:
+        """Every rank starts from the same model: broadcast from the first rank of each
+        replica group (of the whole world, first, when tensor parallelism slices the
+        model next); then tensor and sequence parallelism; returns ``param_groups``
+        holding the parameters that replaced sliced ones."""
+        split = self.mesh.size("tp") > 1
+        if split and any(is_sealed(p) for p in self.module.parameters()):
+            raise NotImplementedError(
+                "tensor_parallel.autotp_size: a model built under zero.Init with tensor "
+                "parallelism is not built yet; build the model without zero.Init"
+            )
+        source = self.mesh.comm("world" if split else "replicas")
         for p in self.module.parameters():
             if not is_sealed(p):  # zero.Init slices are rank 0's values already
-                replicas.broadcast(p.data, src=0)
+                source.broadcast(p.data, src=0)
         for b in self.module.buffers():
-            replicas.broadcast(b, src=0)
+            source.broadcast(b, src=0)
+        if not split and self.mesh.size("sp") == 1:
+            self._parallel = Parallelized()
+            return param_groups
+        names = {id(p): n for n, p in self.module.named_parameters()}
+        self._parallel = parallelize(self.module, self.mesh, self._config)
+        now = dict(self.module.named_parameters())
+        return [{**g, "params": [now[names[id(p)]] for p in g["params"]]} for g in param_groups]
 
     def _make_scheduler(self, client):
         sc = self._config.scheduler
@@ -329,6 +368,7 @@ class Engine(nn.Module):
             return
         self.reducer.remove_hooks()
         self.params.remove()
+        self._parallel.remove()
         for h in self._installed:
             h.remove()
         self._installed.clear()

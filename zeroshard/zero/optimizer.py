@@ -8,6 +8,8 @@ Communication at the step, per accumulation boundary:
   the global norm (8 bytes);
 * one all-reduce (max) of a byte per trainable parameter over the gradient group: which
   parameters got a gradient on some rank in the window (the others are not stepped);
+* with tensor parallelism: the squared norm all-reduced over the TP group too, and one
+  all-reduce over it of the gradients of replicated parameters that are partial sums;
 and nothing else: re-assembling whole parameters from the updated chunks is the job of
 ``zero/parameters.py``.
 
@@ -39,6 +41,37 @@ def _sum_of_squares(c: torch.Tensor) -> torch.Tensor:
     return torch.linalg.vector_norm(c, dtype=torch.float32).square()
 
 
+class TensorParallelGrads:
+    """Where, in this rank's gradient chunks, the tensor-parallel group's replicated
+    parameters sit (the same places on every rank of the group: their layouts agree).
+
+    ``replicated``: ``(segment, lo, hi)`` of parameters every TP rank holds whole;
+    counted in the global norm on TP rank 0 only. ``partial``: those of them whose
+    gradients are partial sums (Megatron-SP norms, biases of replicated regions); summed
+    over the TP group before the norm and the step: one all-reduce of their total size.
+    """
+
+    def __init__(self, comm: Comm, replicated, partial) -> None:
+        self.comm, self.replicated, self.partial = comm, list(replicated), list(partial)
+
+    def local_sum_of_squares(self, chunks: list[torch.Tensor]) -> torch.Tensor:
+        total = sum((_sum_of_squares(c) for c in chunks), torch.zeros(()))
+        if self.comm.rank != 0:  # replicated parameters: counted by TP rank 0
+            for s, lo, hi in self.replicated:
+                total = total - _sum_of_squares(chunks[s][lo:hi]).to(total.device)
+        return total
+
+    def sum_partial(self, chunks: list[torch.Tensor], device: torch.device) -> None:
+        if not self.partial:
+            return
+        flat = torch.cat([chunks[s][lo:hi] for s, lo, hi in self.partial]).to(device)
+        self.comm.all_reduce(flat)
+        offset = 0
+        for s, lo, hi in self.partial:
+            chunks[s][lo:hi].copy_(flat[offset : offset + hi - lo])
+            offset += hi - lo
+
+
 class ShardedOptimizer:
     """Unscale, check overflow, clip by global norm, then step the state store.
 
@@ -58,9 +91,11 @@ class ShardedOptimizer:
         scaler: LossScaler,
         clip: float = 0.0,
         check_overflow: bool = False,
+        tp: TensorParallelGrads | None = None,
     ) -> None:
         self.flat, self.reducer, self.states = flat, reducer, states
         self.comm, self.policy, self.scaler = comm, policy, scaler
+        self.tp = tp
         self.clip, self.check_overflow = clip, check_overflow
         self.global_grad_norm: float | None = None
         self.overflow = False
@@ -81,20 +116,27 @@ class ShardedOptimizer:
         return self.states.state
 
     def _global_norm(self) -> float:
-        """L2 norm of the whole (averaged) gradient: local chunks, summed over shards."""
+        """L2 norm of the whole (averaged) gradient: local chunks, summed over shards
+        (and over tensor-parallel ranks, each replicated parameter counted once)."""
         chunks = self.reducer.grad_chunks
-        if chunks:
+        if self.tp is not None:
+            local = self.tp.local_sum_of_squares(chunks)
+        elif chunks:
             local = torch.stack([_sum_of_squares(c) for c in chunks]).sum()
-            local = local.reshape(1).to(self.flat.device)
         else:
-            local = torch.zeros(1, dtype=torch.float32, device=self.flat.device)
+            local = torch.zeros((), dtype=torch.float32)
+        local = local.reshape(1).to(device=self.flat.device, dtype=torch.float32)
         if self.flat.partitioned:  # the shards of the ZeRO group partition the gradient
             self.comm.all_reduce(local)
+        if self.tp is not None:
+            self.tp.comm.all_reduce(local)
         return math.sqrt(float(local))
 
     def step(self) -> bool:
         """One optimizer step on the reduced gradients; False if skipped (fp16 overflow)."""
         self.reducer.ensure_defined()
+        if self.tp is not None:
+            self.tp.sum_partial(self.reducer.grad_chunks, self.flat.device)
         unused = self.reducer.unused_everywhere()
         inv_scale = 1.0 / self.scaler.scale
         self.overflow = False
