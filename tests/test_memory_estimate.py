@@ -223,3 +223,17 @@ def test_cli_activations_for_models(capsys, tmp_path, monkeypatch) -> None:
     code, out = _cli(capsys, "estimate", "--model", "zs_user_models:mlp", "--seq", "256")
     assert code == 0
     assert "activations: not included: zs_user_models:mlp builds a Sequential" in out
+
+
+def test_tensor_and_sequence_parallel_estimates() -> None:
+    psi = 8 * 10**9
+    base = estimate(psi, 8, stage=2, precision="bf16")
+    tp = estimate(psi, 8, stage=2, precision="bf16", tp=2, tp_activation_numel=10**6)
+    # parameters split by tp; ZeRO over the other 4 ranks; the TP all-reduces' traffic
+    assert tp.params == base.params // 2
+    assert tp.optimizer_states == round(12 * (psi / 2) / 4)
+    assert tp.comm_bytes_per_step == 2 * 2 * psi // 2 + 8 * 2 * 10**6
+    sp = estimate(psi, 8, stage=3, precision="bf16", sp=2)  # ZeRO shards over dp x sp
+    assert sp.model_states == estimate(psi, 8, stage=3, precision="bf16").model_states
+    with pytest.raises(ValueError, match="must divide"):
+        estimate(psi, 6, stage=1, tp=4)

@@ -14,7 +14,12 @@ says that activations are not included.
 The second line of the output is the ZeRO paper's model-state formula for
 mixed-precision Adam, in GB (10^9 bytes): 16Ψ, 4Ψ + 12Ψ/N, 2Ψ + 14Ψ/N, 16Ψ/N. For 7e9
 parameters on 4 ranks that is 112 / 49 / 38.5 / 28 GB, and the bf16/fp16 rows of the
-table ("states", in GiB) are the same bytes.
+table ("states", in GiB) are the same bytes at stages 0-2; at stage 3 zeroshard keeps the
+parameter shard in fp32 as the master, 14 bytes per parameter: 24.5 GB.
+
+``--tp`` / ``--sp`` (``--megatron-sp``) place tensor- and sequence-parallel ranks among
+the ranks: parameters are divided by tp, ZeRO shards over the rest, activations follow
+``memory.activation_bytes``.
 
 seeds/004's table for the same case says 98 / 56 / 35 / 24.5 GB per GPU. It counts
 2-byte parameters, 4-byte (fp32) gradients and 8 bytes of optimizer state (Adam's two
@@ -110,11 +115,23 @@ def activations(facts: dict, args: argparse.Namespace, precision: str) -> tuple[
         dtype_bytes=4 if precision == "fp32" else 2,
         mlp_ratio=facts["mlp_ratio"],
         tied_embeddings=facts["tied_embeddings"],
+        tp=args.tp,
+        sequence_parallel=args.megatron_sp,
+        sp=args.sp,
     )
     return act, (
         f"activations ({precision}, peak, seq {args.seq}, micro-batch {args.micro_batch}, "
-        f"checkpointing {args.checkpointing}): {act / 2**30:.2f} GiB"
+        f"checkpointing {args.checkpointing}"
+        + (f", tp {args.tp}, sp {args.sp}" if args.tp * args.sp > 1 else "")
+        + f"): {act / 2**30:.2f} GiB"
     )
+
+
+def tp_numel(facts: dict, args: argparse.Namespace) -> int:
+    """b·s·h x layers: what each tensor-parallel all-reduce moves, per layer (0: unknown)."""
+    if "layers" not in facts or not args.seq:
+        return 0
+    return args.micro_batch * args.seq * facts["hidden"] * facts["layers"]
 
 
 def gib(n: int) -> str:
@@ -133,14 +150,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--micro-batch", type=int, default=1)
     parser.add_argument("--checkpointing", choices=POLICIES, default="none")
     parser.add_argument("--bucket", type=float, default=5e8, help="reduce_bucket_size")
+    add_parallel_arguments(parser)
+
+
+def add_parallel_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (AutoTP)")
+    parser.add_argument("--sp", type=int, default=1, help="sequence-parallel ranks (Ulysses)")
+    parser.add_argument(
+        "--megatron-sp", action="store_true", help="Megatron sequence parallelism inside tp"
+    )
 
 
 def main(args: argparse.Namespace) -> int:
     facts = facts_from_args(args)
     psi, n = facts["params"], args.nproc * args.nnodes
     precisions = list(PRECISIONS) if args.precision == "all" else [args.precision]
+    if n % (args.tp * args.sp):
+        raise SystemExit(f"--tp {args.tp} x --sp {args.sp} must divide the {n} ranks")
+    split = (
+        f"; tensor parallel {args.tp}, sequence parallel {args.sp}" if args.tp * args.sp > 1 else ""
+    )
     print(
-        f"{psi:,} parameters on {n} data-parallel ranks ({args.nnodes} node(s) x {args.nproc}); GiB per rank"
+        f"{psi:,} parameters on {n // (args.tp * args.sp)} data-parallel ranks "
+        f"({args.nnodes} node(s) x {args.nproc}{split}); GiB per rank"
     )
     formulas = ("16Ψ", "4Ψ+12Ψ/N", "2Ψ+14Ψ/N", "16Ψ/N")
     print(
@@ -174,6 +206,9 @@ def main(args: argparse.Namespace) -> int:
                     bucket_numel=int(args.bucket),
                     largest_unit=facts.get("largest_unit", 0),
                     activations=acts[prec],
+                    tp=args.tp,
+                    sp=args.sp,
+                    tp_activation_numel=tp_numel(facts, args),
                 )
                 loc = e.by_location
                 print(

@@ -13,14 +13,23 @@ from __future__ import annotations
 import argparse
 
 from zeroshard.convert import parse_size
-from zeroshard.estimate import activations, facts_from_args
+from zeroshard.estimate import activations, add_parallel_arguments, facts_from_args, tp_numel
 from zeroshard.memory import POLICIES, PRECISIONS, Estimate, estimate
 
 _OFFLOAD_RANK = {"none": 0, "cpu": 1, "nvme": 2}
 
 
 def candidates(
-    facts: dict, nproc: int, nnodes: int, precision: str, act: int, bucket: int
+    facts: dict,
+    nproc: int,
+    nnodes: int,
+    precision: str,
+    act: int,
+    bucket: int,
+    *,
+    tp: int = 1,
+    sp: int = 1,
+    tp_numel: int = 0,
 ) -> list[Estimate]:
     out = []
     for stage in range(4):
@@ -39,6 +48,9 @@ def candidates(
                     bucket_numel=bucket,
                     largest_unit=facts.get("largest_unit", 0),
                     activations=act,
+                    tp=tp,
+                    sp=sp,
+                    tp_activation_numel=tp_numel,
                 )
             )
     return out
@@ -81,17 +93,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--micro-batch", type=int, default=1)
     parser.add_argument("--checkpointing", choices=POLICIES, default="none")
     parser.add_argument("--bucket", type=float, default=5e8)
+    add_parallel_arguments(parser)
 
 
 def main(args: argparse.Namespace) -> int:
     facts = facts_from_args(args)
     act, act_line = activations(facts, args, args.precision)
     print(act_line)
-    ranked = choose(
-        candidates(facts, args.nproc, args.nnodes, args.precision, act, int(args.bucket)),
-        args.device_memory,
-        args.cpu_memory,
+    cands = candidates(
+        facts,
+        args.nproc,
+        args.nnodes,
+        args.precision,
+        act,
+        int(args.bucket),
+        tp=args.tp,
+        sp=args.sp,
+        tp_numel=tp_numel(facts, args),
     )
+    ranked = choose(cands, args.device_memory, args.cpu_memory)
     if not ranked:
         print("nothing fits: reduce the micro-batch, turn on --checkpointing full, or add ranks")
         return 1
