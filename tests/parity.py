@@ -230,6 +230,7 @@ def assert_parity(cases: list[dict], results: list, world: int) -> None:
 
 
 def flag_bytes(engine) -> int:
-    """Ledger bytes of the step's used-parameter flags: an all-reduce (counted twice) of
-    one byte per trainable parameter, on each group gradients are reduced over."""
-    return 2 * sum(g >= 0 for g in engine.flat.group_of)
+    """Ledger bytes of the step's flags: an all-reduce (counted twice) of one byte per
+    trainable parameter (got a gradient?) plus one (inf/nan seen?), on each group
+    gradients are reduced over."""
+    return 2 * (sum(g >= 0 for g in engine.flat.group_of) + 1)

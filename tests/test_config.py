@@ -703,10 +703,6 @@ NOT_BUILT_CASES = {
     "comms_logger": (_with(comms_logger={"enabled": True, "prof_ops": ["x"]}), "comms_logger"),
     "flops_profiler": (_with(flops_profiler={"enabled": True}), "flops_profiler"),
     "throughput_timer": (_with(timers={"throughput": {"enabled": True}}), "timers.throughput"),
-    "bf16_overflow_check": (
-        _with(bf16={"enabled": True, "check_grad_overflow": True}),
-        "bf16.check_grad_overflow",
-    ),
     "bf16_immediate": (_with(bf16={"immediate_grad_update": True}), "bf16.immediate_grad_update"),
     "fp32_weights": (
         _zero(load_from_fp32_weights=False),

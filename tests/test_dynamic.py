@@ -390,7 +390,7 @@ def _ledger_lora(rank, world):
             "stats": engine.comm_stats(),
             "total": layout.total_numel,
             "trainable": trainable,
-            "flags": 2 * sum(g >= 0 for g in group_of),
+            "flags": 2 * (sum(g >= 0 for g in group_of) + 1),
             "grads": engine.memory_stats()["grads"],
             "largest": max(s.numel for s in layout.segments),
         }

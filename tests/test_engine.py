@@ -271,11 +271,13 @@ def _scale_edge_cases(rank: int, world: int) -> dict:
     """The clip/unscale factor handed to torch's fused kernel as grad_scale, at its
     edges: an infinite gradient norm (factor 0: applied as a multiply, as torch's
     clip_grad_norm_ does, giving NaN, not a crash), and a param group that is not fused
-    (it cannot take grad_scale: the factor is applied by a separate multiply)."""
+    (it cannot take grad_scale: the factor is applied by a separate multiply). The first
+    runs with ``nonfinite_gradients: "apply"``, where such a step is taken (by default it
+    is skipped: test_nonfinite.py)."""
     import zeroshard
 
     out = {}
-    case = {"stage": 2, "clip": 1.0, "steps": 1}
+    case = {"stage": 2, "clip": 1.0, "steps": 1, "extra": {"nonfinite_gradients": "apply"}}
     _, engine = parity.train(case, rank, world)
     x, y = parity.batch(7, 2)
     engine.backward(engine(x, y))

@@ -189,7 +189,7 @@ class BF16Config(Section):
     # fmt: off
     enabled: bool = key(False, doc="Train in bf16 with fp32 masters.")
     immediate_grad_update: bool = key(False, NOT_BUILT("bf16 immediate gradient updates"), doc="Fold gradients into fp32 as produced.")
-    check_grad_overflow: bool = key(False, NOT_BUILT("bf16 overflow checks"), doc="Skip steps with inf/nan gradients (DeepSpeed: on).")
+    check_grad_overflow: bool | None = key(None, doc="Skip steps whose gradients hold inf/nan on any rank (null: as nonfinite_gradients says; false: never check).")
     bf16_master_weights_and_grads: bool = key(False, NOT_BUILT("bf16 master weights and gradients"), doc="bf16 masters, gradients.")
     bf16_optimizer_states: bool = key(False, NOT_BUILT("bf16 optimizer states"), doc="bf16 optimizer states.")
     # fmt: on

@@ -151,6 +151,7 @@ class Config(Section):
     checkpoint: CheckpointConfig = _section(CheckpointConfig, "Checkpoints.")
     data_types: DataTypesConfig = _section(DataTypesConfig, "Dtype overrides.")
     gradient_clipping: float = key(0.0, doc="Clip the global gradient norm to this; 0 = off.", min=0, nullable=True)
+    nonfinite_gradients: str = key("skip", doc="zeroshard: a step whose gradients or loss hold inf/nan on any rank is 'skip'ped on every rank (logged and counted), or makes every rank 'raise'; 'apply' steps anyway (DeepSpeed's bf16 without check_grad_overflow). fp16 skips overflows and lowers its loss scale.", choices=("skip", "raise", "apply"))
     prescale_gradients: bool = key(False, doc="Divide gradients by the world size before the reduction.")
     gradient_predivide_factor: float = key(1.0, doc="Divide gradients by this before the reduction, the rest after.", above=0)
     communication_data_type: str | None = key(None, doc="Dtype of gradient communication; null = the gradients'.", choices=DTYPES)

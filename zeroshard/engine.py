@@ -73,6 +73,17 @@ class Sharding:
         return cls(optimizer=stage >= 1, gradients=stage >= 2, parameters=stage >= 3)
 
 
+def _nonfinite_policy(config) -> str:
+    """What a step with inf/nan gradients or loss does: "skip", "raise" or "apply"
+    (``nonfinite_gradients``; in bf16, DeepSpeed's ``check_grad_overflow`` when given)."""
+    check = config.bf16.check_grad_overflow
+    if config.bf16.enabled and check is not None:
+        if not check:
+            return "apply"
+        return "skip" if config.nonfinite_gradients == "apply" else config.nonfinite_gradients
+    return config.nonfinite_gradients
+
+
 def _cast_floating(obj, dtype: torch.dtype):
     if torch.is_tensor(obj):
         return obj.to(dtype) if obj.is_floating_point() else obj
@@ -137,6 +148,7 @@ class Engine(nn.Module):
         self.global_samples = 0
         self.skipped_steps = 0
         self._step_applied = False
+        self._loss_finite: torch.Tensor | None = None  # every loss of this window finite
         previous = _ENGINES[module]() if module in _ENGINES else None
         if previous is not None and not previous.destroyed:
             log.warning(
@@ -197,7 +209,7 @@ class Engine(nn.Module):
             scaler=self.loss_scaler,
             tp=self._tp_grads(),
             clip=config.gradient_clipping,
-            check_overflow=config.fp16.enabled,
+            nonfinite=_nonfinite_policy(config),
         )
         register_owner(module.parameters(), self)
         # parameters frozen now: unfreezing one later needs a new initialize()
@@ -304,7 +316,7 @@ class Engine(nn.Module):
         replica group (of the whole world, first, when tensor parallelism slices the
         model next); then tensor and sequence parallelism; returns ``param_groups``
         holding the parameters that replaced sliced ones."""
-        split = self.mesh.size("tp") > 1
+        split = self._config.tensor_parallel.size > 1  # AutoTP (an mpu's model is split)
         if split and any(is_sealed(p) for p in self.module.parameters()):
             raise NotImplementedError(
                 "tensor_parallel.autotp_size: a model built under zero.Init with tensor "
@@ -409,6 +421,8 @@ class Engine(nn.Module):
                     "storage then. Call engine.destroy() and initialize() again after "
                     "changing requires_grad, or unfreeze it before initialize()"
                 )
+        finite = torch.isfinite(loss.detach()).all()  # read at the step (no sync here)
+        self._loss_finite = finite if self._loss_finite is None else self._loss_finite & finite
         scaled = loss
         gas = self.gradient_accumulation_steps()
         if scale_wrt_gas and gas > 1:
@@ -431,13 +445,29 @@ class Engine(nn.Module):
         if self.is_gradient_accumulation_boundary():
             if self.params.edited():  # e.g. p.clamp_() after the last step: keep it
                 self.optimizer.refresh_masters(list(range(len(self.flat.layout.segments))))
-            self._step_applied = self.optimizer.step()
+            loss_finite = self._loss_finite is None or bool(self._loss_finite)
+            self._loss_finite = None
+            self._step_applied = self.optimizer.step(loss_finite)
             if self._step_applied:
                 self.params.after_step()
                 if self.lr_scheduler is not None:
                     self.lr_scheduler.step(**(lr_kwargs or {}))
             else:
                 self.skipped_steps += 1
+                if self.comm.rank == 0:
+                    what = (
+                        "fp16 overflow" if self.loss_scaler.dynamic else "inf/nan gradients or loss"
+                    )
+                    log.warning(
+                        "zeroshard: step %d skipped on every rank (%s on some rank; %d "
+                        "skipped so far)%s",
+                        self.global_steps + 1,
+                        what,
+                        self.skipped_steps,
+                        f"; loss scale now {self.loss_scaler.scale:g}"
+                        if self.loss_scaler.dynamic
+                        else "",
+                    )
             self.reducer.zero_grad()
             self.global_steps += 1
             self.global_samples += self.train_batch_size()

@@ -82,10 +82,21 @@ class LossScaler:
         )
 
     def update(self, overflow: bool) -> None:
-        """Account for one optimizer step attempt (skipped when ``overflow``)."""
+        """Account for one optimizer step attempt (skipped when ``overflow``). As
+        DeepSpeed does, an overflow that would lower a scale already at its minimum
+        (its hysteresis spent: that many overflows in a row) is an error: every later
+        step would be skipped."""
         if self.dynamic:
             if overflow:
                 if self.hysteresis == 1 or self.cur_hysteresis == 1:
+                    if self.scale <= self.min_scale:
+                        raise FloatingPointError(
+                            f"fp16: the gradients overflow at the minimum loss scale "
+                            f"(fp16.min_loss_scale = {self.min_scale:g}) after "
+                            f"{self.hysteresis} overflow(s) in a row: every step would be "
+                            "skipped. The model's values leave fp16's range: train in bf16, "
+                            "lower the learning rate, or clip gradients"
+                        )
                     self.scale = max(self.scale / self.factor, self.min_scale)
                 else:
                     self.cur_hysteresis -= 1

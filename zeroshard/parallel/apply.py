@@ -50,8 +50,14 @@ class Parallelized:
 
 
 def is_tp_sharded(p: torch.Tensor) -> bool:
-    """Whether ``p`` holds one tensor-parallel rank's slice (else every rank holds it)."""
-    return tp_slice_of(p) is not None
+    """Whether ``p`` holds one tensor-parallel rank's slice (else every rank holds it):
+    AutoTP's, or a Megatron model's (``tensor_model_parallel``, DeepSpeed's
+    ``model_parallel``) with ``initialize(mpu=...)``."""
+    return (
+        tp_slice_of(p) is not None
+        or bool(getattr(p, "tensor_model_parallel", False))
+        or bool(getattr(p, "model_parallel", False))
+    )
 
 
 def gradient_summed_over_tp(p: torch.Tensor) -> bool:
@@ -64,7 +70,7 @@ def parallelize(model: nn.Module, mesh: Mesh, config) -> Parallelized:
     Every rank must hold the same whole model before (the engine broadcasts it)."""
     tp_cfg = config.tensor_parallel
     out = Parallelized()
-    if mesh.size("tp") > 1:
+    if tp_cfg.size > 1:
         out.tp = apply_tensor_parallel(
             model,
             mesh.comm("tp"),

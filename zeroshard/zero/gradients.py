@@ -351,23 +351,23 @@ class GradReducer:
                     parts.append(torch.zeros(hi - lo, dtype=chunk.dtype, device=chunk.device))
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
-    def unused_everywhere(self) -> set[int]:
+    def unused_everywhere(self, bad: bool = False, extra=None) -> tuple[set[int], bool]:
         """Trainable parameters that got no gradient on any rank in this accumulation
-        window: one all-reduce (max) of a byte per trainable parameter over every rank
-        that reduces gradients (torch skips a parameter whose ``grad`` is None; a
-        parameter used on some ranks only is stepped, its gradient averaged with zeros,
-        as DDP does)."""
+        window, and whether ``bad`` holds on any rank: one all-reduce (max) of a byte per
+        trainable parameter, plus one, over every rank that reduces gradients (and over
+        ``extra.comm``, the tensor-parallel group, when given). Torch skips a parameter
+        whose ``grad`` is None; a parameter used on some ranks only is stepped, its
+        gradient averaged with zeros, as DDP does."""
         flat = self.flat
         trainable = [pi for pi in range(len(flat.params)) if flat.group_of[pi] >= 0]
-        if not trainable:
-            return set()
         filled = self._window_filled
-        flags = torch.tensor([pi in filled for pi in trainable], dtype=torch.uint8)
+        flags = torch.tensor([*(pi in filled for pi in trainable), bad], dtype=torch.uint8)
         flags = flags.to(flat.device)
-        self.comm.all_reduce(flags, op="max")
-        if self.replicate is not None:
-            self.replicate.all_reduce(flags, op="max")
-        return {pi for pi, used in zip(trainable, flags.tolist(), strict=True) if not used}
+        for comm in (self.comm, self.replicate, extra.comm if extra is not None else None):
+            if comm is not None:
+                comm.all_reduce(flags, op="max")
+        *used, any_bad = flags.tolist()
+        return {pi for pi, u in zip(trainable, used, strict=True) if not u}, bool(any_bad)
 
     def ensure_defined(self) -> None:
         """Before a step: a window in which no gradient arrived means zero gradients."""

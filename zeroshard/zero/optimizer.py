@@ -6,8 +6,10 @@ Communication at the step, per accumulation boundary:
 * one all-reduce of a single fp32 scalar (the squared gradient norm) over the ZeRO
   shard group when gradients are sharded and clipping or fp16 overflow detection needs
   the global norm (8 bytes);
-* one all-reduce (max) of a byte per trainable parameter over the gradient group: which
-  parameters got a gradient on some rank in the window (the others are not stepped);
+* one all-reduce (max) of a byte per trainable parameter, plus one, over the gradient
+  group (and the TP group): which parameters got a gradient on some rank in the window
+  (the others are not stepped), and whether some rank saw an inf/nan gradient or loss
+  (then no rank steps);
 * with tensor parallelism: the squared norm all-reduced over the TP group too, and one
   all-reduce over it of the gradients of replicated parameters that are partial sums;
 and nothing else: re-assembling whole parameters from the updated chunks is the job of
@@ -90,13 +92,15 @@ class ShardedOptimizer:
         policy: DtypePolicy,
         scaler: LossScaler,
         clip: float = 0.0,
-        check_overflow: bool = False,
+        nonfinite: str = "skip",
         tp: TensorParallelGrads | None = None,
     ) -> None:
         self.flat, self.reducer, self.states = flat, reducer, states
         self.comm, self.policy, self.scaler = comm, policy, scaler
         self.tp = tp
-        self.clip, self.check_overflow = clip, check_overflow
+        self.clip = clip
+        # fp16 always checks (an overflow lowers the loss scale); else the config's policy
+        self.nonfinite = "skip" if scaler.dynamic else nonfinite
         self.global_grad_norm: float | None = None
         self.overflow = False
         states.init_state(reducer.grad_chunks)
@@ -115,9 +119,9 @@ class ShardedOptimizer:
     def state(self):
         return self.states.state
 
-    def _global_norm(self) -> float:
-        """L2 norm of the whole (averaged) gradient: local chunks, summed over shards
-        (and over tensor-parallel ranks, each replicated parameter counted once)."""
+    def _local_sum_of_squares(self) -> torch.Tensor:
+        """This rank's part of the squared global norm (tensor-parallel replicas of a
+        parameter counted once), on the device, fp32."""
         chunks = self.reducer.grad_chunks
         if self.tp is not None:
             local = self.tp.local_sum_of_squares(chunks)
@@ -125,27 +129,41 @@ class ShardedOptimizer:
             local = torch.stack([_sum_of_squares(c) for c in chunks]).sum()
         else:
             local = torch.zeros((), dtype=torch.float32)
-        local = local.reshape(1).to(device=self.flat.device, dtype=torch.float32)
+        return local.reshape(1).to(device=self.flat.device, dtype=torch.float32)
+
+    def _global_norm(self, local: torch.Tensor) -> float:
+        """L2 norm of the whole (averaged) gradient: local parts summed over shards
+        (and over tensor-parallel ranks)."""
         if self.flat.partitioned:  # the shards of the ZeRO group partition the gradient
             self.comm.all_reduce(local)
         if self.tp is not None:
             self.tp.comm.all_reduce(local)
         return math.sqrt(float(local))
 
-    def step(self) -> bool:
-        """One optimizer step on the reduced gradients; False if skipped (fp16 overflow)."""
+    def step(self, loss_finite: bool = True) -> bool:
+        """One optimizer step on the reduced gradients; False if skipped: inf/nan in the
+        gradients or the loss on some rank (fp16: an overflow, which also lowers the
+        loss scale), unless the policy is "apply" ("raise": an error on every rank)."""
         self.reducer.ensure_defined()
         if self.tp is not None:
             self.tp.sum_partial(self.reducer.grad_chunks, self.flat.device)
-        unused = self.reducer.unused_everywhere()
-        inv_scale = 1.0 / self.scaler.scale
-        self.overflow = False
-        if self.clip > 0 or self.check_overflow:
-            self.global_grad_norm = self._global_norm() * inv_scale
-            self.overflow = self.check_overflow and not math.isfinite(self.global_grad_norm)
+        local = self._local_sum_of_squares() if self.clip > 0 or self.nonfinite != "apply" else None
+        bad = self.nonfinite != "apply" and not (loss_finite and bool(torch.isfinite(local)))
+        # one all-reduce for both: which parameters got gradients, and whether any rank
+        # saw a non-finite value
+        unused, self.overflow = self.reducer.unused_everywhere(bad, extra=self.tp)
+        self.global_grad_norm = None
         if self.overflow:
             self.scaler.update(overflow=True)
+            if self.nonfinite == "raise":
+                raise FloatingPointError(
+                    "non-finite gradients or loss (inf/nan) on some rank; no step was "
+                    'applied (nonfinite_gradients: "raise"; "skip" skips such steps)'
+                )
             return False
+        inv_scale = 1.0 / self.scaler.scale
+        if self.clip > 0:
+            self.global_grad_norm = self._global_norm(local) * inv_scale
         factor = inv_scale
         if self.clip > 0:
             factor *= min(1.0, self.clip / (self.global_grad_norm + 1e-6))
