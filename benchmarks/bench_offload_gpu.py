@@ -74,9 +74,9 @@ def _zeroshard_step_fn(model, system: str, args):
     opt = engine.optimizer
     norm_fn = opt._global_norm
 
-    def timed_norm() -> float:
+    def timed_norm(local) -> float:
         t0 = time.perf_counter()
-        out = norm_fn()
+        out = norm_fn(local)
         PHASES["norm"] += time.perf_counter() - t0
         return out
 

@@ -83,6 +83,28 @@ def _worker(rank: int, world: int) -> list[dict]:
     return out
 
 
+def _misuse(rank: int, world: int) -> list[str]:
+    """loss.backward() and optimizer.step() on an engine: errors naming the right calls."""
+    out = []
+    _, engine = parity.train({"stage": 2, "steps": 1}, rank, world)
+    x, y = parity.batch(3, 2 * world)
+    try:
+        engine(x[2 * rank : 2 * rank + 2], y[2 * rank : 2 * rank + 2]).backward()
+    except RuntimeError as exc:
+        out.append(str(exc))
+    try:
+        engine.optimizer.step()
+    except RuntimeError as exc:
+        out.append(str(exc))
+    return out
+
+
+def test_misuse_is_named_at_its_first_occurrence() -> None:
+    for backward, step in multirank.run(_misuse, 2, timeout=300):
+        assert "engine.backward(loss)" in backward and "not loss.backward()" in backward
+        assert "call engine.step()" in step
+
+
 def test_reinitialize_and_destroy() -> None:
     for per_rank in multirank.run(_worker, 2, timeout=300):
         for r in per_rank:

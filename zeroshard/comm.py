@@ -28,6 +28,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from zeroshard import watchdog
+
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
@@ -97,9 +99,10 @@ class Handle:
         op: str,
         then: Callable[[], None] | None = None,
         axis: str = "world",
+        nbytes: int = 0,
     ) -> None:
         self._work, self._ledger, self._op, self._then = work, ledger, op, then
-        self._axis = axis
+        self._axis, self._nbytes = axis, nbytes
         self.done = work is None and then is None
 
     def wait(self) -> None:
@@ -107,7 +110,12 @@ class Handle:
             return
         t0 = time.perf_counter()
         if self._work is not None:
+            wd = watchdog.current()
+            if wd is not None:
+                wd.block(self._op, self._axis, self._nbytes)
             self._work.wait()
+            if wd is not None:
+                wd.unblock()
         if self._then is not None:
             self._then()
         if self._ledger is not None:
@@ -153,9 +161,14 @@ class Comm:
         then: Callable[[], None] | None = None,
     ) -> Handle | None:
         t0 = time.perf_counter()
+        wd = watchdog.current()
+        if wd is not None:  # a hang here becomes a report (watchdog.py)
+            wd.block(op, self.axis, nbytes)
         work = fn()
+        if wd is not None:
+            wd.unblock()
         self.ledger.record(op, nbytes, time.perf_counter() - t0, self.axis)
-        handle = Handle(work, self.ledger, op, then, self.axis)
+        handle = Handle(work, self.ledger, op, then, self.axis, nbytes)
         if async_op:
             return handle
         handle.wait()
@@ -242,16 +255,28 @@ class Comm:
             async_op,
         )
 
+    def _watched(self, op: str, fn: Callable[[], object]) -> object:
+        wd = watchdog.current()
+        if wd is not None:
+            wd.block(op, self.axis, 0)
+        try:
+            return fn()
+        finally:
+            if wd is not None:
+                wd.unblock()
+
     def barrier(self) -> None:
         if self.world_size > 1:
-            dist.barrier(group=self.group)
+            self._watched("barrier", lambda: dist.barrier(group=self.group))
 
     def all_gather_object(self, obj: object) -> list[object]:
         """Gather a small picklable object from every rank (used for consistency checks)."""
         if self.world_size == 1:
             return [obj]
         out: list[object] = [None] * self.world_size
-        dist.all_gather_object(out, obj, group=self.group)
+        self._watched(
+            "all_gather_object", lambda: dist.all_gather_object(out, obj, group=self.group)
+        )
         return out
 
     def send_recv(

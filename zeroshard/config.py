@@ -159,6 +159,7 @@ class Config(Section):
     gradient_allreduce_op: str = key("mean", NOT_BUILT("summed (not averaged) gradient reduction"), doc="mean or sum.", choices=("mean", "sum"))
     steps_per_print: int | None = key(10, doc="Log progress every this many steps; null or Infinity = never.", min=1, infinity=None)
     seed: int | None = key(None, doc="Seed of Python's and torch's random state.", min=0)
+    comm_timeout: float | None = key(None, doc="zeroshard: seconds a rank may block in one collective before the watchdog reports every rank's state and exits (0: off; null: ZEROSHARD_COMM_TIMEOUT or 600).", min=0)
     dataloader_drop_last: bool = key(False, doc="The engine's data loader drops the last incomplete batch.")
     wall_clock_breakdown: bool = key(False, NOT_BUILT("the wall-clock breakdown"), doc="Time forward/backward/step.")
     memory_breakdown: bool = key(False, NOT_BUILT("the memory breakdown"), doc="Report memory use.")

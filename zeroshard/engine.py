@@ -24,6 +24,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from zeroshard import watchdog
+from zeroshard.agreement import check_ranks_agree
 from zeroshard.distributed import default_device, local_rank
 from zeroshard.memory import measure
 from zeroshard.offload.placement import Placement
@@ -131,6 +133,9 @@ class Engine(nn.Module):
         self._config = config
         self.mesh = mesh
         self.comm = mesh.comm("world")  # every rank: checkpoints' agreement, barriers
+        self._watchdog = watchdog.start(config.comm_timeout)
+        self.global_steps = 0
+        check_ranks_agree(self.comm, module, config)
         self.device = default_device()
         self.policy = DtypePolicy.from_config(config)
         self.placement = Placement.from_config(config.zero_optimization, self.device)
@@ -394,16 +399,19 @@ class Engine(nn.Module):
         # drop the buffers (the parameters at stages 0-2 keep their views of the flat one)
         self.reducer = self.optimizer = self.flat = self.params = None
 
-    def _check_alive(self) -> None:
+    def _enter(self, phase: str) -> None:
+        """Refuse a destroyed engine; tell the watchdog which call this rank is in."""
         if self.destroyed:
             raise RuntimeError(
                 "this zeroshard engine was destroyed (engine.destroy(), or initialize() "
                 "called again on its model); use the engine the latest initialize() returned"
             )
+        if self._watchdog is not None:
+            self._watchdog.enter(phase, self.global_steps)
 
     # -- the training loop --------------------------------------------------------------
     def forward(self, *args, **kwargs):
-        self._check_alive()
+        self._enter("forward")
         return self.module(*args, **kwargs)
 
     def is_gradient_accumulation_boundary(self) -> bool:
@@ -412,7 +420,7 @@ class Engine(nn.Module):
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True):
         """Backward of ``loss / accumulation steps`` (times the fp16 loss scale); on the
         reducing micro-steps, gradients are reduced while backward runs."""
-        self._check_alive()
+        self._enter("backward")
         for name, p in self._frozen:
             if p.requires_grad:
                 raise RuntimeError(
@@ -440,14 +448,14 @@ class Engine(nn.Module):
 
     def step(self, lr_kwargs: dict | None = None) -> None:
         """Count a micro-step; at the accumulation boundary, update the model."""
-        self._check_alive()
+        self._enter("step")
         self._step_applied = False
         if self.is_gradient_accumulation_boundary():
             if self.params.edited():  # e.g. p.clamp_() after the last step: keep it
                 self.optimizer.refresh_masters(list(range(len(self.flat.layout.segments))))
             loss_finite = self._loss_finite is None or bool(self._loss_finite)
             self._loss_finite = None
-            self._step_applied = self.optimizer.step(loss_finite)
+            self._step_applied = self.optimizer.apply_step(loss_finite)
             if self._step_applied:
                 self.params.after_step()
                 if self.lr_scheduler is not None:
@@ -494,6 +502,7 @@ class Engine(nn.Module):
         exclude_frozen_parameters: bool = False,
     ) -> bool:
         """Write a universal checkpoint to ``save_dir/tag`` (default ``global_step<N>``)."""
+        self._enter("save_checkpoint")
         from zeroshard.checkpoint.save import save
 
         if self.micro_steps % self.gradient_accumulation_steps():
@@ -512,6 +521,7 @@ class Engine(nn.Module):
         load_module_only: bool = False,
     ) -> tuple[str, dict]:
         """Load a checkpoint saved at any world size / stage; returns (path, client_state)."""
+        self._enter("load_checkpoint")
         from zeroshard.checkpoint.load import load_checkpoint
 
         return load_checkpoint(
@@ -526,6 +536,7 @@ class Engine(nn.Module):
 
     def save_16bit_model(self, save_dir: str, save_filename: str = "model.safetensors") -> bool:
         """Write the whole model (working dtype) as one safetensors file from rank 0."""
+        self._enter("save_16bit_model")
         from zeroshard.checkpoint.export import save_16bit
 
         save_16bit(self, save_dir, save_filename)

@@ -97,6 +97,7 @@ class GradReducer:
         self._on_bucket_ready = on_bucket_ready
         self.sharded, self.overlap, self.predivide = sharded, overlap, predivide
         self._boundary = True
+        self._in_backward = False  # between begin() and finish(): engine.backward runs
         self._hooks = []
         # (bucket, handle, phase): "reduce" over ``comm``, then "replicate" (hybrid only)
         self._pending: list[tuple[_Bucket, Handle | None, str]] = []
@@ -164,6 +165,7 @@ class GradReducer:
     def begin(self, boundary: bool) -> None:
         """Called before each backward: whether this micro-step ends an accumulation."""
         self._boundary = boundary
+        self._in_backward = True
 
     @property
     def communicates_now(self) -> bool:
@@ -178,6 +180,12 @@ class GradReducer:
     def _on_grad(self, pi: int, p: torch.Tensor) -> None:
         if p.grad is None:
             return
+        if not self._in_backward:
+            raise RuntimeError(
+                "a gradient arrived outside engine.backward(): call engine.backward(loss) "
+                "(which scales, accumulates and reduces across ranks), not loss.backward(), "
+                "then engine.step()"
+            )
         bucket = self._bucket_of[pi]
         if bucket.launched:
             name = f"parameter {pi} (shape {tuple(p.shape)})"
@@ -308,6 +316,7 @@ class GradReducer:
 
     def finish(self) -> None:
         """After backward: launch what is left (in order) and wait for everything."""
+        self._in_backward = False
         if not self.communicates_now:
             return
         self._launch_in_order(upto=len(self._buckets))

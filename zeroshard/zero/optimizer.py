@@ -140,7 +140,15 @@ class ShardedOptimizer:
             self.tp.comm.all_reduce(local)
         return math.sqrt(float(local))
 
-    def step(self, loss_finite: bool = True) -> bool:
+    def step(self, closure=None) -> None:
+        """Refused: the engine steps (at accumulation boundaries, after reducing)."""
+        raise RuntimeError(
+            "optimizer.step() on a zeroshard optimizer: call engine.step() after "
+            "engine.backward(loss); it steps at accumulation boundaries, once gradients "
+            "are reduced across ranks"
+        )
+
+    def apply_step(self, loss_finite: bool = True) -> bool:
         """One optimizer step on the reduced gradients; False if skipped: inf/nan in the
         gradients or the loss on some rank (fp16: an overflow, which also lowers the
         loss scale), unless the policy is "apply" ("raise": an error on every rank)."""

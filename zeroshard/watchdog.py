@@ -1,0 +1,174 @@
+"""Hangs become reports: a per-process watchdog for zeroshard's collectives.
+
+Every rank keeps, in memory, what it is doing: the engine call it is in (``phase``:
+forward, backward, step, save_checkpoint, ...), the optimizer step, and the collective
+it is blocked in (op, group, bytes, since when). A daemon thread publishes that state to
+the rendezvous store (the default process group's) every couple of seconds, one small
+key per rank. When this rank has been blocked in one collective for longer than the
+timeout, the thread writes its own state, reads every other rank's last report and
+prints one line per rank to stderr, e.g.::
+
+    zeroshard watchdog: rank 0 blocked 30 s in all_gather over zero_shard (4.0 MiB), in
+    save_checkpoint at step 12; rank 1: in forward at step 12, no collective (never
+    entered save_checkpoint)
+
+then exits the process with status 3 (the launcher then stops the job). The timeout is
+``comm_timeout`` in the config or ``zeroshard run --comm-timeout`` (environment
+``ZEROSHARD_COMM_TIMEOUT``); default 600 s, which a healthy collective never needs on
+CPU or GPU (the first NCCL call and big checkpoint writes included) and which ends a hang
+30 minutes before torch's own timeout does. 0 turns the watchdog off.
+
+Communication: none through collectives; small ``set``/``get`` calls on the store.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+
+TIMEOUT_ENV = "ZEROSHARD_COMM_TIMEOUT"
+DEFAULT_TIMEOUT = 600.0
+_KEY = "zeroshard/watchdog/{}"
+
+
+class Watchdog:
+    """What this rank is doing, published to ``store``; reports a stuck collective."""
+
+    def __init__(self, rank: int, world: int, store, timeout: float, period: float = 2.0):
+        self.rank, self.world, self.store, self.timeout = rank, world, store, timeout
+        self.period = min(period, max(timeout / 4, 0.05))
+        self.phase, self.step = "initialize", 0
+        self._blocked: tuple[str, str, int, float] | None = None  # op, axis, bytes, since
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._published = None
+        self._thread = threading.Thread(target=self._run, name="zeroshard-watchdog", daemon=True)
+        self._thread.start()
+
+    # -- what this rank does --------------------------------------------------------------
+    def enter(self, phase: str, step: int) -> None:
+        self.phase, self.step = phase, step
+
+    def block(self, op: str, axis: str, nbytes: int) -> None:
+        with self._lock:
+            self._blocked = (op, axis, nbytes, time.monotonic())
+
+    def unblock(self) -> None:
+        with self._lock:
+            self._blocked = None
+
+    def state(self) -> dict:
+        with self._lock:
+            blocked = self._blocked
+        out = {"phase": self.phase, "step": self.step, "time": time.time()}
+        if blocked is not None:
+            op, axis, nbytes, since = blocked
+            out["blocked"] = {
+                "op": op,
+                "axis": axis,
+                "bytes": nbytes,
+                "for": time.monotonic() - since,
+            }
+        return out
+
+    # -- the thread -----------------------------------------------------------------------
+    def _run(self) -> None:
+        while not self._stop.wait(self.period):
+            state = self.state()
+            try:
+                self._publish(state)
+            except Exception:  # the store went away (shutdown): nothing left to watch
+                return
+            blocked = state.get("blocked")
+            if blocked is not None and blocked["for"] > self.timeout:
+                self.report(state)
+
+    def _publish(self, state: dict) -> None:
+        summary = (state["phase"], state["step"], bool(state.get("blocked")))
+        if summary != self._published or state.get("blocked"):
+            self.store.set(_KEY.format(self.rank), json.dumps(state))
+            self._published = summary
+
+    def report(self, state: dict) -> None:
+        """Print every rank's last state and end this process (status 3)."""
+        lines = [f"zeroshard watchdog: {describe(self.rank, state)}"]
+        for r in range(self.world):
+            if r == self.rank:
+                continue
+            key = _KEY.format(r)
+            try:
+                other = json.loads(self.store.get(key)) if self.store.check([key]) else None
+            except Exception:
+                other = None
+            if other is None:
+                lines.append(f"  rank {r}: no report (it never reached a zeroshard call)")
+            else:
+                note = ""
+                if other["phase"] != state["phase"]:
+                    note = f" (never entered {state['phase']})"
+                lines.append(f"  {describe(r, other)}{note}")
+        lines.append(
+            f"  (comm_timeout {self.timeout:g} s: the config's comm_timeout, or zeroshard run "
+            "--comm-timeout; this rank exits with status 3)"
+        )
+        print("\n".join(lines), file=sys.stderr, flush=True)
+        os._exit(3)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+def describe(rank: int, state: dict) -> str:
+    where = f"in {state['phase']} at step {state['step']}"
+    b = state.get("blocked")
+    if not b:
+        return f"rank {rank}: {where}, no collective"
+    return (
+        f"rank {rank}: blocked {b['for']:.0f} s in {b['op']} over {b['axis']} "
+        f"({b['bytes'] / 2**20:.1f} MiB), {where}"
+    )
+
+
+_CURRENT: Watchdog | None = None
+
+
+def current() -> Watchdog | None:
+    """This process's watchdog, if one runs."""
+    return _CURRENT
+
+
+def start(timeout: float | None = None) -> Watchdog | None:
+    """Start (once per process) the watchdog on the default group's store; ``timeout``
+    None: ``ZEROSHARD_COMM_TIMEOUT`` or the default. Returns None when off (0) or when
+    there is no process group or store."""
+    global _CURRENT
+    import torch.distributed as dist
+
+    if timeout is None:
+        timeout = float(os.environ.get(TIMEOUT_ENV, DEFAULT_TIMEOUT))
+    if timeout <= 0:
+        stop()
+        return None
+    if _CURRENT is not None:
+        _CURRENT.timeout = timeout
+        return _CURRENT
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return None
+    try:
+        from torch.distributed.distributed_c10d import _get_default_store
+
+        store = _get_default_store()
+    except Exception:  # no store to publish to: no watchdog
+        return None
+    _CURRENT = Watchdog(dist.get_rank(), dist.get_world_size(), store, timeout)
+    return _CURRENT
+
+
+def stop() -> None:
+    global _CURRENT
+    if _CURRENT is not None:
+        _CURRENT.stop()
+        _CURRENT = None
