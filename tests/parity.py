@@ -79,18 +79,16 @@ def ds_config(case: dict) -> dict:
         "train_micro_batch_size_per_gpu": case.get("micro", 2),
         "gradient_accumulation_steps": case.get("gas", 1),
         "gradient_clipping": case.get("clip", 0.0),
-        "zero_optimization": {
-            "stage": case["stage"],
-            "reduce_bucket_size": case.get("bucket", 3000),
-            "allgather_bucket_size": case.get("bucket", 3000),
-            "overlap_comm": True,
-        },
+        "zero_optimization": {"stage": case["stage"], "overlap_comm": True},
         "steps_per_print": 10**6,
     }
     if not case.get("client"):
         section, _, _ = OPTS[case.get("opt", "AdamW")]
         params = {**section.get("params", {}), "lr": case.get("lr", LR), "weight_decay": WD}
         cfg["optimizer"] = {"type": section["type"], "params": params}
+    if case.get("bucket", 3000) is not None:  # None: leave the bucket sizes to the engine
+        bucket = case.get("bucket", 3000)
+        cfg["zero_optimization"] |= {"reduce_bucket_size": bucket, "allgather_bucket_size": bucket}
     dtype = case.get("dtype", "fp32")
     if dtype == "bf16":
         cfg["bf16"] = {"enabled": True}

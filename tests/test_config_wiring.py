@@ -57,6 +57,21 @@ def _ranks(rank: int, world: int) -> dict:
         segments = len(engine.flat.layout.segments)
         out[f"case{i}"] = {"predivide": engine.reducer.predivide, "segments": segments}
         out[f"case{i}"]["trainable"] = trainable
+    # bucket sizes not given: 25 MiB of gradients (fp32 and bf16), said once on rank 0;
+    # given ones are kept
+    for name, extra in (
+        ("fp32", {}),
+        ("bf16", {"bf16": {"enabled": True}}),
+        ("given", {"zero_optimization": {"reduce_bucket_size": 1000}}),
+    ):
+        case = {"stage": 2, "steps": 1, "bucket": None, "extra": extra}
+        said = _logged(
+            lambda case=case: out.__setitem__("engine", parity.train(case, rank, world)[1])
+        )
+        out[f"bucket_{name}"] = [
+            out.pop("engine")._bucket_numel(),
+            [m for m in said if "25 MiB" in m],
+        ]
     # dataloader_drop_last: 10 samples over 2 ranks, micro-batches of 2 -> 2, 2, (1)
     data = torch.utils.data.TensorDataset(torch.arange(10.0).view(10, 1))
     for drop in (False, True):
@@ -84,6 +99,8 @@ def test_config_keys_reach_the_engine() -> None:
             case = r[f"case{i}"]
             assert case["segments"] >= case["trainable"], case
         assert r["drop_last_False"] == [2, 2, 1] and r["drop_last_True"] == [2, 2]
+        assert r["bucket_fp32"][0] == 25 * 2**20 // 4 and r["bucket_bf16"][0] == 25 * 2**20 // 2
+        assert r["bucket_given"] == [1000, []]
     rank0, rank1 = results[0], results[1]
     never, every = rank0["log_inf"], rank0["log_1"]
     assert not any(line.startswith("step=") for line in never), never
@@ -96,3 +113,4 @@ def test_config_keys_reach_the_engine() -> None:
         "each rank moves only its own gradient shard to the CPU",
     ], never
     assert rank1["log_inf"] == [] and rank1["log_1"] == []
+    assert len(rank0["bucket_fp32"][1]) >= 1 and rank1["bucket_fp32"][1] == []

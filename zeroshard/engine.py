@@ -59,6 +59,7 @@ log = logging.getLogger("zeroshard")
 _ENGINES: weakref.WeakKeyDictionary[nn.Module, weakref.ref] = weakref.WeakKeyDictionary()
 
 _ALIGN = 16  # chunk sizes are multiples of 16 elements (vector-friendly offsets)
+DEFAULT_BUCKET_BYTES = 25 * 2**20  # DDP's bucket_cap_mb
 _NVME_ALIGN = 2048  # 4 KiB disk blocks even for 16-bit parameters
 
 
@@ -256,8 +257,7 @@ class Engine(nn.Module):
         """Lay parameters out flat: gradient buckets (stages 0-2) or module units (stage 3)."""
         zc = self._config.zero_optimization
         world = self.mesh.size("zero_shard") if self.sharding.optimizer else 1
-        # reduce_bucket_size 0 means, as in DeepSpeed, each gradient reduced on its own
-        bucket = max(1, int(min(zc.reduce_bucket_size, zc.allgather_bucket_size)))
+        bucket = self._bucket_numel()
         if self.sharding.parameters:
             grouping = unit_segments(
                 self.module,
@@ -286,6 +286,25 @@ class Engine(nn.Module):
             value_of=take_value,
         )
         return flat, grouping.persistent
+
+    def _bucket_numel(self) -> int:
+        """Elements per gradient bucket: the smaller of the two bucket sizes given (0: each
+        gradient on its own, as DeepSpeed); none given: 25 MiB of gradients, DDP's
+        default, so that reductions overlap backward (said once, on rank 0)."""
+        zc = self._config.zero_optimization
+        given = [int(b) for b in (zc.reduce_bucket_size, zc.allgather_bucket_size) if b is not None]
+        if given:
+            return max(1, min(given))
+        esize = torch.empty((), dtype=self.policy.grad).element_size()
+        numel = DEFAULT_BUCKET_BYTES // esize
+        if self.comm.rank == 0:
+            log.info(
+                "zeroshard: zero_optimization.reduce_bucket_size not given: buckets of %d "
+                "elements (25 MiB of %s gradients, as DDP's), so reductions overlap backward",
+                numel,
+                str(self.policy.grad).removeprefix("torch."),
+            )
+        return numel
 
     def _param_store(self, layout: FlatLayout):
         """Stage 3's shard store: an NVMe swap file, or memory. In memory, where the
