@@ -212,7 +212,7 @@ class LoRANet(nn.Module):
 
 
 def _z3_config(stage: int = 3, **zero) -> dict:
-    zc = {"stage": stage, "stage3_param_persistence_threshold": 0, **zero}
+    zc = {"stage": stage, "stage3_param_persistence_threshold": 0, "reduce_scatter": True, **zero}
     return {
         "train_micro_batch_size_per_gpu": MICRO,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}},

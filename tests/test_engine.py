@@ -45,6 +45,15 @@ def _ledger_and_memory(rank: int, world: int) -> dict:
             "flags": parity.flag_bytes(engine),
         }
         out[f"memory{stage}"] = engine.memory_stats()
+    # stage 2 with reduce_scatter left to the engine: on gloo an all-reduce per bucket
+    case = {
+        "stage": 2,
+        "bucket": BIG,
+        "frozen": False,
+        "extra": {"zero_optimization": {"reduce_scatter": None}},
+    }
+    engine, stats = _one_step(case, rank, world)
+    out["ledger2_gloo"] = {"stats": stats, "psi": _psi(engine), "flags": parity.flag_bytes(engine)}
     # a small bucket at stage 0: still exactly 2 x 4 Psi, in several all-reduces
     engine, stats = _one_step({"stage": 0, "bucket": 3000}, rank, world)
     out["ledger0_buckets"] = {
@@ -186,6 +195,13 @@ def _check_ledger_and_memory(lm: dict, world: int) -> None:
         assert stats["all_reduce"]["bytes"] == led["flags"], stats
         moved = stats["reduce_scatter"]["bytes"] + stats["all_gather"]["bytes"]
         assert abs(moved - 8 * psi) <= 0.02 * 8 * psi, (stage, moved, 8 * psi)
+    # Stage 2 on gloo by default: the gradients all-reduced (2 x 4 Psi, as DDP), the
+    # updated parameters all-gathered (4 Psi)
+    led = lm["ledger2_gloo"]
+    stats, psi = led["stats"], led["psi"]
+    assert set(stats) == {"all_reduce", "all_gather"}, stats
+    assert abs(stats["all_reduce"]["bytes"] - led["flags"] - 8 * psi) <= 0.02 * 8 * psi, stats
+    assert abs(stats["all_gather"]["bytes"] - 4 * psi) <= 0.02 * 4 * psi, stats
     # memory: fp32 Adam -> 8 Psi / N optimizer bytes from stage 1; grads 4 Psi / N at stage 2.
     psi = lm["ledger0"]["psi"]
     pad = 2 * 16 * 4 * 3  # one segment, alignment padding, a few step scalars

@@ -46,6 +46,11 @@ def _cases() -> list[dict]:
             {"stage": stage, "gas": 2, "clip": 0.8, "opt": "Adam-L2", "extra": part},
             {"stage": stage, "gas": 2, "clip": 0.8, "opt": "SGD", "lr": 0.1, "extra": part},
         ]
+    # gradients reduced by an all-reduce keeping each rank's part (gloo's default; the
+    # other cases ask for reduce-scatter explicitly)
+    for stage in (1, 2, 3):
+        zero = {"reduce_scatter": False, "stage3_param_persistence_threshold": 0}
+        cases.append({"stage": stage, "gas": 2, "clip": 0.8, "extra": {z3: zero}})
     # Stage 3 with every parameter partitioned, with and without prefetch, with a
     # live-parameter cap, and with small parameters persistent.
     cases += [

@@ -20,7 +20,7 @@ def _config(stage: int, micro: int = 2, **zero) -> dict:
     return {
         "train_micro_batch_size_per_gpu": micro,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.0}},
-        "zero_optimization": {"stage": stage, **zero},
+        "zero_optimization": {"stage": stage, "reduce_scatter": True, **zero},
         "steps_per_print": 10**6,
     }
 

@@ -149,7 +149,9 @@ class Comm:
         initialized = dist.is_available() and dist.is_initialized()
         self.world_size = dist.get_world_size(group) if initialized else 1
         self.rank = dist.get_rank(group) if initialized else 0
-        self._avg_native = initialized and dist.get_backend(group) == "nccl"
+        #: the process group's backend ("gloo", "nccl", ...; "local" for one process)
+        self.backend = dist.get_backend(group) if initialized else "local"
+        self._avg_native = self.backend == "nccl"
 
     # -- helpers --------------------------------------------------------------------
     def _run(
@@ -201,11 +203,32 @@ class Comm:
         )
 
     def reduce_scatter(
-        self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        async_op: bool = False,
+        via_all_reduce: bool = False,
     ) -> Handle | None:
-        """Sum ``input`` (world_size equal chunks) across ranks; this rank's chunk to ``output``."""
+        """Sum ``input`` (world_size equal chunks) across ranks; this rank's chunk to ``output``.
+
+        ``via_all_reduce``: all-reduce ``input`` in place and keep this rank's chunk
+        (recorded as the all-reduce it is). Gloo's reduce-scatter is slower than its
+        all-reduce of the same buffer at every size measured (``benchmarks/RESULTS.md``),
+        although it moves half the bytes."""
         if self.world_size == 1:
             return self._local(lambda: output.copy_(input.view_as(output)), async_op)
+        if via_all_reduce:
+            n = input.numel() // self.world_size
+            mine = input[self.rank * n : (self.rank + 1) * n]
+            same = output.data_ptr() == mine.data_ptr()
+            then = None if same else (lambda: output.copy_(mine.view_as(output)))
+            return self._run(
+                "all_reduce",
+                2 * _nbytes(input),
+                lambda: dist.all_reduce(input, group=self.group, async_op=async_op),
+                async_op,
+                then,
+            )
         return self._run(
             "reduce_scatter",
             _nbytes(input),

@@ -72,6 +72,9 @@ class GradReducer:
             there every micro-step; stages 0, 1: copied there at the boundary). Each
             bucket's chunk is moved through a double-buffered :class:`HostStager` as
             soon as its reduction completes, while backward goes on. None: no offload.
+        reduce_scatter_via_all_reduce: reduce a bucket with an all-reduce and keep this
+            rank's chunk (zero_optimization.reduce_scatter false; by default on gloo,
+            whose reduce-scatter is slower than its all-reduce).
     """
 
     def __init__(
@@ -87,8 +90,10 @@ class GradReducer:
         predivide: float = 1.0,
         on_bucket_ready=None,
         accum_device: torch.device | None = None,
+        reduce_scatter_via_all_reduce: bool = False,
     ) -> None:
         self.flat, self.comm, self.dtype = flat, comm, dtype
+        self._rs_via_ar = reduce_scatter_via_all_reduce
         self.replicate = replicate if replicate is not None and replicate.world_size > 1 else None
         if self.replicate is not None and not flat.partitioned:
             raise ValueError("internal: replicated reduction needs a sharded layout")
@@ -251,7 +256,9 @@ class GradReducer:
         if self.predivide != 1.0:
             src.div_(self.predivide)
         if g.partitioned:
-            handle = self.comm.reduce_scatter(self._own(b, src), src, async_op=True)
+            handle = self.comm.reduce_scatter(
+                self._own(b, src), src, async_op=True, via_all_reduce=self._rs_via_ar
+            )
         else:
             handle = self.comm.all_reduce(src, async_op=True)
         self._pending.append((b, handle, "reduce"))
