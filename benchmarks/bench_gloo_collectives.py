@@ -1,0 +1,49 @@
+"""Gloo's collectives on one buffer, 2 ranks: reduce-scatter and all-gather against
+all-reduce, and each emulated by an all-reduce (how zeroshard's reducer chooses on gloo).
+
+    .venv/bin/python benchmarks/bench_gloo_collectives.py
+"""
+
+from __future__ import annotations
+
+import statistics
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+SIZES = (250_000, 6_553_600, 25_000_000)  # fp32 elements: ~1 MiB, 25 MiB, 95 MiB
+
+
+def _run(rank: int, world: int, tmp: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.FileStore(tmp + "/s", world), rank=rank, world_size=world)  # fmt: skip
+    print("| buffer | all_reduce | reduce_scatter | rs via ar | all_gather | all_gather (list) | ag via ar |") if rank == 0 else None  # fmt: skip
+    for n in SIZES:
+        x, out, full = torch.randn(n), torch.empty(n // world), torch.empty(n)
+        mine = slice(rank * (n // world), (rank + 1) * (n // world))
+        ops = {
+            "all_reduce": lambda: dist.all_reduce(x),
+            "reduce_scatter": lambda: dist.reduce_scatter_tensor(out, x),
+            "rs via ar": lambda: (dist.all_reduce(x), out.copy_(x[mine])),
+            "all_gather": lambda: dist.all_gather_into_tensor(full, out),
+            "all_gather (list)": lambda: dist.all_gather(list(full.chunk(world)), out),
+            "ag via ar": lambda: (full.zero_(), full[mine].copy_(out), dist.all_reduce(full)),
+        }
+        times: dict[str, list[float]] = {k: [] for k in ops}
+        for _ in range(6):  # interleaved; the first round is a warm-up
+            for k, op in ops.items():
+                dist.barrier()
+                t0 = time.perf_counter()
+                op()
+                times[k].append(time.perf_counter() - t0)
+        if rank == 0:
+            cells = " | ".join(f"{statistics.median(v[1:]) * 1e3:.1f} ms" for v in times.values())
+            print(f"| {n * 4 / 2**20:.2f} MiB | {cells} |", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    mp.start_processes(_run, args=(2, tempfile.mkdtemp()), nprocs=2, start_method="spawn")
