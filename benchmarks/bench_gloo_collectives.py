@@ -17,21 +17,25 @@ import torch.multiprocessing as mp
 SIZES = (250_000, 6_553_600, 25_000_000)  # fp32 elements: ~1 MiB, 25 MiB, 95 MiB
 
 
+def _ops(n: int, rank: int, world: int) -> dict:
+    x, out, full = torch.randn(n), torch.empty(n // world), torch.empty(n)
+    mine = slice(rank * (n // world), (rank + 1) * (n // world))
+    return {
+        "all_reduce": lambda: dist.all_reduce(x),
+        "reduce_scatter": lambda: dist.reduce_scatter_tensor(out, x),
+        "rs via ar": lambda: (dist.all_reduce(x), out.copy_(x[mine])),
+        "all_gather": lambda: dist.all_gather_into_tensor(full, out),
+        "all_gather (list)": lambda: dist.all_gather(list(full.chunk(world)), out),
+        "ag via ar": lambda: (full.zero_(), full[mine].copy_(out), dist.all_reduce(full)),
+    }
+
+
 def _run(rank: int, world: int, tmp: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.FileStore(tmp + "/s", world), rank=rank, world_size=world)  # fmt: skip
     print("| buffer | all_reduce | reduce_scatter | rs via ar | all_gather | all_gather (list) | ag via ar |") if rank == 0 else None  # fmt: skip
     for n in SIZES:
-        x, out, full = torch.randn(n), torch.empty(n // world), torch.empty(n)
-        mine = slice(rank * (n // world), (rank + 1) * (n // world))
-        ops = {
-            "all_reduce": lambda: dist.all_reduce(x),
-            "reduce_scatter": lambda: dist.reduce_scatter_tensor(out, x),
-            "rs via ar": lambda: (dist.all_reduce(x), out.copy_(x[mine])),
-            "all_gather": lambda: dist.all_gather_into_tensor(full, out),
-            "all_gather (list)": lambda: dist.all_gather(list(full.chunk(world)), out),
-            "ag via ar": lambda: (full.zero_(), full[mine].copy_(out), dist.all_reduce(full)),
-        }
+        ops = _ops(n, rank, world)
         times: dict[str, list[float]] = {k: [] for k in ops}
         for _ in range(6):  # interleaved; the first round is a warm-up
             for k, op in ops.items():
