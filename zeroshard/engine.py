@@ -332,8 +332,13 @@ class Engine(nn.Module):
         load_optimizer_states: bool = True,
         load_lr_scheduler_states: bool = True,
         load_module_only: bool = False,
+        *,
+        verify: bool = True,
+        allow_nonfinite: bool = False,
     ) -> tuple[str, dict]:
-        """Load a checkpoint saved at any world size / stage; returns (path, client_state)."""
+        """Load a checkpoint saved at any world size / stage; returns (path, client_state).
+        ``verify``: check every byte against its checksum; ``allow_nonfinite``: accept
+        NaN/inf values (see ``zeroshard.checkpoint.load.load_checkpoint``)."""
         from zeroshard.checkpoint.load import load_checkpoint
 
         return load_checkpoint(
@@ -344,6 +349,8 @@ class Engine(nn.Module):
             optimizer_states=load_optimizer_states,
             scheduler_states=load_lr_scheduler_states,
             module_only=load_module_only,
+            verify=verify,
+            allow_nonfinite=allow_nonfinite,
         )
 
     def save_16bit_model(self, save_dir: str, save_filename: str = "model.safetensors") -> bool:

@@ -7,7 +7,9 @@ and ``"rng:..."`` (that rank's random-number-generator states).
 
 from __future__ import annotations
 
+import contextlib
 import os
+import secrets
 
 MANIFEST = "manifest.json"
 
@@ -37,13 +39,19 @@ def fsync_dir(path: str) -> None:
 
 
 def write_text_atomic(path: str, text: str) -> None:
-    """Write ``path`` so that readers see the old or the new content, never a mix."""
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    """Write ``path`` so that readers see the old or the new content, never a mix (the
+    temporary file's name is private to this call: concurrent writers do not share it)."""
+    tmp = f"{path}.tmp.{os.getpid()}.{secrets.token_hex(4)}"
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
 
 
 def exchange(
