@@ -408,3 +408,51 @@ def test_save_16bit_model_fails_on_every_rank(checkpoint_faults) -> None:
         assert r["left"] == [], r["left"]  # no .partial
         assert r["ok"] is True
     assert sorted(os.listdir(root / "save16" / "w16")) == ["model.safetensors"]
+
+
+# -- racing saves ------------------------------------------------------------------------------
+
+
+def _start(argv: list[str], **kw) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen(
+        argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, **kw
+    )
+
+
+@pytest.mark.timeout(180)
+def test_racing_saves_never_publish_a_mix(tmp_path) -> None:
+    """Two one-rank jobs save tag `t` into one directory at the same moment, 10 times;
+    after each round job 1 loads `t`: it must load, hold what its manifest says (the
+    digest its saver recorded) and be the save of a job that reported success; a job
+    whose save did not publish says so (CheckpointSaveError). The code before issue 15
+    failed 8 rounds of 12 (a shared temporary directory)."""
+    script = str(ROOT / "tests" / "scripts" / "race_save.py")
+    d = str(tmp_path / "ck")
+    jobs = [_start([sys.executable, "-W", "ignore", script, d, str(job)]) for job in (1, 2)]
+    try:
+        for p in jobs:
+            assert p.stdout.readline().strip() == "ready"
+        successes = 0
+        for rnd in range(10):
+            for p in jobs:
+                p.stdin.write("save\n")
+                p.stdin.flush()
+            results = [json.loads(p.stdout.readline()) for p in jobs]
+            for r in results:
+                assert r["ok"] or "save_checkpoint" in r["error"], (rnd, r)
+            successes += sum(r["ok"] for r in results)
+            jobs[0].stdin.write("verify\n")
+            jobs[0].stdin.flush()
+            got = json.loads(jobs[0].stdout.readline())
+            assert got["ok"], (rnd, got, results)
+            published = {r["digest"] for r in results if r["ok"]}
+            assert not published or got["digest"] in published, (rnd, got, results)
+        assert successes >= 10, successes  # the lock serializes publishing: few failures
+        names = os.listdir(d)
+        leftovers = [n for n in names if n.startswith((".tmp-", ".trash-")) or n.endswith(".old")]
+        assert not leftovers, leftovers
+    finally:
+        for p in jobs:
+            p.kill()
+            p.wait(timeout=30)
