@@ -456,3 +456,188 @@ def test_racing_saves_never_publish_a_mix(tmp_path) -> None:
         for p in jobs:
             p.kill()
             p.wait(timeout=30)
+
+
+# -- processes: orphans, restarts, preemption, two nodes ---------------------------------------
+
+TRAIN = ["tests/scripts/train_faults.py"]
+STEPS = 8
+
+
+class Launch:
+    """A `zeroshard` command in the background; its output (stdout and stderr) collected
+    line by line by a thread."""
+
+    def __init__(self, *args: str) -> None:
+        import threading
+
+        env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+        env["PYTHONUNBUFFERED"] = "1"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "zeroshard.cli", *args],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        self.lines: list[str] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append(line)
+
+    @property
+    def text(self) -> str:
+        return "".join(self.lines)
+
+    def wait_for(self, pattern: str, count: int = 1, timeout: float = 90) -> list[str]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            found = re.findall(pattern, self.text)
+            if len(found) >= count:
+                return found
+            if self.proc.poll() is not None and not self._reader.is_alive():
+                break
+            time.sleep(0.1)
+        raise AssertionError(f"{pattern!r} x{count} not seen; output:\n{self.text[-4000:]}")
+
+    def finish(self, timeout: float = 120) -> int:
+        try:
+            self.proc.wait(timeout=timeout)
+        finally:
+            self.proc.kill()
+        self._reader.join(timeout=10)
+        return self.proc.returncode
+
+    def losses(self) -> dict[int, str]:
+        """step -> the loss rank 0 printed (its repr); a step printed twice must agree."""
+        out: dict[int, str] = {}
+        for step, loss in re.findall(r"LOSS step=(\d+) (\S+)", self.text):
+            assert out.setdefault(int(step), loss) == loss, (step, out[int(step)], loss)
+        return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
+    except OSError:
+        return False
+    return state not in ("Z", "X")
+
+
+@pytest.mark.timeout(120)
+def test_no_orphans_when_the_launcher_is_killed() -> None:
+    """SIGKILL to `zeroshard run --nproc 2` (as the OOM killer does): both workers, which
+    ignore their parent, are gone within 5 s (the kernel's death signal)."""
+    run = Launch("run", "--nproc", "2", "tests/scripts/sleeper.py")
+    pids = []
+    try:
+        pids = [int(p) for p in run.wait_for(r"SLEEPER pid=(\d+)", 2)]
+        os.kill(run.proc.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 5
+        while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not [p for p in pids if _alive(p)], "workers outlived their launcher"
+    finally:
+        for pid in pids:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        run.finish(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def straight() -> dict[int, str]:
+    """Per-step losses of an uninterrupted 2-rank run, checked against the single-process
+    fp32 reference (same model, data and optimizer) to 2e-5."""
+    run = Launch("run", "--nproc", "2", *TRAIN, "--steps", str(STEPS))
+    assert run.finish() == 0, run.text[-4000:]
+    losses = run.losses()
+    ref, _ = parity.reference({"stage": 2, "micro": 2, "steps": STEPS}, world=2)
+    assert sorted(losses) == list(range(STEPS))
+    assert max(abs(float(losses[s]) - ref[s]) for s in losses) <= parity.TOL, (losses, ref)
+    return losses
+
+
+@pytest.mark.timeout(300)
+def test_preemption_then_restart_resume_exactly(straight, tmp_path) -> None:
+    """SIGTERM to the launcher mid-run (config checkpoint.dir): the workers save the step
+    they complete next and exit 0, and so does the launcher. Relaunched with
+    --max-restarts 1, the job resumes from that checkpoint by itself; a kill -9 of rank 1
+    two steps later restarts every worker, which resume from the last periodic save.
+    Every step's loss, and the final one, equal the uninterrupted run's bitwise."""
+    ck = str(tmp_path / "ck")
+    run = Launch("run", "--nproc", "2", *TRAIN, "--steps", str(STEPS), "--ckpt", ck, "--sleep", "0.4")
+    try:
+        run.wait_for(r"LOSS step=2 ")
+        run.proc.send_signal(signal.SIGTERM)
+        assert run.finish(timeout=60) == 0, run.text[-4000:]
+    finally:
+        run.proc.kill()
+    assert "zeroshard: preempted (SIGTERM)" in run.text, run.text[-3000:]
+    first = run.losses()
+    last = max(first)
+    saved = Path(ck, "latest").read_text()
+    # the step that completed after the signal (its loss was never printed) was saved
+    assert saved == f"global_step{last + 2}", (saved, last)
+    kill_step = last + 4
+    run = Launch(
+        "run", "--nproc", "2", "--max-restarts", "1", *TRAIN, "--steps", str(STEPS),
+        "--ckpt", ck, "--save-every", "2", "--kill-rank", "1", "--kill-step", str(kill_step),
+    )
+    assert run.finish(timeout=240) == 0, run.text[-4000:]
+    starts = re.findall(r"START rank=0 step=(\d+) restart=(\d+)", run.text)
+    resumed_at = last + 2
+    restart_at = max(s for s in range(resumed_at, kill_step + 1) if s % 2 == 0)
+    assert starts == [(str(resumed_at), "0"), (str(restart_at), "1")], starts
+    second = run.losses()
+    assert sorted({**first, **second}) == [s for s in range(STEPS) if s != last + 1]
+    for step, loss in {**first, **second}.items():
+        assert loss == straight[step], (step, loss, straight[step])
+    assert second[STEPS - 1] == straight[STEPS - 1]  # the final loss
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.timeout(240)
+def test_two_nodes_parity_and_node_loss(straight) -> None:
+    """Two launchers on this machine as two nodes (c10d rendezvous on localhost), one
+    rank each: the losses equal the 2-rank single-node run's. Then node 1's launcher is
+    SIGKILLed while both ranks all-reduce: its worker dies with it, and node 0 exits
+    non-zero within 30 s, saying it lost a process or node of the job."""
+    common = ["run", "--nnodes", "2", "--nproc", "1", "--rdzv-backend", "c10d"]
+    common += ["--master-addr", "127.0.0.1", "--master-port", str(_free_port())]
+    nodes = [
+        Launch(*common, "--node-rank", str(n), *TRAIN, "--steps", str(STEPS), "--hold")
+        for n in (0, 1)
+    ]
+    try:
+        for node in nodes:
+            node.wait_for(r"DONE rank=\d", timeout=180)
+        losses = {**nodes[0].losses(), **nodes[1].losses()}
+        for step, loss in straight.items():
+            assert abs(float(losses[step]) - float(loss)) <= parity.TOL, (step, losses[step], loss)
+        worker1 = int(re.search(r"START rank=\d step=0 restart=0 pid=(\d+)", nodes[1].text).group(1))
+        start = time.monotonic()
+        os.kill(nodes[1].proc.pid, signal.SIGKILL)
+        code = nodes[0].finish(timeout=30)
+        elapsed = time.monotonic() - start
+        assert code != 0 and elapsed < 30, (code, elapsed)
+        assert "zeroshard: FAILED: rank" in nodes[0].text, nodes[0].text[-3000:]
+        assert "lost its connection to another rank" in nodes[0].text, nodes[0].text[-3000:]
+        deadline = time.monotonic() + 5
+        while _alive(worker1) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(worker1), "node 1's worker outlived its launcher"
+    finally:
+        for node in nodes:
+            node.proc.kill()
+            node.finish(timeout=30)

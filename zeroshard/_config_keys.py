@@ -228,6 +228,7 @@ AIO = (
     "use_gds",
 )
 CHECKPOINT = (
+    "dir",
     "tag_validation",
     "load_universal",
     "use_node_local_storage",

@@ -371,6 +371,7 @@ def _parse_checkpoint(data: Mapping[str, Any] | None) -> CheckpointConfig:
     return _build(
         "checkpoint",
         CheckpointConfig,
+        dir=f.string("dir", None, nullable=True),
         tag_validation=f.string("tag_validation", "Warn", choices=("Ignore", "Warn", "Fail")),
         load_universal=f.boolean("load_universal", False),
         use_node_local_storage=f.boolean("use_node_local_storage", False),

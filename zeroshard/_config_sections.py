@@ -235,6 +235,10 @@ class AIOConfig:
 class CheckpointConfig:
     """The ``checkpoint`` section."""
 
+    #: zeroshard's own key: the job's checkpoint directory. initialize() resumes from its
+    #: ``latest`` when there is one, and a SIGTERM saves a checkpoint there at the next
+    #: step boundary, then exits 0 (zeroshard.restart, zeroshard.preemption).
+    dir: str | None = None
     #: Check that all ranks save under the same tag: "Ignore", "Warn" or "Fail".
     tag_validation: str = "Warn"
     #: Load a universal checkpoint (ours load at any world size anyway).
@@ -245,6 +249,7 @@ class CheckpointConfig:
     parallel_write_pipeline_stage: bool = False
 
     def __post_init__(self) -> None:
+        check(self.dir is None or self.dir.strip() != "", "dir", "must be a non-empty path")
         check(
             self.tag_validation in ("Ignore", "Warn", "Fail"),
             "tag_validation",

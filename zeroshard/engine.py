@@ -108,6 +108,7 @@ class Engine(nn.Module):
         self.global_samples = 0
         self.skipped_steps = 0
         self._step_applied = False
+        self.preemption = None  # zeroshard.preemption.Preemption, set by enable()
         _move_module(module, self.device, self.policy.compute)
         if self.policy.compute != torch.float32:
             module.register_forward_pre_hook(self._cast_inputs, with_kwargs=True)
@@ -295,6 +296,8 @@ class Engine(nn.Module):
             self.global_samples += self.train_batch_size()
             self._report_progress()
         self.micro_steps += 1
+        if self.preemption is not None and self.micro_steps % self.gradient_accumulation_steps() == 0:
+            self.preemption.at_step_boundary(self)  # SIGTERM: save, exit 0
 
     def _report_progress(self) -> None:
         every = self._config.steps_per_print

@@ -19,20 +19,38 @@ Failures: every worker runs under a small bootstrap (``python -m zeroshard.launc
 records an uncaught exception into torchelastic's per-worker error file. The agent polls
 the workers every 0.1 s; when one exits non-zero it stops the rest (SIGTERM, then SIGKILL
 after ``--shutdown-timeout``) and this module prints the root-cause rank with its exception
-and traceback, exiting with that rank's exit code. SIGINT/SIGTERM to the launcher stop every
+and traceback, exiting with that rank's exit code; a rank that lost its connection to a peer
+is said to have lost a process or node of the job. SIGINT/SIGTERM to the launcher stop every
 worker (torchrun forwards them). This module issues no collectives itself.
+
+No orphans: the bootstrap asks the kernel to SIGKILL each worker when the launcher dies
+(``PR_SET_PDEATHSIG`` on Linux, set before the script runs or, with ``--no-python``, before
+the executable is exec'd; elsewhere a thread watches the parent pid), and exits at once if
+the launcher is already gone. torchrun starts workers in their own sessions, so signals to
+the launcher's process group alone would not reach them.
+
+Restarts and preemption: ``--max-restarts N`` lets torchrun restart the whole worker group
+up to N times after a failure (the script resumes with ``zeroshard.resume`` or the config's
+``checkpoint.dir``). Workers preempted by SIGTERM that saved a checkpoint and exited (see
+``zeroshard.preemption``) leave a marker in a run directory this launcher owns; when every
+local worker did, the launcher exits 0 after a SIGTERM instead of 143.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import ctypes
 import faulthandler
 import json
 import os
 import runpy
+import shutil
 import signal
 import socket
 import sys
+import tempfile
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -48,6 +66,10 @@ from zeroshard.launch_layout import (  # noqa: F401  (re-exported: the launcher'
 )
 
 _MODULE_FLAG, _RANK_FLAG = "--zeroshard-module", "--zeroshard-local-rank"  # worker bootstrap
+_EXEC_FLAG = "--zeroshard-exec"  # bootstrap: exec the target (--no-python)
+LAUNCHER_PID_ENV = "ZEROSHARD_LAUNCHER_PID"  # workers die with this process
+RUN_DIR_ENV = "ZEROSHARD_RUN_DIR"  # where preempted workers leave their markers
+_PR_SET_PDEATHSIG = 1
 _PEER_DIED = ("closed by peer", "reset by peer", "remote worker", "broken pipe", "aborted")
 
 HELP_EPILOG = """\
@@ -129,8 +151,8 @@ def torchrun_argv(args: argparse.Namespace, layout: Layout) -> list[str]:
         argv += ["--log-dir", args.log_dir, "--tee", "3"]
     if "--shutdown-timeout" in torchrun.get_args_parser()._option_string_actions:
         argv += ["--shutdown-timeout", str(args.shutdown_timeout)]
-    if args.no_python:
-        return [*argv, "--no-python", args.script, *args.script_args]
+    if args.no_python:  # still through the bootstrap, which execs the target
+        return [*argv, "-m", "zeroshard.launcher", _EXEC_FLAG, args.script, *args.script_args]
     flags = [_MODULE_FLAG] * args.module + [_RANK_FLAG] * args.local_rank_arg
     return [*argv, "-m", "zeroshard.launcher", *flags, args.script, *args.script_args]
 
@@ -150,6 +172,12 @@ def _set_child_environment(args: argparse.Namespace, layout: Layout) -> None:
         os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(ids)
     if args.log_dir:
         os.environ.setdefault("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE", "[rank${rank}]: ")
+    os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
+    if args.max_restarts > 0:
+        # torch shares the rendezvous' TCP store with the workers and keeps it across
+        # restarts, so a restarted group reads the dead group's gloo/NCCL addresses
+        # (pytorch/pytorch#135712, still so in 2.13): give each group its own store
+        os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
 
 
 def _failure_order(item):
@@ -184,6 +212,11 @@ def report_failure(err, log_dir: str | None = None) -> int:
     ]
     if message and "elastic/errors.html" not in message:
         lines.append(f"zeroshard: rank {rank} error: {message}")
+        if any(p in message.lower() for p in _PEER_DIED):
+            lines.append(
+                f"zeroshard: rank {rank} lost its connection to another rank: a process or "
+                "node of this job died (on several nodes, see the other nodes' launchers)"
+            )
     if tb:
         lines += [f"zeroshard: rank {rank} traceback:", tb.rstrip()]
     for other_rank, other in ordered[1:]:
@@ -226,7 +259,15 @@ def main(args: argparse.Namespace) -> int:
         print(f"zeroshard: error: {e}", file=sys.stderr)
         return 2
     _set_child_environment(args, layout)
+    run_dir = tempfile.mkdtemp(prefix="zeroshard-run-")
+    os.environ[RUN_DIR_ENV] = run_dir
+    try:
+        return _launch(argv, args, layout, run_dir)
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)
 
+
+def _launch(argv: list[str], args: argparse.Namespace, layout: Layout, run_dir: str) -> int:
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -236,6 +277,16 @@ def main(args: argparse.Namespace) -> int:
     except ChildFailedError as e:
         return report_failure(e, args.log_dir)
     except SignalException as e:
+        saved = sorted(n for n in os.listdir(run_dir) if n.startswith("preempted."))
+        if e.sigval == signal.SIGTERM and len(saved) == layout.nproc_per_node:
+            with open(os.path.join(run_dir, saved[0])) as f:
+                where = f.read()
+            print(
+                f"zeroshard: preempted (SIGTERM): every worker of this node saved a "
+                f"checkpoint ({where}) and exited",
+                file=sys.stderr,
+            )
+            return 0
         print(f"zeroshard: stopped by {e.sigval.name}; workers stopped", file=sys.stderr)
         return 128 + int(e.sigval)
     except KeyboardInterrupt:
@@ -243,6 +294,13 @@ def main(args: argparse.Namespace) -> int:
         return 130
     except Exception as e:  # rendezvous timeouts, unreachable master, ...
         print(f"zeroshard: launch failed: {type(e).__name__}: {e}", file=sys.stderr)
+        if "Rendezvous" in type(e).__name__ and layout.nnodes > 1:
+            where = f"{layout.master_addr}:{layout.master_port}"
+            print(
+                f"zeroshard: the rendezvous at {where} (node 0's launcher) cannot be reached: "
+                "node 0's launcher died or never started",
+                file=sys.stderr,
+            )
         return 1
     return 0
 
@@ -276,12 +334,42 @@ def _record_failure(exc: BaseException, tb) -> None:
         pass
 
 
-def _worker_main(argv: list[str]) -> None:
-    """Bootstrap of one worker: ``[--zeroshard-module] [--zeroshard-local-rank] target args``.
+def die_with_launcher() -> None:
+    """Make the kernel SIGKILL this worker when its launcher dies, by any signal (SIGKILL
+    and the OOM killer included); exit now if the launcher is already gone."""
+    want = os.environ.get(LAUNCHER_PID_ENV)
+    if not want:
+        return
+    launcher = int(want)
+    armed = False
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            libc = ctypes.CDLL(None, use_errno=True)
+            armed = libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) == 0
+    if os.getppid() != launcher:  # it died before the request took effect
+        os._exit(1)
+    if not armed:  # no prctl: watch the parent pid instead
 
-    Runs the target like ``python script.py`` / ``python -m module`` would, and records an
-    uncaught exception in torchelastic's error file so the launcher can name the root cause.
+        def watch() -> None:
+            while os.getppid() == launcher:
+                time.sleep(0.5)
+            os._exit(1)
+
+        threading.Thread(target=watch, name="zeroshard-launcher-watch", daemon=True).start()
+
+
+def _worker_main(argv: list[str]) -> None:
+    """Bootstrap of one worker: ``[--zeroshard-module] [--zeroshard-local-rank] target args``
+    or ``--zeroshard-exec executable args``.
+
+    Ties the worker's life to the launcher's, then runs the target like ``python
+    script.py`` / ``python -m module`` would (or execs it), and records an uncaught
+    exception in torchelastic's error file so the launcher can name the root cause.
     """
+    die_with_launcher()
+    if argv and argv[0] == _EXEC_FLAG:
+        target = argv[1]
+        os.execvp(target, argv[1:])  # the death signal survives exec
     flags = set()
     while argv and argv[0] in (_MODULE_FLAG, _RANK_FLAG):
         flags.add(argv.pop(0))
