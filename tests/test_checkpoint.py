@@ -806,7 +806,9 @@ def _save_failures(rank: int, world: int, root: str) -> dict:
         )
     out["events"] = events
     out["after_resave"] = sorted(
-        n for n in os.listdir(root) if n in {"f", "f.old", ".tmp-f"} or n.startswith((".tmp-f.", ".trash-f."))
+        n
+        for n in os.listdir(root)
+        if n in {"f", "f.old", ".tmp-f"} or n.startswith((".tmp-f.", ".trash-f."))
     )
     path, _ = engine.load_checkpoint(root)  # every rank still in step: no collective skipped
     out["final"] = os.path.basename(path)

@@ -47,7 +47,9 @@ def _train(engine, rank: int, world: int, steps) -> None:
     micro = ROWS // world
     for step in steps:
         x, y = parity.batch(step, ROWS)
-        engine.backward(engine(x[rank * micro : (rank + 1) * micro], y[rank * micro : (rank + 1) * micro]))
+        engine.backward(
+            engine(x[rank * micro : (rank + 1) * micro], y[rank * micro : (rank + 1) * micro])
+        )
         engine.step()
 
 
@@ -203,7 +205,9 @@ def _integrity(engine, rank: int, world: int, root: str) -> dict:
         attempt(out["no_verify"], key, verify=False)
     # allowed: the NaN loads when the user says so
     engine.load_checkpoint(os.path.join(root, "nan"), verify=False, allow_nonfinite=True)
-    out["nan_loaded"] = any(torch.isnan(p).any().item() for p in parity.full_params(engine).values())
+    out["nan_loaded"] = any(
+        torch.isnan(p).any().item() for p in parity.full_params(engine).values()
+    )
     engine.load_checkpoint(os.path.join(root, "src"))  # the good one still loads
     out["good_step"] = engine.global_steps
     return out
@@ -228,7 +232,7 @@ def _misuse(engine, rank: int, world: int, root: str) -> dict:
             out["save"][tag] = None
         except CheckpointSaveError as exc:
             out["save"][tag] = str(exc)
-    out["latest_after_bad_saves"] = open(os.path.join(d, "latest")).read()
+    out["latest_after_bad_saves"] = Path(d, "latest").read_text()
     out["escaped"] = sorted(os.listdir(root))
 
     def attempt(key, where, **kw):
@@ -249,10 +253,13 @@ def _misuse(engine, rank: int, world: int, root: str) -> dict:
             fn()
         engine.comm.barrier()
 
-    for key, text in (("latest_absolute", os.path.join(other, "o")), ("latest_dotdot", "../other/o")):
-        on_rank0(lambda text=text: open(os.path.join(d, "latest"), "w").write(text))
+    for key, text in (
+        ("latest_absolute", os.path.join(other, "o")),
+        ("latest_dotdot", "../other/o"),
+    ):
+        on_rank0(lambda text=text: Path(d, "latest").write_text(text))
         attempt(key, d)
-    on_rank0(lambda: open(os.path.join(d, "latest"), "w").write("good"))
+    on_rank0(lambda: Path(d, "latest").write_text("good"))
     on_rank0(lambda: os.symlink(os.path.join(other, "o"), os.path.join(d, "linked")))
     attempt("tag_dir_symlink_out", d, tag="linked")
     on_rank0(lambda: os.symlink(os.path.join(other, "o"), os.path.join(d, "s")))
@@ -305,7 +312,11 @@ def _save16(rank: int, world: int, root: str) -> dict:
         out["midway"] = str(exc)
     finally:
         export_mod.StreamWriter = real
-    out["left"] = sorted(os.listdir(os.path.join(root, "w16"))) if os.path.isdir(os.path.join(root, "w16")) else []
+    out["left"] = (
+        sorted(os.listdir(os.path.join(root, "w16")))
+        if os.path.isdir(os.path.join(root, "w16"))
+        else []
+    )
     out["ok"] = engine.save_16bit_model(os.path.join(root, "w16"))  # and then it works
     return out
 
@@ -346,7 +357,10 @@ def test_corrupt_checkpoints_fail_load_and_convert(checkpoint_faults, capsys) ->
         # verify=False means
         assert "non-finite" in r["no_verify"]["nan"] and cases["nan"][1][0] in r["no_verify"]["nan"]
         assert "offsets were edited" in r["no_verify"]["swapped_offsets"]
-        assert r["no_verify"]["flipped_bytes"] is None or "non-finite" in r["no_verify"]["flipped_bytes"]
+        assert (
+            r["no_verify"]["flipped_bytes"] is None
+            or "non-finite" in r["no_verify"]["flipped_bytes"]
+        )
         assert r["untouched"], "a failed load changed the engine"
         assert r["nan_loaded"] and r["good_step"] == 2
     err = results[0]["errors"]
@@ -362,7 +376,9 @@ def test_corrupt_checkpoints_fail_load_and_convert(checkpoint_faults, capsys) ->
         text = capsys.readouterr().out
         assert fname in text and all(n in text for n in names), (key, text)
         assert not os.path.exists(out) and not list(tmp_path.glob(f"{key}.safetensors*")), key
-    assert cli(["convert", str(tmp_path / "nan"), str(tmp_path / "n.safetensors"), "--no-verify"]) == 2
+    assert (
+        cli(["convert", str(tmp_path / "nan"), str(tmp_path / "n.safetensors"), "--no-verify"]) == 2
+    )
     assert "non-finite" in capsys.readouterr().out
     nan_args = ["--no-verify", "--allow-nonfinite"]
     assert cli(["convert", str(tmp_path / "nan"), str(tmp_path / "n.safetensors"), *nan_args]) == 0
@@ -400,7 +416,7 @@ def test_save_16bit_model_fails_on_every_rank(checkpoint_faults) -> None:
     """save_16bit_model failing on rank 0 only (stage 3, 2 ranks): both ranks raise
     CheckpointSaveError naming rank 0 and why; no hang; no .partial file left."""
     root, spawned = checkpoint_faults
-    for rank, r in enumerate(spawned):
+    for r in spawned:
         r = r["save16"]
         assert "rank(s) [0]" in r["open"] and "save_16bit_model" in r["open"], r["open"]
         assert "Not a directory" in r["open"] or "NotADirectory" in r["open"], r["open"]
@@ -561,6 +577,7 @@ def straight() -> dict[int, str]:
     return losses
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_preemption_then_restart_resume_exactly(straight, tmp_path) -> None:
     """SIGTERM to the launcher mid-run (config checkpoint.dir): the workers save the step
@@ -569,7 +586,9 @@ def test_preemption_then_restart_resume_exactly(straight, tmp_path) -> None:
     two steps later restarts every worker, which resume from the last periodic save.
     Every step's loss, and the final one, equal the uninterrupted run's bitwise."""
     ck = str(tmp_path / "ck")
-    run = Launch("run", "--nproc", "2", *TRAIN, "--steps", str(STEPS), "--ckpt", ck, "--sleep", "0.4")
+    run = Launch(
+        "run", "--nproc", "2", *TRAIN, "--steps", str(STEPS), "--ckpt", ck, "--sleep", "0.4"
+    )
     try:
         run.wait_for(r"LOSS step=2 ")
         run.proc.send_signal(signal.SIGTERM)
@@ -584,8 +603,22 @@ def test_preemption_then_restart_resume_exactly(straight, tmp_path) -> None:
     assert saved == f"global_step{last + 2}", (saved, last)
     kill_step = last + 4
     run = Launch(
-        "run", "--nproc", "2", "--max-restarts", "1", *TRAIN, "--steps", str(STEPS),
-        "--ckpt", ck, "--save-every", "2", "--kill-rank", "1", "--kill-step", str(kill_step),
+        "run",
+        "--nproc",
+        "2",
+        "--max-restarts",
+        "1",
+        *TRAIN,
+        "--steps",
+        str(STEPS),
+        "--ckpt",
+        ck,
+        "--save-every",
+        "2",
+        "--kill-rank",
+        "1",
+        "--kill-step",
+        str(kill_step),
     )
     assert run.finish(timeout=240) == 0, run.text[-4000:]
     starts = re.findall(r"START rank=0 step=(\d+) restart=(\d+)", run.text)
@@ -607,6 +640,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_two_nodes_parity_and_node_loss(straight) -> None:
     """Two launchers on this machine as two nodes (c10d rendezvous on localhost), one
@@ -625,7 +659,9 @@ def test_two_nodes_parity_and_node_loss(straight) -> None:
         losses = {**nodes[0].losses(), **nodes[1].losses()}
         for step, loss in straight.items():
             assert abs(float(losses[step]) - float(loss)) <= parity.TOL, (step, losses[step], loss)
-        worker1 = int(re.search(r"START rank=\d step=0 restart=0 pid=(\d+)", nodes[1].text).group(1))
+        worker1 = int(
+            re.search(r"START rank=\d step=0 restart=0 pid=(\d+)", nodes[1].text).group(1)
+        )
         start = time.monotonic()
         os.kill(nodes[1].proc.pid, signal.SIGKILL)
         code = nodes[0].finish(timeout=30)

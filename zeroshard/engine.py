@@ -296,7 +296,10 @@ class Engine(nn.Module):
             self.global_samples += self.train_batch_size()
             self._report_progress()
         self.micro_steps += 1
-        if self.preemption is not None and self.micro_steps % self.gradient_accumulation_steps() == 0:
+        if (
+            self.preemption is not None
+            and self.micro_steps % self.gradient_accumulation_steps() == 0
+        ):
             self.preemption.at_step_boundary(self)  # SIGTERM: save, exit 0
 
     def _report_progress(self) -> None:

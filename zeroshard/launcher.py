@@ -15,19 +15,17 @@ chooses the rendezvous:
 Nothing is started on other machines (no ssh/pdsh): like torchrun, the same command is run
 on every node.
 
-Failures: every worker runs under a small bootstrap (``python -m zeroshard.launcher``) that
-records an uncaught exception into torchelastic's per-worker error file. The agent polls
+Failures: every worker runs under a small bootstrap (``python -m zeroshard.launch_worker``)
+that records an uncaught exception into torchelastic's per-worker error file. The agent polls
 the workers every 0.1 s; when one exits non-zero it stops the rest (SIGTERM, then SIGKILL
 after ``--shutdown-timeout``) and this module prints the root-cause rank with its exception
 and traceback, exiting with that rank's exit code; a rank that lost its connection to a peer
 is said to have lost a process or node of the job. SIGINT/SIGTERM to the launcher stop every
 worker (torchrun forwards them). This module issues no collectives itself.
 
-No orphans: the bootstrap asks the kernel to SIGKILL each worker when the launcher dies
-(``PR_SET_PDEATHSIG`` on Linux, set before the script runs or, with ``--no-python``, before
-the executable is exec'd; elsewhere a thread watches the parent pid), and exits at once if
-the launcher is already gone. torchrun starts workers in their own sessions, so signals to
-the launcher's process group alone would not reach them.
+No orphans: the bootstrap asks the kernel to SIGKILL each worker when the launcher dies,
+by any signal (see ``launch_worker.py``); torchrun starts workers in their own sessions,
+so signals to the launcher's process group alone would not reach them.
 
 Restarts and preemption: ``--max-restarts N`` lets torchrun restart the whole worker group
 up to N times after a failure (the script resumes with ``zeroshard.resume`` or the config's
@@ -39,20 +37,12 @@ local worker did, the launcher exits 0 after a SIGTERM instead of 143.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import ctypes
-import faulthandler
-import json
 import os
-import runpy
 import shutil
 import signal
 import socket
 import sys
 import tempfile
-import threading
-import time
-import traceback
 from pathlib import Path
 
 from zeroshard.launch_layout import (  # noqa: F401  (re-exported: the launcher's API)
@@ -64,12 +54,15 @@ from zeroshard.launch_layout import (  # noqa: F401  (re-exported: the launcher'
     parse_hostfile,
     plan_layout,
 )
+from zeroshard.launch_worker import (  # the bootstrap each worker runs under
+    EXEC_FLAG,
+    LAUNCHER_PID_ENV,
+    MODULE_FLAG,
+    RANK_FLAG,
+    RUN_DIR_ENV,
+)
 
-_MODULE_FLAG, _RANK_FLAG = "--zeroshard-module", "--zeroshard-local-rank"  # worker bootstrap
-_EXEC_FLAG = "--zeroshard-exec"  # bootstrap: exec the target (--no-python)
-LAUNCHER_PID_ENV = "ZEROSHARD_LAUNCHER_PID"  # workers die with this process
-RUN_DIR_ENV = "ZEROSHARD_RUN_DIR"  # where preempted workers leave their markers
-_PR_SET_PDEATHSIG = 1
+_BOOTSTRAP = "zeroshard.launch_worker"
 _PEER_DIED = ("closed by peer", "reset by peer", "remote worker", "broken pipe", "aborted")
 
 HELP_EPILOG = """\
@@ -152,9 +145,9 @@ def torchrun_argv(args: argparse.Namespace, layout: Layout) -> list[str]:
     if "--shutdown-timeout" in torchrun.get_args_parser()._option_string_actions:
         argv += ["--shutdown-timeout", str(args.shutdown_timeout)]
     if args.no_python:  # still through the bootstrap, which execs the target
-        return [*argv, "-m", "zeroshard.launcher", _EXEC_FLAG, args.script, *args.script_args]
-    flags = [_MODULE_FLAG] * args.module + [_RANK_FLAG] * args.local_rank_arg
-    return [*argv, "-m", "zeroshard.launcher", *flags, args.script, *args.script_args]
+        return [*argv, "-m", _BOOTSTRAP, EXEC_FLAG, args.script, *args.script_args]
+    flags = [MODULE_FLAG] * args.module + [RANK_FLAG] * args.local_rank_arg
+    return [*argv, "-m", _BOOTSTRAP, *flags, args.script, *args.script_args]
 
 
 def _set_child_environment(args: argparse.Namespace, layout: Layout) -> None:
@@ -303,99 +296,3 @@ def _launch(argv: list[str], args: argparse.Namespace, layout: Layout, run_dir: 
             )
         return 1
     return 0
-
-
-# ----------------------------------------------------------------------------- worker side
-
-
-def _user_frames(tb):
-    """Skip the bootstrap's own frames (this file, runpy) at the top of a traceback."""
-    while tb is not None and tb.tb_next is not None:
-        name = tb.tb_frame.f_code.co_filename
-        if name not in (__file__, runpy.__file__) and not name.startswith("<frozen runpy"):
-            break
-        tb = tb.tb_next
-    return tb
-
-
-def _record_failure(exc: BaseException, tb) -> None:
-    """Write `exc` to torchelastic's error file (its JSON layout, plus a precise time)."""
-    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if not path:
-        return
-    now = time.time()
-    stack = "".join(traceback.format_exception(type(exc), exc, tb))
-    extra = {"py_callstack": stack, "timestamp": str(int(now)), "zeroshard_time": repr(now)}
-    data = {"message": {"message": f"{type(exc).__name__}: {exc}", "extraInfo": extra}}
-    try:
-        with open(path, "w") as f:
-            json.dump(data, f)
-    except OSError:
-        pass
-
-
-def die_with_launcher() -> None:
-    """Make the kernel SIGKILL this worker when its launcher dies, by any signal (SIGKILL
-    and the OOM killer included); exit now if the launcher is already gone."""
-    want = os.environ.get(LAUNCHER_PID_ENV)
-    if not want:
-        return
-    launcher = int(want)
-    armed = False
-    if sys.platform.startswith("linux"):
-        with contextlib.suppress(OSError, AttributeError):
-            libc = ctypes.CDLL(None, use_errno=True)
-            armed = libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) == 0
-    if os.getppid() != launcher:  # it died before the request took effect
-        os._exit(1)
-    if not armed:  # no prctl: watch the parent pid instead
-
-        def watch() -> None:
-            while os.getppid() == launcher:
-                time.sleep(0.5)
-            os._exit(1)
-
-        threading.Thread(target=watch, name="zeroshard-launcher-watch", daemon=True).start()
-
-
-def _worker_main(argv: list[str]) -> None:
-    """Bootstrap of one worker: ``[--zeroshard-module] [--zeroshard-local-rank] target args``
-    or ``--zeroshard-exec executable args``.
-
-    Ties the worker's life to the launcher's, then runs the target like ``python
-    script.py`` / ``python -m module`` would (or execs it), and records an uncaught
-    exception in torchelastic's error file so the launcher can name the root cause.
-    """
-    die_with_launcher()
-    if argv and argv[0] == _EXEC_FLAG:
-        target = argv[1]
-        os.execvp(target, argv[1:])  # the death signal survives exec
-    flags = set()
-    while argv and argv[0] in (_MODULE_FLAG, _RANK_FLAG):
-        flags.add(argv.pop(0))
-    target, *script_args = argv
-    if _RANK_FLAG in flags:
-        script_args = [f"--local_rank={os.environ.get('LOCAL_RANK', '0')}", *script_args]
-    faulthandler.enable(all_threads=True)
-    sys.argv = [target, *script_args]
-    try:
-        if _MODULE_FLAG in flags:
-            runpy.run_module(target, run_name="__main__", alter_sys=True)
-        else:
-            sys.path[0] = os.path.dirname(os.path.abspath(target))
-            runpy.run_path(target, run_name="__main__")
-    except SystemExit as e:
-        if e.code not in (None, 0):
-            _record_failure(e, _user_frames(e.__traceback__))
-        raise
-    except BaseException as e:
-        tb = _user_frames(e.__traceback__)
-        _record_failure(e, tb)
-        # print what python would, minus the bootstrap's frames (torch's hook adds [rankN])
-        sys.excepthook(type(e), e.with_traceback(tb), tb)
-        sys.stderr.flush()
-        sys.exit(130 if isinstance(e, KeyboardInterrupt) else 1)
-
-
-if __name__ == "__main__":
-    _worker_main(sys.argv[1:])

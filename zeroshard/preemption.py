@@ -26,10 +26,9 @@ import threading
 
 import torch
 
-from zeroshard.launcher import RUN_DIR_ENV  # where preempted workers say so
+from zeroshard.launch_worker import RUN_DIR_ENV  # where preempted workers say so
 
 log = logging.getLogger("zeroshard")
-
 
 
 class Preemption:

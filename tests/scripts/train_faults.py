@@ -19,9 +19,9 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-import parity  # noqa: E402
+import parity
 
-import zeroshard  # noqa: E402
+import zeroshard
 
 p = argparse.ArgumentParser()
 p.add_argument("--steps", type=int, default=10)
@@ -44,7 +44,9 @@ engine, *_ = zeroshard.initialize(
 )
 rank, world = engine.global_rank, engine.world_size
 restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-print(f"START rank={rank} step={engine.global_steps} restart={restart} pid={os.getpid()}", flush=True)
+print(
+    f"START rank={rank} step={engine.global_steps} restart={restart} pid={os.getpid()}", flush=True
+)
 micro = 2
 for step in range(engine.global_steps, args.steps):
     if restart == 0 and rank == args.kill_rank and step == args.kill_step:

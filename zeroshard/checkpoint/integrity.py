@@ -51,10 +51,14 @@ def scan_file(
         return
     recorded = header_checksums(header) if check_crc else None
     if check_crc and recorded is None:
-        raise IntegrityError(f"{fpath}: the header records no checksums (the manifest says it does)")
+        raise IntegrityError(
+            f"{fpath}: the header records no checksums (the manifest says it does)"
+        )
     header_ok = not check_crc or zlib.crc32(raw_header) == header_crc
     spans = sorted(
-        (v["data_offsets"][0], v["data_offsets"][1], k) for k, v in header.items() if k != "__metadata__"
+        (v["data_offsets"][0], v["data_offsets"][1], k)
+        for k, v in header.items()
+        if k != "__metadata__"
     )
     start = 8 + len(raw_header)
     bad_crc, nonfinite = [], []

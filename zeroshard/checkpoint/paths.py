@@ -129,8 +129,7 @@ def publish_lock(save_dir: str, timeout: float = 600.0):
             except BlockingIOError:
                 if time.monotonic() > deadline:
                     raise TimeoutError(
-                        f"{os.path.join(save_dir, LOCK)}: held by another save for "
-                        f"{timeout:.0f} s"
+                        f"{os.path.join(save_dir, LOCK)}: held by another save for {timeout:.0f} s"
                     ) from None
                 time.sleep(0.05)
         yield
