@@ -274,6 +274,12 @@ def _misuse(engine, rank: int, world: int, root: str) -> dict:
     attempt("explicit_tag_old", d, tag="t")
     attempt("latest_old", d)
     attempt("good_after", d, tag="good")
+    # zeroshard.resume: nothing on a first start, `latest` otherwise
+    import zeroshard
+
+    out["resume_empty"] = list(zeroshard.resume(engine, os.path.join(root, "fresh")))
+    path, _ = zeroshard.resume(engine, d)
+    out["resume"] = os.path.relpath(path, root)
     return out
 
 
@@ -404,12 +410,28 @@ def test_bad_tags_and_pointers(checkpoint_faults) -> None:
         assert load["explicit_tag_old"] == os.path.join("ck", "t.old")
         assert load["latest_old"] == os.path.join("ck", "t.old")
         assert load["good_after"] == os.path.join("ck", "good")
+        assert r["resume_empty"] == [None, {}]
+        assert r["resume"] == os.path.join("ck", "t.old")
     # the symlinked directory's target was not touched by the refused save
     assert sorted(os.listdir(root / "misuse" / "other" / "o")) == [
         "manifest.json",
         "zs_rank00000.safetensors",
         "zs_rank00001.safetensors",
     ]
+
+
+def test_checkpoint_dir_key() -> None:
+    """The one config key restarts and preemption use: a path, or an error naming it."""
+    from zeroshard.config import ConfigError, load_config
+
+    base = {"train_batch_size": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+    assert (
+        load_config({**base, "checkpoint": {"dir": "ck/"}}, dp_world_size=1).checkpoint.dir == "ck/"
+    )
+    assert load_config(base, dp_world_size=1).checkpoint.dir is None
+    for bad in ("", 3):
+        with pytest.raises(ConfigError, match=r"checkpoint\.dir"):
+            load_config({**base, "checkpoint": {"dir": bad}}, dp_world_size=1)
 
 
 def test_save_16bit_model_fails_on_every_rank(checkpoint_faults) -> None:
