@@ -179,17 +179,16 @@ def check_values(m: dict) -> None:
             raise ValueError(f"optimizer.groups[{i}] must be an object")
         for key, value in group.items():
             what = f"optimizer.groups[{i}].{key}"
-            if key in _GROUP_RANGES:
-                low, above = _GROUP_RANGES[key]
-                _number(value, what, low, above=above)
-            elif key == "betas":
-                if not isinstance(value, list) or len(value) != 2:
-                    raise ValueError(f"{what} must be a pair, got {value!r}")
-                for j, beta in enumerate(value):
-                    if _number(beta, f"{what}[{j}]", 0.0) >= 1.0:
-                        raise ValueError(f"{what}[{j}] must be < 1, got {beta!r}")
-            elif isinstance(value, float) and not math.isfinite(value):
-                raise ValueError(f"{what} must be finite, got {value!r}")
+            values = value if isinstance(value, list) else [value]  # betas, eps pairs
+            for j, v in enumerate(values):
+                at = f"{what}[{j}]" if isinstance(value, list) else what
+                if key in _GROUP_RANGES:
+                    low, above = _GROUP_RANGES[key]
+                    _number(v, at, low, above=above)
+                elif key == "betas" and _number(v, at, 0.0) >= 1.0:
+                    raise ValueError(f"{at} must be < 1, got {v!r}")
+                elif isinstance(v, float) and not math.isfinite(v):
+                    raise ValueError(f"{at} must be finite, got {v!r}")
     scaler = m["loss_scaler"]
     if "scale" in scaler:
         _number(scaler["scale"], "loss_scaler.scale", 0.0, above=True)
