@@ -740,7 +740,9 @@ def _save_failures(rank: int, world: int, root: str) -> dict:
         except CheckpointSaveError as exc:
             out[key] = str(exc)
         left = {tag, f".tmp-{tag}", f"{tag}.old"}
-        out[key + "_published"] = sorted(n for n in os.listdir(root) if n in left)
+        out[key + "_published"] = sorted(
+            n for n in os.listdir(root) if n in left or n.startswith(f".tmp-{tag}.")
+        )
 
     # rank 0's manifest cannot be JSON: a param-group value, then a scheduler state
     engine.optimizer.param_groups[0]["custom"] = {1, 2}
@@ -803,7 +805,11 @@ def _save_failures(rank: int, world: int, root: str) -> dict:
             real_write,
         )
     out["events"] = events
-    out["after_resave"] = sorted(n for n in os.listdir(root) if n in {"f", "f.old", ".tmp-f"})
+    out["after_resave"] = sorted(
+        n
+        for n in os.listdir(root)
+        if n in {"f", "f.old", ".tmp-f"} or n.startswith((".tmp-f.", ".trash-f."))
+    )
     path, _ = engine.load_checkpoint(root)  # every rank still in step: no collective skipped
     out["final"] = os.path.basename(path)
     return out
@@ -827,6 +833,7 @@ def test_failed_save_raises_on_every_rank(tmp_path) -> None:
         assert r["after_resave"] == ["f"], r["after_resave"]
         assert r["final"] == "f"
     events = [tuple(e) for e in results[0]["events"]]
-    publish = events.index(("rename", ".tmp-f", "f"))
+    publish = next(i for i, e in enumerate(events) if e[0] == "rename" and e[2] == "f")
+    assert events[publish][1].startswith(".tmp-f."), events  # the save's private directory
     latest = events.index(("write", "latest"))
     assert ("fsync", os.path.basename(str(tmp_path))) in events[publish:latest], events

@@ -5,6 +5,7 @@ Public API (everything else is private)::
     engine, optimizer, loader, scheduler = zeroshard.initialize(model=..., config=...)
     zeroshard.init_distributed()
     zeroshard.add_config_arguments(parser)
+    zeroshard.resume(engine, "ckpt/")   # load ckpt/latest if there is one: (path, client_state)
 
 Names are imported on first use, so the command-line tools start quickly.
 """
@@ -19,11 +20,20 @@ _LAZY = {
     "initialize": "zeroshard.api",
     "add_config_arguments": "zeroshard.api",
     "init_distributed": "zeroshard.distributed",
+    "resume": "zeroshard.restart",
 }
 
 _SUBMODULES = ("zero", "utils")
 
-__all__ = ["__version__", "add_config_arguments", "init_distributed", "initialize", "utils", "zero"]
+__all__ = [
+    "__version__",
+    "add_config_arguments",
+    "init_distributed",
+    "initialize",
+    "resume",
+    "utils",
+    "zero",
+]
 
 
 def __getattr__(name: str):

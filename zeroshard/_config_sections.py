@@ -407,6 +407,14 @@ class AIOConfig(Section):
     # fmt: on
 
 
+def _non_empty(value: Any, at: str) -> None:
+    check(
+        value is None or (isinstance(value, str) and value != ""),
+        at,
+        "expected a directory path, got an empty string",
+    )
+
+
 @dataclass(frozen=True, kw_only=True)
 class CheckpointConfig(Section):
     """``checkpoint``."""
@@ -417,6 +425,7 @@ class CheckpointConfig(Section):
     use_node_local_storage: bool = key(False, NOT_BUILT("node-local checkpoint storage"), doc="Save per node.")
     parallel_write_pipeline_stage: bool = key(False, INERT("no pipeline parallelism"), doc="Writes per pipeline stage.", name="parallel_write.pipeline_stage")
     writer: dict[str, Any] | None = key(None, INERT("checkpoints have one writer (safetensors)"), doc="DeepSpeed's writer settings.")
+    dir: str | None = key(None, doc="zeroshard: the job's checkpoint directory: initialize() resumes from its latest, and SIGTERM saves there at the next step boundary and exits 0.", nullable=True, check=_non_empty)
     # fmt: on
 
 

@@ -2,7 +2,10 @@
 
 Streams tensor by tensor (peak memory about one tensor). OUT ending in
 ``.safetensors`` is one file; otherwise a directory, sharded above ``--max-shard-size``
-with a Hugging Face style ``model.safetensors.index.json``.
+with a Hugging Face style ``model.safetensors.index.json``. Every file of the checkpoint
+is checked first (checksums, unless ``--no-verify``; non-finite values, unless
+``--allow-nonfinite``); a bad checkpoint or an unwritable OUT exits with status 2,
+naming the file (and tensor), and leaves no ``.partial`` file.
 """
 
 from __future__ import annotations
@@ -45,6 +48,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="split into several files above this size (directory output)",
     )
+    parser.add_argument(
+        "--no-verify",
+        dest="verify",
+        action="store_false",
+        help="skip comparing every tensor with the checksums recorded at save time",
+    )
+    parser.add_argument(
+        "--allow-nonfinite",
+        action="store_true",
+        help="accept NaN/inf values in the checkpoint (refused by default)",
+    )
 
 
 def main(args: argparse.Namespace) -> int:
@@ -53,10 +67,18 @@ def main(args: argparse.Namespace) -> int:
 
     try:
         paths = export_checkpoint(
-            args.ckpt_dir, args.out, DTYPE_ARGS.get(args.dtype), args.max_shard_size
+            args.ckpt_dir,
+            args.out,
+            DTYPE_ARGS.get(args.dtype),
+            args.max_shard_size,
+            verify=args.verify,
+            allow_nonfinite=args.allow_nonfinite,
         )
     except CheckpointError as exc:
         print(f"zeroshard convert: {exc}")
+        return 2
+    except OSError as exc:  # OUT not writable, disk full, ...
+        print(f"zeroshard convert: cannot write {args.out}: {exc}")
         return 2
     for p in paths:
         print(p)

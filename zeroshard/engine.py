@@ -164,6 +164,7 @@ class Engine(nn.Module):
             previous.destroy()
         _ENGINES[module] = weakref.ref(self)
         self.destroyed = False
+        self.preemption = None  # zeroshard.preemption.Preemption, set by enable()
         _move_module(module, self.device, self.policy.compute)
         self._installed = []
         if self.policy.compute != torch.float32:
@@ -503,6 +504,11 @@ class Engine(nn.Module):
             self.global_samples += self.train_batch_size()
             self._report_progress()
         self.micro_steps += 1
+        if (
+            self.preemption is not None
+            and self.micro_steps % self.gradient_accumulation_steps() == 0
+        ):
+            self.preemption.at_step_boundary(self)  # SIGTERM: save, exit 0
 
     def _report_progress(self) -> None:
         every = self._config.steps_per_print
@@ -541,8 +547,13 @@ class Engine(nn.Module):
         load_optimizer_states: bool = True,
         load_lr_scheduler_states: bool = True,
         load_module_only: bool = False,
+        *,
+        verify: bool = True,
+        allow_nonfinite: bool = False,
     ) -> tuple[str, dict]:
-        """Load a checkpoint saved at any world size / stage; returns (path, client_state)."""
+        """Load a checkpoint saved at any world size / stage; returns (path, client_state).
+        ``verify``: check every byte against its checksum; ``allow_nonfinite``: accept
+        NaN/inf values (see ``zeroshard.checkpoint.load.load_checkpoint``)."""
         self._enter("load_checkpoint")
         from zeroshard.checkpoint.load import load_checkpoint
 
@@ -554,6 +565,8 @@ class Engine(nn.Module):
             optimizer_states=load_optimizer_states,
             scheduler_states=load_lr_scheduler_states,
             module_only=load_module_only,
+            verify=verify,
+            allow_nonfinite=allow_nonfinite,
         )
 
     def save_16bit_model(self, save_dir: str, save_filename: str = "model.safetensors") -> bool:

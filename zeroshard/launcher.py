@@ -15,26 +15,34 @@ chooses the rendezvous:
 Nothing is started on other machines (no ssh/pdsh): like torchrun, the same command is run
 on every node.
 
-Failures: every worker runs under a small bootstrap (``python -m zeroshard.launcher``) that
-records an uncaught exception into torchelastic's per-worker error file. The agent polls
+Failures: every worker runs under a small bootstrap (``python -m zeroshard.launch_worker``)
+that records an uncaught exception into torchelastic's per-worker error file. The agent polls
 the workers every 0.1 s; when one exits non-zero it stops the rest (SIGTERM, then SIGKILL
 after ``--shutdown-timeout``) and this module prints the root-cause rank with its exception
-and traceback, exiting with that rank's exit code. SIGINT/SIGTERM to the launcher stop every
+and traceback, exiting with that rank's exit code; a rank that lost its connection to a peer
+is said to have lost a process or node of the job. SIGINT/SIGTERM to the launcher stop every
 worker (torchrun forwards them). This module issues no collectives itself.
+
+No orphans: the bootstrap asks the kernel to SIGKILL each worker when the launcher dies,
+by any signal (see ``launch_worker.py``); torchrun starts workers in their own sessions,
+so signals to the launcher's process group alone would not reach them.
+
+Restarts and preemption: ``--max-restarts N`` lets torchrun restart the whole worker group
+up to N times after a failure (the script resumes with ``zeroshard.resume`` or the config's
+``checkpoint.dir``). Workers preempted by SIGTERM that saved a checkpoint and exited (see
+``zeroshard.preemption``) leave a marker in a run directory this launcher owns; when every
+local worker did, the launcher exits 0 after a SIGTERM instead of 143.
 """
 
 from __future__ import annotations
 
 import argparse
-import faulthandler
-import json
 import os
-import runpy
+import shutil
 import signal
 import socket
 import sys
-import time
-import traceback
+import tempfile
 from pathlib import Path
 
 from zeroshard.launch_layout import (  # noqa: F401  (re-exported: the launcher's API)
@@ -46,8 +54,15 @@ from zeroshard.launch_layout import (  # noqa: F401  (re-exported: the launcher'
     parse_hostfile,
     plan_layout,
 )
+from zeroshard.launch_worker import (  # the bootstrap each worker runs under
+    EXEC_FLAG,
+    LAUNCHER_PID_ENV,
+    MODULE_FLAG,
+    RANK_FLAG,
+    RUN_DIR_ENV,
+)
 
-_MODULE_FLAG, _RANK_FLAG = "--zeroshard-module", "--zeroshard-local-rank"  # worker bootstrap
+_BOOTSTRAP = "zeroshard.launch_worker"
 _PEER_DIED = ("closed by peer", "reset by peer", "remote worker", "broken pipe", "aborted")
 
 HELP_EPILOG = """\
@@ -129,10 +144,10 @@ def torchrun_argv(args: argparse.Namespace, layout: Layout) -> list[str]:
         argv += ["--log-dir", args.log_dir, "--tee", "3"]
     if "--shutdown-timeout" in torchrun.get_args_parser()._option_string_actions:
         argv += ["--shutdown-timeout", str(args.shutdown_timeout)]
-    if args.no_python:
-        return [*argv, "--no-python", args.script, *args.script_args]
-    flags = [_MODULE_FLAG] * args.module + [_RANK_FLAG] * args.local_rank_arg
-    return [*argv, "-m", "zeroshard.launcher", *flags, args.script, *args.script_args]
+    if args.no_python:  # still through the bootstrap, which execs the target
+        return [*argv, "-m", _BOOTSTRAP, EXEC_FLAG, args.script, *args.script_args]
+    flags = [MODULE_FLAG] * args.module + [RANK_FLAG] * args.local_rank_arg
+    return [*argv, "-m", _BOOTSTRAP, *flags, args.script, *args.script_args]
 
 
 def _set_child_environment(args: argparse.Namespace, layout: Layout) -> None:
@@ -150,6 +165,12 @@ def _set_child_environment(args: argparse.Namespace, layout: Layout) -> None:
         os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(ids)
     if args.log_dir:
         os.environ.setdefault("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE", "[rank${rank}]: ")
+    os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
+    if args.max_restarts > 0:
+        # torch shares the rendezvous' TCP store with the workers and keeps it across
+        # restarts, so a restarted group reads the dead group's gloo/NCCL addresses
+        # (pytorch/pytorch#135712, still so in 2.13): give each group its own store
+        os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
 
 
 def _failure_order(item):
@@ -184,6 +205,11 @@ def report_failure(err, log_dir: str | None = None) -> int:
     ]
     if message and "elastic/errors.html" not in message:
         lines.append(f"zeroshard: rank {rank} error: {message}")
+        if any(p in message.lower() for p in _PEER_DIED):
+            lines.append(
+                f"zeroshard: rank {rank} lost its connection to another rank: a process or "
+                "node of this job died (on several nodes, see the other nodes' launchers)"
+            )
     if tb:
         lines += [f"zeroshard: rank {rank} traceback:", tb.rstrip()]
     for other_rank, other in ordered[1:]:
@@ -226,7 +252,15 @@ def main(args: argparse.Namespace) -> int:
         print(f"zeroshard: error: {e}", file=sys.stderr)
         return 2
     _set_child_environment(args, layout)
+    run_dir = tempfile.mkdtemp(prefix="zeroshard-run-")
+    os.environ[RUN_DIR_ENV] = run_dir
+    try:
+        return _launch(argv, args, layout, run_dir)
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)
 
+
+def _launch(argv: list[str], args: argparse.Namespace, layout: Layout, run_dir: str) -> int:
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -236,6 +270,16 @@ def main(args: argparse.Namespace) -> int:
     except ChildFailedError as e:
         return report_failure(e, args.log_dir)
     except SignalException as e:
+        saved = sorted(n for n in os.listdir(run_dir) if n.startswith("preempted."))
+        if e.sigval == signal.SIGTERM and len(saved) == layout.nproc_per_node:
+            with open(os.path.join(run_dir, saved[0])) as f:
+                where = f.read()
+            print(
+                f"zeroshard: preempted (SIGTERM): every worker of this node saved a "
+                f"checkpoint ({where}) and exited",
+                file=sys.stderr,
+            )
+            return 0
         print(f"zeroshard: stopped by {e.sigval.name}; workers stopped", file=sys.stderr)
         return 128 + int(e.sigval)
     except KeyboardInterrupt:
@@ -243,71 +287,12 @@ def main(args: argparse.Namespace) -> int:
         return 130
     except Exception as e:  # rendezvous timeouts, unreachable master, ...
         print(f"zeroshard: launch failed: {type(e).__name__}: {e}", file=sys.stderr)
+        if "Rendezvous" in type(e).__name__ and layout.nnodes > 1:
+            where = f"{layout.master_addr}:{layout.master_port}"
+            print(
+                f"zeroshard: the rendezvous at {where} (node 0's launcher) cannot be reached: "
+                "node 0's launcher died or never started",
+                file=sys.stderr,
+            )
         return 1
     return 0
-
-
-# ----------------------------------------------------------------------------- worker side
-
-
-def _user_frames(tb):
-    """Skip the bootstrap's own frames (this file, runpy) at the top of a traceback."""
-    while tb is not None and tb.tb_next is not None:
-        name = tb.tb_frame.f_code.co_filename
-        if name not in (__file__, runpy.__file__) and not name.startswith("<frozen runpy"):
-            break
-        tb = tb.tb_next
-    return tb
-
-
-def _record_failure(exc: BaseException, tb) -> None:
-    """Write `exc` to torchelastic's error file (its JSON layout, plus a precise time)."""
-    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if not path:
-        return
-    now = time.time()
-    stack = "".join(traceback.format_exception(type(exc), exc, tb))
-    extra = {"py_callstack": stack, "timestamp": str(int(now)), "zeroshard_time": repr(now)}
-    data = {"message": {"message": f"{type(exc).__name__}: {exc}", "extraInfo": extra}}
-    try:
-        with open(path, "w") as f:
-            json.dump(data, f)
-    except OSError:
-        pass
-
-
-def _worker_main(argv: list[str]) -> None:
-    """Bootstrap of one worker: ``[--zeroshard-module] [--zeroshard-local-rank] target args``.
-
-    Runs the target like ``python script.py`` / ``python -m module`` would, and records an
-    uncaught exception in torchelastic's error file so the launcher can name the root cause.
-    """
-    flags = set()
-    while argv and argv[0] in (_MODULE_FLAG, _RANK_FLAG):
-        flags.add(argv.pop(0))
-    target, *script_args = argv
-    if _RANK_FLAG in flags:
-        script_args = [f"--local_rank={os.environ.get('LOCAL_RANK', '0')}", *script_args]
-    faulthandler.enable(all_threads=True)
-    sys.argv = [target, *script_args]
-    try:
-        if _MODULE_FLAG in flags:
-            runpy.run_module(target, run_name="__main__", alter_sys=True)
-        else:
-            sys.path[0] = os.path.dirname(os.path.abspath(target))
-            runpy.run_path(target, run_name="__main__")
-    except SystemExit as e:
-        if e.code not in (None, 0):
-            _record_failure(e, _user_frames(e.__traceback__))
-        raise
-    except BaseException as e:
-        tb = _user_frames(e.__traceback__)
-        _record_failure(e, tb)
-        # print what python would, minus the bootstrap's frames (torch's hook adds [rankN])
-        sys.excepthook(type(e), e.with_traceback(tb), tb)
-        sys.stderr.flush()
-        sys.exit(130 if isinstance(e, KeyboardInterrupt) else 1)
-
-
-if __name__ == "__main__":
-    _worker_main(sys.argv[1:])

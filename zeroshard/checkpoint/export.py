@@ -9,14 +9,16 @@ at a time (stage 3: one all-gather per unit; rank 0 writes).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 
 import torch
 
-from zeroshard.checkpoint.format import write_text_atomic
-from zeroshard.checkpoint.load import _Reader, read_manifest, resolve_path
+from zeroshard.checkpoint.format import exchange, raise_if_failed, write_text_atomic
+from zeroshard.checkpoint.load import PieceReader, read_manifest, resolve_path, scan_files
+from zeroshard.checkpoint.save import CheckpointSaveError
 from zeroshard.safetensors_io import DTYPES, StreamWriter, dtype_size
 
 DTYPE_ARGS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -51,13 +53,18 @@ def write_weights(out: str, entries, fetch, max_shard_bytes: int | None = None) 
             paths = [os.path.join(out, "model.safetensors")]
     weight_map, total = {}, 0
     for path, shard in zip(paths, shards, strict=True):
-        writer = StreamWriter(path + ".partial", shard, {"format": "pt"})
-        for name, dtype, shape in shard:
-            writer.write(name, fetch(name).to(dtype))
-            weight_map[name] = os.path.basename(path)
-            total += math.prod(shape) * dtype_size(dtype)
-        writer.close()
-        os.replace(path + ".partial", path)
+        partial = _partial(path)
+        writer = StreamWriter(partial, shard, {"format": "pt"})
+        try:
+            for name, dtype, shape in shard:
+                writer.write(name, fetch(name).to(dtype))
+                weight_map[name] = os.path.basename(path)
+                total += math.prod(shape) * dtype_size(dtype)
+            writer.close()
+            os.replace(partial, path)
+        except BaseException:
+            _discard(writer, partial)
+            raise
     if len(paths) > 1:
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         write_text_atomic(
@@ -66,13 +73,40 @@ def write_weights(out: str, entries, fetch, max_shard_bytes: int | None = None) 
     return paths
 
 
+def _partial(path: str) -> str:
+    """A temporary name private to this writer (concurrent writers never share one)."""
+    return f"{path}.{os.getpid()}.partial"
+
+
+def _discard(writer: StreamWriter | None, partial: str) -> None:
+    if writer is not None:
+        writer.abort()
+    with contextlib.suppress(OSError):
+        os.remove(partial)
+
+
 def export_checkpoint(
-    ckpt_dir: str, out: str, dtype: torch.dtype | None = None, max_shard_bytes: int | None = None
+    ckpt_dir: str,
+    out: str,
+    dtype: torch.dtype | None = None,
+    max_shard_bytes: int | None = None,
+    *,
+    verify: bool = True,
+    allow_nonfinite: bool = False,
 ) -> list[str]:
-    """Consolidate a checkpoint (a tag directory, or a directory with ``latest``)."""
+    """Consolidate a checkpoint (a tag directory, or a directory with ``latest``), after
+    checking every file (checksums unless ``verify=False``; non-finite values unless
+    ``allow_nonfinite``, as :func:`load_checkpoint`)."""
     path = resolve_path(ckpt_dir, None)
-    manifest = read_manifest(path)
-    reader = _Reader(path, manifest)
+    manifest = read_manifest(path, root=ckpt_dir)
+    scan_files(
+        path,
+        manifest,
+        range(len(manifest["files"])),
+        verify=verify,
+        allow_nonfinite=allow_nonfinite,
+    )
+    reader = PieceReader(path, manifest)
     kinds = set(manifest["kinds"])
     entries, source = [], {}
     for name, entry in manifest["params"].items():
@@ -103,10 +137,16 @@ def export_checkpoint(
 
 
 def save_16bit(engine, save_dir: str, filename: str = "model.safetensors") -> str | None:
-    """Gather every tensor of the model and write it (rank 0) in the working dtype."""
+    """Gather every tensor of the model and write it (rank 0) in the working dtype.
+
+    Every rank joins every gather even after rank 0 failed to write (it stops writing,
+    not gathering), and the outcome is exchanged before returning: a failure on any rank
+    raises :class:`CheckpointSaveError` on every rank, and no ``.partial`` file stays.
+    Communication: the gathers (stage 3: one all-gather per parameter) and two tiny
+    all-reduces (after rank 0 opened the file, at the end)."""
     from zeroshard.zero import GatheredParameters
 
-    module = engine.module
+    comm, module = engine.comm, engine.module
     named = dict(module.named_parameters(remove_duplicate=False))
     state = module.state_dict(keep_vars=True)
     shapes = {}
@@ -117,16 +157,34 @@ def save_16bit(engine, save_dir: str, filename: str = "model.safetensors") -> st
         shape = list(shapes.get(id(t), t.shape))
         entries.append((name, t.dtype, shape))
     out = os.path.join(save_dir, filename)
-    if engine.comm.rank == 0:
-        os.makedirs(save_dir, exist_ok=True)
-        writer = StreamWriter(out + ".partial", entries, {"format": "pt"})
+    partial = _partial(out)
+    what = f"save_16bit_model({out!r})"
+    writer, error = None, None
+    if comm.rank == 0:
+        try:
+            os.makedirs(save_dir, exist_ok=True)
+            writer = StreamWriter(partial, entries, {"format": "pt"})
+        except Exception as exc:
+            error = exc
+    failed, _ = exchange(comm, engine.device, error)
+    raise_if_failed(comm, failed, error, what, CheckpointSaveError)
     for name, dtype, _ in entries:
         t = named.get(name, state[name])
         with GatheredParameters([t] if isinstance(t, torch.nn.Parameter) else []):
-            if engine.comm.rank == 0:
-                writer.write(name, t.detach().to(dtype))
-    if engine.comm.rank == 0:
-        writer.close()
-        os.replace(out + ".partial", out)
-    engine.comm.barrier()
-    return out if engine.comm.rank == 0 else None
+            if writer is not None and error is None:
+                try:
+                    writer.write(name, t.detach().to(dtype))
+                except Exception as exc:  # keep joining the gathers; report at the end
+                    error = exc
+    if writer is not None:
+        try:
+            if error is None:
+                writer.close()
+                os.replace(partial, out)
+        except Exception as exc:
+            error = exc
+        if error is not None:
+            _discard(writer, partial)
+    failed, _ = exchange(comm, engine.device, error)
+    raise_if_failed(comm, failed, error, what, CheckpointSaveError)
+    return out if comm.rank == 0 else None

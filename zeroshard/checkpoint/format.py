@@ -7,9 +7,19 @@ and ``"rng:..."`` (that rank's random-number-generator states).
 
 from __future__ import annotations
 
+import contextlib
 import os
+import secrets
 
 MANIFEST = "manifest.json"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded; the message names the file or parameters."""
+
+
+class CheckpointSaveError(RuntimeError):
+    """A save that failed on some rank; raised on every rank, and nothing was published."""
 
 
 def file_name(rank: int) -> str:
@@ -37,13 +47,19 @@ def fsync_dir(path: str) -> None:
 
 
 def write_text_atomic(path: str, text: str) -> None:
-    """Write ``path`` so that readers see the old or the new content, never a mix."""
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    """Write ``path`` so that readers see the old or the new content, never a mix (the
+    temporary file's name is private to this call: concurrent writers do not share it)."""
+    tmp = f"{path}.tmp.{os.getpid()}.{secrets.token_hex(4)}"
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
 
 
 def exchange(
@@ -74,8 +90,6 @@ def raise_if_failed(comm, failed: list[int], error: BaseException | None, what: 
     texts = comm.all_gather_object(text)
     if error is not None and exc_type is None:
         raise error
-    from zeroshard.checkpoint.load import CheckpointError
-
     cls = exc_type or CheckpointError
     why = "; ".join(f"rank {r}: {texts[r]}" for r in failed)
     raise cls(f"{what} failed on rank(s) {failed}: {why}") from error

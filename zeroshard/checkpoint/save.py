@@ -3,16 +3,20 @@ unsharded layout, an equal 1/N of the flat range each); rank 0 writes the JSON m
 and publishes the directory atomically.
 
 Communication: three all-reduces of a tiny int64 table on the engine's device (through
-``comm``): after rank 0 prepares the temporary directory, after every rank wrote its file
-(a failure flag and the file size per rank), and after rank 0 published. A rank that
-fails raises only after telling the others, so every rank raises
-:class:`CheckpointSaveError` instead of waiting forever; only then, one small object
-gather of the reasons.
+``comm``): after rank 0 prepares the temporary directory (sharing its random save id),
+after every rank wrote its file (a failure flag, the file size and its header's CRC-32
+per rank), and after rank 0 published. A rank that fails raises only after telling the
+others, so every rank raises :class:`CheckpointSaveError` instead of waiting forever;
+only then, one small object gather of the reasons.
 
 On disk (``save_dir/tag/``): ``zs_rankNNNNN.safetensors`` per rank and
-``manifest.json``. Nothing is pickled. The directory is written under a temporary name,
-fsynced, then renamed; ``latest`` is replaced (write + rename) last, so a process killed
-at any moment leaves ``latest`` naming a complete checkpoint.
+``manifest.json``. Nothing is pickled. Each rank file records the CRC-32 of each of its
+tensors and the save's id; the manifest records each file's size and header CRC-32
+(``integrity.py`` checks them on load). The directory is written under a temporary name
+private to this save (``.tmp-TAG.<save id>``), fsynced, then renamed under the
+directory's publish lock, so concurrent jobs never mix their files; ``latest`` is
+replaced (write + rename) last, so a process killed at any moment leaves ``latest``
+naming a complete checkpoint.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import torch
 
 from zeroshard.checkpoint.format import (
     MANIFEST,
+    CheckpointSaveError,
     exchange,
     file_name,
     fsync_dir,
@@ -34,6 +39,16 @@ from zeroshard.checkpoint.format import (
     piece_key,
     raise_if_failed,
     write_text_atomic,
+)
+from zeroshard.checkpoint.paths import (
+    LATEST,
+    check_tag,
+    clear_stale,
+    make_tmp_dir,
+    new_save_id,
+    publish_lock,
+    tmp_dir,
+    trash_name,
 )
 from zeroshard.checkpoint.shards import OwnedPiece, ShardAccess
 from zeroshard.parallel.mesh import AXES
@@ -60,10 +75,6 @@ def whole_tensors(engine) -> dict[str, tuple[torch.Tensor, bool]]:
         if not isinstance(b, torch.nn.Parameter) and torch.is_tensor(b):
             out[name] = (b.detach(), True)
     return out
-
-
-class CheckpointSaveError(RuntimeError):
-    """A save that failed on some rank; raised on every rank, and nothing was published."""
 
 
 def _unserializable(obj, path: str) -> str | None:
@@ -114,24 +125,30 @@ def save(engine, save_dir: str, tag: str, client_state: dict | None, save_latest
     succeeded. On any failure every rank raises :class:`CheckpointSaveError` (no rank
     is left waiting in a collective) and the previous checkpoints stay as they were."""
     comm, rank, device = engine.comm, engine.comm.rank, engine.device
-    final = os.path.join(save_dir, tag)
-    tmp = os.path.join(save_dir, f".tmp-{tag}")
+    final = os.path.join(save_dir, str(tag))
     what = f"save_checkpoint({final!r})"
 
-    # 1. rank 0 makes a clean temporary directory (a killed save may have left one)
-    error = None
-    if rank == 0:
-        try:
+    # 1. every rank checks the tag; rank 0 makes a temporary directory private to this
+    # save (a random id, shared in the exchange: every rank writes into the same one)
+    error, save_id = None, 0
+    try:
+        check_tag(tag, "save_checkpoint: tag")
+        if rank == 0:
             os.makedirs(save_dir, exist_ok=True)
-            shutil.rmtree(tmp, ignore_errors=True)
-            os.makedirs(tmp)
-        except Exception as exc:
-            error = exc
-    failed, _ = exchange(comm, device, error)
+            if os.path.islink(final):
+                raise ValueError(f"{final} is a symlink; refusing to replace it")
+            clear_stale(save_dir, tag)
+            save_id = new_save_id()
+            make_tmp_dir(save_dir, tag, save_id)
+    except Exception as exc:
+        error = exc
+    failed, values = exchange(comm, device, error, (save_id,))
     raise_if_failed(comm, failed, error, what, CheckpointSaveError)
+    save_id = values[0][0]
+    tmp = tmp_dir(save_dir, tag, save_id)
 
     # 2. every rank writes its own file; rank 0 builds the manifest (and its JSON text)
-    error, size, manifest = None, 0, None
+    error, size, crc, manifest = None, 0, 0, None
     try:
         try:
             client_json = json.dumps(client_state or {})
@@ -143,34 +160,45 @@ def save(engine, save_dir: str, tag: str, client_state: dict | None, save_latest
         names = parameter_names(engine)
         kinds = access.kinds()
         path = os.path.join(tmp, file_name(rank))
-        _write_rank_file(engine, access, names, kinds, path)
+        crc = _write_rank_file(engine, access, names, kinds, path, f"{save_id:016x}")
         size = os.path.getsize(path)
         if rank == 0:
             manifest = _manifest(engine, access, names, kinds, [], client_json, tag)
             _manifest_text(manifest)  # fails here, before any rank waits on rank 0
     except Exception as exc:
         error = exc
-    failed, values = exchange(comm, device, error, (size,))
+    failed, values = exchange(comm, device, error, (size, crc))
     if failed and rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
     raise_if_failed(comm, failed, error, what, CheckpointSaveError)
 
-    # 3. rank 0 writes the manifest and publishes: tag directory, fsync, then `latest`
+    # 3. rank 0 writes the manifest and publishes under the directory's lock: tag
+    # directory, fsync, then `latest`
     error = None
     if rank == 0:
         try:
+            manifest["save_id"] = f"{save_id:016x}"
             manifest["files"] = [
-                {"name": file_name(r), "bytes": int(v[0])} for r, v in enumerate(values)
+                {"name": file_name(r), "bytes": int(v[0]), "header_crc32": int(v[1])}
+                for r, v in enumerate(values)
             ]
             write_text_atomic(os.path.join(tmp, MANIFEST), _manifest_text(manifest))
+            os.remove(os.path.join(tmp, ".owner"))
             fsync_dir(tmp)
-            _publish(tmp, final)
-            fsync_dir(save_dir)  # the new directory entry is durable before `latest` names it
-            if save_latest:
-                write_text_atomic(os.path.join(save_dir, "latest"), tag)
-                fsync_dir(save_dir)
-            # a save killed between the two renames of an overwrite leaves TAG.old
-            shutil.rmtree(final + ".old", ignore_errors=True)
+            with publish_lock(save_dir):
+                _publish(tmp, final)
+                fsync_dir(save_dir)  # the new directory entry is durable before `latest`
+                if save_latest:
+                    write_text_atomic(os.path.join(save_dir, LATEST), tag)
+                    fsync_dir(save_dir)
+                # the previous copy (or one a save killed between the two renames of an
+                # overwrite left) goes to a private trash name, deleted outside the lock
+                trash = None
+                if os.path.isdir(final + ".old") and not os.path.islink(final + ".old"):
+                    trash = trash_name(save_dir, tag)
+                    os.rename(final + ".old", trash)
+            if trash:
+                shutil.rmtree(trash, ignore_errors=True)
         except Exception as exc:
             error = exc
             shutil.rmtree(tmp, ignore_errors=True)
@@ -200,7 +228,9 @@ def _pieces_to_write(engine, access, rank: int) -> list[OwnedPiece]:
     return out
 
 
-def _write_rank_file(engine, access, names, kinds, path: str) -> None:
+def _write_rank_file(engine, access, names, kinds, path: str, save_id: str) -> int:
+    """Write this rank's file; returns the CRC-32 of its header (which lists the CRC-32
+    of every tensor)."""
     rank = engine.comm.rank
     entries, sources = [], []
     for piece in _pieces_to_write(engine, access, rank):
@@ -214,23 +244,26 @@ def _write_rank_file(engine, access, names, kinds, path: str) -> None:
         extra.update({f"whole:{n}": t for n, (t, _) in whole_tensors(engine).items()})
     for key, t in extra.items():
         entries.append((key, t.dtype, list(t.shape)))
-    meta = {"rank": str(rank), "python_rng": json.dumps(random.getstate())}
-    writer = StreamWriter(path, entries, meta)
+    meta = {"rank": str(rank), "python_rng": json.dumps(random.getstate()), "zs_save": save_id}
+    writer = StreamWriter(path, entries, meta, checksums=True)
     for (kind, piece), (key, _, _) in zip(sources, entries[: len(sources)], strict=True):
         n = piece.hi - piece.lo
         writer.write(key, access.get(kind, piece.shard_lo, piece.shard_lo + n))
     for key, t in extra.items():
         writer.write(key, t)
-    writer.close()
+    return writer.close()
 
 
 def _publish(tmp: str, final: str) -> None:
-    """Rename the finished directory into place. An existing one is first renamed to
-    ``TAG.old`` (which ``load`` falls back to if a kill lands between the renames); the
-    caller removes ``TAG.old`` once ``latest`` is written."""
-    if os.path.exists(final):
+    """Rename the finished directory into place (under the publish lock). An existing
+    one is first renamed to ``TAG.old``, which ``load`` falls back to if a kill lands
+    between the renames; the caller removes ``TAG.old`` once ``latest`` is written."""
+    if os.path.lexists(final):
         old = final + ".old"
-        shutil.rmtree(old, ignore_errors=True)
+        if os.path.islink(old):
+            os.remove(old)
+        elif os.path.lexists(old):  # a copy from an earlier killed overwrite: obsolete now
+            shutil.rmtree(old, ignore_errors=True)
         os.rename(final, old)
     os.rename(tmp, final)
 
@@ -270,7 +303,7 @@ def _manifest(engine, access, names, kinds, sizes, client_json, tag) -> dict:
     sched = engine.lr_scheduler
     return {
         "format": "zeroshard-checkpoint",
-        "version": 1,
+        "version": 2,
         "tag": tag,
         "world_size": world,
         "mesh": {a: getattr(mesh.shape, a) for a in AXES},

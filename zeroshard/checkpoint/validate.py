@@ -1,11 +1,13 @@
 """Checks that run before a checkpoint is loaded, and the error they raise.
 
-Finds the checkpoint directory (``tag`` or the one ``latest`` names) and checks, without
-writing anything: the manifest's structure, every file's size and safetensors header,
-that every piece the manifest lists is in its file with the right shape and dtype, that
-the checkpoint fits the model (names and shapes) and that the live optimizer can take
-every saved state kind. Failures raise :class:`CheckpointError` naming the file or
-parameters.
+Finds the checkpoint directory (``tag`` or the one ``latest`` names; tags and ``latest``
+must be plain names, and no symlink may lead out of the directory: ``paths.py``) and
+checks, without writing anything: the manifest's structure and the ranges of its values,
+every file's size, safetensors header layout and save id, that every piece the manifest
+lists is in its file with the right shape and dtype, that the checkpoint fits the model
+(names and shapes) and that the live optimizer can take every saved state kind;
+:func:`scan_files` reads the bytes (``integrity.py``: checksums, non-finite values).
+Failures raise :class:`CheckpointError` naming the file or parameters.
 
 Communication: none; ``load.py`` exchanges the outcome across ranks.
 """
@@ -18,11 +20,11 @@ import math
 import os
 import random
 
-import torch
-
-from zeroshard.checkpoint.format import MANIFEST, parameter_names, piece_key
+from zeroshard.checkpoint.format import MANIFEST, CheckpointError, parameter_names, piece_key
+from zeroshard.checkpoint.integrity import check_order, check_save_id, check_values, scan_file
+from zeroshard.checkpoint.paths import LATEST, inside, tag_problem
 from zeroshard.checkpoint.shards import ShardAccess
-from zeroshard.safetensors_io import DTYPES, read_header
+from zeroshard.safetensors_io import DTYPES, read_header, read_header_raw
 
 log = logging.getLogger("zeroshard")
 
@@ -36,24 +38,30 @@ _STATE_KINDS = {
 }
 
 
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be loaded; the message names the file or parameters."""
-
-
 def resolve_tag(load_dir: str, tag: str | None) -> str:
-    """The tag to load: ``tag``, else the one ``latest`` names."""
+    """The tag to load: ``tag``, else the one ``latest`` names; ``TAG.old`` when a save
+    was killed between the two renames of an overwrite (``TAG`` missing)."""
     if tag is not None:
-        return tag
-    latest = os.path.join(load_dir, "latest")
-    if not os.path.isfile(latest):
-        found = sorted(os.listdir(load_dir)) if os.path.isdir(load_dir) else []
-        raise CheckpointError(
-            f"{load_dir}: no 'latest' file and no {MANIFEST}, so no checkpoint to load "
-            f"(it holds {found[:5]}{'...' if len(found) > 5 else ''}; pass tag=, and note "
-            ".pt/.bin pickles are never loaded)"
-        )
-    with open(latest) as f:
-        tag = f.read().strip()
+        tag = str(tag)
+        problem = tag_problem(tag)
+        if problem:
+            raise CheckpointError(f"{load_dir}: tag {tag!r} is not allowed: {problem}")
+    else:
+        latest = os.path.join(load_dir, LATEST)
+        if not os.path.isfile(latest):
+            found = sorted(os.listdir(load_dir)) if os.path.isdir(load_dir) else []
+            raise CheckpointError(
+                f"{load_dir}: no 'latest' file and no {MANIFEST}, so no checkpoint to load "
+                f"(it holds {found[:5]}{'...' if len(found) > 5 else ''}; pass tag=, and note "
+                ".pt/.bin pickles are never loaded)"
+            )
+        if not inside(load_dir, latest):
+            raise CheckpointError(f"{latest}: a symlink leading out of {load_dir}; refused")
+        with open(latest, encoding="utf-8", errors="replace") as f:
+            tag = f.read(4096).strip()
+        problem = tag_problem(tag)
+        if problem:
+            raise CheckpointError(f"{latest}: holds {tag!r}, which is not a plain tag ({problem})")
     if not os.path.isdir(os.path.join(load_dir, tag)) and os.path.isdir(
         os.path.join(load_dir, tag + ".old")
     ):
@@ -63,16 +71,23 @@ def resolve_tag(load_dir: str, tag: str | None) -> str:
 
 def resolve_path(load_dir: str, tag: str | None) -> str:
     """A checkpoint directory: ``load_dir/tag``, ``load_dir`` itself if it is one, or
-    the one ``load_dir/latest`` names."""
+    the one ``load_dir/latest`` names. A tag directory that is a symlink leading out of
+    ``load_dir`` is refused."""
     if tag is None and os.path.isfile(os.path.join(load_dir, MANIFEST)):
         return load_dir
-    return os.path.join(load_dir, resolve_tag(load_dir, tag))
+    path = os.path.join(load_dir, resolve_tag(load_dir, tag))
+    if os.path.lexists(path) and not inside(load_dir, path):
+        raise CheckpointError(f"{path}: a symlink leading out of {load_dir}; refused")
+    return path
 
 
-def read_manifest(path: str) -> dict:
+def read_manifest(path: str, root: str | None = None) -> dict:
     """The manifest of checkpoint directory ``path``, after checking it and every file
-    it lists (size, header, every listed piece present with its shape and dtype).
-    Raises :class:`CheckpointError` naming the file at fault."""
+    it lists (inside ``root``, default ``path``, with no symlink leading out; size,
+    header layout, written by the same save, every listed piece present with its shape
+    and dtype). Raises :class:`CheckpointError` naming the file at fault. The bytes
+    themselves are checked by :func:`scan_files`."""
+    root = path if root is None else root
     mpath = os.path.join(path, MANIFEST)
     if not os.path.isdir(path):
         raise CheckpointError(f"{path}: no such checkpoint directory")
@@ -82,6 +97,8 @@ def read_manifest(path: str) -> dict:
             f"{mpath}: missing; {path} is not a complete zeroshard checkpoint "
             f"(it holds {found[:5]}{'...' if len(found) > 5 else ''}; .pt/.bin pickles are never loaded)"
         )
+    if not inside(root, mpath):
+        raise CheckpointError(f"{mpath}: a symlink leading out of {root}; refused")
     try:
         with open(mpath, encoding="utf-8") as f:
             manifest = json.load(f)
@@ -91,6 +108,7 @@ def read_manifest(path: str) -> dict:
         raise CheckpointError(f"{mpath}: not a zeroshard checkpoint manifest")
     try:
         _check_structure(manifest)
+        check_values(manifest)
     except (KeyError, TypeError, ValueError, IndexError, AttributeError) as exc:
         raise CheckpointError(f"{mpath}: malformed manifest ({type(exc).__name__}: {exc})") from exc
     headers = []
@@ -104,13 +122,16 @@ def read_manifest(path: str) -> dict:
             )
         if not os.path.isfile(fpath):
             raise CheckpointError(f"{fpath}: missing (the manifest lists it)")
+        if not inside(root, fpath):
+            raise CheckpointError(f"{fpath}: a symlink leading out of {root}; refused")
         if os.path.getsize(fpath) != entry["bytes"]:
             raise CheckpointError(
                 f"{fpath}: {os.path.getsize(fpath)} bytes, the manifest says {entry['bytes']} (truncated?)"
             )
         try:
             header = read_header(fpath)
-            _check_header(header)
+            check_order(fpath, header)
+            check_save_id(fpath, header, manifest)
         except (OSError, ValueError, TypeError, KeyError, UnicodeDecodeError) as exc:
             msg = str(exc)  # read_header's messages start with the path already
             if not msg.startswith(fpath):
@@ -119,6 +140,32 @@ def read_manifest(path: str) -> dict:
         headers.append(header)
     _check_pieces(path, manifest, headers)
     return manifest
+
+
+def scan_files(
+    path: str, manifest: dict, indices, *, verify: bool = True, allow_nonfinite: bool = False
+) -> None:
+    """Read the rank files ``indices`` of a checked checkpoint (:func:`read_manifest`)
+    once: checksums (``verify``) and non-finite values (unless ``allow_nonfinite``).
+    A checkpoint saved without checksums (format version 1) is not verified (logged)."""
+    if verify and manifest.get("version", 1) < 2:
+        log.warning("zeroshard: %s was saved without checksums (version 1); not verified", path)
+    for i in indices:
+        entry = manifest["files"][i]
+        fpath = os.path.join(path, entry["name"])
+        try:
+            header, raw = read_header_raw(fpath)
+            scan_file(
+                fpath,
+                header,
+                raw,
+                entry.get("header_crc32"),
+                verify=verify,
+                allow_nonfinite=allow_nonfinite,
+            )
+        except (OSError, ValueError) as exc:
+            msg = str(exc)
+            raise CheckpointError(msg if msg.startswith(fpath) else f"{fpath}: {msg}") from exc
 
 
 def _check_structure(m: dict) -> None:
@@ -157,20 +204,6 @@ def _check_structure(m: dict) -> None:
     if not isinstance(m["counters"], dict) or not isinstance(m["loss_scaler"], dict):
         raise ValueError("'counters' and 'loss_scaler' must be objects")
     int(m["world_size"])
-
-
-def _check_header(header: dict) -> None:
-    if not isinstance(header, dict):
-        raise ValueError("the header is not a JSON object")
-    for k, v in header.items():
-        if k == "__metadata__":
-            continue
-        if v["dtype"] not in DTYPES or len(v["data_offsets"]) != 2:
-            raise ValueError(f"tensor {k!r}: bad dtype or offsets")
-        a, b = v["data_offsets"]
-        want = math.prod(v["shape"]) * torch.empty((), dtype=DTYPES[v["dtype"]]).element_size()
-        if b - a != want or a < 0:
-            raise ValueError(f"tensor {k!r}: {b - a} bytes for shape {v['shape']}")
 
 
 def _check_pieces(path: str, manifest: dict, headers: list[dict]) -> None:
@@ -292,5 +325,6 @@ __all__ = [
     "read_manifest",
     "resolve_path",
     "resolve_tag",
+    "scan_files",
     "validate",
 ]
