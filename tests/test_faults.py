@@ -323,6 +323,7 @@ def _save16(rank: int, world: int, root: str) -> dict:
         if os.path.isdir(os.path.join(root, "w16"))
         else []
     )
+    engine.comm.barrier()  # every rank has looked before rank 0 writes the next one
     out["ok"] = engine.save_16bit_model(os.path.join(root, "w16"))  # and then it works
     return out
 
