@@ -20,6 +20,7 @@ step); a barrier at the end.
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 
@@ -39,7 +40,18 @@ from zeroshard.checkpoint.validate import (
     scan_files,
     validate,
 )
+from zeroshard.parallel.slices import TPSlice, assemble, tp_slice_of
 from zeroshard.safetensors_io import DTYPE_NAMES, DTYPES
+
+
+def _same_split(saved: dict, entry: dict, spec: TPSlice) -> bool:
+    """Whether a tensor-parallel save was split as ``spec`` splits (same size and parts)."""
+    return (
+        tuple(entry["shape"]) == spec.full_shape
+        and saved["dim"] == spec.dim
+        and tuple(saved["parts"]) == spec.parts
+        and saved["world"] == spec.world
+    )
 
 
 class PieceReader:
@@ -48,6 +60,7 @@ class PieceReader:
     def __init__(self, path: str, manifest: dict) -> None:
         self.path, self.manifest = path, manifest
         self._open: dict[int, object] = {}
+        self._cached: tuple = (None, None)  # (kind, name), whole tensor
 
     def _file(self, rank: int):
         if rank not in self._open:
@@ -55,15 +68,36 @@ class PieceReader:
             self._open[rank] = safe_open(os.path.join(self.path, name), framework="pt")
         return self._open[rank]
 
-    def get(self, kind: str, name: str, a: int, b: int, dtype: torch.dtype) -> torch.Tensor:
-        """Elements ``[a, b)`` of parameter ``name``'s flattened ``kind``."""
+    def get(
+        self, kind: str, name: str, a: int, b: int, dtype: torch.dtype, spec: TPSlice | None = None
+    ) -> torch.Tensor:
+        """Elements ``[a, b)`` of parameter ``name``'s flattened ``kind``, as the loading
+        rank holds it: whole (``spec`` None) or its tensor-parallel slice ``spec``. A
+        tensor-parallel save is read straight from the slice of the same rank when the
+        split agrees, else assembled whole and re-split."""
         if name not in self.manifest["params"]:  # saved whole (frozen, at stages 0-2)
-            return self.whole(name).reshape(-1)[a:b].to(dtype)
+            whole = self.whole(name)
+            return (spec.take(whole) if spec else whole).reshape(-1)[a:b].to(dtype)
+        entry = self.manifest["params"][name]
+        saved = entry.get("tp")
+        if saved is None and spec is None:
+            return self._read(kind, name, a, b, dtype, None)
+        if saved is not None and spec is not None and _same_split(saved, entry, spec):
+            return self._read(kind, name, a, b, dtype, spec.rank)
+        key = (kind, name)
+        if self._cached[0] != key:  # one whole tensor at a time: pieces come in order
+            self._cached = (key, self._whole_kind(kind, name))
+        whole = self._cached[1]
+        return (spec.take(whole) if spec else whole).reshape(-1)[a:b].to(dtype)
+
+    def _read(self, kind, name, a: int, b: int, dtype, tp_rank: int | None) -> torch.Tensor:
+        """Elements ``[a, b)`` of the pieces of ``name`` (of tensor-parallel rank
+        ``tp_rank``'s slice when the save was split)."""
         out = torch.zeros(b - a, dtype=dtype)
         filled = 0
-        for rank, lo, hi in self.manifest["params"][name]["pieces"]:
+        for rank, lo, hi, *tp in self.manifest["params"][name]["pieces"]:
             s, e = max(a, lo), min(b, hi)
-            if s >= e:
+            if s >= e or (tp and tp[0] != tp_rank):
                 continue
             part = self._file(rank).get_slice(piece_key(kind, name, lo))[s - lo : e - lo]
             out[s - a : e - a] = part.to(dtype)
@@ -72,13 +106,28 @@ class PieceReader:
             raise CheckpointError(f"{self.path}: pieces of {kind} {name!r} do not cover [{a}, {b})")
         return out
 
+    def _whole_kind(self, kind: str, name: str) -> torch.Tensor:
+        """The whole ``kind`` of parameter ``name`` (saved slices assembled), fp32 for
+        optimizer states, the saved dtype for parameters."""
+        entry = self.manifest["params"][name]
+        dtype = DTYPES[entry["dtype"]] if kind == "param" else torch.float32
+        shape, saved = entry["shape"], entry.get("tp")
+        if saved is None:
+            return self._read(kind, name, 0, math.prod(shape), dtype, None).view(shape)
+        split = TPSlice(
+            full_shape=tuple(shape), dim=saved["dim"], parts=tuple(saved["parts"]), rank=0,
+            world=saved["world"],
+        )  # fmt: skip
+        n = math.prod(split.local_shape)
+        slices = [
+            self._read(kind, name, 0, n, dtype, r).view(split.local_shape)
+            for r in range(saved["world"])
+        ]
+        return assemble(slices, split)
+
     def whole(self, name: str) -> torch.Tensor:
-        if name in self.manifest["params"]:  # saved as pieces (stage 3)
-            entry = self.manifest["params"][name]
-            n = 1
-            for d in entry["shape"]:
-                n *= d
-            return self.get("param", name, 0, n, DTYPES[entry["dtype"]]).view(entry["shape"])
+        if name in self.manifest["params"]:  # saved as pieces (stage 3, or whole by TP)
+            return self._whole_kind("param", name)
         return self._file(0).get_tensor(f"whole:{name}")
 
     def rank_tensors(self, rank: int) -> tuple[dict, dict]:
@@ -170,17 +219,21 @@ def load(
             saved = manifest["params"].get(name)  # None: saved whole (frozen at stages 0-2)
             trained = saved is not None and saved["group"] >= 0  # saved with its states
             kind = param_kind if trained else "param"
-            access.set("param", a, reader.get(kind, name, piece.lo, piece.hi, dtype))
+            spec = tp_slice_of(engine.flat.params[piece.param])  # None: held whole
+            access.set("param", a, reader.get(kind, name, piece.lo, piece.hi, dtype, spec))
             if piece.group < 0:
                 continue
             if access.has_master():
                 src = "master" if "master" in kinds and trained else "param"
-                access.set("master", a, reader.get(src, name, piece.lo, piece.hi, torch.float32))
+                access.set(
+                    "master", a, reader.get(src, name, piece.lo, piece.hi, torch.float32, spec)
+                )
             if with_opt and trained:
                 # every saved kind, not only those the live optimizer holds already (a
                 # fresh SGD has no momentum_buffer until its first step)
                 for key in state_kinds:
-                    access.set(key, a, reader.get(key, name, piece.lo, piece.hi, torch.float32))
+                    values = reader.get(key, name, piece.lo, piece.hi, torch.float32, spec)
+                    access.set(key, a, values)
         in_flat = {id(p) for p in engine.flat.params}
         for n, p in engine.module.named_parameters():
             if id(p) not in in_flat and n in names:

@@ -52,6 +52,7 @@ from zeroshard.checkpoint.paths import (
 )
 from zeroshard.checkpoint.shards import OwnedPiece, ShardAccess
 from zeroshard.parallel.mesh import AXES
+from zeroshard.parallel.slices import tp_slice_of
 from zeroshard.safetensors_io import DTYPE_NAMES, StreamWriter
 
 
@@ -70,6 +71,12 @@ def whole_tensors(engine) -> dict[str, tuple[torch.Tensor, bool]]:
     out = {}
     for name, p in engine.module.named_parameters():
         if id(p) not in in_flat:
+            if tp_slice_of(p) is not None:
+                raise NotImplementedError(
+                    f"save_checkpoint: {name!r} is a frozen tensor-parallel slice outside "
+                    "ZeRO's layout (stages 0-2); saving it is not built yet: use stage 3, "
+                    "where frozen parameters are in the layout"
+                )
             out[name] = (p.detach(), False)
     for name, b in engine.module.state_dict(keep_vars=True).items():
         if not isinstance(b, torch.nn.Parameter) and torch.is_tensor(b):
@@ -210,17 +217,25 @@ def save(engine, save_dir: str, tag: str, client_state: dict | None, save_latest
 def _pieces_to_write(engine, access, rank: int) -> list[OwnedPiece]:
     """The pieces ``rank`` writes. Sharded layouts: its own, if it is in the first
     replica (hybrid sharding keeps identical shards in the others). Unsharded ones
-    (stage 0, or one rank): every rank holds everything, so the flat range is split in
-    ``world`` equal parts and each rank writes one, in parallel, nothing written twice."""
-    world = engine.comm.world_size
+    (stage 0, or one rank): every replica holds everything, so the flat range is split
+    in equal parts over the replicas and each writes one, nothing written twice. Under
+    tensor parallelism every TP rank writes its slices of the split parameters, and the
+    first one the parameters every TP rank holds whole."""
+    mesh = engine.mesh
+    mine = access.pieces
+    if mesh.coord("tp", rank) != 0:
+        split = {i for i, p in enumerate(engine.flat.params) if tp_slice_of(p) is not None}
+        mine = [p for p in mine if p.param in split]
     if engine.flat.partitioned:
-        return access.pieces if engine.mesh.coord("zero_replicate", rank) == 0 else []
-    if world == 1:
-        return access.pieces
+        return mine if mesh.coord("zero_replicate", rank) == 0 else []
+    n = mesh.size("replicas")
+    if n == 1:
+        return mine
+    r = mesh.coord("replicas", rank)
     total = engine.flat.layout.shard_numel
-    a, b = rank * total // world, (rank + 1) * total // world
+    a, b = r * total // n, (r + 1) * total // n
     out = []
-    for p in access.pieces:
+    for p in mine:
         lo, hi = max(a, p.shard_lo), min(b, p.shard_lo + p.hi - p.lo)
         if lo < hi:
             d = lo - p.shard_lo
@@ -272,23 +287,36 @@ def _manifest(engine, access, names, kinds, sizes, client_json, tag) -> dict:
     flat, world = engine.flat, engine.comm.world_size
     layout = flat.layout
     params: dict = {}
-    for i in range(len(flat.params)):
+    splits = [tp_slice_of(p) for p in flat.params]
+    for i, spec in enumerate(splits):
         params[names[i]] = {
-            "shape": list(flat.shapes[i]),
+            "shape": list(spec.full_shape if spec else flat.shapes[i]),
             "dtype": DTYPE_NAMES[flat.dtype],
             "group": flat.group_of[i],
             "pieces": [],
         }
+        if spec is not None:  # pieces are of each TP rank's slice: [file, lo, hi, tp rank]
+            params[names[i]]["tp"] = {
+                "dim": spec.dim,
+                "parts": list(spec.parts),
+                "world": spec.world,
+            }
     mesh = engine.mesh
     for r in range(world):
+        t = mesh.coord("tp", r)
         if flat.partitioned:  # the first replica's ranks write the shards
             first = mesh.coord("zero_replicate", r) == 0
             pieces = layout.pieces(mesh.coord("zero_shard", r)) if first else []
-            spans = [(p.param, p.param_lo, p.param_hi) for p in pieces]
+            spans = [
+                (p.param, p.param_lo, p.param_hi)
+                for p in pieces
+                if t == 0 or splits[p.param] is not None
+            ]
         else:  # split as _pieces_to_write splits it (every rank has the same pieces)
             spans = [(p.param, p.lo, p.hi) for p in _pieces_to_write(engine, access, r)]
         for i, lo, hi in spans:
-            params[names[i]]["pieces"].append([r, lo, hi])
+            piece = [r, lo, hi] if splits[i] is None else [r, lo, hi, t]
+            params[names[i]]["pieces"].append(piece)
     whole = {
         n: {"shape": list(t.shape), "dtype": DTYPE_NAMES[t.dtype], "buffer": is_buffer}
         for n, (t, is_buffer) in whole_tensors(engine).items()

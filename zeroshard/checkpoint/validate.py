@@ -24,6 +24,7 @@ from zeroshard.checkpoint.format import MANIFEST, CheckpointError, parameter_nam
 from zeroshard.checkpoint.integrity import check_order, check_save_id, check_values, scan_file
 from zeroshard.checkpoint.paths import LATEST, inside, tag_problem
 from zeroshard.checkpoint.shards import ShardAccess
+from zeroshard.parallel.slices import tp_slice_of
 from zeroshard.safetensors_io import DTYPES, read_header, read_header_raw
 
 log = logging.getLogger("zeroshard")
@@ -184,13 +185,7 @@ def _check_structure(m: dict) -> None:
             raise ValueError(f"params[{name!r}]: bad dtype or group")
         if not all(isinstance(d, int) and d >= 0 for d in e["shape"]):
             raise ValueError(f"params[{name!r}]: bad shape {e['shape']!r}")
-        covered = 0
-        for rank, lo, hi in sorted(e["pieces"], key=lambda x: x[1]):
-            if not (0 <= rank < nfiles) or lo != covered or hi <= lo:
-                raise ValueError(f"params[{name!r}]: pieces {e['pieces']!r} do not tile it")
-            covered = hi
-        if covered != math.prod(e["shape"]):
-            raise ValueError(f"params[{name!r}]: pieces cover {covered} of {math.prod(e['shape'])}")
+        _check_tiling(name, e, nfiles)
     for name, e in m["whole"].items():
         if e["dtype"] not in DTYPES or not all(isinstance(d, int) for d in e["shape"]):
             raise ValueError(f"whole[{name!r}]: bad dtype or shape")
@@ -204,6 +199,32 @@ def _check_structure(m: dict) -> None:
     if not isinstance(m["counters"], dict) or not isinstance(m["loss_scaler"], dict):
         raise ValueError("'counters' and 'loss_scaler' must be objects")
     int(m["world_size"])
+
+
+def _check_tiling(name: str, e: dict, nfiles: int) -> None:
+    """The pieces of a parameter tile it exactly; a tensor-parallel save's tile each TP
+    rank's slice (``tp``: its split dim, fused parts and TP size)."""
+    numel, split = math.prod(e["shape"]), e.get("tp")
+    world = 1
+    if split is not None:
+        world = split["world"]
+        ok = isinstance(world, int) and world >= 1 and isinstance(split["dim"], int)
+        ok = (
+            ok
+            and 0 <= split["dim"] < len(e["shape"])
+            and sum(split["parts"]) == e["shape"][split["dim"]]
+        )
+        if not ok or any(p % world for p in split["parts"]):
+            raise ValueError(f"params[{name!r}]: bad tensor-parallel split {split!r}")
+    for t in range(world):
+        covered = 0
+        mine = [p for p in e["pieces"] if (p[3] if len(p) > 3 else 0) == t]
+        for rank, lo, hi, *_ in sorted(mine, key=lambda x: x[1]):
+            if not (0 <= rank < nfiles) or lo != covered or hi <= lo:
+                raise ValueError(f"params[{name!r}]: pieces {e['pieces']!r} do not tile it")
+            covered = hi
+        if covered != numel // world:
+            raise ValueError(f"params[{name!r}]: pieces cover {covered} of {numel // world}")
 
 
 def _check_pieces(path: str, manifest: dict, headers: list[dict]) -> None:
@@ -221,7 +242,7 @@ def _check_pieces(path: str, manifest: dict, headers: list[dict]) -> None:
             )
 
     for name, e in manifest["params"].items():
-        for rank, lo, hi in e["pieces"]:
+        for rank, lo, hi, *_ in e["pieces"]:
             for kind in kinds if e["group"] >= 0 else ["param"]:
                 dtype = e["dtype"] if kind == "param" else "F32"
                 need(rank, piece_key(kind, name, lo), [hi - lo], dtype)
@@ -236,7 +257,10 @@ def check_model(manifest: dict, engine, path: str, strict: bool = True) -> set[s
     ``strict``, else a warning. Returns the names to load (in both)."""
     from zeroshard.checkpoint.save import whole_tensors
 
-    ours = {n: list(engine.flat.shapes[i]) for i, n in enumerate(parameter_names(engine))}
+    ours = {}
+    for i, n in enumerate(parameter_names(engine)):  # tensor-parallel slices: whole shapes
+        spec = tp_slice_of(engine.flat.params[i])
+        ours[n] = list(spec.full_shape if spec else engine.flat.shapes[i])
     ours.update({n: list(t.shape) for n, (t, _) in whole_tensors(engine).items()})
     theirs = {n: v["shape"] for n, v in manifest["params"].items()}
     theirs.update({n: v["shape"] for n, v in manifest["whole"].items()})
