@@ -21,15 +21,16 @@ SCRIPT = ROOT / "tests" / "scripts" / "one_rank_only.py"
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(
-    "call, where_blocked",
-    [("save", "in save_checkpoint"), ("eval", "in forward")],
+    "call, where_blocked, timeout_from",
+    [("save", "in save_checkpoint", "config"), ("eval", "in forward", "flag")],
 )
-def test_a_call_on_one_rank_ends_in_a_report(tmp_path, call, where_blocked):
+def test_a_call_on_one_rank_ends_in_a_report(tmp_path, call, where_blocked, timeout_from):
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    flag = ["--comm-timeout", "3"] if timeout_from == "flag" else []
     start = time.monotonic()
     res = subprocess.run(
-        [sys.executable, "-m", "zeroshard.cli", "run", "--nproc", "2", str(SCRIPT), call,
-         str(tmp_path / "ckpt")],
+        [sys.executable, "-m", "zeroshard.cli", "run", "--nproc", "2", *flag, str(SCRIPT), call,
+         str(tmp_path / "ckpt"), timeout_from],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=100,
     )  # fmt: skip
     elapsed = time.monotonic() - start

@@ -101,6 +101,12 @@ def add_arguments(parser: argparse.ArgumentParser, deepspeed_style: bool = False
     a("--rdzv-id", default="zeroshard", help="job id for the c10d rendezvous")
     a("--max-restarts", type=int, default=0, help="worker group restarts before failing")
     a("--shutdown-timeout", type=int, default=10, help="seconds from SIGTERM to SIGKILL")
+    a(
+        "--comm-timeout",
+        type=float,
+        help="seconds a rank may block in one collective before the watchdog reports every "
+        "rank and stops the job (default 600; 0: off; the config's comm_timeout wins)",
+    )
     for flag in ("--launcher", "--launcher_args", "--ssh_port"):  # DeepSpeed's; unused here
         a(flag, help=argparse.SUPPRESS)
     a("--force_multi", action="store_true", help=argparse.SUPPRESS)
@@ -166,6 +172,10 @@ def _set_child_environment(args: argparse.Namespace, layout: Layout) -> None:
     if args.log_dir:
         os.environ.setdefault("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE", "[rank${rank}]: ")
     os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
+    if args.comm_timeout is not None:
+        from zeroshard.watchdog import TIMEOUT_ENV
+
+        os.environ[TIMEOUT_ENV] = str(args.comm_timeout)
     if args.max_restarts > 0:
         # torch shares the rendezvous' TCP store with the workers and keeps it across
         # restarts, so a restarted group reads the dead group's gloo/NCCL addresses

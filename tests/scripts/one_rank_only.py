@@ -1,5 +1,6 @@
-"""Fault-test worker: every rank initializes the same tiny engine (comm_timeout 3 s),
-then only rank 0 makes the call named by argv[1] ("save" or "eval"); rank 1 idles. The
+"""Fault-test worker: every rank initializes the same tiny engine (comm_timeout 3 s in
+the config, unless argv[3] is "flag": then the launcher's --comm-timeout sets it), then
+only rank 0 makes the call named by argv[1] ("save" or "eval"); rank 1 idles. The
 watchdog must report every rank and end the job. argv[2]: where rank 0 saves."""
 
 import sys
@@ -17,8 +18,9 @@ config = {
     "train_micro_batch_size_per_gpu": 1,
     "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
     "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
-    "comm_timeout": 3,
 }
+if sys.argv[3:] != ["flag"]:
+    config["comm_timeout"] = 3
 engine, *_ = zeroshard.initialize(model=model, model_parameters=model.parameters(), config=config)
 if engine.global_rank == 0:
     if what == "save":
