@@ -25,8 +25,8 @@ __all__ = ["__version__", "add_config_arguments", "init_distributed", "initializ
 
 
 def __getattr__(name: str):
-    if name == "zero":
-        return importlib.import_module("zeroshard.zero")
+    if name in ("zero", "comm"):  # zeroshard.comm.log_summary(), as deepspeed.comm's
+        return importlib.import_module(f"zeroshard.{name}")
     if name in _LAZY:
         return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'zeroshard' has no attribute {name!r}")

@@ -315,7 +315,10 @@ def collect(nvme_path: str | None = None, nvme_size_mb: int = 256) -> dict[str, 
     }
     if nvme_path is not None:
         sections["nvme/disk speed"] = lambda: disk_speed(nvme_path, nvme_size_mb)
-    return {name: _try(fn) for name, fn in sections.items()}
+    from zeroshard.progress import progress
+
+    shown = progress(sections.items(), desc="probing", total=len(sections), delay=0.5)
+    return {name: _try(fn) for name, fn in shown}
 
 
 def render(report: dict[str, Any]) -> str:

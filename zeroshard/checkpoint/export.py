@@ -17,6 +17,7 @@ import torch
 
 from zeroshard.checkpoint.format import write_text_atomic
 from zeroshard.checkpoint.load import _Reader, read_manifest, resolve_path
+from zeroshard.progress import progress
 from zeroshard.safetensors_io import DTYPES, StreamWriter, dtype_size
 
 DTYPE_ARGS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -52,7 +53,8 @@ def write_weights(out: str, entries, fetch, max_shard_bytes: int | None = None) 
     weight_map, total = {}, 0
     for path, shard in zip(paths, shards, strict=True):
         writer = StreamWriter(path + ".partial", shard, {"format": "pt"})
-        for name, dtype, shape in shard:
+        desc = f"writing {os.path.basename(path)}"
+        for name, dtype, shape in progress(shard, desc=desc, unit="tensor"):
             writer.write(name, fetch(name).to(dtype))
             weight_map[name] = os.path.basename(path)
             total += math.prod(shape) * dtype_size(dtype)

@@ -37,6 +37,7 @@ from zeroshard.checkpoint.format import (
 )
 from zeroshard.checkpoint.shards import OwnedPiece, ShardAccess
 from zeroshard.parallel.mesh import AXES
+from zeroshard.progress import progress
 from zeroshard.safetensors_io import DTYPE_NAMES, StreamWriter
 
 
@@ -216,7 +217,9 @@ def _write_rank_file(engine, access, names, kinds, path: str) -> None:
         entries.append((key, t.dtype, list(t.shape)))
     meta = {"rank": str(rank), "python_rng": json.dumps(random.getstate())}
     writer = StreamWriter(path, entries, meta)
-    for (kind, piece), (key, _, _) in zip(sources, entries[: len(sources)], strict=True):
+    pieces = zip(sources, entries[: len(sources)], strict=True)
+    shown = progress(pieces, desc="saving checkpoint", total=len(sources), enabled=rank == 0)
+    for (kind, piece), (key, _, _) in shown:
         n = piece.hi - piece.lo
         writer.write(key, access.get(kind, piece.shard_lo, piece.shard_lo + n))
     for key, t in extra.items():

@@ -89,7 +89,7 @@ class CommsLogger:
         self.prof_all = cfg.prof_all
         self.prof_ops = {COMM_OPS[op] for op in cfg.prof_ops or ()}
         self.rank, self._echo, self._ledger = rank, echo, ledger
-        # record name -> message size -> [count, latencies ms, algbws, busbws]
+        # record name -> message size -> [count, latencies ms, algbws, busbws, ledger bytes]
         self.comms: dict[str, dict[int, list]] = defaultdict(dict)
         ledger.observers.append(self.observe)
         _ACTIVE[:] = [weakref.ref(self)]
@@ -101,8 +101,9 @@ class CommsLogger:
         algbw, busbw = bandwidths(e.op, e.nbytes, e.group_size, e.seconds)
         name = f"{e.op} | [Caller Func: {e.caller}]" if self.debug else e.op
         ms = e.seconds * 1e3
-        record = self.comms[name].setdefault(size, [0, [], [], []])
+        record = self.comms[name].setdefault(size, [0, [], [], [], 0])
         record[0] += 1
+        record[4] += e.nbytes
         record[1].append(ms)
         record[2].append(algbw)
         record[3].append(busbw)
@@ -119,12 +120,10 @@ class CommsLogger:
         out: dict = {}
         for name, sizes in self.comms.items():
             out[name] = {}
-            for size, (count, lat, alg, bus) in sorted(sizes.items()):
-                op = name.split(" | ")[0]
-                per_call = size * 2 if op == "all_reduce" else size
+            for size, (count, lat, alg, bus, nbytes) in sorted(sizes.items()):
                 out[name][size] = {
                     "count": count,
-                    "bytes": count * per_call,
+                    "bytes": nbytes,
                     "total_latency_ms": sum(lat),
                     "avg_latency_ms": _trim_mean(lat),
                     "tput_avg_gbps": _trim_mean(alg),

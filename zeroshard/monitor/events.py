@@ -63,8 +63,10 @@ class EventWriters:
         tb, csv, wb, comet = config.tensorboard, config.csv_monitor, config.wandb, config.comet
         self.enabled = any(s.enabled for s in (tb, csv, wb, comet))
         for name, section in (("tensorboard", tb), ("csv_monitor", csv)):
-            if section.enabled:
-                check_writable(log_dir(section, rank), f"{name}.output_path")
+            if section.enabled:  # rank 0's directory on every rank: all fail alike
+                check_writable(log_dir(section, 0), f"{name}.output_path")
+                if section.all_ranks:
+                    check_writable(log_dir(section, rank), f"{name}.output_path")
         for name, section in (("tensorboard", tb), ("wandb", wb), ("comet", comet)):
             if section.enabled:
                 check_package(name)

@@ -51,15 +51,20 @@ class FlopsProfiler:
         self.fwd: dict[str, int] = defaultdict(int)  # module -> forward FLOPs
         self._at_forward: dict[str, int] = {}
 
+    def _params(self, m: nn.Module) -> int:
+        return sum(self._sizes.get(id(p), p.numel()) for p in m.parameters())
+
     def wants(self, global_steps: int) -> bool:
         return not self.done and self.rank == 0 and global_steps == self.cfg.profile_step
 
     # -- counting ----------------------------------------------------------------------
-    def start(self, module: nn.Module, wrapper: str) -> None:
-        """Count from now on; ``wrapper`` is the class name of the engine around ``module``."""
+    def start(self, module: nn.Module, wrapper: str, sizes: dict[int, int]) -> None:
+        """Count from now on. ``wrapper``: the class name of the engine around ``module``;
+        ``sizes``: elements of the parameters (by ``id``) that ZeRO-3 has released."""
         from torch.utils.flop_counter import FlopCounterMode
 
         self.module, self.root, self._wrapper = module, type(module).__name__, wrapper
+        self._sizes = sizes
         for name, m in module.named_modules():
             full = f"{self.root}.{name}" if name else self.root
             self._names[id(m)] = full
@@ -119,7 +124,7 @@ class FlopsProfiler:
         ``peak``: the device's FLOP/s."""
         total, fwd_total = self.total.get("Global", 0), self.fwd.get("Global", 0)
         model_flops = 3 * fwd_total
-        params = sum(p.numel() for p in self.module.parameters())
+        params = self._params(self.module)
         fmt = "{:<64}  {}"
         lines = [
             "",
@@ -173,7 +178,7 @@ class FlopsProfiler:
         by_depth: dict[int, dict[str, list[float]]] = defaultdict(lambda: defaultdict(lambda: [0, 0, 0.0]))  # fmt: skip
         for depth, name, m in self._rows():
             acc = by_depth[depth][type(m).__name__]
-            acc[0] += sum(p.numel() for p in m.parameters())
+            acc[0] += self._params(m)
             acc[1] += self.fwd.get(name, 0)
             acc[2] += self.latency.get(name, 0.0)
         lines = ["", "----------------------------- Aggregated Profile per GPU -----------------------------"]  # fmt: skip
@@ -204,7 +209,7 @@ class FlopsProfiler:
             label = f"{label} ({type(m).__name__})"
             fwd, lat = self.fwd.get(name, 0), self.latency.get(name, 0.0)
             rate = number(fwd / lat, "FLOPS") if lat > 0 else "-"
-            params = number(sum(p.numel() for p in m.parameters()))
+            params = number(self._params(m))
             lines.append(f"{label:<44}{params:>12}{number(fwd):>14}{100 * fwd / fwd_total:>8.1f}%{_seconds(lat):>13}{rate:>16}")  # fmt: skip
         return lines
 
@@ -212,7 +217,7 @@ class FlopsProfiler:
         """``{module: {"params", "fwd_flops", "fwd_latency_s"}}`` of the profiled step."""
         return {
             name: {
-                "params": sum(p.numel() for p in m.parameters()),
+                "params": self._params(m),
                 "fwd_flops": self.fwd.get(name, 0),
                 "fwd_latency_s": self.latency.get(name, 0.0),
             }

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import math
 import time
 import weakref
 
@@ -100,15 +101,22 @@ class EngineMonitor:
             self._window_start = time.perf_counter()
         if training:
             self._tokens += _tokens(args, kwargs)
-            if self.flops is not None and not self.flops.active and self.flops.wants(engine.global_steps):  # fmt: skip
-                self.flops.start(engine.module, type(engine).__name__)
-            if self.flops is not None and self.flops.active:
-                self.flops.forward_start()
+            if self.flops is not None:
+                self._profile_forward(engine)
         self._memory("Engine before forward")
         if self.throughput is not None:
             self.throughput.start()
         if self.timers is not None:
             self.timers.start("fwd")
+
+    def _profile_forward(self, engine) -> None:
+        flops = self.flops
+        if not flops.active and flops.wants(engine.global_steps):
+            flat = engine.flat  # ZeRO-3 releases parameters: their sizes are the layout's
+            sizes = {id(p): math.prod(s) for p, s in zip(flat.params, flat.shapes, strict=True)}
+            flops.start(engine.module, type(engine).__name__, sizes)
+        if flops.active:
+            flops.forward_start()
 
     def forward_end(self) -> None:
         if self.timers is not None:

@@ -34,7 +34,6 @@ import sys
 from dataclasses import dataclass, field
 
 LOGGER = "zeroshard.monitor"
-MB = 1e6
 
 
 class _StdoutUnlessHandled(logging.StreamHandler):
@@ -68,7 +67,10 @@ def echo(text: str) -> None:
 
 
 def _mb(nbytes: float) -> str:
-    return f"{nbytes / 1e9:.2f} GB" if nbytes >= 1e9 else f"{nbytes / MB:.2f} MB"
+    for scale, unit in ((1e9, "GB"), (1e6, "MB"), (1e3, "KB")):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.2f} {unit}"
+    return f"{nbytes:.0f} B"
 
 
 @dataclass
