@@ -14,6 +14,7 @@ class CometWriter:
 
         self.interval = cfg.samples_log_interval
         self.last: dict[str, int] = {}  # tag -> samples when last logged
+        self.pending: list[tuple[str, float, int]] = []
         self.experiment = comet_ml.start(
             api_key=cfg.api_key,
             project=cfg.project,
@@ -31,10 +32,13 @@ class CometWriter:
             if tag in self.last and step - self.last[tag] < self.interval:
                 continue
             self.last[tag] = step
-            self.experiment.log_metric(tag, value, step=step)
+            self.pending.append((tag, value, step))
 
     def flush(self) -> None:
-        pass
+        for tag, value, step in self.pending:
+            self.experiment.log_metric(tag, value, step=step)
+        self.pending.clear()
 
     def close(self) -> None:
+        self.flush()
         self.experiment.end()

@@ -26,9 +26,21 @@ import weakref
 import torch
 
 from zeroshard.monitor.events import EventWriters
-from zeroshard.monitor.steplog import MetricsFile, StepRecord, echo, log_step, monitor_logger
+from zeroshard.monitor.steplog import (
+    MetricsFile,
+    StepRecord,
+    echo,
+    log_step,
+    monitor_logger,
+    summary_text,
+)
 from zeroshard.monitor.timers import EVENTS, ThroughputTimer, WallClock
 from zeroshard.monitor.usage import breakdown_line, device_counters, rss_bytes
+
+# Monitor lines and events are held and written together at most this often (and at
+# every steps_per_print step): each write to stdout or to a writer's thread costs ~1-2 ms
+# of wall time on a busy host where wandb or Comet capture the console.
+FLUSH_S = 1.0
 
 
 def _tokens(args, kwargs) -> int:
@@ -76,12 +88,15 @@ class EngineMonitor:
         self._ledger = mesh.ledger
         self._ledger.observers.append(self._count)
         self._step_comm: dict[str, int] = {}
+        self._lines: list[str] = []  # rank 0's monitor lines not printed yet
+        self._flushed = time.perf_counter()
         self._loss: torch.Tensor | None = None
         self._tokens = 0
         self._window_start: float | None = None
         self._last_boundary: float | None = None
         self._last_step_s: float | None = None
         self.records: list[StepRecord] = []  # the latest record (step line, summary)
+        self.totals = {"steps": 0, "seconds": 0.0, "samples": 0, "tokens": 0}
         self.closed = False
         atexit.register(_close_at_exit, weakref.ref(self))  # files flushed without destroy()
         if config.dump_state and self.rank == 0:
@@ -93,7 +108,7 @@ class EngineMonitor:
 
     def _memory(self, where: str) -> None:
         if self.memory_breakdown and self.rank == 0:
-            echo(breakdown_line(where, self.device))
+            self._lines.append(breakdown_line(where, self.device))
 
     def forward_start(self, engine, args, kwargs) -> None:
         training = engine.module.training and torch.is_grad_enabled()
@@ -158,12 +173,31 @@ class EngineMonitor:
             self.throughput.stop(boundary)
         self._memory("Engine after step")
         if self.timers is not None and self.timers.micro and self.rank == 0:
-            echo(self.timers.micro_line())
+            self._lines.append(self.timers.micro_line())
+        due = False
         if boundary:
-            self._boundary(engine)
+            due = self._boundary(engine)
+        now = time.perf_counter()
+        if due or now - self._flushed >= FLUSH_S:
+            self.flush()
+            self._flushed = now
+
+    def _say(self) -> None:
+        """The held monitor lines, as one message: one write to stdout."""
+        if self._lines:
+            echo("\n".join(self._lines))
+            self._lines.clear()
+
+    def flush(self) -> None:
+        """Print the held lines; hand the held events to the writers and flush files."""
+        self._say()
+        self.events.flush()
+        if self.metrics is not None:
+            self.metrics.flush()
 
     # -- at the end of an optimizer step -------------------------------------------------
-    def _boundary(self, engine) -> None:
+    def _boundary(self, engine) -> bool:
+        """The end of an optimizer step; True when it is a ``steps_per_print`` step."""
         now = time.perf_counter()
         start = self._window_start or self._last_boundary or now
         step_s, self._last_boundary = now - start, now
@@ -188,27 +222,30 @@ class EngineMonitor:
                 events += [(EVENTS[n], ms, samples) for n, ms in self.timers.last.items()]
             self.events.write_events(events)
         if timer_line is not None and self.rank == 0:
-            echo(timer_line)
+            self._lines.append(timer_line)
         if self.flops is not None and self.flops.active:
+            self._say()
             self._profile(engine, step_s)
         if show or gather or self.metrics is not None:
             record = self._record(engine, loss, step_s, fp16, memory=show or gather)
             if gather:
                 record.memory_ranks = self.comm.all_gather_object(record.memory)
             if show:
+                self._say()  # the lines of the step first
                 self.step_handler(record)
             if self.metrics is not None:
                 self.metrics.write(record.as_dict())
             self.records[:] = [record]
         if due and self.throughput is not None and self.rank == 0:
-            echo(self.throughput.line())
-        if due:
-            self.events.flush()
+            self._lines.append(self.throughput.line())
         if self.throughput is not None:
             self.throughput.end_step()
         self._last_step_s = step_s
+        for k, v in (("steps", 1), ("seconds", step_s), ("samples", engine.train_batch_size()), ("tokens", self._tokens * self.dp_size)):  # fmt: skip
+            self.totals[k] += v
         self._loss, self._tokens, self._window_start = None, 0, None
         self._step_comm = {}
+        return due
 
     def _record(self, engine, loss, step_s, fp16, memory: bool) -> StepRecord:
         tokens = self._tokens * self.dp_size
@@ -266,6 +303,16 @@ class EngineMonitor:
         """The latest step record (loss, throughput, memory, comm bytes), if any."""
         return self.records[-1] if self.records else None
 
+    def print_summary(self, engine) -> None:
+        """The run so far, printed by rank 0: steps, time, throughput, the last loss and
+        step's comm bytes, and every rank's memory. Every rank must call it (one
+        ``all_gather_object`` of each rank's ``memory_stats()``)."""
+        stats = engine.memory_stats()
+        mems = self.comm.all_gather_object({**stats, "rss": rss_bytes()})
+        if self.rank != 0:
+            return
+        echo(summary_text(self.totals, self.summary(), mems))
+
     def close(self) -> None:
         """Flush and close the writers, stop observing the ledger (``engine.destroy()``)."""
         if self.closed:
@@ -273,6 +320,7 @@ class EngineMonitor:
         self.closed = True
         if self._count in self._ledger.observers:
             self._ledger.observers.remove(self._count)
+        self._say()
         if self.comms is not None:
             if self.comms.comms and self.rank == 0:
                 self.comms.log_all()

@@ -119,6 +119,25 @@ def log_step(record: StepRecord) -> None:
     logging.getLogger(LOGGER).info(record.line())
 
 
+def summary_text(totals: dict, last: StepRecord | None, memory: list[dict]) -> str:
+    """The run summary of ``EngineMonitor.print_summary``."""
+    seconds = max(totals["seconds"], 1e-9)
+    head = f"trained {totals['steps']} steps in {seconds:.1f} s: {totals['samples'] / seconds:.1f} samples/s"  # fmt: skip
+    if totals["tokens"]:
+        head += f", {totals['tokens'] / seconds:.0f} tokens/s"
+    if last is not None and last.loss is not None:
+        head += f", last loss {last.loss:.4f}"
+    lines = [head]
+    if last is not None and last.comm:
+        comm = ", ".join(f"{op} {_mb(b)}" for op, b in last.comm.items())
+        lines.append(f"communication in the last step (rank 0): {comm}")
+    for rank, m in enumerate(memory):
+        kinds = ", ".join(f"{k.replace('_', ' ')} {_mb(m[k])}" for k in ("params", "grads", "optimizer_states"))  # fmt: skip
+        where = ", ".join(f"{k} {_mb(v)}" for k, v in m["by_location"].items())
+        lines.append(f"rank {rank} memory: {kinds}; by location {where}; rss {_mb(m['rss'])}")
+    return "\n".join(lines)
+
+
 class MetricsFile:
     """``metrics.jsonl`` in ``directory``: one JSON object per step, flushed every
     ``flush_every`` records and at :meth:`close`."""

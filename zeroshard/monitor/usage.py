@@ -14,27 +14,34 @@ GB = 1024**3
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
+def _read(path: str) -> bytes:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return os.read(fd, 8192)
+    finally:
+        os.close(fd)
+
+
 def rss_bytes() -> int:
     """This process's resident set size (0 where ``/proc`` is missing)."""
     try:
-        with open("/proc/self/statm", "rb") as f:
-            return int(f.read().split()[1]) * _PAGE
+        return int(_read("/proc/self/statm").split()[1]) * _PAGE
     except (OSError, ValueError, IndexError):
         return 0
 
 
+def _field(text: bytes, name: bytes) -> int:
+    at = text.find(name)
+    return int(text[at + len(name) :].split(None, 1)[0]) * 1024 if at >= 0 else 0
+
+
 def host_used() -> tuple[int, float]:
     """(bytes used, percent used) of the host's memory: total less available."""
-    info: dict[str, int] = {}
     try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                name, _, rest = line.partition(":")
-                if name in ("MemTotal", "MemAvailable"):
-                    info[name] = int(rest.split()[0]) * 1024
-    except (OSError, ValueError, IndexError):
+        text = _read("/proc/meminfo")
+    except OSError:
         return 0, 0.0
-    total, available = info.get("MemTotal", 0), info.get("MemAvailable", 0)
+    total, available = _field(text, b"MemTotal:"), _field(text, b"MemAvailable:")
     used = total - available
     return used, 100.0 * used / total if total else 0.0
 
