@@ -7,12 +7,13 @@ rank builds two engines over two copies of the model in the same processes: *off
 (``steps_per_print`` null, no monitoring section) and *on* (TensorBoard, CSV, wandb
 offline, Comet offline when comet_ml is installed, the comms logger, the flops profiler
 at step 1, ``wall_clock_breakdown``, ``memory_breakdown``, ``dump_state``, the
-throughput timer and the step line every 10 steps). Rounds alternate which engine goes
-first; each round times ``--steps`` optimizer steps of each (forward, backward, step;
-rank 0's clock, the ranks move in lockstep). Reported: the median step time of each
-over all rounds, the overhead (on / off - 1) from those medians and the median of the
-per-round ratios, and the profiled step (the flops profiler's one step, counted in the
-median like any other).
+throughput timer and the step line every 10 steps). The engines take turns step by
+step (off, on, off, on, ...; each round starts with the other one), so both see the
+same load from the rest of the machine; each step (forward, backward, step) is timed on
+rank 0 by the wall clock and by the main thread's CPU clock (the ranks move in
+lockstep). Reported: the median step time of each, the overhead from the medians and
+the median over pairs of neighbouring steps of on / off, for both clocks, and the
+profiled step (the flops profiler's one step, counted in the medians like any other).
 """
 
 from __future__ import annotations
@@ -29,10 +30,13 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+SEQ, MICRO = 128, 8
 
 
-def on_config(tmp: str) -> dict:
-    comet = importlib.util.find_spec("comet_ml") is not None
+def on_config(tmp: str, services: bool = True) -> dict:
+    """Every section on; ``services`` false leaves out wandb and Comet (third-party
+    processes and threads that share the host's cores)."""
+    comet = services and importlib.util.find_spec("comet_ml") is not None
     return {
         "steps_per_print": 10,
         "wall_clock_breakdown": True,
@@ -41,14 +45,14 @@ def on_config(tmp: str) -> dict:
         "timers": {"throughput": {"enabled": True}},
         "tensorboard": {"enabled": True, "output_path": tmp, "job_name": "tb"},
         "csv_monitor": {"enabled": True, "output_path": tmp, "job_name": "csv"},
-        "wandb": {"enabled": True, "project": "bench"},
+        "wandb": {"enabled": services, "project": "bench"},
         "comet": {"enabled": comet, "online": False},
         "comms_logger": {"enabled": True},
         "flops_profiler": {"enabled": True, "profile_step": 1, "output_file": f"{tmp}/flops.txt"},
     }
 
 
-def rank_main(rounds: int, steps: int, warmup: int, out: str) -> None:
+def rank_main(rounds: int, steps: int, warmup: int, services: bool, out: str) -> None:
     import torch
     import torch.distributed as dist
 
@@ -63,40 +67,38 @@ def rank_main(rounds: int, steps: int, warmup: int, out: str) -> None:
     os.environ["COMET_OFFLINE_DIRECTORY"] = os.path.join(tmp, "comet")
     shape = GPTConfig.preset("small", seq_len=128)
     base = {
-        "train_micro_batch_size_per_gpu": 4,
+        "train_micro_batch_size_per_gpu": MICRO,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
         "zero_optimization": {"stage": 3},
         "steps_per_print": None,
     }
     engines = {}
-    for name, extra in (("off", {}), ("on", on_config(tmp))):
+    for name, extra in (("off", {}), ("on", on_config(tmp, services))):
         torch.manual_seed(0)
         model = GPT(shape)
         engines[name], *_ = zeroshard.initialize(model=model, config={**base, **extra})
     gen = torch.Generator().manual_seed(rank)
-    x = torch.randint(0, 256, (4, 128), generator=gen)
+    x = torch.randint(0, 256, (MICRO, SEQ), generator=gen)
 
-    def step(engine) -> float:
-        t0 = time.perf_counter()
+    def step(engine) -> tuple[float, float]:
+        t0, c0 = time.perf_counter(), time.thread_time()
         engine.backward(engine(x, x))
         engine.step()
-        return time.perf_counter() - t0
+        return time.perf_counter() - t0, time.thread_time() - c0
 
     for engine in engines.values():
         for _ in range(warmup):
             step(engine)
-    times: dict[str, list[list[float]]] = {"off": [], "on": []}
+    times: dict[str, list[tuple[float, float]]] = {"off": [], "on": []}
     profiled = None
     for r in range(rounds):
-        for name in ("off", "on") if r % 2 == 0 else ("on", "off"):
-            engine = engines[name]
-            timed = []
-            for _ in range(steps):
+        for _ in range(steps):
+            for name in ("off", "on") if r % 2 == 0 else ("on", "off"):
+                engine = engines[name]
                 before = engine.global_steps
-                timed.append(step(engine))
+                times[name].append(step(engine))
                 if name == "on" and before == 1:  # the flops profiler's step
-                    profiled = timed[-1]
-            times[name].append(timed)
+                    profiled = times[name][-1][0]
     for engine in engines.values():
         engine.destroy()
     with open(f"{out}.{rank}", "w") as f:
@@ -105,47 +107,50 @@ def rank_main(rounds: int, steps: int, warmup: int, out: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=8)
-    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--steps", type=int, default=10, help="step pairs per round")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps per engine first")
+    parser.add_argument("--no-services", action="store_true", help="'on' without wandb and Comet")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     from _ranks import run_ranks
 
     t0 = time.time()
-    ranks = run_ranks(__file__, [str(args.rounds), str(args.steps), str(args.warmup)], timeout=3600)
+    services = "0" if args.no_services else "1"
+    ranks = run_ranks(__file__, [str(args.rounds), str(args.steps), str(args.warmup), services], timeout=3600)  # fmt: skip
     r0 = ranks[0]
-    on = [t for block in r0["times"]["on"] for t in block]
-    off = [t for block in r0["times"]["off"] for t in block]
-    ratios = [
-        statistics.median(a) / statistics.median(b)
-        for a, b in zip(r0["times"]["on"], r0["times"]["off"], strict=True)
-    ]
-    med_on, med_off = statistics.median(on), statistics.median(off)
     import torch
 
     stamp = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
     print(f"## {stamp} bench_monitors: 2 cores, torch {torch.__version__}, Python {platform.python_version()}")  # fmt: skip
     print()
-    print(f"`.venv/bin/python benchmarks/bench_monitors.py --rounds {args.rounds} --steps {args.steps}`")  # fmt: skip
+    flag = " --no-services" if args.no_services else ""
+    print(f"`.venv/bin/python benchmarks/bench_monitors.py --rounds {args.rounds} --steps {args.steps}{flag}`")  # fmt: skip
     print()
-    print(f"GPT small, seq 128, micro-batch 4, ZeRO-3, 2 ranks; {args.rounds} interleaved rounds of {args.steps} steps per engine after {args.warmup} warm-up step(s); {time.time() - t0:.0f} s in all.")  # fmt: skip
+    print(f"GPT small, seq {SEQ}, micro-batch {MICRO}, ZeRO-3, fp32, 2 ranks (1 thread each); {args.rounds} rounds of {args.steps} step pairs (off/on alternating) after {args.warmup} warm-up step(s) per engine; {time.time() - t0:.0f} s in all.")  # fmt: skip
     print()
-    print("| monitors | step (ms), median | min-max (ms) | steps |")
-    print("|---|---|---|---|")
-    for name, values in (("off", off), ("on (all)", on)):
-        print(f"| {name} | {1e3 * statistics.median(values):.1f} | {1e3 * min(values):.1f}-{1e3 * max(values):.1f} | {len(values)} |")  # fmt: skip
-    print()
-    print(f"overhead: {100 * (med_on / med_off - 1):+.2f}% (medians over all steps); median of per-round ratios {100 * (statistics.median(ratios) - 1):+.2f}% (rounds: {', '.join(f'{100 * (x - 1):+.1f}%' for x in ratios)})")  # fmt: skip
+    print("| clock (rank 0) | off: median step (ms) | on: median step (ms) | overhead, medians | overhead, median of pairs | on - off (ms) |")  # fmt: skip
+    print("|---|---|---|---|---|---|")
+    summary = {}
+    for i, clock in enumerate(("wall", "CPU (main thread)")):
+        off = [t[i] for t in r0["times"]["off"]]
+        on = [t[i] for t in r0["times"]["on"]]
+        pairs = statistics.median(a / b for a, b in zip(on, off, strict=True))
+        m_on, m_off = statistics.median(on), statistics.median(off)
+        summary[clock] = {"off": m_off, "on": m_on, "pairs": pairs}
+        print(f"| {clock} | {1e3 * m_off:.1f} | {1e3 * m_on:.1f} | {100 * (m_on / m_off - 1):+.2f}% | {100 * (pairs - 1):+.2f}% | {1e3 * (m_on - m_off):+.2f} |")  # fmt: skip
     if r0["profiled"] is not None:
-        print(f"the flops profiler's step (in the 'on' steps above): {1e3 * r0['profiled']:.0f} ms")
+        print()
+        print(f"The flops profiler's step (one of the 'on' steps above): {1e3 * r0['profiled']:.0f} ms wall.")  # fmt: skip
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"ranks": ranks, "median_on": med_on, "median_off": med_off, "ratios": ratios}, f)  # fmt: skip
+            json.dump({"ranks": ranks, "summary": summary}, f)
 
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "_rank":
-        rank_main(int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5])
+        rank_main(
+            int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5] == "1", sys.argv[6]
+        )
     else:
         main()

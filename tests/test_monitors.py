@@ -251,6 +251,32 @@ def test_bandwidths_are_deepspeeds() -> None:
     assert alg == bus == pytest.approx(s / t * gbps)
 
 
+def test_comms_logger_records_from_the_ledger() -> None:
+    from types import SimpleNamespace
+
+    from zeroshard.comm import Ledger, OpEvent
+    from zeroshard.monitor.comms import CommsLogger
+
+    lines: list[str] = []
+    cfg = SimpleNamespace(verbose=True, debug=True, prof_all=False, prof_ops=["all_gather_into_tensor"])  # fmt: skip
+    ledger = Ledger()
+    logger = CommsLogger(cfg, ledger, rank=0, echo=lines.append)
+    for seconds in (0.001, 0.002, 0.003):
+        for observe in ledger.observers:
+            observe(OpEvent("zero_shard", "all_gather", 4 * 2**20, seconds, 4, "gather"))
+            observe(OpEvent("replicas", "all_reduce", 2 * 2**20, seconds, 2, "reduce"))
+    summary = logger.summary()  # prof_ops keeps all_gather only (DeepSpeed's name given)
+    assert list(summary) == ["all_gather | [Caller Func: gather]"]
+    s = summary["all_gather | [Caller Func: gather]"][2**20]  # one rank's part: 1 MiB
+    assert s["count"] == 3 and s["bytes"] == 12 * 2**20 and s["msg_size_str"] == "1.0 MB"
+    assert s["total_latency_ms"] == pytest.approx(6.0) and s["avg_latency_ms"] == pytest.approx(2.0)
+    assert len(lines) == 3 and lines[0].startswith("comm op: all_gather | [Caller Func: gather] | time (ms): 1.00 | msg size: 1.0 MB")  # fmt: skip
+    logger.log_all()
+    assert lines[-1].startswith("Comm. Op") and "1.0 MB" in lines[-1]
+    logger.close()
+    assert ledger.observers == []
+
+
 def test_csv_writer_names_and_appends(tmp_path) -> None:
     from zeroshard.monitor.csv import CSVWriter, file_name
 

@@ -20,14 +20,15 @@ part (all-gather, reduce-scatter), as DeepSpeed shows it.
 The time is what the ledger measures: how long the caller was blocked (issue plus
 ``wait()``). DeepSpeed synchronizes the device around every op when its logger is on;
 zeroshard does not, so a collective overlapped with compute shows less time than it
-took and its bandwidths are upper bounds.
+took and its bandwidths are upper bounds. Averages are DeepSpeed's (10%-trimmed means)
+over the last 1000 calls of an op and size; counts, bytes and total latency cover all.
 """
 
 from __future__ import annotations
 
 import math
 import weakref
-from collections import defaultdict
+from collections import defaultdict, deque
 from datetime import datetime
 from typing import TYPE_CHECKING
 
@@ -37,6 +38,7 @@ if TYPE_CHECKING:
     from zeroshard.comm import Ledger, OpEvent
 
 _ACTIVE: list[weakref.ref] = []  # the latest logger, for zeroshard.comm.log_summary()
+KEEP = 1000  # latencies kept per op and size for the averages (counts, totals: all calls)
 _COLUMNS = ("Comm. Op", "Message Size", "Count", "Total Latency(ms)", "Avg Latency(ms)", "tput_avg (Gbps)", "busbw_avg (Gbps)")  # fmt: skip
 
 
@@ -68,7 +70,7 @@ def bandwidths(op: str, nbytes: int, n: int, seconds: float) -> tuple[float, flo
     return algbw, algbw * bus.get(op, 1.0)
 
 
-def _trim_mean(values: list[float], trim: float = 0.1) -> float:
+def _trim_mean(values, trim: float = 0.1) -> float:
     """DeepSpeed's summary average: the mean without the top and bottom 10%."""
     if not values:
         return 0.0
@@ -89,7 +91,8 @@ class CommsLogger:
         self.prof_all = cfg.prof_all
         self.prof_ops = {COMM_OPS[op] for op in cfg.prof_ops or ()}
         self.rank, self._echo, self._ledger = rank, echo, ledger
-        # record name -> message size -> [count, latencies ms, algbws, busbws, ledger bytes]
+        # record name -> message size -> [count, total ms, latencies ms, algbws, busbws,
+        # ledger bytes]; the three lists keep the last KEEP calls (DeepSpeed keeps all)
         self.comms: dict[str, dict[int, list]] = defaultdict(dict)
         ledger.observers.append(self.observe)
         _ACTIVE[:] = [weakref.ref(self)]
@@ -101,12 +104,16 @@ class CommsLogger:
         algbw, busbw = bandwidths(e.op, e.nbytes, e.group_size, e.seconds)
         name = f"{e.op} | [Caller Func: {e.caller}]" if self.debug else e.op
         ms = e.seconds * 1e3
-        record = self.comms[name].setdefault(size, [0, [], [], [], 0])
+        record = self.comms[name].get(size)
+        if record is None:
+            lists = [deque(maxlen=KEEP) for _ in range(3)]
+            record = self.comms[name][size] = [0, 0.0, *lists, 0]
         record[0] += 1
-        record[4] += e.nbytes
-        record[1].append(ms)
-        record[2].append(algbw)
-        record[3].append(busbw)
+        record[1] += ms
+        record[2].append(ms)
+        record[3].append(algbw)
+        record[4].append(busbw)
+        record[5] += e.nbytes
         if self.verbose and self.rank == 0:
             self._echo(
                 f"comm op: {name} | time (ms): {ms:.2f} | msg size: {convert_size(size)} | "
@@ -120,11 +127,11 @@ class CommsLogger:
         out: dict = {}
         for name, sizes in self.comms.items():
             out[name] = {}
-            for size, (count, lat, alg, bus, nbytes) in sorted(sizes.items()):
+            for size, (count, total, lat, alg, bus, nbytes) in sorted(sizes.items()):
                 out[name][size] = {
                     "count": count,
                     "bytes": nbytes,
-                    "total_latency_ms": sum(lat),
+                    "total_latency_ms": total,
                     "avg_latency_ms": _trim_mean(lat),
                     "tput_avg_gbps": _trim_mean(alg),
                     "busbw_avg_gbps": _trim_mean(bus),
