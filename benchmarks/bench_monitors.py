@@ -10,8 +10,9 @@ at step 1, ``wall_clock_breakdown``, ``memory_breakdown``, ``dump_state``, the
 throughput timer and the step line every 10 steps). The engines take turns step by
 step (off, on, off, on, ...; each round starts with the other one), so both see the
 same load from the rest of the machine; each step (forward, backward, step) is timed on
-rank 0 by the wall clock and by the main thread's CPU clock (the ranks move in
-lockstep). Reported: the median step time of each, the overhead from the medians and
+rank 0 by the wall clock, the main thread's CPU clock and the process's (all its
+threads: the writers' threads too; the ranks move in lockstep; wandb's service runs in
+a process of its own). Reported: the median step time of each, the overhead from the medians and
 the median over pairs of neighbouring steps of on / off, for both clocks, and the
 profiled step (the flops profiler's one step, counted in the medians like any other).
 """
@@ -80,11 +81,12 @@ def rank_main(rounds: int, steps: int, warmup: int, services: bool, out: str) ->
     gen = torch.Generator().manual_seed(rank)
     x = torch.randint(0, 256, (MICRO, SEQ), generator=gen)
 
-    def step(engine) -> tuple[float, float]:
-        t0, c0 = time.perf_counter(), time.thread_time()
+    def step(engine) -> tuple[float, float, float]:
+        t0, c0, p0 = time.perf_counter(), time.thread_time(), time.process_time()
         engine.backward(engine(x, x))
         engine.step()
-        return time.perf_counter() - t0, time.thread_time() - c0
+        now = time.perf_counter(), time.thread_time(), time.process_time()
+        return now[0] - t0, now[1] - c0, now[2] - p0
 
     for engine in engines.values():
         for _ in range(warmup):
@@ -132,7 +134,7 @@ def main() -> None:
     print("| clock (rank 0) | off: median step (ms) | on: median step (ms) | overhead, medians | overhead, median of pairs | on - off (ms) |")  # fmt: skip
     print("|---|---|---|---|---|---|")
     summary = {}
-    for i, clock in enumerate(("wall", "CPU (main thread)")):
+    for i, clock in enumerate(("wall", "CPU (main thread)", "CPU (process, all threads)")):
         off = [t[i] for t in r0["times"]["off"]]
         on = [t[i] for t in r0["times"]["on"]]
         pairs = statistics.median(a / b for a, b in zip(on, off, strict=True))
