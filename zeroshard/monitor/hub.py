@@ -11,8 +11,9 @@ line and the metrics file. DeepSpeed's events, at each optimizer step (x = sampl
 
 Communication: with ``csv_monitor`` on, one ``all_gather_object`` of each rank's memory
 (a small dict) over the world at the first step and every ``steps_per_print`` steps, so
-the metrics file has every rank's memory. Otherwise none; each completed collective is
-counted by a ledger observer (the comm bytes of the step line).
+the metrics file has every rank's memory; ``print_summary`` does one too. Otherwise
+none; each completed collective is counted by a ledger observer (the comm bytes of the
+step line).
 """
 
 from __future__ import annotations
@@ -318,6 +319,8 @@ class EngineMonitor:
         if self.closed:
             return
         self.closed = True
+        if self.flops is not None and self.flops.active:  # ended inside the profiled step
+            self.flops.stop()
         if self._count in self._ledger.observers:
             self._ledger.observers.remove(self._count)
         self._say()
