@@ -16,6 +16,7 @@ $(STAMP): pyproject.toml
 
 demo: $(STAMP)
 	$(BIN)/zeroshard run --nproc 2 examples/train_gpt.py --deepspeed_config examples/ds_config_demo.json
+	$(BIN)/zeroshard plot runs/demo
 
 test: $(STAMP)
 	$(BIN)/python -m pytest tests

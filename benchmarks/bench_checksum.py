@@ -65,24 +65,33 @@ def checkpoint(layers: int, width: int, rounds: int) -> None:
         size = os.path.getsize(path)
         with open(path, "rb") as f:
             raw = memoryview(f.read())
-        crc = _best(lambda: zlib.crc32(raw), rounds)
-        del raw
+        crc = _best(lambda data=raw: zlib.crc32(data), rounds)
+        raw.release()
         loads = {
             "load, verify + non-finite scan (default)": {},
             "load, verify only (allow_nonfinite=True)": {"allow_nonfinite": True},
             "load, non-finite scan only (verify=False)": {"verify": False},
             "load, no checks": {"verify": False, "allow_nonfinite": True},
         }
-        times = {k: _best(lambda kw=kw: engine.load_checkpoint(root, **kw), rounds) for k, kw in loads.items()}
+        times = {
+            k: _best(lambda kw=kw: engine.load_checkpoint(root, **kw), rounds)
+            for k, kw in loads.items()
+        }
     mb = size / 1e6
     params = sum(p.numel() for p in model.parameters())
     print(f"\n{params / 1e6:.1f}M parameters, fp32 AdamW, 1 rank: one {mb:.0f} MB file\n")
     print("| operation | seconds | of which checks |\n|---|---|---|")
-    print(f"| save_checkpoint (CRC-32 of every tensor included) | {save:.3f} | ~{crc:.3f} ({crc / save:.0%}) |")
+    print(
+        f"| save_checkpoint (CRC-32 of every tensor included) | {save:.3f} | ~{crc:.3f} ({crc / save:.0%}) |"
+    )
     base = times["load, no checks"]
     for name, t in times.items():
         extra = t - base
-        print(f"| {name} | {t:.3f} | {extra:+.3f} ({mb / extra:,.0f} MB/s) |" if extra > 0.001 else f"| {name} | {t:.3f} | - |")
+        print(
+            f"| {name} | {t:.3f} | {extra:+.3f} ({mb / extra:,.0f} MB/s) |"
+            if extra > 0.001
+            else f"| {name} | {t:.3f} | - |"
+        )
 
 
 def main() -> None:

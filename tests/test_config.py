@@ -100,10 +100,9 @@ def assert_not_built(source: Any, path: str, world: int = 1) -> None:
 # ---------------------------------------------------------------------------------------
 @pytest.mark.parametrize("world", [1, 2, 3, 8])
 def test_real_megatron_zero3_examples_loads(world: int) -> None:
-    # wall_clock_breakdown: true is refused until the timers land (flip it then).
     path = REAL / "dse_megatron_zero3_examples_ds_config.json"
-    assert_not_built(path, "wall_clock_breakdown", world)
-    cfg = read_config(path, dp_world_size=world)
+    cfg = load_config(path, dp_world_size=world)
+    assert cfg.wall_clock_breakdown
     assert (cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu) == (8 * world, 8)
     assert cfg.gradient_accumulation_steps == 1
     assert cfg.fp16.enabled and cfg.fp16.dynamic_loss_scale
@@ -111,7 +110,7 @@ def test_real_megatron_zero3_examples_loads(world: int) -> None:
     assert cfg.compute_dtype == torch.float16
     assert cfg.gradient_clipping == 1.0
     assert cfg.optimizer is None and cfg.zero_optimization.stage == 0
-    assert cfg.not_built == (("wall_clock_breakdown", "the wall-clock breakdown"),)
+    assert cfg.not_built == ()
 
 
 @pytest.mark.parametrize(("world", "gas"), [(1, 16), (2, 8), (8, 2)])
@@ -259,10 +258,9 @@ def test_real_zero_infinity_config_has_a_typo() -> None:
     raw = real("dse_megatron_zero3_ds_zero_stage_infinity_config.json")
     zero = raw["zero_optimization"]
     zero["stage3_param_persistence_threshold"] = zero.pop("stage3_param_persitance_threshold")
-    # ZeRO-3 with NVMe offload is built; wall_clock_breakdown: true is not (flip it then)
-    assert_not_built(raw, "wall_clock_breakdown")
-    cfg = parsed(raw)
-    assert cfg.not_built == (("wall_clock_breakdown", "the wall-clock breakdown"),)
+    # ZeRO-3 with NVMe offload and wall_clock_breakdown: true are built
+    cfg = load_config(raw)
+    assert cfg.not_built == () and cfg.wall_clock_breakdown
     assert cfg.aio.queue_depth == 16 and cfg.aio.intra_op_parallelism == 2  # legacy thread_count
     assert inert_keys(cfg) == [
         "zero_optimization.offload_param.max_in_cpu",
@@ -693,16 +691,6 @@ NOT_BUILT_CASES = {
         _with(zero_optimization={"stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 0.5}}),
         "zero_optimization.offload_optimizer.ratio",
     ),
-    "wall_clock_breakdown": (_with(wall_clock_breakdown=True), "wall_clock_breakdown"),
-    "memory_breakdown": (_with(memory_breakdown=True), "memory_breakdown"),
-    "dump_state": (_with(dump_state=True), "dump_state"),
-    "tensorboard": (_with(tensorboard={"enabled": True, "output_path": "x"}), "tensorboard"),
-    "wandb": (_with(wandb={"enabled": True}), "wandb"),
-    "csv_monitor": (_with(csv_monitor={"enabled": True}), "csv_monitor"),
-    "comet": (_with(comet={"enabled": True}), "comet"),
-    "comms_logger": (_with(comms_logger={"enabled": True, "prof_ops": ["x"]}), "comms_logger"),
-    "flops_profiler": (_with(flops_profiler={"enabled": True}), "flops_profiler"),
-    "throughput_timer": (_with(timers={"throughput": {"enabled": True}}), "timers.throughput"),
     "bf16_immediate": (_with(bf16={"immediate_grad_update": True}), "bf16.immediate_grad_update"),
     "fp32_weights": (
         _zero(load_from_fp32_weights=False),
@@ -789,7 +777,7 @@ def test_minimal_config_defaults() -> None:
     assert zero.stage3_prefetch_bucket_size == 50_000_000
     assert zero.offload_param.buffer_count == 5 and zero.offload_optimizer.buffer_count == 4
     assert not zero.offload_param.enabled and not zero.offload_optimizer.enabled
-    assert cfg.gradient_clipping == 0.0 and cfg.steps_per_print == 10
+    assert cfg.gradient_clipping == 0.0 and cfg.steps_per_print is None  # DeepSpeed 0.19: never
     assert cfg.fp16.initial_loss_scale == 2.0**16
     assert cfg.inert == () and cfg.not_built == () and cfg.seed is None
     assert cfg.checkpoint.tag_validation == "Warn" and cfg.aio.block_size == 1_048_576
@@ -955,8 +943,9 @@ def test_offload_the_stage_does_not_use_is_ignored_as_in_deepspeed() -> None:
         ZeroConfig(stage=2, offload_param=OffloadParamConfig(device="cpu"))
 
 
-def test_monitors_switched_on_are_all_named() -> None:
-    cfg = parsed(
+def test_monitors_switched_on_load() -> None:
+    """Issue 16 built them: every monitoring section loads, and a key of them is read."""
+    cfg = load_config(
         _with(
             wall_clock_breakdown=True,
             memory_breakdown=False,
@@ -969,15 +958,22 @@ def test_monitors_switched_on_are_all_named() -> None:
             steps_per_print=50,
         )
     )
-    assert [path for path, _ in cfg.not_built] == [
-        "wall_clock_breakdown",
-        "timers.throughput",
-        "tensorboard",
-        "csv_monitor",
-        "comms_logger",
-        "flops_profiler",
-    ]
+    assert cfg.not_built == () and cfg.inert == ()
+    assert cfg.wall_clock_breakdown and cfg.tensorboard.job_name == "x"
+    assert cfg.comms_logger.prof_ops == ["all_reduce"] and cfg.flops_profiler.profile_step == 1
+    assert cfg.timers.throughput.enabled and not cfg.timers.throughput.synchronized
     assert cfg.steps_per_print == 50
+
+
+def test_monitor_keys_are_checked() -> None:
+    message = error_of(_with(comms_logger={"enabled": True, "prof_ops": ["allreduce"]}))
+    assert message.startswith("comms_logger.prof_ops: unknown collective 'allreduce'"), message
+    message = error_of(_with(flops_profiler={"enabled": True, "module_depth": -2}))
+    assert message.startswith("flops_profiler.module_depth: must be >= -1"), message
+    message = error_of(_with(comet={"enabled": True, "mode": "resume"}))
+    assert message.startswith("comet.mode: expected one of 'get', 'create'"), message
+    inert = load_config(_with(flops_profiler={"enabled": True, "recompute_fwd_factor": 1.0}))
+    assert [k for k, _ in inert.inert] == ["flops_profiler.recompute_fwd_factor"]
 
 
 def test_inert_keys_are_accepted_and_reported() -> None:
@@ -1067,7 +1063,7 @@ def test_raw_is_kept_apart_from_equality_and_the_input_is_not_changed() -> None:
     source = _zero(reduce_bucket_size=1e6)
     before = copy.deepcopy(source)
     a = load_config(source)
-    b = load_config({**source, "steps_per_print": 10})
+    b = load_config({**source, "steps_per_print": None})  # the default, spelled out
     assert source == before and a.raw == before and a.raw is not source
     assert a == b and "raw" not in repr(a)
     with pytest.raises(dataclasses.FrozenInstanceError):
@@ -1300,7 +1296,7 @@ def test_buffer_count_is_not_checked_on_an_ignored_offload_section() -> None:
 # Every key the schema accepts: wired, refused (not built) or inert with a reason
 # ---------------------------------------------------------------------------------------
 PACKAGE = Path(__file__).parent.parent / "zeroshard"
-CONFIG_MODULES = {"config.py", "_config_schema.py", "_config_sections.py", "_config_json.py"}
+CONFIG_MODULES = {"config.py", "_config_schema.py", "_config_sections.py", "_config_json.py", "_config_monitors.py"}  # fmt: skip
 # Wired keys the code reads by another route than ``.<attribute>``, and how.
 WIRED_ELSEWHERE = {
     # folded into offload_optimizer / offload_param by ZeroConfig.json_compat

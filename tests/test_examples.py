@@ -97,8 +97,9 @@ def test_demo_runs_briefly(tmp_path) -> None:
         "tiny",
         "--steps",
         "5",
-        "--metrics",
-        str(tmp_path / "m.jsonl"),
+        "--run-dir",
+        str(tmp_path / "demo"),
     )
-    assert "trained 5 steps" in out and "rank 1 memory" in out
-    assert len((tmp_path / "m.jsonl").read_text().splitlines()) == 6
+    assert "trained 5 steps" in out and "rank 1 memory" in out and "held-out loss" in out
+    assert len((tmp_path / "demo" / "metrics.jsonl").read_text().splitlines()) == 5
+    assert (tmp_path / "demo" / "Train_Samples_train_loss.csv").exists()

@@ -459,6 +459,15 @@ def _start(argv: list[str], **kw) -> subprocess.Popen:
     )
 
 
+def _reply(p: subprocess.Popen) -> dict:
+    """The job's next JSON answer; the engine's step lines (steps_per_print) interleave."""
+    while True:
+        line = p.stdout.readline()
+        assert line, "job exited"
+        if line.startswith("{"):
+            return json.loads(line)
+
+
 @pytest.mark.timeout(180)
 def test_racing_saves_never_publish_a_mix(tmp_path) -> None:
     """Two one-rank jobs save tag `t` into one directory at the same moment, 10 times;
@@ -477,13 +486,13 @@ def test_racing_saves_never_publish_a_mix(tmp_path) -> None:
             for p in jobs:
                 p.stdin.write("save\n")
                 p.stdin.flush()
-            results = [json.loads(p.stdout.readline()) for p in jobs]
+            results = [_reply(p) for p in jobs]
             for r in results:
                 assert r["ok"] or "save_checkpoint" in r["error"], (rnd, r)
             successes += sum(r["ok"] for r in results)
             jobs[0].stdin.write("verify\n")
             jobs[0].stdin.flush()
-            got = json.loads(jobs[0].stdout.readline())
+            got = _reply(jobs[0])
             assert got["ok"], (rnd, got, results)
             published = {r["digest"] for r in results if r["ok"]}
             assert not published or got["digest"] in published, (rnd, got, results)

@@ -23,7 +23,7 @@ _LAZY = {
     "resume": "zeroshard.restart",
 }
 
-_SUBMODULES = ("zero", "utils")
+_SUBMODULES = ("zero", "utils", "comm")  # zeroshard.comm.log_summary(), as deepspeed.comm
 
 __all__ = [
     "__version__",

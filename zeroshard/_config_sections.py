@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 import sys
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, make_dataclass
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from zeroshard._config_schema import (
@@ -427,44 +427,3 @@ class CheckpointConfig(Section):
     writer: dict[str, Any] | None = key(None, INERT("checkpoints have one writer (safetensors)"), doc="DeepSpeed's writer settings.")
     dir: str | None = key(None, doc="zeroshard: the job's checkpoint directory: initialize() resumes from its latest, and SIGTERM saves there at the next step boundary and exits 0.", nullable=True, check=_non_empty)
     # fmt: on
-
-
-def _monitor(name: str, feature: str, **fields: tuple[Any, Any, str]) -> Any:
-    """A monitoring section, and the key of it: refused when enabled, until monitors land."""
-    spec = [("enabled", bool, key(False, doc="Switch it on."))]
-    spec += [(k, tp, key(default, doc=doc)) for k, (tp, default, doc) in fields.items()]
-    cls = make_dataclass(name, spec, bases=(Section,), frozen=True, kw_only=True)
-    cls.__module__ = __name__
-    doc = f"DeepSpeed's {feature}."
-    return cls, functools.partial(key, status=NOT_BUILT(feature, enabled), factory=cls, nullable=True, doc=doc)  # fmt: skip
-
-
-# fmt: off
-_PATH, _JOB, _STR = (str, "", "Output directory."), (str, "DeepSpeedJobName", "Run name."), str | None
-TensorBoardConfig, tensorboard = _monitor("TensorBoardConfig", "TensorBoard monitor", output_path=_PATH, job_name=_JOB)
-CSVMonitorConfig, csv_monitor = _monitor("CSVMonitorConfig", "CSV monitor", output_path=_PATH, job_name=_JOB)
-WandbConfig, wandb = _monitor("WandbConfig", "Weights & Biases monitor", group=(_STR, None, "Group."), team=(_STR, None, "Team."), project=(str, "deepspeed", "Project."))
-CometConfig, comet = _monitor(
-    "CometConfig", "Comet monitor", samples_log_interval=(int, 100, "Samples between logs."), project=(_STR, None, "Project."),
-    workspace=(_STR, None, "Workspace."), api_key=(_STR, None, "API key."), experiment_name=(_STR, None, "Experiment name."),
-    experiment_key=(_STR, None, "Experiment key."), online=(bool | None, None, "Log online."), mode=(_STR, None, "Comet mode."),
-)
-CommsLoggerConfig, comms_logger = _monitor(
-    "CommsLoggerConfig", "communication logger", verbose=(bool, False, "Log every op."), prof_all=(bool, True, "Profile all ops."),
-    debug=(bool, False, "Caller names."), prof_ops=(list[str] | None, None, "Ops to profile."),
-)
-FlopsProfilerConfig, flops_profiler = _monitor(
-    "FlopsProfilerConfig", "flops profiler", recompute_fwd_factor=(float, 0.0, "Recomputed share of forward."),
-    profile_step=(int, 1, "Step profiled."), module_depth=(int, -1, "Depth of the report."), top_modules=(int, 1, "Modules listed."),
-    detailed=(bool, True, "Per-module report."), output_file=(_STR, None, "Report file."),
-)
-# DeepSpeed's default is the throughput timer on; ours is off until it is built.
-ThroughputTimerConfig, _throughput = _monitor("ThroughputTimerConfig", "throughput timer", synchronized=(bool, True, "Synchronize when timing."))
-# fmt: on
-
-
-@dataclass(frozen=True, kw_only=True)
-class TimersConfig(Section):
-    """``timers``."""
-
-    throughput: ThroughputTimerConfig = _throughput()

@@ -14,12 +14,18 @@ all-gather the full gathered output, broadcast / all-to-all / send / recv the bu
 With world size 1 every collective is a local copy (or nothing) and nothing is recorded:
 no bytes leave the process.
 
+Observers (``Ledger.observers``, e.g. the comms logger) get an :class:`OpEvent` when a
+collective completes: its bytes, blocked seconds, group size and the calling function.
+With no observer the ledger costs what it did; ``log_summary()`` is DeepSpeed's
+``deepspeed.comm.log_summary`` (the comms logger's table).
+
 Gloo gaps filled here: ``ReduceOp.AVG`` (sum then divide), and the ``*_single`` names
 introduced in torch 2.13 versus the ``*_tensor`` names older torch has.
 """
 
 from __future__ import annotations
 
+import sys
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -46,11 +52,25 @@ class OpStats:
 Stats = dict[str, dict[str, float | int]]
 
 
+@dataclass(frozen=True)
+class OpEvent:
+    """One completed collective, as ledger observers see it."""
+
+    axis: str
+    op: str
+    nbytes: int  # the ledger's count (see the byte convention above)
+    seconds: float  # blocked: issue plus wait
+    group_size: int
+    caller: str  # the function that called the Comm
+
+
 class Ledger:
-    """Per-(axis, op) call, byte and blocked-time totals for this rank."""
+    """Per-(axis, op) call, byte and blocked-time totals for this rank, and the
+    ``observers`` told of each completed collective."""
 
     def __init__(self) -> None:
         self._ops: dict[tuple[str, str], OpStats] = defaultdict(OpStats)
+        self.observers: list[Callable[[OpEvent], None]] = []
 
     def record(self, op: str, nbytes: int, seconds: float, axis: str = "world") -> None:
         s = self._ops[axis, op]
@@ -90,7 +110,8 @@ class Ledger:
 
 
 class Handle:
-    """An in-flight collective. ``wait()`` blocks until it is done, then runs ``then``."""
+    """An in-flight collective. ``wait()`` blocks until it is done, then runs ``then``
+    (and tells the ledger's observers, when ``event`` holds what they need)."""
 
     def __init__(
         self,
@@ -100,10 +121,11 @@ class Handle:
         then: Callable[[], None] | None = None,
         axis: str = "world",
         nbytes: int = 0,
+        event: tuple[int, float, int, str] | None = None,  # nbytes, issue s, group, caller
     ) -> None:
         self._work, self._ledger, self._op, self._then = work, ledger, op, then
-        self._axis, self._nbytes = axis, nbytes
-        self.done = work is None and then is None
+        self._axis, self._nbytes, self._event = axis, nbytes, event
+        self.done = work is None and then is None and event is None
 
     def wait(self) -> None:
         if self.done:
@@ -119,9 +141,15 @@ class Handle:
         if self._then is not None:
             self._then()
         if self._ledger is not None:
-            self._ledger.add_seconds(self._op, time.perf_counter() - t0, self._axis)
+            waited = time.perf_counter() - t0
+            self._ledger.add_seconds(self._op, waited, self._axis)
+            if self._event is not None:
+                nbytes, issued, group, caller = self._event
+                done = OpEvent(self._axis, self._op, nbytes, issued + waited, group, caller)
+                for observe in self._ledger.observers:
+                    observe(done)
         self.done = True
-        self._work = self._then = None  # keep no reference into the backend's threads
+        self._work = self._then = self._event = None  # no reference into backend threads
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -169,8 +197,12 @@ class Comm:
         work = fn()
         if wd is not None:
             wd.unblock()
-        self.ledger.record(op, nbytes, time.perf_counter() - t0, self.axis)
-        handle = Handle(work, self.ledger, op, then, self.axis, nbytes)
+        issued = time.perf_counter() - t0
+        self.ledger.record(op, nbytes, issued, self.axis)
+        event = None
+        if self.ledger.observers:  # frames: 0 this, 1 the Comm method, 2 its caller
+            event = (nbytes, issued, self.world_size, sys._getframe(2).f_code.co_name)
+        handle = Handle(work, self.ledger, op, then, self.axis, nbytes, event)
         if async_op:
             return handle
         handle.wait()
@@ -340,3 +372,11 @@ class _Works:
         for w in self._works:
             w.wait()
         return True
+
+
+def log_summary(show_straggler: bool = False, return_dict: bool = False) -> dict | None:
+    """DeepSpeed's ``deepspeed.comm.log_summary``: print (rank 0) the comms logger's
+    table of the latest engine with ``comms_logger`` enabled; ``return_dict`` returns it."""
+    from zeroshard.monitor.comms import log_summary as summary
+
+    return summary(show_straggler=show_straggler, return_dict=return_dict)

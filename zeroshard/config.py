@@ -39,6 +39,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from zeroshard import _config_monitors as monitors
 from zeroshard import _config_sections as sections
 from zeroshard._config_json import read_config_file
 from zeroshard._config_parallel import TensorParallelConfig
@@ -157,13 +158,13 @@ class Config(Section):
     communication_data_type: str | None = key(None, doc="Dtype of gradient communication; null = the gradients'.", choices=DTYPES)
     seq_parallel_communication_data_type: str = key("fp32", INERT("sequence-parallel all-to-alls move activations in their own dtype"), doc="Sequence-parallel dtype.", choices=DTYPES)
     gradient_allreduce_op: str = key("mean", NOT_BUILT("summed (not averaged) gradient reduction"), doc="mean or sum.", choices=("mean", "sum"))
-    steps_per_print: int | None = key(10, doc="Log progress every this many steps; null or Infinity = never.", min=1, infinity=None)
+    steps_per_print: int | None = key(None, doc="Log progress every this many steps; null (the default, as in DeepSpeed) or Infinity = never.", min=1, infinity=None)
     seed: int | None = key(None, doc="Seed of Python's and torch's random state.", min=0)
     comm_timeout: float | None = key(None, doc="zeroshard: seconds a rank may block in one collective before the watchdog reports every rank's state and exits (0: off; null: ZEROSHARD_COMM_TIMEOUT or 600).", min=0)
     dataloader_drop_last: bool = key(False, doc="The engine's data loader drops the last incomplete batch.")
-    wall_clock_breakdown: bool = key(False, NOT_BUILT("the wall-clock breakdown"), doc="Time forward/backward/step.")
-    memory_breakdown: bool = key(False, NOT_BUILT("the memory breakdown"), doc="Report memory use.")
-    dump_state: bool = key(False, NOT_BUILT("dumping the engine state"), doc="Print the engine state.")
+    wall_clock_breakdown: bool = key(False, doc="Print forward, backward (inner, allreduce) and step times every step (rank 0).")
+    memory_breakdown: bool = key(False, doc="Print memory use before and after forward, backward and step (rank 0).")
+    dump_state: bool = key(False, doc="Print the resolved config at start-up (rank 0).")
     zero_allow_untested_optimizer: bool = key(False, INERT("ZeRO takes any torch optimizer"), doc="ZeRO with a client optimizer.")
     zero_force_ds_cpu_optimizer: bool = key(True, INERT("CPU offload steps torch's fused CPU Adam"), doc="Insist on DeepSpeed's CPU Adam.")
     disable_allgather: bool = key(False, INERT("a legacy switch; updated parameters are always all-gathered"), doc="Broadcast, not all-gather.")
@@ -175,13 +176,13 @@ class Config(Section):
     managed_gradient_accumulation: bool = key(True, NOT_BUILT("unmanaged gradient accumulation"), doc="Accumulate in the engine.")
     graph_harvesting: bool = key(False, NOT_BUILT("CUDA graph harvesting"), doc="CUDA graph harvesting.")
     use_data_before_expert_parallelism: bool = key(False, INERT("no expert parallelism"), doc="Data vs expert rank order.")
-    timers: sections.TimersConfig = _section(sections.TimersConfig, "Timers.")
-    tensorboard: sections.TensorBoardConfig = sections.tensorboard()
-    wandb: sections.WandbConfig = sections.wandb()
-    csv_monitor: sections.CSVMonitorConfig = sections.csv_monitor()
-    comet: sections.CometConfig = sections.comet()
-    comms_logger: sections.CommsLoggerConfig = sections.comms_logger()
-    flops_profiler: sections.FlopsProfilerConfig = sections.flops_profiler()
+    timers: monitors.TimersConfig = _section(monitors.TimersConfig, "Timers.")
+    tensorboard: monitors.TensorBoardConfig = monitors.monitor(monitors.TensorBoardConfig, "TensorBoard monitor")
+    wandb: monitors.WandbConfig = monitors.monitor(monitors.WandbConfig, "Weights & Biases monitor")
+    csv_monitor: monitors.CSVMonitorConfig = monitors.monitor(monitors.CSVMonitorConfig, "CSV monitor")
+    comet: monitors.CometConfig = monitors.monitor(monitors.CometConfig, "Comet monitor")
+    comms_logger: monitors.CommsLoggerConfig = monitors.monitor(monitors.CommsLoggerConfig, "communication logger")
+    flops_profiler: monitors.FlopsProfilerConfig = monitors.monitor(monitors.FlopsProfilerConfig, "flops profiler")
     pipeline: dict[str, Any] | None = _feature("pipeline parallelism")
     amp: dict[str, Any] | None = _feature("Apex AMP", enabled)
     torch_autocast: dict[str, Any] | None = _feature("torch.autocast mixed precision", enabled)

@@ -28,6 +28,7 @@ from zeroshard import watchdog
 from zeroshard.agreement import check_ranks_agree
 from zeroshard.distributed import default_device, local_rank
 from zeroshard.memory import measure
+from zeroshard.monitor.hub import EngineMonitor
 from zeroshard.offload.placement import Placement
 from zeroshard.offload.store import MemoryShard
 from zeroshard.offload.swaps import EngineSwaps
@@ -138,6 +139,7 @@ class Engine(nn.Module):
         self.global_steps = 0
         check_ranks_agree(self.comm, module, config)
         self.device = default_device()
+        self.monitor = EngineMonitor(config, mesh, self.device)  # first: bad input fails here
         self.policy = DtypePolicy.from_config(config)
         self.placement = Placement.from_config(config.zero_optimization, self.device)
         self.sharding = Sharding.for_stage(config.zero_optimization.stage)
@@ -416,6 +418,7 @@ class Engine(nn.Module):
         for p in self.module.parameters():
             p.grad = None
         self._swaps.close()
+        self.monitor.close()
         self.destroyed = True
         if self.module in _ENGINES and _ENGINES[self.module]() is self:
             del _ENGINES[self.module]
@@ -435,7 +438,10 @@ class Engine(nn.Module):
     # -- the training loop --------------------------------------------------------------
     def forward(self, *args, **kwargs):
         self._enter("forward")
-        return self.module(*args, **kwargs)
+        self.monitor.forward_start(self, args, kwargs)
+        out = self.module(*args, **kwargs)
+        self.monitor.forward_end()
+        return out
 
     def is_gradient_accumulation_boundary(self) -> bool:
         return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
@@ -460,20 +466,25 @@ class Engine(nn.Module):
             scaled = scaled / gas
         if self.loss_scaler.scale != 1.0:
             scaled = scaled * self.loss_scaler.scale
+        self.monitor.backward_start(loss, gas)
         self.reducer.begin(self.is_gradient_accumulation_boundary())
         self.params.begin_backward()
         try:
             scaled.backward(retain_graph=retain_graph)
+            self.monitor.backward_inner_end()
             self.reducer.finish()
         finally:
             self.params.end_backward()
+        self.monitor.backward_end()
         return loss
 
     def step(self, lr_kwargs: dict | None = None) -> None:
         """Count a micro-step; at the accumulation boundary, update the model."""
         self._enter("step")
+        self.monitor.step_start()
         self._step_applied = False
-        if self.is_gradient_accumulation_boundary():
+        boundary = self.is_gradient_accumulation_boundary()
+        if boundary:
             if self.params.edited():  # e.g. p.clamp_() after the last step: keep it
                 self.optimizer.refresh_masters(list(range(len(self.flat.layout.segments))))
             loss_finite = self._loss_finite is None or bool(self._loss_finite)
@@ -502,20 +513,13 @@ class Engine(nn.Module):
             self.reducer.zero_grad()
             self.global_steps += 1
             self.global_samples += self.train_batch_size()
-            self._report_progress()
+        self.monitor.step_end(self, boundary)
         self.micro_steps += 1
         if (
             self.preemption is not None
             and self.micro_steps % self.gradient_accumulation_steps() == 0
         ):
             self.preemption.at_step_boundary(self)  # SIGTERM: save, exit 0
-
-    def _report_progress(self) -> None:
-        every = self._config.steps_per_print
-        if every and self.global_steps % every == 0 and self.comm.rank == 0:
-            log.info(
-                "step=%d skipped=%d lr=%s", self.global_steps, self.skipped_steps, self.get_lr()
-            )
 
     def zero_grad(self) -> None:
         self.reducer.zero_grad()

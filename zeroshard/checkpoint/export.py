@@ -19,6 +19,7 @@ import torch
 from zeroshard.checkpoint.format import exchange, raise_if_failed, write_text_atomic
 from zeroshard.checkpoint.load import PieceReader, read_manifest, resolve_path, scan_files
 from zeroshard.checkpoint.save import CheckpointSaveError
+from zeroshard.progress import progress
 from zeroshard.safetensors_io import DTYPES, StreamWriter, dtype_size
 
 DTYPE_ARGS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -56,7 +57,8 @@ def write_weights(out: str, entries, fetch, max_shard_bytes: int | None = None) 
         partial = _partial(path)
         writer = StreamWriter(partial, shard, {"format": "pt"})
         try:
-            for name, dtype, shape in shard:
+            desc = f"writing {os.path.basename(path)}"
+            for name, dtype, shape in progress(shard, desc=desc, unit="tensor"):
                 writer.write(name, fetch(name).to(dtype))
                 weight_map[name] = os.path.basename(path)
                 total += math.prod(shape) * dtype_size(dtype)

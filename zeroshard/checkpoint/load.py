@@ -41,6 +41,7 @@ from zeroshard.checkpoint.validate import (
     validate,
 )
 from zeroshard.parallel.slices import TPSlice, assemble, tp_slice_of
+from zeroshard.progress import progress
 from zeroshard.safetensors_io import DTYPE_NAMES, DTYPES
 
 
@@ -212,7 +213,8 @@ def load(
     # fp32 parameters take the fp32 masters when the checkpoint has them (exact resume)
     param_kind = "master" if "master" in kinds and dtype == torch.float32 else "param"
     with torch.no_grad():
-        for piece in access.pieces:
+        rank0 = engine.comm.rank == 0
+        for piece in progress(access.pieces, desc="loading checkpoint", enabled=rank0):
             name, a = flat_names[piece.param], piece.shard_lo
             if name not in names:  # load_module_strict=False: keep this one as it is
                 continue

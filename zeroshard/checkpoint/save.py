@@ -53,6 +53,7 @@ from zeroshard.checkpoint.paths import (
 from zeroshard.checkpoint.shards import OwnedPiece, ShardAccess
 from zeroshard.parallel.mesh import AXES
 from zeroshard.parallel.slices import tp_slice_of
+from zeroshard.progress import progress
 from zeroshard.safetensors_io import DTYPE_NAMES, StreamWriter
 
 
@@ -261,7 +262,9 @@ def _write_rank_file(engine, access, names, kinds, path: str, save_id: str) -> i
         entries.append((key, t.dtype, list(t.shape)))
     meta = {"rank": str(rank), "python_rng": json.dumps(random.getstate()), "zs_save": save_id}
     writer = StreamWriter(path, entries, meta, checksums=True)
-    for (kind, piece), (key, _, _) in zip(sources, entries[: len(sources)], strict=True):
+    pieces = zip(sources, entries[: len(sources)], strict=True)
+    shown = progress(pieces, desc="saving checkpoint", total=len(sources), enabled=rank == 0)
+    for (kind, piece), (key, _, _) in shown:
         n = piece.hi - piece.lo
         writer.write(key, access.get(kind, piece.shard_lo, piece.shard_lo + n))
     for key, t in extra.items():

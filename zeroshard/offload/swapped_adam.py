@@ -24,6 +24,7 @@ import torch
 from torch.optim.adam import adam as adam_functional
 
 from zeroshard.offload.nvme import ALIGN, SwapSpace, aligned_empty
+from zeroshard.progress import progress
 from zeroshard.zero.flat import FlatParams
 
 _KEYS = ("master", "exp_avg", "exp_avg_sq")
@@ -42,6 +43,7 @@ class SwappedAdam:
         pipeline_read: bool,
         pipeline_write: bool,
         initial_master: Callable[[int, int], torch.Tensor],
+        show_progress: bool = False,
     ) -> None:
         self.flat, self.space, self.decoupled = flat, space, decoupled
         self.param_groups = [dict(h) for h in flat.hyperparams]
@@ -77,7 +79,8 @@ class SwappedAdam:
             {k: aligned_empty(size * 4).view(torch.float32) for k in _KEYS} for _ in range(nsets)
         ]
         self._writes: list[list[Future]] = [[] for _ in range(nsets)]
-        for a, b in self.subgroups:  # masters from the parameters; moments start as zeros
+        shown = progress(self.subgroups, desc="writing NVMe swap files", enabled=show_progress)
+        for a, b in shown:  # masters from the parameters; moments start as zeros
             buf = self.sets[0]["master"]
             buf[: b - a].copy_(initial_master(a, b))
             self.files["master"].write(buf[: self._io(a, b)], a * 4)

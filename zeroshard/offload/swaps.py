@@ -61,6 +61,7 @@ class EngineSwaps:
             pipeline_read=off.pipeline_read,
             pipeline_write=off.pipeline_write,
             initial_master=lambda a, b: flat.store.read("param", a, b),
+            show_progress=self.rank == 0,
         )
 
     def close(self) -> None:

@@ -1,0 +1,377 @@
+"""Issue 16: what a run writes and prints when DeepSpeed's monitoring sections are on.
+
+* ``test_every_monitor_on_two_ranks``: tests/scripts/monitored.py on 2 ranks through
+  ``zeroshard run`` (ZeRO-3, every section on, no logging configuration): TensorBoard
+  events (read back with tensorboard's EventAccumulator), DeepSpeed's CSV files, a wandb
+  offline run, Comet's offline archive (when comet_ml is installed), the flops table
+  against FlopCounterMode and 6·N·tokens, the wall-clock, memory, throughput and step
+  lines on stdout, the comms logger's bytes against the ledger's, and ``zeroshard plot``
+  PNGs that open with PIL and are not blank.
+* ``test_bad_input_fails_at_initialize``: on 2 ranks, an unwritable output directory or
+  a missing package fails ``initialize`` on every rank, naming the key, and writes
+  nothing.
+* the rest: no processes (bandwidth formulas, CSV names, the step line's handler,
+  progress bars, plots of synthetic files, the peak FLOP/s probe).
+"""
+
+from __future__ import annotations
+
+import csv
+import glob
+import importlib.util
+import json
+import logging
+import os
+import re
+import subprocess
+import sys
+
+import multirank
+import numpy as np
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STEPS, SAMPLES = 4, 8  # monitored.py: 4 steps of 2 ranks x micro 2 x accumulation 2
+CSV_FILES = {
+    "Train_Samples_train_loss.csv": "train_loss",
+    "Train_Samples_lr.csv": "lr",
+    "Train_Samples_elapsed_time_ms_forward.csv": "elapsed_time_ms_forward",
+    "Train_Samples_elapsed_time_ms_backward.csv": "elapsed_time_ms_backward",
+    "Train_Samples_elapsed_time_ms_backward_inner.csv": "elapsed_time_ms_backward_inner",
+    "Train_Samples_elapsed_time_ms_backward_allreduce.csv": "elapsed_time_ms_backward_allreduce",
+    "Train_Samples_elapsed_time_ms_step.csv": "elapsed_time_ms_step",
+}
+
+
+def _csv(path: str) -> list[list[str]]:
+    with open(path, newline="") as f:
+        return list(csv.reader(f))
+
+
+def _not_blank(path: str) -> None:
+    from PIL import Image
+
+    with Image.open(path) as img:
+        img.load()
+        gray = img.convert("L")
+        lo, hi = gray.getextrema()
+        inked = int((np.asarray(gray) < 200).sum())
+    assert img.size[0] > 100 and hi - lo > 100, (path, img.size, lo, hi)
+    assert inked > 0.005 * img.size[0] * img.size[1], (path, inked)
+
+
+@pytest.mark.timeout(600)
+def test_every_monitor_on_two_ranks(tmp_path) -> None:
+    for package in ("tensorboard", "wandb", "matplotlib", "PIL"):
+        pytest.importorskip(package)
+    comet = importlib.util.find_spec("comet_ml") is not None
+    out = tmp_path / "out"
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "WANDB_MODE": "offline",
+        "WANDB_SILENT": "true",
+        "WANDB_DIR": str(tmp_path),
+        "COMET_OFFLINE_DIRECTORY": str(tmp_path / "comet"),
+        "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    }
+    script = os.path.join(ROOT, "tests", "scripts", "monitored.py")
+    cmd = [sys.executable, "-m", "zeroshard.cli", "run", "--nproc", "2", script, "--out", str(out)]
+    run = subprocess.run(
+        cmd + (["--comet"] if comet else []),
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=540,
+    )
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
+    stdout = run.stdout
+
+    # the step line, every steps_per_print (2) steps, rank 0 only, with no logging setup;
+    # on gloo the reduce-scatter runs as an all-reduce (zero_optimization.reduce_scatter)
+    steps = re.findall(r"^step=(\d+), skipped=0, loss=[\d.]+, lr=\[[\d.e-]+\], grad_norm=[\d.]+, samples/s=[\d.]+, tokens/s=\d+, memory: cpu [\d.]+ [KMG]?B, rss [\d.]+ [KMG]B, comm: all_gather [\d.]+ [KMG]?B, all_reduce [\d.]+ [KMG]?B$", stdout, re.M)  # fmt: skip
+    assert steps == ["2", "4"], stdout[-3000:]
+    # wall clock: a micro-step line per engine.step(), a step line per optimizer step
+    micro = r"^time \(ms\) \| fwd_microstep: [\d.]+ \| bwd_microstep: [\d.]+ \| bwd_inner_microstep: [\d.]+ \| bwd_allreduce_microstep: [\d.]+ \| step_microstep: [\d.]+$"  # fmt: skip
+    whole = r"^time \(ms\) \| fwd: [\d.]+ \| bwd: [\d.]+ \| bwd_inner: [\d.]+ \| bwd_allreduce: [\d.]+ \| step: [\d.]+$"  # fmt: skip
+    assert len(re.findall(micro, stdout, re.M)) == 2 * STEPS
+    assert len(re.findall(whole, stdout, re.M)) == STEPS
+    assert len(re.findall(r"^Engine before forward \| CPU Virtual Memory: used = ", stdout, re.M)) == 2 * STEPS  # fmt: skip
+    assert len(re.findall(r"^epoch=0/micro_step=\d+/global_step=\d+, RunningAvgSamplesPerSec=", stdout, re.M)) == 2  # fmt: skip
+    assert stdout.count("zeroshard engine configuration:") == 1  # dump_state, rank 0
+    assert stdout.count("Comm. Op            Message Size") == 2  # log_summary() and at close
+    assert "Profile Summary at step 2:" in stdout and "MFU = model FLOPS / peak:" in stdout
+
+    # TensorBoard: rank 0 only, every tag once per step, at DeepSpeed's sample counts
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tb = out / "tb" / "job"
+    assert sorted(os.listdir(tb))[0].startswith("events.out.tfevents") and len(os.listdir(tb)) == 1
+    acc = EventAccumulator(str(tb))
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    assert tags == {"Train/Samples/" + name[len("Train_Samples_") : -4] for name in CSV_FILES}
+    after = [SAMPLES * (i + 1) for i in range(STEPS)]
+    for tag in tags:
+        events = acc.Scalars(tag)
+        expected = [s - SAMPLES for s in after] if tag.endswith("train_loss") else after
+        assert [e.step for e in events] == expected, tag
+    losses = [e.value for e in acc.Scalars("Train/Samples/train_loss")]
+    assert all(3.0 < v < 7.0 for v in losses), losses  # ~log(256) = 5.5 at the start
+
+    # CSV: DeepSpeed's file names and columns; all_ranks: rank 1 under rank1/
+    for where in (out / "csv" / "job", out / "csv" / "job" / "rank1"):
+        names = {n for n in os.listdir(where) if n.endswith(".csv")}
+        assert names == set(CSV_FILES), (where, names)
+        for name, column in CSV_FILES.items():
+            rows = _csv(str(where / name))
+            assert rows[0] == ["step", column] and len(rows) == STEPS + 1, (name, rows)
+    rows = _csv(str(out / "csv" / "job" / "Train_Samples_train_loss.csv"))
+    assert [float(r[1]) for r in rows[1:]] == pytest.approx(losses, rel=1e-6)
+    lines = (out / "csv" / "job" / "metrics.jsonl").read_text().splitlines()
+    metrics = [json.loads(line) for line in lines]
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4]
+    assert [len(m.get("memory_ranks", [])) for m in metrics] == [2, 2, 0, 2]
+    assert all(m["comm"]["all_gather"] > 0 and m["tokens_per_s"] > 0 for m in metrics)
+
+    # wandb: an offline run directory with the events in it
+    runs = glob.glob(str(tmp_path / "wandb" / "offline-run-*" / "run-*.wandb"))
+    assert len(runs) == 1, os.listdir(tmp_path / "wandb")
+    with open(runs[0], "rb") as f:
+        assert b"Train/Samples/train_loss" in f.read()
+    if comet:
+        assert len(glob.glob(str(tmp_path / "comet" / "*.zip"))) == 1
+
+    # the flops profiler: its total against FlopCounterMode and 6·N·tokens
+    result = json.loads((out / "result.json").read_text())
+    flops, n, tokens = result["flops"], result["params"], result["tokens"]
+    assert abs(flops["flops"] / result["flop_counter"] - 1) < 0.10, (flops, result)
+    assert abs(flops["flops"] / (6 * n * tokens) - 1) < 0.10, (flops, n, tokens)
+    assert flops["params"] == n and 0 < flops["mfu"] < 1
+    table = result["table"]
+    assert table["GPT"]["params"] == n and table["GPT"]["fwd_flops"] == flops["fwd_flops"]
+    children = ("GPT.blocks.0", "GPT.blocks.1", "GPT.head")
+    assert sum(table[c]["fwd_flops"] for c in children) == flops["fwd_flops"]
+    assert all(table[c]["fwd_latency_s"] > 0 for c in children)
+    # the comms logger's bytes are the ledger's, op by op
+    assert result["summary"] == {op: v["bytes"] for op, v in result["comm"].items()}
+
+    # zeroshard plot: PNGs that open and are not blank
+    plot = subprocess.run(
+        [sys.executable, "-m", "zeroshard.cli", "plot", str(out / "csv" / "job")],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert plot.returncode == 0, plot.stdout + plot.stderr
+    written = plot.stdout.split()
+    names = sorted(os.path.basename(p) for p in written)
+    assert names == ["comm.png", "loss.png", "lr.png", "memory.png", "throughput.png", "timers.png"]  # fmt: skip
+    for path in written:
+        _not_blank(path)
+
+
+def _bad_inputs(rank: int, world: int, tmp: str) -> dict:
+    import importlib.util as iu
+
+    import zeroshard
+    from zeroshard.config import ConfigError
+
+    blocker = os.path.join(tmp, "a_file")
+    if rank == 0:
+        open(blocker, "w").close()
+    torch.distributed.barrier()
+    base = {"train_batch_size": 4 * world, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
+    under_file = {"enabled": True, "output_path": blocker, "job_name": "j"}
+    cases = {
+        "tensorboard_under_file": {"tensorboard": {**under_file, "output_path": f"{blocker}/tb"}},
+        "csv_under_file": {"csv_monitor": under_file},
+        "wandb_missing": {"wandb": {"enabled": True}},
+        "tensorboard_missing": {"tensorboard": {"enabled": True, "output_path": tmp}},
+    }
+    if os.geteuid() != 0:  # root may write anywhere
+        locked = os.path.join(tmp, "locked")
+        os.makedirs(locked, exist_ok=True)
+        os.chmod(locked, 0o500)
+        cases["csv_locked"] = {"csv_monitor": {"enabled": True, "output_path": locked}}
+    real = iu.find_spec
+    out = {}
+    for name, extra in cases.items():
+        missing = {"wandb_missing": "wandb", "tensorboard_missing": "tensorboard"}.get(name)
+        iu.find_spec = lambda pkg, *a, missing=missing: None if pkg == missing else real(pkg, *a)
+        model = torch.nn.Linear(4, 4)
+        try:
+            zeroshard.initialize(model=model, config={**base, **extra})
+            out[name] = "no error"
+        except ConfigError as err:
+            out[name] = str(err)
+        finally:
+            iu.find_spec = real
+        out[name + "_hooks"] = len(model._forward_pre_hooks) + len(model._forward_hooks)
+    out["files"] = sorted(os.listdir(tmp))
+    return out
+
+
+def test_bad_input_fails_at_initialize(tmp_path) -> None:
+    results = multirank.run(_bad_inputs, 2, str(tmp_path), timeout=300)
+    assert results[0] == results[1]  # every rank fails alike: none waits for another
+    r = results[0]
+    assert r["tensorboard_under_file"].startswith("tensorboard.output_path: cannot create the output directory"), r  # fmt: skip
+    assert "is not a directory" in r["tensorboard_under_file"]
+    assert r["csv_under_file"].startswith("csv_monitor.output_path: cannot create"), r
+    assert r["wandb_missing"].startswith("wandb.enabled: needs the 'wandb' package"), r
+    assert "pip install 'wandb'" in r["wandb_missing"]
+    assert r["tensorboard_missing"].startswith("tensorboard.enabled: needs the 'tensorboard'"), r
+    if "csv_locked" in r:
+        assert r["csv_locked"].startswith("csv_monitor.output_path: cannot"), r
+    assert all(r[k] == 0 for k in r if k.endswith("_hooks"))  # failed before any hook
+    assert r["files"] in (["a_file"], ["a_file", "locked"])  # nothing written
+
+
+# -- no processes ----------------------------------------------------------------------------
+def test_bandwidths_are_deepspeeds() -> None:
+    from zeroshard.monitor.comms import bandwidths, message_size
+
+    n, s, t = 4, 1_000_000, 0.002  # 1 MB buffer, 2 ms
+    gbps = 8 / 1e9
+    # all-reduce: the ledger counts 2S; DeepSpeed: algbw 2S/t, busbw S/t * 2(n-1)/n
+    alg, bus = bandwidths("all_reduce", 2 * s, n, t)
+    assert alg == pytest.approx(2 * s / t * gbps) and bus == pytest.approx(s / t * 2 * (n - 1) / n * gbps)  # fmt: skip
+    assert message_size("all_reduce", 2 * s, n) == s
+    # all-gather / reduce-scatter: the ledger counts the whole buffer n*m; DeepSpeed's
+    # message is one rank's m, its bandwidths those of n*m
+    for op in ("all_gather", "reduce_scatter"):
+        alg, bus = bandwidths(op, n * s, n, t)
+        assert alg == pytest.approx(n * s / t * gbps) and bus == pytest.approx(alg * (n - 1) / n)
+        assert message_size(op, n * s, n) == s
+    alg, bus = bandwidths("broadcast", s, n, t)
+    assert alg == bus == pytest.approx(s / t * gbps)
+
+
+def test_comms_logger_records_from_the_ledger() -> None:
+    from types import SimpleNamespace
+
+    from zeroshard.comm import Ledger, OpEvent
+    from zeroshard.monitor.comms import CommsLogger
+
+    lines: list[str] = []
+    cfg = SimpleNamespace(verbose=True, debug=True, prof_all=False, prof_ops=["all_gather_into_tensor"])  # fmt: skip
+    ledger = Ledger()
+    logger = CommsLogger(cfg, ledger, rank=0, echo=lines.append)
+    for seconds in (0.001, 0.002, 0.003):
+        for observe in ledger.observers:
+            observe(OpEvent("zero_shard", "all_gather", 4 * 2**20, seconds, 4, "gather"))
+            observe(OpEvent("replicas", "all_reduce", 2 * 2**20, seconds, 2, "reduce"))
+    summary = logger.summary()  # prof_ops keeps all_gather only (DeepSpeed's name given)
+    assert list(summary) == ["all_gather | [Caller Func: gather]"]
+    s = summary["all_gather | [Caller Func: gather]"][2**20]  # one rank's part: 1 MiB
+    assert s["count"] == 3 and s["bytes"] == 12 * 2**20 and s["msg_size_str"] == "1.0 MB"
+    assert s["total_latency_ms"] == pytest.approx(6.0) and s["avg_latency_ms"] == pytest.approx(2.0)
+    assert len(lines) == 3 and lines[0].startswith("comm op: all_gather | [Caller Func: gather] | time (ms): 1.00 | msg size: 1.0 MB")  # fmt: skip
+    logger.log_all()
+    assert lines[-1].startswith("Comm. Op") and "1.0 MB" in lines[-1]
+    logger.close()
+    assert ledger.observers == []
+
+
+def test_csv_writer_names_and_appends(tmp_path) -> None:
+    from zeroshard.monitor.csv import CSVWriter, file_name
+
+    assert file_name("Train/Samples/train_loss") == "Train_Samples_train_loss.csv"
+    assert file_name("My Metric/x y") == "My_Metric_x_y.csv"
+    for values in ([(1.5, 8), (1.25, 16)], [(1.0, 24)]):  # a second writer: a resumed run
+        writer = CSVWriter(str(tmp_path))
+        writer.write_events([("Train/Samples/train_loss", v, s) for v, s in values])
+        writer.close()
+    rows = _csv(str(tmp_path / "Train_Samples_train_loss.csv"))
+    assert rows == [["step", "train_loss"], ["8", "1.5"], ["16", "1.25"], ["24", "1.0"]]
+
+
+def _record():
+    from zeroshard.monitor.steplog import StepRecord
+
+    return StepRecord(step=10, samples=80, skipped=0, loss=2.5, lr=[1e-3], grad_norm=0.5,
+                      loss_scale=None, step_s=0.1, samples_per_s=800.0, tokens_per_s=None,
+                      comm={"all_gather": 2_000_000}, memory={"cpu": 1_500})  # fmt: skip
+
+
+def test_step_line_handler(capsys, monkeypatch) -> None:
+    from zeroshard.monitor.steplog import log_step, monitor_logger
+
+    monitor_logger()
+    line = "step=10, skipped=0, loss=2.5000, lr=[0.001], grad_norm=0.5, samples/s=800.0, memory: cpu 1.50 KB, comm: all_gather 2.00 MB"  # fmt: skip
+    assert _record().line() == line
+    # no handler anywhere (pytest's own sit on the root logger: remove them): stdout
+    monkeypatch.setattr(logging.getLogger(), "handlers", [])
+    log_step(_record())
+    assert capsys.readouterr().out == line + "\n"
+    # a handler of the user's takes it instead; the default prints nothing
+    seen: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda r: seen.append(r.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("zeroshard").addHandler(handler)
+    try:
+        log_step(_record())
+    finally:
+        logging.getLogger("zeroshard").removeHandler(handler)
+    assert seen == [line] and capsys.readouterr().out == ""
+    # silenced through the logger's level
+    logger = logging.getLogger("zeroshard.monitor")
+    level = logger.level
+    logger.setLevel(logging.WARNING)
+    try:
+        log_step(_record())
+    finally:
+        logger.setLevel(level)
+    assert capsys.readouterr().out == ""
+
+
+def test_progress_bars(capsys, monkeypatch) -> None:
+    pytest.importorskip("tqdm")
+    from zeroshard.progress import progress
+
+    items = [1, 2, 3]
+    monkeypatch.setenv("ZEROSHARD_PROGRESS", "0")
+    assert progress(items, desc="x") is items
+    monkeypatch.setenv("ZEROSHARD_PROGRESS", "1")
+    assert list(progress(items, desc="saving checkpoint")) == items
+    assert "saving checkpoint" in capsys.readouterr().err
+    assert progress(items, desc="x", enabled=False) is items  # ranks other than 0
+    monkeypatch.delenv("ZEROSHARD_PROGRESS")
+    assert progress(items, desc="x") is items  # stderr is not a terminal here
+
+
+def test_plot_of_synthetic_run(tmp_path) -> None:
+    pytest.importorskip("matplotlib")
+    pytest.importorskip("PIL")
+    from zeroshard.monitor.csv import CSVWriter
+    from zeroshard.plot import plot_run
+
+    writer = CSVWriter(str(tmp_path))
+    for i in range(1, 21):
+        writer.write_events([("Train/Samples/train_loss", 5.0 / i, 8 * (i - 1)), ("Train/Samples/lr", 1e-3 * min(1, i / 5), 8 * i)])  # fmt: skip
+    writer.close()
+    with open(tmp_path / "metrics.jsonl", "w") as f:
+        for i in range(1, 21):
+            rec = {"step": i, "samples_per_s": 100 + i, "comm": {"all_gather": 1e6, "reduce_scatter": 5e5}}  # fmt: skip
+            if i % 5 == 0:
+                rec["memory_ranks"] = [{"cpu": 1e6 * r + i * 1e4, "rss": 3e8} for r in (1, 2)]
+            f.write(json.dumps(rec) + "\n")
+    written = plot_run(str(tmp_path))
+    names = sorted(os.path.basename(p) for p in written)
+    assert names == ["comm.png", "loss.png", "lr.png", "memory.png", "throughput.png"]
+    for path in written:
+        _not_blank(path)
+
+
+def test_peak_flops_is_measured() -> None:
+    from zeroshard.report import peak_flops
+
+    torch.set_num_threads(1)
+    peak = peak_flops("cpu", "fp32", seconds=0.05)
+    assert 1e8 < peak < 1e13  # a CPU core: between 0.1 GFLOP/s and 10 TFLOP/s
+    assert peak_flops("cpu", "fp32") == peak  # cached

@@ -1,0 +1,7 @@
+"""Watching a run: DeepSpeed's monitoring sections, the step line and the metrics file.
+
+``engine.monitor`` is a :class:`~zeroshard.monitor.hub.EngineMonitor`; the modules here
+are its parts (see each docstring for what it writes and which collectives it issues).
+Optional packages (tensorboard, wandb, comet_ml) are imported only when their section
+is enabled.
+"""

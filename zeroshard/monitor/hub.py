@@ -1,0 +1,357 @@
+"""What the engine calls around forward, backward and step: the monitors of the config.
+
+:class:`EngineMonitor` is ``engine.monitor``. Built first in the engine (so bad monitor
+input fails at ``initialize``, before any collective), it owns the event writers
+(TensorBoard, CSV, wandb, Comet: ``write_events`` as in DeepSpeed), the wall-clock and
+throughput timers, the memory breakdown, the comms logger, the flops profiler, the step
+line and the metrics file. DeepSpeed's events, at each optimizer step (x = samples):
+``Train/Samples/train_loss`` (at the samples before the step, as DeepSpeed logs it),
+``Train/Samples/lr``, ``Train/Samples/loss_scale`` (fp16) and, with the timers, the five
+``Train/Samples/elapsed_time_ms_*``.
+
+Communication: with ``csv_monitor`` on, one ``all_gather_object`` of each rank's memory
+(a small dict) over the world at the first step and every ``steps_per_print`` steps, so
+the metrics file has every rank's memory; ``print_summary`` does one too. Otherwise
+none; each completed collective is counted by a ledger observer (the comm bytes of the
+step line).
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import math
+import time
+import weakref
+
+import torch
+
+from zeroshard.monitor.events import EventWriters
+from zeroshard.monitor.steplog import (
+    MetricsFile,
+    StepRecord,
+    echo,
+    log_step,
+    monitor_logger,
+    summary_text,
+)
+from zeroshard.monitor.timers import EVENTS, ThroughputTimer, WallClock
+from zeroshard.monitor.usage import breakdown_line, device_counters, rss_bytes
+
+# Monitor lines and events are held and written together at most this often (and at
+# every steps_per_print step): each write to stdout or to a writer's thread costs ~1-2 ms
+# of wall time on a busy host where wandb or Comet capture the console.
+FLUSH_S = 1.0
+
+
+def _tokens(args, kwargs) -> int:
+    """Tokens in a forward's input: the first integer tensor of 2+ dimensions
+    (``input_ids`` first), else 0 (unknown)."""
+    first = kwargs.get("input_ids")
+    for value in (first, *args, *kwargs.values()):
+        if torch.is_tensor(value) and value.dim() >= 2 and not value.is_floating_point():
+            return value.numel()
+    return 0
+
+
+class EngineMonitor:
+    """The monitors of one engine; see the module docstring."""
+
+    def __init__(self, config, mesh, device: torch.device) -> None:
+        self.config, self.device = config, device
+        self.comm = mesh.comm("world")
+        self.rank = self.comm.rank
+        self.dp_size = mesh.size("dp")
+        self.events = EventWriters(config, self.rank)  # checks output dirs and packages
+        self.enabled = self.events.enabled  # DeepSpeed's monitor.enabled
+        monitor_logger()
+        self.every = config.steps_per_print
+        self.step_handler = log_step  # None silences the step line
+        timed = config.wall_clock_breakdown or config.flops_profiler.enabled
+        self.timers = WallClock(device, micro=config.wall_clock_breakdown) if timed else None
+        tput = config.timers.throughput
+        self.throughput = None
+        if tput.enabled:
+            self.throughput = ThroughputTimer(tput.synchronized, config.train_batch_size, device)
+        self.memory_breakdown = config.memory_breakdown
+        self.comms = None
+        if config.comms_logger.enabled:
+            from zeroshard.monitor.comms import CommsLogger
+
+            self.comms = CommsLogger(config.comms_logger, mesh.ledger, self.rank, echo)
+        self.flops = None
+        if config.flops_profiler.enabled:
+            from zeroshard.monitor.flops import FlopsProfiler
+
+            self.flops = FlopsProfiler(config.flops_profiler, self.rank, device)
+        self.gather_memory = config.csv_monitor.enabled
+        self.metrics = MetricsFile(self.events.csv_dir) if self.events.csv_dir else None
+        self._ledger = mesh.ledger
+        self._ledger.observers.append(self._count)
+        self._step_comm: dict[str, int] = {}
+        self._lines: list[str] = []  # rank 0's monitor lines not printed yet
+        self._flushed = time.perf_counter()
+        self._loss: torch.Tensor | None = None
+        self._tokens = 0
+        self._window_start: float | None = None
+        self._last_boundary: float | None = None
+        self._last_step_s: float | None = None
+        self.records: list[StepRecord] = []  # the latest record (step line, summary)
+        self.totals = {"steps": 0, "seconds": 0.0, "samples": 0, "tokens": 0}
+        self.closed = False
+        atexit.register(_close_at_exit, weakref.ref(self))  # files flushed without destroy()
+        if config.dump_state and self.rank == 0:
+            echo(_dump(config))
+
+    # -- called by the engine ------------------------------------------------------------
+    def _count(self, event) -> None:
+        self._step_comm[event.op] = self._step_comm.get(event.op, 0) + event.nbytes
+
+    def _memory(self, where: str) -> None:
+        if self.memory_breakdown and self.rank == 0:
+            self._lines.append(breakdown_line(where, self.device))
+
+    def forward_start(self, engine, args, kwargs) -> None:
+        training = engine.module.training and torch.is_grad_enabled()
+        if self._window_start is None and training:
+            self._window_start = time.perf_counter()
+        if training:
+            self._tokens += _tokens(args, kwargs)
+            if self.flops is not None:
+                self._profile_forward(engine)
+        self._memory("Engine before forward")
+        if self.throughput is not None:
+            self.throughput.start()
+        if self.timers is not None:
+            self.timers.start("fwd")
+
+    def _profile_forward(self, engine) -> None:
+        flops = self.flops
+        if not flops.active and flops.wants(engine.global_steps):
+            flat = engine.flat  # ZeRO-3 releases parameters: their sizes are the layout's
+            sizes = {id(p): math.prod(s) for p, s in zip(flat.params, flat.shapes, strict=True)}
+            flops.start(engine.module, type(engine).__name__, sizes)
+        if flops.active:
+            flops.forward_start()
+
+    def forward_end(self) -> None:
+        if self.timers is not None:
+            self.timers.stop("fwd")
+        self._memory("Engine after forward")
+
+    def backward_start(self, loss: torch.Tensor, gas: int) -> None:
+        self._memory("Engine before backward")
+        mean = loss.detach().float().mean() / gas
+        self._loss = mean if self._loss is None else self._loss + mean
+        if self.flops is not None and self.flops.active:
+            self.flops.backward_start()
+        if self.timers is not None:
+            self.timers.start("bwd")
+            self.timers.start("bwd_inner")
+
+    def backward_inner_end(self) -> None:
+        """Autograd's backward is done; the wait for gradient reductions starts."""
+        if self.timers is not None:
+            self.timers.stop("bwd_inner")
+            self.timers.start("bwd_allreduce")
+
+    def backward_end(self) -> None:
+        if self.timers is not None:
+            self.timers.stop("bwd_allreduce")
+            self.timers.stop("bwd")
+        self._memory("Engine after backward")
+
+    def step_start(self) -> None:
+        self._memory("Engine before step")
+        if self.timers is not None:
+            self.timers.start("step")
+
+    def step_end(self, engine, boundary: bool) -> None:
+        """After ``engine.step()``; at a boundary, after the step counters moved on."""
+        if self.timers is not None:
+            self.timers.stop("step")
+        if self.throughput is not None:
+            self.throughput.stop(boundary)
+        self._memory("Engine after step")
+        if self.timers is not None and self.timers.micro and self.rank == 0:
+            self._lines.append(self.timers.micro_line())
+        due = False
+        if boundary:
+            due = self._boundary(engine)
+        now = time.perf_counter()
+        if due or now - self._flushed >= FLUSH_S:
+            self.flush()
+            self._flushed = now
+
+    def _say(self) -> None:
+        """The held monitor lines, as one message: one write to stdout."""
+        if self._lines:
+            echo("\n".join(self._lines))
+            self._lines.clear()
+
+    def flush(self) -> None:
+        """Print the held lines; hand the held events to the writers and flush files."""
+        self._say()
+        self.events.flush()
+        if self.metrics is not None:
+            self.metrics.flush()
+
+    # -- at the end of an optimizer step -------------------------------------------------
+    def _boundary(self, engine) -> bool:
+        """The end of an optimizer step; True when it is a ``steps_per_print`` step."""
+        now = time.perf_counter()
+        start = self._window_start or self._last_boundary or now
+        step_s, self._last_boundary = now - start, now
+        steps, samples = engine.global_steps, engine.global_samples
+        due = self.every is not None and steps % self.every == 0
+        show = due and self.rank == 0 and self.step_handler is not None
+        gather = self.gather_memory and (steps == 1 or due)  # the same on every rank
+        fp16 = self.config.fp16.enabled
+        loss = None
+        if self._loss is not None and (self.events.writers or show or self.metrics is not None):
+            loss = float(self._loss)
+        timer_line = self.timers.global_line() if self.timers is not None else None
+        if self.events.writers:
+            events = []
+            if loss is not None:
+                before = samples - engine.train_batch_size()
+                events.append(("Train/Samples/train_loss", loss, before))
+            events.append(("Train/Samples/lr", engine.get_lr()[0], samples))
+            if fp16:
+                events.append(("Train/Samples/loss_scale", engine.cur_scale, samples))
+            if self.timers is not None:
+                events += [(EVENTS[n], ms, samples) for n, ms in self.timers.last.items()]
+            self.events.write_events(events)
+        if timer_line is not None and self.rank == 0:
+            self._lines.append(timer_line)
+        if self.flops is not None and self.flops.active:
+            self._say()
+            self._profile(engine, step_s)
+        if show or gather or self.metrics is not None:
+            record = self._record(engine, loss, step_s, fp16, memory=show or gather)
+            if gather:
+                record.memory_ranks = self.comm.all_gather_object(record.memory)
+            if show:
+                self._say()  # the lines of the step first
+                self.step_handler(record)
+            if self.metrics is not None:
+                self.metrics.write(record.as_dict())
+            self.records[:] = [record]
+        if due and self.throughput is not None and self.rank == 0:
+            self._lines.append(self.throughput.line())
+        if self.throughput is not None:
+            self.throughput.end_step()
+        self._last_step_s = step_s
+        for k, v in (("steps", 1), ("seconds", step_s), ("samples", engine.train_batch_size()), ("tokens", self._tokens * self.dp_size)):  # fmt: skip
+            self.totals[k] += v
+        self._loss, self._tokens, self._window_start = None, 0, None
+        self._step_comm = {}
+        return due
+
+    def _record(self, engine, loss, step_s, fp16, memory: bool) -> StepRecord:
+        tokens = self._tokens * self.dp_size
+        mem: dict[str, int] = {}
+        if memory:
+            mem = dict(engine.memory_stats()["by_location"])
+            mem.update({f"{self.device} {k}": v for k, v in device_counters(self.device).items() if k in ("allocated", "max_allocated")})  # fmt: skip
+            mem["rss"] = rss_bytes()
+        return StepRecord(
+            step=engine.global_steps,
+            samples=engine.global_samples,
+            skipped=engine.skipped_steps,
+            loss=loss,
+            lr=list(engine.get_lr()),
+            grad_norm=engine.get_global_grad_norm(),
+            loss_scale=engine.cur_scale if fp16 else None,
+            step_s=step_s,
+            samples_per_s=engine.train_batch_size() / step_s if step_s > 0 else 0.0,
+            tokens_per_s=tokens / step_s if tokens and step_s > 0 else None,
+            comm=dict(sorted(self._step_comm.items())),
+            memory=mem,
+        )
+
+    def _profile(self, engine, step_s: float) -> None:
+        from zeroshard.report import peak_flops
+
+        self.flops.stop()
+        dtype = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(engine.policy.compute, "fp32")
+        info = {
+            "world_size": engine.world_size,
+            "dp_size": self.dp_size,
+            "micro_batch": engine.train_micro_batch_size_per_gpu(),
+            "batch": engine.train_micro_batch_size_per_gpu() * engine.gradient_accumulation_steps(),
+            "device": str(self.device),
+            "dtype": dtype,
+        }
+        latencies = dict(self.timers.last) if self.timers is not None else {}
+        iter_s = self._last_step_s or step_s
+        peak = peak_flops(str(self.device), dtype)
+        text = self.flops.report(step=engine.global_steps, info=info, latencies=latencies, iter_s=iter_s, peak=peak)  # fmt: skip
+        path = self.config.flops_profiler.output_file
+        if path:
+            with open(path, "w") as f:
+                f.write(text + "\n")
+        else:
+            echo(text)
+
+    # -- DeepSpeed's surface and teardown ------------------------------------------------
+    def write_events(self, event_list: list[tuple[str, float, int]]) -> None:
+        """DeepSpeed's ``engine.monitor.write_events``: ``(tag, value, samples)`` events
+        to every writer of this rank."""
+        self.events.write_events(event_list)
+
+    def summary(self) -> StepRecord | None:
+        """The latest step record (loss, throughput, memory, comm bytes), if any."""
+        return self.records[-1] if self.records else None
+
+    def print_summary(self, engine) -> None:
+        """The run so far, printed by rank 0: steps, time, throughput, the last loss and
+        step's comm bytes, and every rank's memory. Every rank must call it (one
+        ``all_gather_object`` of each rank's ``memory_stats()``)."""
+        stats = engine.memory_stats()
+        mems = self.comm.all_gather_object({**stats, "rss": rss_bytes()})
+        if self.rank != 0:
+            return
+        echo(summary_text(self.totals, self.summary(), mems))
+
+    def close(self) -> None:
+        """Flush and close the writers, stop observing the ledger (``engine.destroy()``)."""
+        if self.closed:
+            return
+        self.closed = True
+        if self.flops is not None and self.flops.active:  # ended inside the profiled step
+            self.flops.stop()
+        if self._count in self._ledger.observers:
+            self._ledger.observers.remove(self._count)
+        self._say()
+        if self.comms is not None:
+            if self.comms.comms and self.rank == 0:
+                self.comms.log_all()
+            self.comms.close()
+        self.events.close()
+        if self.metrics is not None:
+            self.metrics.close()
+
+
+def _close_at_exit(ref: weakref.ref) -> None:
+    monitor = ref()
+    if monitor is not None:
+        monitor.close()
+
+
+def _dump(config) -> str:
+    """DeepSpeed's ``dump_state``: every setting of the resolved config, one per line."""
+    lines = ["zeroshard engine configuration:"]
+
+    def walk(obj, prefix: str) -> None:
+        for f in dataclasses.fields(obj):
+            if f.name in ("raw", "inert", "not_built"):
+                continue
+            value = getattr(obj, f.name)
+            if dataclasses.is_dataclass(value):
+                walk(value, f"{prefix}{f.name}.")
+            else:
+                lines.append(f"  {prefix + f.name:<60} {value!r}")
+
+    walk(config, "")
+    return "\n".join(lines)
