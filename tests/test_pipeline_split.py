@@ -1,0 +1,166 @@
+"""The pipeline splitter for Hugging Face decoders, in one process: the split layers run in
+sequence give the model's logits, loss and gradients exactly (no processes spawned here)."""
+
+import pytest
+import torch
+from torch import nn
+
+from zeroshard.parallel.pipeline_split import (
+    PipelineSplit,
+    TiedLayer,
+    causal_lm_loss,
+    split_for_pipeline,
+)
+
+transformers = pytest.importorskip("transformers")
+
+
+def tiny_llama(tied: bool = False, attn: str = "sdpa"):
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+        tie_word_embeddings=tied,
+        attn_implementation=attn,
+    )
+    return transformers.LlamaForCausalLM(cfg).eval()
+
+
+def tiny_gpt2(attn: str = "sdpa"):
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(
+        vocab_size=64, n_embd=32, n_layer=3, n_head=4, n_positions=32, attn_implementation=attn
+    )
+    return transformers.GPT2LMHeadModel(cfg).eval()
+
+
+def _batch(padded: bool):
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 64, (2, 12), generator=g)
+    labels = ids.clone()
+    if not padded:
+        return ids, labels, ids
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0  # left padding in the second row
+    labels[1, :4] = -100
+    return ids, labels, (ids, mask)
+
+
+def _grads(model):
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+CASES = [
+    ("llama", lambda: tiny_llama(), False),
+    ("llama-padded", lambda: tiny_llama(), True),
+    ("llama-tied-eager", lambda: tiny_llama(tied=True, attn="eager"), True),
+    ("gpt2", lambda: tiny_gpt2(), False),
+    ("gpt2-padded-eager", lambda: tiny_gpt2(attn="eager"), True),
+]
+
+
+@pytest.mark.parametrize("name,make,padded", CASES, ids=[c[0] for c in CASES])
+def test_split_layers_equal_model(name, make, padded):
+    model = make()
+    ids, labels, inputs = _batch(padded)
+    kwargs = {"attention_mask": inputs[1]} if padded else {}
+    out = model(ids, labels=labels, **kwargs)
+    out.loss.backward()
+    ref_grads = _grads(model)
+    model.zero_grad(set_to_none=True)
+
+    split = split_for_pipeline(model)
+    assert split.loss_fn is causal_lm_loss
+    logits = split.run(inputs)
+    assert torch.equal(logits, out.logits)
+    loss = split.loss_fn(logits, labels)
+    assert torch.equal(loss, out.loss)
+    loss.backward()
+    grads = _grads(model)
+    assert grads.keys() == ref_grads.keys()
+    for n in grads:
+        assert torch.equal(grads[n], ref_grads[n]), n
+
+
+def test_layer_list_shape_and_ties():
+    llama = split_for_pipeline(tiny_llama())
+    kinds = [type(x).__name__ for x in llama.layers]
+    assert kinds == ["Embedding", "LlamaBlock", "LlamaBlock", "LlamaBlock", "FinalNorm", "LMHead"]
+    assert llama.tied_keys == ()
+
+    tied = split_for_pipeline(tiny_llama(tied=True))
+    first, last = tied.layers[0], tied.layers[-1]
+    assert isinstance(first, TiedLayer) and isinstance(last, TiedLayer)
+    assert first.key == last.key == "embed_tokens" and first.module is last.module
+    assert tied.tied_keys == ("embed_tokens",)
+
+    gpt2 = split_for_pipeline(tiny_gpt2())
+    assert [type(x).__name__ for x in gpt2.layers][:2] == ["TiedLayer", "GPT2Positions"]
+    assert gpt2.tied_keys == ("wte",)
+    # every parameter of the model is in exactly one layer (tied ones in the shared module)
+    seen = set()
+    for layer in gpt2.layers:
+        mod = layer.module if isinstance(layer, TiedLayer) else layer
+        seen |= {id(p) for p in mod.parameters()}
+    assert seen == {id(p) for p in gpt2.layers[0].module.parameters()} | {
+        id(p) for layer in gpt2.layers[1:-1] for p in layer.parameters()
+    }
+    assert len(seen) == len(list(tiny_gpt2().parameters()))
+
+
+def test_activations_between_layers_are_tensors():
+    split = split_for_pipeline(tiny_llama())
+    _, _, inputs = _batch(padded=True)
+    x = inputs
+    for layer in split.layers:
+        x = layer(x)
+        items = x if isinstance(x, tuple) else (x,)
+        assert all(isinstance(t, torch.Tensor) for t in items)
+
+
+def test_sequential_and_refusals():
+    seq = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    split = split_for_pipeline(seq)
+    assert isinstance(split, PipelineSplit) and split.loss_fn is None and len(split.layers) == 3
+
+    class Branchy(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.a(x) + x
+
+    with pytest.raises(
+        ValueError, match=r"cannot split Branchy \(not a Hugging Face model\).*PipelineModule"
+    ):
+        split_for_pipeline(Branchy())
+
+    bert = transformers.BertForMaskedLM(
+        transformers.BertConfig(
+            vocab_size=32,
+            hidden_size=16,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            intermediate_size=16,
+        )
+    )
+    with pytest.raises(ValueError, match=r"BertForMaskedLM \(model_type 'bert'\).*llama, gpt2"):
+        split_for_pipeline(bert)
+
+    base = tiny_llama().model  # LlamaModel: no lm_head
+    with pytest.raises(ValueError, match=r"lacks model\.embed_tokens"):
+        split_for_pipeline(base)
+
+
+def test_causal_lm_loss_ignores_and_shifts():
+    logits = torch.randn(1, 3, 5)
+    labels = torch.tensor([[1, 2, -100]])
+    # position 0 predicts 2, position 1 predicts -100 (ignored), position 2 predicts padding
+    ref = torch.nn.functional.cross_entropy(logits[0, :1], torch.tensor([2]))
+    assert torch.allclose(causal_lm_loss(logits, labels), ref)
