@@ -661,7 +661,6 @@ NOT_BUILT_CASES = {
     "hpz": (_zero(zero_hpz_partition_size=8), "zero_optimization.zero_hpz_partition_size"),
     "qwz": (_zero(zero_quantized_weights=True), "zero_optimization.zero_quantized_weights"),
     "qgz": (_zero(zero_quantized_gradients=True), "zero_optimization.zero_quantized_gradients"),
-    "pipeline": (_with(pipeline={"stages": 2}), "pipeline"),
     "amp": (_with(amp={"enabled": True, "opt_level": "O1"}), "amp"),
     "torch_autocast": (_with(torch_autocast={"enabled": True}), "torch_autocast"),
     "sparse_attention": (_with(sparse_attention={"mode": "fixed"}), "sparse_attention"),
@@ -1304,6 +1303,8 @@ WIRED_ELSEWHERE = {
     "zero_optimization.cpu_offload": "json_compat",
     "zero_optimization.cpu_offload_param": "json_compat",
     "zero_optimization.cpu_offload_use_pin_memory": "json_compat",
+    # Config.__post_init__ checks it equals gradient_accumulation_steps (config.py)
+    "pipeline.micro_batches": "Config.__post_init__",
 }
 
 

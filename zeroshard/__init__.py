@@ -23,13 +23,14 @@ _LAZY = {
     "resume": "zeroshard.restart",
 }
 
-_SUBMODULES = ("zero", "utils", "comm")  # zeroshard.comm.log_summary(), as deepspeed.comm
+_SUBMODULES = ("zero", "utils", "comm", "pipe")  # zeroshard.comm.log_summary(), as deepspeed.comm
 
 __all__ = [
     "__version__",
     "add_config_arguments",
     "init_distributed",
     "initialize",
+    "pipe",
     "resume",
     "utils",
     "zero",

@@ -50,3 +50,35 @@ class TensorParallelConfig(Section):
         if self.enabled is False:
             return 1
         return max(self.autotp_size, self.tp.tp_size, 1)
+
+
+def _partition_spelling(value: Any, at: str) -> None:
+    from zeroshard._config_schema import ConfigError
+
+    ok = isinstance(value, str) and (
+        value.lower() in ("parameters", "uniform", "best") or value.lower().startswith("type:")
+    )
+    if not ok:
+        raise ConfigError(
+            at, f"expected 'parameters', 'uniform', 'best' or 'type:REGEX', got {value!r}"
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class PipelineConfig(Section):
+    """``pipeline``: DeepSpeed's pipeline section (the model is a
+    ``zeroshard.pipe.PipelineModule``), plus zeroshard's schedule choice. The engine is
+    ``zeroshard/parallel/pipeline_engine.py``; schedules ``zeroshard/parallel/schedules.py``."""
+
+    # fmt: off
+    stages: int | None = key(None, doc="Pipeline stages; null or 'auto' (DeepSpeed's default): the PipelineModule's num_stages. Must agree with it.", min=1)
+    schedule: str = key("1f1b", doc="zeroshard: 'gpipe', '1f1b' (DeepSpeed's), 'interleaved_1f1b' (needs virtual_stages >= 2) or 'zb_h1' (zero-bubble H1: backward split into input- and weight-gradient passes).", choices=("gpipe", "1f1b", "interleaved_1f1b", "zb_h1"))
+    virtual_stages: int | None = key(None, doc="zeroshard: model chunks per pipeline rank, for interleaved_1f1b; null: the PipelineModule's virtual_stages (given, it must agree).", min=1)
+    micro_batches: int | None = key(None, doc="zeroshard: micro-batches per train_batch; null: gradient_accumulation_steps (DeepSpeed's rule). Given, it must equal gradient_accumulation_steps.", min=1)
+    partition: str | None = key(None, doc="DeepSpeed's partition method ('parameters', 'uniform', 'type:REGEX'; 'best' means 'parameters'); the PipelineModule's partition_method decides the layout, and a different value here is an error naming both.", check=_partition_spelling)
+    seed_layers: bool | None = key(None, NOT_BUILT("the pipeline engine (interim)"), doc="DeepSpeed's per-layer seeding; the PipelineModule's seed_layers decides, and a different value here is an error.")
+    activation_checkpoint_interval: int | None = key(None, NOT_BUILT("the pipeline engine (interim)"), doc="Checkpoint every this many layers of a stage (0: none); null: the PipelineModule's activation_checkpoint_interval.", min=0)
+    use_reentrant: bool = key(True, NOT_BUILT("the pipeline engine (interim)"), doc="Activation checkpoints with torch's reentrant implementation (DeepSpeed's default) or not.")
+    pipe_partitioned: bool = key(True, NOT_BUILT("the pipeline engine (interim)"), doc="With tensor parallelism: each tensor-parallel rank sends 1/t of an activation to the next stage, which all-gathers it over its tensor-parallel group (no effect without tensor parallelism).")
+    grad_partitioned: bool = key(True, NOT_BUILT("the pipeline engine (interim)"), doc="The same for the gradients sent back to the previous stage.")
+    # fmt: on

@@ -165,6 +165,8 @@ def initialize(
             shard_size=cfg.zero_optimization.mics_shard_size,
         )
         mesh = Mesh.build(shape, device_type=default_device().type)
+    if cfg.pipeline_stages > 1:
+        raise ConfigError("pipeline.stages", "the pipeline engine is not built yet in zeroshard")
     if cfg.seed is not None:
         random.seed(cfg.seed)
         torch.manual_seed(cfg.seed)

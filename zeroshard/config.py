@@ -42,7 +42,7 @@ import torch
 from zeroshard import _config_monitors as monitors
 from zeroshard import _config_sections as sections
 from zeroshard._config_json import read_config_file
-from zeroshard._config_parallel import TensorParallelConfig
+from zeroshard._config_parallel import PipelineConfig, TensorParallelConfig
 from zeroshard._config_schema import (
     AUTO,
     INERT,
@@ -142,6 +142,7 @@ class Config(Section):
     gradient_accumulation_steps: int = _batch("Micro-batches per optimizer step.")
     dp_world_size: int = 1  # what the batch sizes were resolved for (not a key)
     world_size: int | None = None  # given instead: dp is what tp x sp x pp leave (not a key)
+    module_stages: int | None = None  # the PipelineModule's num_stages, if any (not a key)
     optimizer: OptimizerConfig | None = key(None, doc="The optimizer to build; null: pass one to initialize().")
     scheduler: SchedulerConfig | None = key(None, doc="The learning-rate schedule, if any.")
     fp16: FP16Config = _section(FP16Config, "fp16 mixed precision.")
@@ -183,7 +184,7 @@ class Config(Section):
     comet: monitors.CometConfig = monitors.monitor(monitors.CometConfig, "Comet monitor")
     comms_logger: monitors.CommsLoggerConfig = monitors.monitor(monitors.CommsLoggerConfig, "communication logger")
     flops_profiler: monitors.FlopsProfilerConfig = monitors.monitor(monitors.FlopsProfilerConfig, "flops profiler")
-    pipeline: dict[str, Any] | None = _feature("pipeline parallelism")
+    pipeline: PipelineConfig = _section(PipelineConfig, "Pipeline parallelism (the model is a zeroshard.pipe.PipelineModule).")
     amp: dict[str, Any] | None = _feature("Apex AMP", enabled)
     torch_autocast: dict[str, Any] | None = _feature("torch.autocast mixed precision", enabled)
     sparse_attention: dict[str, Any] | None = _feature("sparse attention")
@@ -214,6 +215,12 @@ class Config(Section):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        given, module = self.pipeline.stages, self.module_stages
+        check(
+            given is None or module is None or given == module,
+            "pipeline.stages",
+            f"{given}, but the PipelineModule was built with num_stages={module}",
+        )
         if self.world_size is not None:
             object.__setattr__(self, "dp_world_size", self._dp_of(self.world_size))
         check(self.dp_world_size >= 1, "dp_world_size", "must be >= 1")
@@ -221,6 +228,13 @@ class Config(Section):
         resolved = resolve_batch_sizes(*given, self.dp_world_size)
         for name, value in zip(_BATCH, resolved, strict=True):
             object.__setattr__(self, name, value)
+        mb = self.pipeline.micro_batches
+        check(
+            mb is None or mb == self.gradient_accumulation_steps,
+            "pipeline.micro_batches",
+            f"{mb}, but gradient_accumulation_steps is {self.gradient_accumulation_steps} (a "
+            "pipeline runs gradient_accumulation_steps micro-batches per train_batch; give one)",
+        )
         object.__setattr__(self, "inert", tuple(self.inert))
         object.__setattr__(self, "not_built", tuple(self.not_built))
         both = self.fp16.enabled and self.bf16.enabled
@@ -235,9 +249,8 @@ class Config(Section):
 
     @property
     def pipeline_stages(self) -> int:
-        """Pipeline stages the ``pipeline`` section asks for (1: none)."""
-        stages = (self.pipeline or {}).get("stages", 1)
-        return stages if isinstance(stages, int) and stages > 0 else 1
+        """Pipeline stages: ``pipeline.stages``, else the PipelineModule's (1: none)."""
+        return self.pipeline.stages or self.module_stages or 1
 
     def _dp_of(self, world: int) -> int:
         tp, sp, pp = self.tensor_parallel.size, self.sequence_parallel_size, self.pipeline_stages
@@ -267,6 +280,7 @@ def load_config(
     dp_world_size: int = 1,
     world_size: int | None = None,
     auto_values: Mapping[str, Any] | None = None,
+    module_stages: int | None = None,
 ) -> Config:
     """Read and validate a DeepSpeed config for ``dp_world_size`` data-parallel ranks.
 
@@ -275,11 +289,16 @@ def load_config(
     ``"train_micro_batch_size_per_gpu"``) to the values that replace ``"auto"`` there; it
     is the Hugging Face integration's hook, and a key it names must be one the schema
     knows. ``world_size`` instead of ``dp_world_size``: the data-parallel size is what
-    the config's tensor, sequence and pipeline degrees leave of it. Raises
+    the config's tensor, sequence and pipeline degrees leave of it; ``module_stages``:
+    the stages of the PipelineModule being trained (``pipeline.stages`` must agree). Raises
     :class:`ConfigError` on the first problem, including a feature that is not built yet.
     """
     config = read_config(
-        source, dp_world_size=dp_world_size, world_size=world_size, auto_values=auto_values
+        source,
+        dp_world_size=dp_world_size,
+        world_size=world_size,
+        auto_values=auto_values,
+        module_stages=module_stages,
     )
     if config.not_built:
         path, feature = config.not_built[0]
@@ -293,6 +312,7 @@ def read_config(
     dp_world_size: int = 1,
     world_size: int | None = None,
     auto_values: Mapping[str, Any] | None = None,
+    module_stages: int | None = None,
 ) -> Config:
     """:func:`load_config` for tools that inspect configs: a config asking for features
     that are not built is returned, with them in :attr:`Config.not_built`."""
@@ -316,10 +336,20 @@ def read_config(
         data["zero_optimization"] = {"stage": int(data["zero_optimization"])}
         if "allgather_size" in data:
             data["zero_optimization"]["allgather_bucket_size"] = data.pop("allgather_size")
+    pipe = data.get("pipeline")
+    if isinstance(pipe, dict) and pipe.get("stages") == AUTO:  # DeepSpeed's default value
+        data["pipeline"] = {**pipe, "stages": None}  # the PipelineModule's num_stages
     reading = Reading(Config)
     extra = {"raw": raw, "inert": reading.inert, "not_built": reading.not_built}
     return read_section(
-        Config, data, "", reading, dp_world_size=world, world_size=world_size, **extra
+        Config,
+        data,
+        "",
+        reading,
+        dp_world_size=world,
+        world_size=world_size,
+        module_stages=module_stages,
+        **extra,
     )
 
 
