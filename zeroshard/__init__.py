@@ -6,6 +6,7 @@ Public API (everything else is private)::
     zeroshard.init_distributed()
     zeroshard.add_config_arguments(parser)
     zeroshard.resume(engine, "ckpt/")   # load ckpt/latest if there is one: (path, client_state)
+    engine = zeroshard.init_inference(model, config)   # engine(x), engine.generate(ids)
 
 Names are imported on first use, so the command-line tools start quickly.
 """
@@ -21,6 +22,7 @@ _LAZY = {
     "add_config_arguments": "zeroshard.api",
     "init_distributed": "zeroshard.distributed",
     "resume": "zeroshard.restart",
+    "init_inference": "zeroshard.inference",
 }
 
 _SUBMODULES = ("zero", "utils", "comm", "pipe")  # zeroshard.comm.log_summary(), as deepspeed.comm
@@ -29,6 +31,7 @@ __all__ = [
     "__version__",
     "add_config_arguments",
     "init_distributed",
+    "init_inference",
     "initialize",
     "pipe",
     "resume",

@@ -2,7 +2,8 @@
 
 Plain PyTorch, no communication. Sizes are named presets (``GPTConfig.preset``);
 ``tie_embeddings`` shares the token embedding with the output projection, the case
-that trips naive sharding.
+that trips naive sharding. ``forward(idx, cache=...)`` runs with a key/value cache for
+generation (zeroshard/inference/kv_cache.py); without one, the training path is unchanged.
 """
 
 from __future__ import annotations
@@ -65,12 +66,16 @@ class Attention(nn.Module):
         self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
         self.dropout = cfg.dropout
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, kv=None) -> torch.Tensor:
         b, t, c = x.shape
         q, k, v = self.qkv(x).split(c, dim=2)
         q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
         drop = self.dropout if self.training else 0.0
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=drop)
+        if kv is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=drop)
+        else:  # generation: keys and values so far come from the cache, with its mask
+            k, v, mask = kv.update(k, v)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=drop)
         return self.proj(y.transpose(1, 2).reshape(b, t, c))
 
 
@@ -95,8 +100,9 @@ class Block(nn.Module):
         self.mlp = MLP(cfg)
         self.drop = nn.Dropout(cfg.dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.drop(self.attn(self.ln1(x)))
+    def forward(self, x: torch.Tensor, kv=None) -> torch.Tensor:
+        a = self.ln1(x)
+        x = x + self.drop(self.attn(a) if kv is None else self.attn(a, kv))
         return x + self.drop(self.mlp(self.ln2(x)))
 
 
@@ -131,12 +137,17 @@ class GPT(nn.Module):
             else:
                 nn.init.normal_(p, std=0.02)
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, idx: torch.Tensor, targets: torch.Tensor | None = None, *, cache=None
+    ) -> torch.Tensor:
         t = idx.shape[1]
-        pos = torch.arange(t, device=idx.device)
+        # with a cache, positions count each row's real tokens (left padding gets none)
+        pos = torch.arange(t, device=idx.device) if cache is None else cache.begin(t)
         x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))
-        for block in self.blocks:
-            x = block(x)
+        for i, block in enumerate(self.blocks):
+            x = block(x) if cache is None else block(x, cache.layer(i))
+        if cache is not None:
+            cache.end()
         logits = self.head(self.ln_f(x))
         if targets is None:
             return logits

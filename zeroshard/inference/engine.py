@@ -1,0 +1,235 @@
+"""``zeroshard.init_inference(model, config)``: DeepSpeed's inference entry point.
+
+The engine prepares the model once, in this order: weights loaded (``checkpoint``),
+tensor parallelism (``tensor_parallel.tp_size`` > 1: ``tensor_parallel.py``), weight
+quantization (``quant`` or ``dtype=torch.int8``), the compute dtype, then weight
+streaming (``zero``: ``streaming.py``). It is callable (the model's forward, without
+gradients) and has :meth:`InferenceEngine.generate`: Hugging Face models generate through
+their own ``generate()`` (with the quantized layers in place), other models through
+zeroshard's loop (``generate.py``; the built-in GPT with its KV cache).
+
+Collectives: none here; tensor-parallel layers issue theirs (see ``tensor_parallel.py``).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from zeroshard._config_schema import ConfigError
+from zeroshard.inference.config import InferenceConfig, load_inference_config
+from zeroshard.inference.generate import Sampling, generate_tokens, pad_prompts
+from zeroshard.inference.quantize import QuantLinear, quantize_model, weight_bytes
+
+
+def _is_hf(model: nn.Module) -> bool:
+    return hasattr(model, "generate") and hasattr(model, "config") and hasattr(model, "can_generate")  # fmt: skip
+
+
+def _has_cache_path(model: nn.Module) -> bool:
+    from zeroshard.models import GPT
+
+    return isinstance(model, GPT)
+
+
+def cast_unquantized(model: nn.Module, dtype: torch.dtype) -> None:
+    """Cast the floating parameters and buffers of every module but the quantized layers
+    (ties stay ties: the parameter objects are kept)."""
+    for module in model.modules():
+        if isinstance(module, QuantLinear):
+            continue
+        for p in module.parameters(recurse=False):
+            if p.is_floating_point() and p.dtype != dtype:
+                p.data = p.data.to(dtype)
+        for name, b in module.named_buffers(recurse=False):
+            if b is not None and b.is_floating_point() and b.dtype != dtype:
+                setattr(module, name, b.to(dtype))
+
+
+class InferenceEngine:
+    """What :func:`init_inference` returns: ``engine(*args)`` runs the model's forward,
+    ``engine.generate(...)`` produces tokens, ``engine.module`` is the prepared model."""
+
+    def __init__(self, model: nn.Module, config: InferenceConfig) -> None:
+        self.config = config
+        self.module = model
+        self.tp = None  # what tensor_parallel.py did, when tp_size > 1
+        self.streaming = None  # what streaming.py did, when config.zero is set
+        if config.checkpoint is not None:
+            from zeroshard.inference.weights import load_weights
+
+            path = config.checkpoint
+            if isinstance(path, str) and config.base_dir and not os.path.isabs(path):
+                path = os.path.join(config.base_dir, path)
+            load_weights(model, path)
+        if config.tp_size > 1:
+            self._apply_tensor_parallel()
+        self.quantized: list[str] = []
+        if config.num_bits is not None:
+            self._quantize()
+        if config.compute_dtype is not None:
+            cast_unquantized(model, config.compute_dtype)
+        if config.zero is not None:
+            self._apply_streaming()
+        model.eval()
+
+    # -- hooks for the parallel and streaming parts (infer2) -----------------------------------
+    def _apply_tensor_parallel(self) -> None:
+        raise ConfigError(
+            "tensor_parallel.tp_size",
+            f"tensor-parallel inference (tp_size={self.config.tp_size}) is not built yet in zeroshard",
+        )
+
+    def _apply_streaming(self) -> None:
+        raise ConfigError("zero", "ZeRO-Inference weight streaming is not built yet in zeroshard")
+
+    def _quantize(self) -> None:
+        w = self.config.quant.weight
+        bits = self.config.num_bits
+        self.quantized = quantize_model(
+            self.module,
+            bits=bits,
+            group_size=w.group_size,
+            symmetric=w.q_type == "symmetric",
+            skip=tuple(self.config.quant.skip),
+        )
+
+    # -- use ----------------------------------------------------------------------------------
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.forward(*args, **kwargs)
+
+    @torch.no_grad()
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """The model's forward, without gradients."""
+        return self.module(*args, **kwargs)
+
+    def weight_bytes(self) -> tuple[int, int]:
+        """(bytes the Linear-layer weights hold, scales included; their fp32 bytes)."""
+        return weight_bytes(self.module)
+
+    def save_quantized(self, path: str) -> str:
+        """Write the model's weights (quantized layers in their portable form) to one
+        safetensors file that ``init_inference(model, checkpoint=path)`` loads."""
+        from zeroshard.inference.weights import save_quantized
+
+        return save_quantized(self.module, path)
+
+    def generate(
+        self,
+        inputs: torch.Tensor | Sequence[Sequence[int]] | None = None,
+        *,
+        input_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        max_new_tokens: int = 32,
+        min_new_tokens: int = 0,
+        do_sample: bool = False,
+        temperature: float = 1.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        eos_token_id: int | Sequence[int] | None = None,
+        pad_token_id: int | None = None,
+        use_cache: bool = True,
+        seed: int | None = None,
+        generator: torch.Generator | None = None,
+        **kwargs: Any,
+    ) -> torch.Tensor:
+        """Prompt tokens in, prompt plus new tokens out ([batch, T + n]).
+
+        ``inputs``: ids [batch, T] (left-padded, with ``attention_mask``) or a list of
+        token lists of any lengths (padded here). Greedy unless ``do_sample``; sampling
+        reads ``temperature``, ``top_k``, ``top_p`` and ``seed``/``generator``. Rows stop
+        at any of ``eos_token_id`` and are filled with ``pad_token_id`` after it.
+        Hugging Face models take the rest of their ``generate()`` keywords too."""
+        ids = input_ids if input_ids is not None else inputs
+        if ids is None:
+            raise ValueError("generate: give the prompt tokens (inputs or input_ids)")
+        stops = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id or ())
+        pad = pad_token_id if pad_token_id is not None else (stops[0] if stops else 0)
+        device = self._device()
+        if not isinstance(ids, torch.Tensor):
+            ids, attention_mask = pad_prompts(ids, pad, device)
+        ids = ids.to(device)
+        if ids.dim() == 1:
+            ids = ids[None]
+        if attention_mask is not None:
+            attention_mask = attention_mask.to(device)
+        limit = self.config.max_out_tokens
+        if ids.shape[1] + max_new_tokens > limit:
+            raise ValueError(
+                f"a prompt of {ids.shape[1]} tokens plus max_new_tokens={max_new_tokens} is "
+                f"over max_out_tokens={limit}; ask for fewer tokens or raise max_out_tokens"
+            )
+        if generator is None and seed is not None:
+            generator = torch.Generator(device=device).manual_seed(seed)
+        if _is_hf(self.module):
+            return self._hf_generate(ids, attention_mask, max_new_tokens, min_new_tokens,
+                                     do_sample, temperature, top_k, top_p, stops, pad_token_id,
+                                     use_cache, seed, kwargs)  # fmt: skip
+        if kwargs:
+            raise TypeError(f"generate: unexpected keyword(s) {sorted(kwargs)} for this model")
+        sampling = Sampling(do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p)  # fmt: skip
+        return generate_tokens(
+            self.module,
+            ids,
+            attention_mask,
+            max_new_tokens=max_new_tokens,
+            min_new_tokens=min_new_tokens,
+            sampling=sampling,
+            stop_ids=stops,
+            pad_id=pad,
+            use_cache=use_cache and _has_cache_path(self.module),
+            max_len=limit,
+            generator=generator,
+        )
+
+    def _hf_generate(self, ids, mask, max_new, min_new, do_sample, temperature, top_k, top_p,
+                     stops, pad_id, use_cache, seed, kwargs: Mapping[str, Any]) -> torch.Tensor:  # fmt: skip
+        args: dict[str, Any] = dict(
+            input_ids=ids,
+            max_new_tokens=max_new,
+            min_new_tokens=min_new or None,
+            do_sample=do_sample,
+            use_cache=use_cache,
+        )
+        if mask is not None:
+            args["attention_mask"] = mask
+        if do_sample:
+            args.update(temperature=temperature, top_k=top_k or None, top_p=top_p)
+            if seed is not None:
+                torch.manual_seed(seed)  # transformers samples from the global generator
+        if stops:
+            args["eos_token_id"] = stops
+        if pad_id is not None:
+            args["pad_token_id"] = pad_id
+        args.update(kwargs)
+        with torch.no_grad():
+            return self.module.generate(**{k: v for k, v in args.items() if v is not None})
+
+    def _device(self) -> torch.device:
+        for t in self.module.parameters():
+            return t.device
+        for t in self.module.buffers():
+            return t.device
+        return torch.device("cpu")
+
+
+def init_inference(
+    model: nn.Module, config: Mapping[str, Any] | str | InferenceConfig | None = None, **kwargs: Any
+) -> InferenceEngine:
+    """DeepSpeed's ``deepspeed.init_inference``: ``config`` is a dict or JSON file of
+    DeepSpeed's inference keys, ``kwargs`` the same keys as arguments (they win).
+
+    >>> engine = zeroshard.init_inference(model, {"quant": {"enabled": True, "weight": {"num_bits": 4}}})
+    >>> out = engine.generate(prompt_ids, max_new_tokens=64)
+    """
+    cfg, reading = load_inference_config(config, **kwargs)
+    for at, reason in reading.inert:
+        if at in ("replace_with_kernel_inject", "kernel_inject"):
+            print(f"zeroshard: {at}: there are no kernels to inject; torch's own kernels run")
+        else:
+            print(f"zeroshard: {at} is accepted and means nothing here: {reason}")
+    return InferenceEngine(model, cfg)
