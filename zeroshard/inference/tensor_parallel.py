@@ -1,0 +1,131 @@
+"""Tensor-parallel inference: a model's layers split over ranks that generate together.
+
+:func:`shard_for_inference` reuses the training AutoTP (``parallel/autotp.py``): the
+same plans (the built-in GPT's, transformers GPT-2's, Llama's own ``base_model_tp_plan``,
+or a ``tp_plan`` override), the same checks (heads, key/value heads or a vocabulary that
+do not divide by the TP size are refused before anything changes, naming the module and
+the fix) and the same column/row/vocab-parallel layers. For generation:
+
+* the head stays ``column_gather``: every rank ends a forward with the whole logits,
+  bitwise equal across ranks (they come out of the same all-gather), so greedy decoding
+  picks the same token everywhere with no extra collective, and sampling does too when
+  every rank seeds its generator alike;
+* caches hold this rank's heads only (the attention modules see local head counts), so a
+  KV cache shrinks by the TP size as the weights do;
+* Megatron-SP and a vocabulary-parallel loss are training-only and refused;
+* every rank must start from the same whole weights (they slice their own copy):
+  :func:`check_same_weights` compares a digest per parameter across the group first.
+
+Weight-only quantization composes after sharding: :func:`quantize_sharded` quantizes the
+local slice held by each column/row-parallel layer (the collectives are unchanged).
+
+Collectives per forward of a transformer layer (b·s·h activations): 2 all-reduces (the
+attention and MLP outputs), plus one all-reduce for the vocabulary-parallel embedding
+and an all-gather of b·s·V/t per rank for the head. At setup: one all-gather of a small
+digest per rank (:func:`check_same_weights`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from zeroshard.comm import Comm
+from zeroshard.parallel.autotp import TPSharding, apply_tensor_parallel
+from zeroshard.parallel.linear import ColumnParallelLinear, RowParallelLinear
+from zeroshard.parallel.mesh import Mesh, MeshShape
+
+
+@dataclass
+class TPInference:
+    """What :func:`shard_for_inference` did: the group and the sharding summary."""
+
+    comm: Comm
+    sharding: TPSharding
+
+    @property
+    def size(self) -> int:
+        return self.comm.world_size
+
+    @property
+    def rank(self) -> int:
+        return self.comm.rank
+
+
+def inference_mesh(tp_size: int, device_type: str = "cpu") -> Mesh:
+    """The mesh for ``tp_size``-way inference over the initialized world: groups of
+    ``tp_size`` adjacent ranks each run one copy of the model (the others replicate it
+    and serve their own prompts). Every rank must call this."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if tp_size < 1 or world % tp_size:
+        raise ValueError(
+            f"tensor_parallel.tp_size: {tp_size} does not divide the world size {world}; "
+            f"launch a multiple of {tp_size} ranks (zeroshard generate --nproc {tp_size})"
+        )
+    return Mesh.build(MeshShape.for_world(world, tp=tp_size), device_type)
+
+
+def weight_digest(model: nn.Module) -> list[tuple[str, str]]:
+    """(name, digest of its bytes) for every parameter and buffer, in order."""
+    out = []
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        data = t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()
+        out.append((name, hashlib.blake2b(data.tobytes(), digest_size=8).hexdigest()))
+    return out
+
+
+def check_same_weights(model: nn.Module, comm: Comm) -> None:
+    """Raise on every rank unless all ranks of ``comm`` hold the same weights, naming the
+    first parameter that differs and the rank. One all-gather of a digest per rank."""
+    mine = weight_digest(model)
+    whole = hashlib.blake2b(repr(mine).encode(), digest_size=16).hexdigest()
+    others = comm.all_gather_object(whole)
+    if all(d == others[0] for d in others):
+        return
+    digests = comm.all_gather_object(mine)
+    for r, theirs in enumerate(digests):
+        if theirs == digests[0]:
+            continue
+        names0 = dict(digests[0])
+        diff = next((n for n, d in theirs if names0.get(n) != d), "the list of parameter names")
+        raise ValueError(
+            f"tensor-parallel inference: rank {r} of the tensor-parallel group holds "
+            f"different weights than rank 0 ({diff} differs); every rank must load the "
+            "same checkpoint (or build the model under the same seed) before sharding"
+        )
+
+
+def shard_for_inference(
+    model: nn.Module,
+    comm: Comm,
+    *,
+    tp_plan: dict | None = None,
+    check_weights: bool = True,
+) -> TPInference:
+    """Split ``model`` in place over ``comm`` for generation (every rank calls this with
+    its own copy of the same whole model). ``tp_plan`` overrides the model's plan, as in
+    training's ``tensor_parallel.tp_plan``. Works on the built-in GPT, transformers
+    GPT-2, Llama and any model with a ``base_model_tp_plan``."""
+    if check_weights and comm.world_size > 1:
+        check_same_weights(model, comm)
+    was_training = model.training
+    try:
+        sharding = apply_tensor_parallel(model, comm, tp_plan=tp_plan)
+    except ValueError as exc:  # training's key -> inference's key in the suggested fix
+        raise ValueError(str(exc).replace("an autotp_size", "a tensor_parallel.tp_size")) from exc
+    model.train(was_training)
+    return TPInference(comm=comm, sharding=sharding)
+
+
+def parallel_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The column- and row-parallel layers of a sharded model, by name."""
+    return [
+        (n, m)
+        for n, m in model.named_modules()
+        if isinstance(m, (ColumnParallelLinear, RowParallelLinear))
+    ]
