@@ -1,0 +1,461 @@
+"""ZeRO-Inference: generate with weights kept in CPU memory or NVMe files, streamed to the
+compute device one layer at a time, with the next layers read ahead while this one runs.
+
+A model is cut into *units* (:func:`plan_units`): each layer of its largest
+``ModuleList`` (the decoder blocks), and every other module that owns parameters (the
+embeddings, the final norm, the head). The weights of every unit live in a *source*:
+
+* ``nvme``: one file in a private swap directory under ``nvme_path``
+  (``offload/nvme.py``: aligned ``O_DIRECT`` I/O on a thread pool, so the page cache
+  does not fill RAM either), each unit's tensors contiguous;
+* ``cpu``: CPU memory (pinned on CUDA). On a CPU-only host the compute device *is* CPU
+  memory, so nothing moves: parameters stay where they are and no hook is installed.
+
+The module keeps placeholder parameters (right shape, dtype and device, one element of
+storage). A forward pre-hook on each unit waits for its read, points the parameters at
+a buffer of a pool of ``buffer_count`` (uploading it first when the compute device is a
+GPU), and starts reading the units predicted to come next (the unit that followed this
+one last time, initially registration order, which wraps from the head to the
+embeddings for the next token) while buffers are free; the forward hook puts the
+placeholders back and returns the buffer. Memory is thus ``buffer_count`` times the
+largest unit, whatever the model's size: a model larger than RAM generates, each token
+reading every weight once (DeepSpeed's ZeRO-Inference: it pays off with large batches,
+whose compute hides the reads).
+
+A parameter shared by two units (tied embedding and head) is stored once and read by
+each. A parameter must be read inside its unit's forward (as ``nn.Module`` layers do).
+
+No communication.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from zeroshard.offload.nvme import ALIGN, SwapSpace, aligned_empty, round_up
+
+DEVICES = ("cpu", "nvme")
+
+
+@dataclass(frozen=True, kw_only=True)
+class StreamConfig:
+    """Where the weights live between uses (DeepSpeed's ``zero.offload_param``)."""
+
+    device: str = "nvme"  # "cpu" | "nvme"
+    nvme_path: str | None = None  # the swap directory's parent (nvme)
+    buffer_count: int = 5  # unit buffers in RAM: the one computing + those read ahead
+    pin_memory: bool = True  # pinned host buffers when the compute device is a GPU
+
+    def __post_init__(self) -> None:
+        where = "zero.offload_param"
+        if self.device not in DEVICES:
+            raise ValueError(f"{where}.device: {self.device!r} is not one of {DEVICES}")
+        if self.device == "nvme" and not self.nvme_path:
+            raise ValueError(f'{where}.nvme_path: needed with "device": "nvme"')
+        if self.buffer_count < 2:
+            raise ValueError(
+                f"{where}.buffer_count: {self.buffer_count}; streaming needs at least 2 "
+                "(one unit computing while the next is read)"
+            )
+
+
+# -- units --------------------------------------------------------------------------------
+
+
+def _layers(model: nn.Module) -> str | None:
+    """Name of the ``ModuleList`` holding the most parameters (the decoder blocks)."""
+    best, best_n = None, 0
+    for name, m in model.named_modules():
+        if isinstance(m, nn.ModuleList) and len(m) > 1:
+            n = sum(p.numel() for p in m.parameters())
+            if n > best_n:
+                best, best_n = name, n
+    return best
+
+
+def plan_units(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The units weights are streamed by, in registration order: each child of the
+    largest ``ModuleList``, then every other module that owns parameters itself."""
+    layers = _layers(model)
+    units: list[tuple[str, nn.Module]] = []
+    inside: str | None = None
+    for name, m in model.named_modules():
+        if inside is not None and name.startswith(inside + "."):
+            continue
+        inside = None
+        parent, _, _ = name.rpartition(".")
+        if layers is not None and name and parent == layers:
+            units.append((name, m))
+            inside = name
+        elif any(True for _ in m.parameters(recurse=False)):
+            units.append((name, m))
+    return units
+
+
+def _placeholder(shape, dtype, device) -> torch.Tensor:
+    return torch.empty((), dtype=dtype, device=device).expand(shape)
+
+
+@dataclass
+class _Slot:
+    """One tensor's place: its bytes in the source and in a unit's buffer."""
+
+    param: nn.Parameter
+    offset: int  # in the source
+    nbytes: int
+    at: int = 0  # in the unit's buffer
+
+
+@dataclass
+class _Unit:
+    name: str
+    module: nn.Module
+    slots: list[_Slot] = field(default_factory=list)
+    nbytes: int = 0  # of its buffer (aligned slots)
+    runs: list[tuple[int, int, int]] = field(default_factory=list)  # (source, buffer, bytes)
+
+
+@dataclass
+class _Loaded:
+    buf: torch.Tensor  # host buffer (from the pool)
+    future: Future | None
+    users: int = 0
+    compute: torch.Tensor | None = None  # the device copy, when computing off the host
+
+
+@dataclass
+class StreamStats:
+    units_read: int = 0
+    bytes_read: int = 0
+    prefetched: int = 0  # reads already started when their unit's forward began
+    waited_s: float = 0.0  # time forwards spent waiting for reads
+
+
+class _SwapSource:
+    """Every distinct parameter in one swap file, at aligned offsets."""
+
+    def __init__(self, space: SwapSpace, nbytes: int) -> None:
+        self.space = space
+        self.file = space.file("weights", max(nbytes, ALIGN))
+
+    def write(self, offset: int, data: torch.Tensor) -> None:
+        n = data.numel() * data.element_size()
+        buf = aligned_empty(round_up(n))
+        buf[:n].copy_(data.detach().reshape(-1).view(torch.uint8))
+        buf[n:].zero_()
+        self.file.write(buf, offset)
+
+    def read(self, offset: int, out: torch.Tensor) -> None:
+        self.file.read(out, offset)
+
+    def close(self) -> None:
+        self.space.close()
+
+
+class _MemorySource:
+    """Every distinct parameter in one host buffer (pinned when feeding a GPU)."""
+
+    def __init__(self, nbytes: int, pin: bool) -> None:
+        self.buf = torch.empty(max(nbytes, ALIGN), dtype=torch.uint8, pin_memory=pin)
+
+    def write(self, offset: int, data: torch.Tensor) -> None:
+        n = data.numel() * data.element_size()
+        self.buf[offset : offset + n].copy_(data.detach().reshape(-1).view(torch.uint8))
+
+    def read(self, offset: int, out: torch.Tensor) -> None:
+        out.copy_(self.buf[offset : offset + out.numel()])
+
+    def close(self) -> None:
+        self.buf = torch.empty(0, dtype=torch.uint8)
+
+
+class StreamedWeights:
+    """The hooks and buffers that stream a model's weights (see the module docstring).
+    Build it with :func:`stream_weights`; :meth:`remove` puts whole weights back."""
+
+    def __init__(self, model, units, source, config: StreamConfig, device, upload: bool):
+        self.model, self.units, self.source, self.config = model, units, source, config
+        self.device, self.upload = torch.device(device), upload
+        self.stats = StreamStats()
+        self._bufsize = max((u.nbytes for u in units), default=ALIGN)
+        self._pool: list[torch.Tensor] = []  # free host buffers
+        self._allocated = 0
+        self._loaded: dict[int, _Loaded] = {}
+        self._next = {i: (i + 1) % len(units) for i in range(len(units))}
+        self._last: int | None = None
+        self._io = ThreadPoolExecutor(max_workers=2, thread_name_prefix="zeroshard-stream")
+        self._lock = threading.Lock()
+        self._hooks: list[RemovableHandle] = []
+        for i, u in enumerate(units):
+            self._hooks.append(u.module.register_forward_pre_hook(self._pre_hook(i)))
+            self._hooks.append(u.module.register_forward_hook(self._post_hook(i)))
+
+    # -- buffers ------------------------------------------------------------------------
+    def _take_buffer(self, evict_for: int | None) -> torch.Tensor | None:
+        """A free host buffer; when all are out and ``evict_for`` is given, one holding
+        a unit read ahead but not in use (a wrong guess) is taken back."""
+        if self._pool:
+            return self._pool.pop()
+        if self._allocated < self.config.buffer_count:
+            self._allocated += 1
+            b = aligned_empty(self._bufsize)
+            return b.pin_memory() if self.config.pin_memory and self.device.type == "cuda" else b
+        if evict_for is None:
+            return None
+        for j, ld in list(self._loaded.items()):
+            if ld.users == 0 and j != evict_for:
+                if ld.future is not None:
+                    ld.future.result()
+                del self._loaded[j]
+                return ld.buf
+        return None
+
+    def _start(self, i: int, demand: bool) -> bool:
+        if i in self._loaded:
+            return True
+        buf = self._take_buffer(i if demand else None)
+        if buf is None:
+            return False
+        unit = self.units[i]
+        self._loaded[i] = _Loaded(buf=buf, future=self._io.submit(self._read, unit, buf))
+        return True
+
+    def _read(self, unit: _Unit, buf: torch.Tensor) -> None:
+        for src, at, n in unit.runs:
+            self.source.read(src, buf[at : at + n])
+        with self._lock:
+            self.stats.units_read += 1
+            self.stats.bytes_read += unit.nbytes
+
+    # -- hooks --------------------------------------------------------------------------
+    def _pre_hook(self, i: int):
+        def hook(module, args):
+            self.acquire(i)
+
+        return hook
+
+    def _post_hook(self, i: int):
+        def hook(module, args, output):
+            self.release(i)
+
+        return hook
+
+    def acquire(self, i: int) -> None:
+        """Make unit ``i``'s weights resident (its forward is starting)."""
+        if self._last is not None and self._last != i:
+            self._next[self._last] = i  # learn the order the forward really takes
+        self._last = i
+        ld = self._loaded.get(i)
+        if ld is None:
+            if not self._start(i, demand=True):
+                raise RuntimeError(
+                    f"zero.offload_param.buffer_count: all {self.config.buffer_count} "
+                    f"buffers hold units in use when {self.units[i].name} starts (units "
+                    "nested deeper than the pool); raise buffer_count"
+                )
+            ld = self._loaded[i]
+        elif ld.users == 0 and ld.future is not None:
+            self.stats.prefetched += 1
+        if ld.future is not None:
+            t0 = time.perf_counter()
+            ld.future.result()
+            self.stats.waited_s += time.perf_counter() - t0
+            ld.future = None
+            if self.upload:
+                n = self.units[i].nbytes
+                ld.compute = torch.empty(n, dtype=torch.uint8, device=self.device)
+                ld.compute.copy_(ld.buf[:n], non_blocking=True)
+        ld.users += 1
+        data = ld.compute if ld.compute is not None else ld.buf
+        for s in self.units[i].slots:
+            p = s.param
+            p.data = data[s.at : s.at + s.nbytes].view(p.dtype).view(p.shape)
+        self._prefetch(i)
+
+    def _prefetch(self, i: int) -> None:
+        j = i
+        for _ in range(self.config.buffer_count - 1):
+            j = self._next[j]
+            if j == i or not self._start(j, demand=False):
+                break
+
+    def release(self, i: int) -> None:
+        """Unit ``i``'s forward is done: placeholders back, its buffer to the pool."""
+        ld = self._loaded[i]
+        ld.users -= 1
+        if ld.users:
+            return
+        data = ld.compute if ld.compute is not None else ld.buf
+        lo, hi = data.data_ptr(), data.data_ptr() + data.numel()
+        for s in self.units[i].slots:
+            p = s.param
+            if lo <= p.data_ptr() < hi:  # a tied parameter may point at another unit now
+                p.data = _placeholder(p.shape, p.dtype, self.device)
+        del self._loaded[i]
+        self._pool.append(ld.buf)
+
+    # -- teardown -----------------------------------------------------------------------
+    def remove(self) -> None:
+        """Remove the hooks and give every parameter its whole weights back in memory on
+        the compute device (then close the swap files)."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+        for ld in self._loaded.values():
+            if ld.future is not None:
+                ld.future.result()
+        self._loaded.clear()
+        done: set[int] = set()
+        for u in self.units:
+            for s in u.slots:
+                if id(s.param) in done:
+                    continue
+                done.add(id(s.param))
+                raw = aligned_empty(round_up(s.nbytes))
+                self.source.read(s.offset, raw)
+                whole = raw[: s.nbytes].view(s.param.dtype).view(s.param.shape).clone()
+                s.param.data = whole.to(self.device)
+        self._io.shutdown(wait=True)
+        self.source.close()
+
+    def resident_bytes(self) -> int:
+        """Bytes of unit buffers allocated now (host side)."""
+        return self._allocated * self._bufsize
+
+
+InitFn = Callable[[str, nn.Module], None]
+
+
+def stream_weights(
+    model: nn.Module,
+    config: StreamConfig,
+    *,
+    device: torch.device | str | None = None,
+    init: InitFn | None = None,
+    tag: str = "rank0",
+    force_upload: bool = False,
+) -> StreamedWeights | None:
+    """Move ``model``'s parameters to ``config``'s storage and stream them back per unit.
+
+    ``model`` may hold real weights (they are copied out unit by unit and dropped) or be
+    built on the ``meta`` device, in which case ``init(unit_name, unit_module)`` fills
+    each unit after it is materialized on the CPU, one unit at a time, so the whole
+    model never exists in memory. ``device`` is the compute device (default: where the
+    parameters are, CPU for meta). Returns None when there is nothing to stream (CPU
+    storage feeding CPU compute: the parameters stay in place).
+    """
+    params = list(model.parameters())
+    if not params:
+        return None
+    on_meta = any(p.is_meta for p in params)
+    if on_meta and init is None:
+        raise ValueError(
+            "stream_weights: the model is on the meta device; pass init(unit_name, module) "
+            "to fill each unit, or build it with real weights"
+        )
+    if on_meta and any(b.is_meta for b in model.buffers()):
+        name = next(n for n, b in model.named_buffers() if b.is_meta)
+        raise ValueError(
+            f"stream_weights: buffer {name} is on the meta device; only parameters are "
+            "streamed, so buffers must be real (build them on the CPU)"
+        )
+    if device is None:
+        device = "cpu" if on_meta else params[0].device
+    device = torch.device(device)
+    upload = device.type != "cpu" or force_upload
+    if config.device == "cpu" and not upload and not on_meta:
+        return None  # the weights already sit in the compute device's memory
+    units = [_Unit(name, m) for name, m in plan_units(model)]
+    # every distinct parameter, kept alive here so ids stay unique while we lay out
+    olds: dict[int, nn.Parameter] = {}
+    for u in units:
+        for p in u.module.parameters():
+            olds.setdefault(id(p), p)
+    covered = set(olds)
+    missing = [n for n, p in model.named_parameters() if id(p) not in covered]
+    if missing:  # plan_units covers every parameter; a guard for future changes
+        raise AssertionError(f"parameters outside every unit: {missing}")
+    new_of = {
+        k: nn.Parameter(_placeholder(p.shape, p.dtype, device), requires_grad=False)
+        for k, p in olds.items()
+    }
+    where: dict[int, int] = {}  # id(new) -> offset in the source, in first-use order
+    total = 0
+    for k, p in olds.items():
+        where[id(new_of[k])] = total
+        total += round_up(p.numel() * p.element_size())
+    for m in model.modules():  # every holder, ties included, gets the placeholder
+        for attr, p in list(m._parameters.items()):
+            if p is not None and id(p) in new_of:
+                m._parameters[attr] = new_of[id(p)]
+    if config.device == "nvme":
+        space = SwapSpace(os.fspath(config.nvme_path), f"infer-{tag}")
+        source: _SwapSource | _MemorySource = _SwapSource(space, total)
+    else:
+        source = _MemorySource(total, pin=config.pin_memory and device.type == "cuda")
+    written: set[int] = set()
+    for u in units:
+        for m in u.module.modules():  # slots in the order the unit holds them
+            for p in m._parameters.values():
+                if p is not None and not any(s.param is p for s in u.slots):
+                    u.slots.append(_Slot(param=p, offset=where[id(p)], nbytes=0))
+        values = {id(s.param): olds[_old_id(new_of, s.param)] for s in u.slots}
+        if on_meta:  # materialize this unit only, let init fill it, write it, drop it
+            values = {k: torch.empty(v.shape, dtype=v.dtype) for k, v in values.items()}
+            _with_values(u.module, values, lambda mod=u.module, n=u.name: init(n, mod))
+        at = 0
+        for s in u.slots:
+            v = values[id(s.param)]
+            s.nbytes, s.at = v.numel() * v.element_size(), at
+            at += round_up(s.nbytes)
+            if id(s.param) not in written:
+                source.write(s.offset, v)
+                written.add(id(s.param))
+        u.nbytes = max(at, ALIGN)
+        u.runs = _runs(u.slots)
+        del values
+    olds.clear()
+    return StreamedWeights(model, units, source, config, device, upload)
+
+
+def _old_id(new_of: dict[int, nn.Parameter], p: nn.Parameter) -> int:
+    return next(k for k, v in new_of.items() if v is p)
+
+
+def _with_values(module: nn.Module, values: dict[int, torch.Tensor], fn) -> None:
+    """Run ``fn`` with ``module``'s placeholder parameters temporarily set to real
+    tensors ``values`` (by id of the placeholder), then put the placeholders back."""
+    saved = []
+    for m in module.modules():
+        for attr, p in list(m._parameters.items()):
+            if p is not None and id(p) in values:
+                saved.append((m, attr, p))
+                m._parameters[attr] = nn.Parameter(values[id(p)], requires_grad=False)
+    try:
+        with torch.no_grad():
+            fn()
+    finally:
+        for m, attr, p in saved:
+            m._parameters[attr] = p
+
+
+def _runs(slots: list[_Slot]) -> list[tuple[int, int, int]]:
+    """Coalesce slots contiguous in both the source and the buffer into single reads."""
+    runs: list[tuple[int, int, int]] = []
+    for s in slots:
+        n = round_up(s.nbytes)
+        if runs and runs[-1][0] + runs[-1][2] == s.offset and runs[-1][1] + runs[-1][2] == s.at:
+            src, at, m = runs[-1]
+            runs[-1] = (src, at, m + n)
+        else:
+            runs.append((s.offset, s.at, n))
+    return runs
