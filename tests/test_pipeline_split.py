@@ -164,3 +164,21 @@ def test_causal_lm_loss_ignores_and_shifts():
     # position 0 predicts 2, position 1 predicts -100 (ignored), position 2 predicts padding
     ref = torch.nn.functional.cross_entropy(logits[0, :1], torch.tensor([2]))
     assert torch.allclose(causal_lm_loss(logits, labels), ref)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_pipeline_module_stages_in_sequence_equal_model(tied):
+    from zeroshard.parallel.pipeline_split import pipeline_module
+
+    model = tiny_llama(tied=tied)
+    ids, labels, inputs = _batch(padded=True)
+    out = model(ids, attention_mask=inputs[1], labels=labels)
+    stages = [pipeline_module(model, 3, stage_id=s) for s in range(3)]
+    assert stages[0].chunk_ranges[0][0] == 0 and stages[-1].chunk_ranges[0][1] == 6
+    if tied:
+        assert stages[0].tied_stages == {"embed_tokens": [0, 2]}
+    x = inputs
+    for st in stages:
+        x = st(x)
+    assert torch.equal(x, out.logits)
+    assert torch.equal(stages[-1].loss_fn(x, labels), out.loss)

@@ -342,3 +342,16 @@ def split_for_pipeline(model: nn.Module) -> PipelineSplit:
         f"splitters only for Hugging Face model types {', '.join(supported_families())}. Describe the model as "
         f"a zeroshard.pipe.PipelineModule (a list of layers or LayerSpecs passing tensors) instead."
     )
+
+
+def pipeline_module(model: nn.Module, num_stages: int, **kwargs: Any) -> nn.Module:
+    """``split_for_pipeline(model)`` as a ``zeroshard.pipe.PipelineModule`` of ``num_stages``.
+
+    ``kwargs`` go to ``PipelineModule`` (``partition_method``, ``stage_id``,
+    ``activation_checkpoint_interval``, ...); ``loss_fn`` defaults to the split's.
+    """
+    from zeroshard.parallel.pipeline_module import PipelineModule
+
+    split = split_for_pipeline(model)
+    kwargs.setdefault("loss_fn", split.loss_fn)
+    return PipelineModule(split.layers, num_stages, **kwargs)
