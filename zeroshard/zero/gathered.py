@@ -4,6 +4,11 @@ Communication: at stage 3, entering all-gathers the units holding the given para
 (stages 0-2: nothing, they are whole). With ``modifier_rank``, leaving broadcasts each
 parameter from that rank and every rank keeps its own slice of the new values (and
 refreshes its fp32 master copy), so the change survives the next gather and step.
+
+Parameters built under ``zero.Init`` and not yet taken over by ``initialize`` (as when
+Hugging Face ``from_pretrained`` loads a checkpoint under DeepSpeed ZeRO-3) are gathered
+the same way, over the group that ``Init`` partitioned them across: one all-gather per
+parameter on entering, one broadcast per parameter on leaving with ``modifier_rank``.
 """
 
 from __future__ import annotations
@@ -12,6 +17,8 @@ import weakref
 from collections.abc import Iterable
 
 import torch
+
+from zeroshard.zero.init import sealing_init
 
 # id(parameter) -> (weakref to it, weakref to the engine owning it). Set by the engine;
 # lets the DeepSpeed-style context manager find the shards from the parameters alone.
@@ -66,16 +73,26 @@ class GatheredParameters:
         self.params = _as_list(params) if enabled else []
         self.modifier_rank = modifier_rank
         self._by_owner: dict[int, tuple[object, list[torch.Tensor]]] = {}
-        for p in self.params:
+        self._sealed: list[tuple[object, torch.Tensor]] = []  # built under zero.Init
+        for p in {id(p): p for p in self.params}.values():
             owner = owner_of(p)
             if owner is not None:
                 self._by_owner.setdefault(id(owner), (owner, []))[1].append(p)
+                continue
+            init = sealing_init(p)
+            if init is not None:
+                self._sealed.append((init, p))
 
     def __enter__(self) -> GatheredParameters:
         for owner, ps in self._by_owner.values():
             owner.open_gathered(ps)
+        for init, p in self._sealed:
+            init.gather(p)
         return self
 
     def __exit__(self, *exc) -> None:
+        rank = None if exc[0] is not None else self.modifier_rank
         for owner, ps in self._by_owner.values():
-            owner.close_gathered(ps, None if exc[0] is not None else self.modifier_rank)
+            owner.close_gathered(ps, rank)
+        for init, p in self._sealed:
+            init.release(p, rank)

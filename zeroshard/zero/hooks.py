@@ -9,7 +9,11 @@ communication here: these only call back into the gatherer.
   ``module.name`` read, so parameters used outside their own module are gathered too.
 * :func:`guard`: gives a parameter a subclass whose ``__torch_function__`` refuses ops
   on it while it is released (only this rank's shard held), naming the parameter and
-  ``GatheredParameters``, instead of computing on an empty placeholder.
+  ``GatheredParameters``, instead of computing on an empty placeholder. A parameter
+  built under ``zero.Init`` (full shape, storage freed until gathered) is guarded the
+  same way from the end of the ``Init`` block until ``initialize``: metadata and aliases
+  (``p.data``, ``detach()``, views: :class:`SealedView`, which checks again on use) are
+  fine, anything reading its values raises instead of reading freed memory.
 """
 
 from __future__ import annotations
@@ -109,23 +113,112 @@ def _op_name(func) -> str:
     return name
 
 
+_SEALED_METADATA = _METADATA - {
+    "__repr__", "__format__", "__reduce_ex__", "__deepcopy__", "__setstate__", "data",
+}  # fmt: skip
+# ops that make an alias and read no data: allowed on a sealed parameter (e.g.
+# ``state_dict()`` detaches every parameter); their result stays guarded
+_VIEWS = frozenset(
+    {
+        "data", "detach", "view", "view_as", "reshape", "reshape_as", "t", "transpose",
+        "permute", "expand", "expand_as", "narrow", "select", "unsqueeze", "squeeze",
+        "flatten", "unflatten", "split", "chunk", "unbind", "__getitem__", "as_strided",
+        "movedim", "mT", "T",
+    }
+)  # fmt: skip
+
+
+def _released_error(name: str, op: str) -> PartitionedParameterError:
+    return PartitionedParameterError(
+        f"parameter {name!r} is partitioned across ranks (ZeRO stage 3) and only this "
+        f"rank's shard is held here, so {op} cannot use it; read or change it inside "
+        "`with zeroshard.zero.GatheredParameters(params, modifier_rank=...)` (changes "
+        "persist with modifier_rank) or inside its module's forward"
+    )
+
+
+def _sealed_error(name: str, op: str) -> PartitionedParameterError:
+    return PartitionedParameterError(
+        f"parameter {name!r} was built under zeroshard.zero.Init: until "
+        "zeroshard.initialize takes the model over, this rank holds only its slice of it, "
+        f"so {op} cannot read it; use it inside `with zeroshard.zero.GatheredParameters("
+        "params, modifier_rank=0)` (what that rank writes there reaches every rank's "
+        "slice; modifier_rank=None: read only), or after initialize"
+    )
+
+
+def hollow(t: torch.Tensor) -> bool:
+    """Whether ``t``'s storage is smaller than its shape needs (reading it would read
+    freed memory): a zero.Init parameter outside a gather, or an alias of one."""
+    with torch._C.DisableTorchFunctionSubclass():
+        if t.numel() == 0:
+            return False
+        steps = zip(t.shape, t.stride(), strict=True)
+        span = t.storage_offset() + sum((n - 1) * s for n, s in steps)
+        return t.untyped_storage().nbytes() < (span + 1) * t.element_size()
+
+
+def _alias(func, args, kwargs, base: torch.Tensor, name: str):
+    """Run a view-making op on a sealed tensor: making most views checks the storage is
+    large enough, so give it its size for that moment (an allocation nobody writes to)."""
+    with torch._C.DisableTorchFunctionSubclass():
+        storage = base.untyped_storage()
+        was = storage.nbytes()
+        full = (base.storage_offset() + base.numel()) * base.element_size()
+        if was < full:
+            storage.resize_(full)
+        try:
+            out = func(*args, **kwargs)
+        finally:
+            if was < full:
+                storage.resize_(was)
+    return _sealed_views(out, name)
+
+
+class SealedView(torch.Tensor):
+    """An alias of a zero.Init parameter (``p.data``, ``p.detach()``, a view): refuses
+    ops that read it while its storage is freed (outside ``GatheredParameters``)."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = _op_name(func)
+        mine = [a for a in (*args, *kwargs.values()) if isinstance(a, SealedView)]
+        freed = [a for a in mine if hollow(a)]
+        if freed and name not in _SEALED_METADATA and name not in _VIEWS:
+            raise _sealed_error(freed[0].__dict__.get("_zs_name", "?"), name or func)
+        if name in _VIEWS and mine:
+            return _alias(func, args, kwargs, mine[0], mine[0].__dict__.get("_zs_name", "?"))
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+
+
+def _sealed_views(out, name: str):
+    if isinstance(out, (tuple, list)):
+        return type(out)(_sealed_views(o, name) for o in out)
+    if torch.is_tensor(out) and not isinstance(out, SealedView):
+        out = out.as_subclass(SealedView)
+        out.__dict__["_zs_name"] = name
+    return out
+
+
 def _check_then_run(cls, func, types, args=(), kwargs=None):
     """A partitioned parameter's ``__torch_function__``: refuse ops on it while it is
     released; otherwise run the op as a plain tensor op (as ``nn.Parameter`` does)."""
     kwargs = kwargs or {}
     name = _op_name(func)
-    if name not in _METADATA and name != "__set__":
+    if name != "__set__":
         for a in args:  # parameters are direct arguments: F.linear(x, w, b), w.clamp_()
             d = getattr(a, "__dict__", None)
-            if d and d.get("_zs_released"):
-                raise PartitionedParameterError(
-                    f"parameter {d.get('_zs_name')!r} is partitioned across ranks (ZeRO "
-                    f"stage 3) and only this rank's shard is held here, so "
-                    f"{name or func} cannot use it; read or change it "
-                    "inside `with zeroshard.zero.GatheredParameters(params, "
-                    "modifier_rank=...)` (changes persist with modifier_rank) or inside "
-                    "its module's forward"
-                )
+            if not d or not d.get("_zs_released"):
+                continue
+            if not d.get("_zs_sealed"):  # released by the stage-3 gatherer: empty placeholder
+                if name not in _METADATA:
+                    raise _released_error(d.get("_zs_name"), name or func)
+            elif name in _VIEWS:
+                return _alias(func, args, kwargs, a, d.get("_zs_name"))
+            elif name not in _SEALED_METADATA:
+                raise _sealed_error(d.get("_zs_name"), name or func)
     with torch._C.DisableTorchFunctionSubclass():
         return func(*args, **kwargs)
 
@@ -151,6 +244,11 @@ def set_released(param: torch.Tensor, released: bool) -> None:
     param.__dict__["_zs_released"] = released
 
 
+def set_sealed(param: torch.Tensor, sealed: bool) -> None:
+    """Mark ``param`` as built under zero.Init (full shape, storage freed while released)."""
+    param.__dict__["_zs_sealed"] = sealed
+
+
 def unguard(param: torch.nn.Parameter) -> None:
     """Give ``param`` its own class back."""
     cls = type(param)
@@ -158,3 +256,4 @@ def unguard(param: torch.nn.Parameter) -> None:
         param.__class__ = cls.__mro__[1]
     param.__dict__.pop("_zs_name", None)
     param.__dict__.pop("_zs_released", None)
+    param.__dict__.pop("_zs_sealed", None)

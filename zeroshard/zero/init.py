@@ -16,9 +16,17 @@ parameter (or an alias of it, e.g. ``p.data`` or a view):
 Peak memory is one parameter, not the model, and the values equal what the same code
 would produce without ``Init`` from the same seed. No torch function is monkeypatched.
 
+After the block, until ``initialize`` takes them over, sealed parameters keep their
+shape but hold no data: ops that read them raise an error naming the parameter
+(``hooks.guard``; aliases such as ``p.data`` or ``state_dict()`` values are guarded
+too), and ``GatheredParameters`` gives them their whole value for a while (all-gather),
+writing ``modifier_rank``'s values back into every rank's slice (broadcast) on leaving.
+
 Communication: one broadcast per initializer call on a sealed parameter, one all-gather
 per data-reading op on one (construction time only), plus one all-gather per parameter
-when ``initialize`` re-slices them into the engine's layout.
+when ``initialize`` re-slices them into the engine's layout; ``GatheredParameters``
+before ``initialize``: one all-gather per parameter, and one broadcast per parameter
+with ``modifier_rank``.
 """
 
 from __future__ import annotations
@@ -27,85 +35,19 @@ import weakref
 from dataclasses import dataclass
 
 import torch
-from torch.nn.modules.module import register_module_parameter_registration_hook
+from torch.nn.modules.module import (
+    register_module_module_registration_hook,
+    register_module_parameter_registration_hook,
+)
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from zeroshard.comm import Comm
 from zeroshard.distributed import default_device, init_distributed
-
-_METADATA = {
-    "shape",
-    "dtype",
-    "device",
-    "size",
-    "dim",
-    "ndim",
-    "ndimension",
-    "numel",
-    "nelement",
-    "stride",
-    "storage_offset",
-    "is_floating_point",
-    "is_complex",
-    "requires_grad",
-    "requires_grad_",
-    "is_leaf",
-    "grad",
-    "grad_fn",
-    "layout",
-    "is_sparse",
-    "is_cuda",
-    "is_meta",
-    "names",
-    "element_size",
-    "data",
-    "__len__",
-    "untyped_storage",
-    "data_ptr",
-    "is_contiguous",
-    "__hash__",
-    "T",
-    "mT",
-    "H",
-    "name",
-    "_version",
-    "retain_grad",
-    "register_hook",
-    "register_post_accumulate_grad_hook",
-}
-_VIEWS = {
-    "view",
-    "view_as",
-    "t",
-    "transpose",
-    "permute",
-    "expand",
-    "expand_as",
-    "narrow",
-    "select",
-    "unsqueeze",
-    "squeeze",
-    "as_strided",
-    "split",
-    "chunk",
-    "unbind",
-    "detach",
-    "unflatten",
-    "movedim",
-}
-_FILLS = {
-    "normal_",
-    "uniform_",
-    "zero_",
-    "fill_",
-    "random_",
-    "exponential_",
-    "geometric_",
-    "log_normal_",
-    "cauchy_",
-    "bernoulli_",
-}
+from zeroshard.zero.hooks import guard, set_released, set_sealed, unguard
+from zeroshard.zero.init_ops import FILLS as _FILLS
+from zeroshard.zero.init_ops import METADATA as _METADATA
+from zeroshard.zero.init_ops import VIEWS as _VIEWS
 
 
 @dataclass
@@ -115,6 +57,9 @@ class Sealed:
     param: weakref.ref
     shard: torch.Tensor  # elements [rank*chunk, (rank+1)*chunk) of the flat value, padded
     numel: int
+    owner: weakref.ref | None = None  # the module it was registered on, and its name there
+    local_name: str = ""
+    gathered: int = 0  # open GatheredParameters blocks holding it whole
 
 
 def _name(func) -> str:
@@ -132,10 +77,11 @@ class _PartitionMode(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         flat, _ = tree_flatten((args, kwargs))
-        sealed = [t for t in flat if torch.is_tensor(t) and self.init.lookup(t) is not None]
+        sealed = [t for t in flat if torch.is_tensor(t) and self.init.hidden(t) is not None]
         name = _name(func)
         if not sealed or name in _METADATA:
-            return func(*args, **kwargs)
+            with torch._C.DisableTorchFunctionSubclass():  # the guard is for outside Init
+                return func(*args, **kwargs)
         if name in _VIEWS or _basic_index(name, args):
             # Views of a sealed parameter stay sealed (same storage). Making one checks
             # the storage is large enough, so give it its size back for that moment: an
@@ -145,7 +91,8 @@ class _PartitionMode(TorchFunctionMode):
             for st, e in zip(storages.values(), entries, strict=False):
                 st.resize_(e.numel * e.shard.element_size())
             try:
-                return func(*args, **kwargs)
+                with torch._C.DisableTorchFunctionSubclass():
+                    return func(*args, **kwargs)
             finally:
                 for st in storages.values():
                     st.resize_(0)
@@ -216,8 +163,9 @@ class Init:
             data_parallel_group = mesh.comm("replicas").group
         self.group = data_parallel_group
         self._sealed: dict[int, Sealed] = {}  # storage id -> slice
+        self._parent: dict[int, tuple[weakref.ref, str]] = {}  # id(module) -> its parent
         self._mode = None
-        self._hook = None
+        self._hook = self._module_hook = None
 
     # -- context ------------------------------------------------------------------
     def __enter__(self) -> Init:
@@ -228,6 +176,7 @@ class Init:
         self.device = default_device()
         self._keep_on = torch.device("cpu") if self.remote_cpu else self.device
         self._hook = register_module_parameter_registration_hook(self._on_register)
+        self._module_hook = register_module_module_registration_hook(self._on_module)
         self._mode = _PartitionMode(self)
         self._mode.__enter__()
         _ACTIVE.append(self)
@@ -238,6 +187,24 @@ class Init:
             return
         self._mode.__exit__(*exc)
         self._hook.remove()
+        self._module_hook.remove()
+        for entry in self._sealed.values():  # name them for errors, as named_parameters()
+            param = entry.param()
+            if param is not None:
+                param.__dict__["_zs_name"] = self._full_name(entry)
+        self._parent.clear()
+
+    def _on_module(self, parent, name, child):
+        if child is not None:
+            self._parent.setdefault(id(child), (weakref.ref(parent), name))
+
+    def _full_name(self, entry: Sealed) -> str:
+        parts, m = [entry.local_name], entry.owner() if entry.owner else None
+        while m is not None and id(m) in self._parent:
+            up, name = self._parent[id(m)]
+            parts.insert(0, name)
+            m = up()
+        return ".".join(parts)
 
     # -- sealing --------------------------------------------------------------------
     def _chunk(self, numel: int) -> int:
@@ -248,6 +215,11 @@ class Init:
             return None
         with torch._C.DisableTorchFunction():
             self._seal(param)
+        entry = self.lookup(param)
+        entry.owner, entry.local_name = weakref.ref(module), name
+        guard(param, f"{name} (of a {type(module).__name__})")
+        set_sealed(param, True)
+        set_released(param, True)
         return None
 
     def _seal(self, param: torch.Tensor) -> None:
@@ -263,12 +235,12 @@ class Init:
         self._keep_slice(key, value)
         param.untyped_storage().resize_(0)
 
-    def _keep_slice(self, key: int, full: torch.Tensor) -> None:
+    def _keep_slice(self, key: int, full: torch.Tensor, src: int = 0) -> None:
         entry = self._sealed[key]
         flat = full.reshape(-1).to(entry.shard.dtype)
         if self.comm.world_size > 1:
             flat = flat.to(self.device).contiguous()
-            self.comm.broadcast(flat, src=0)  # rank 0's values win, as without Init
+            self.comm.broadcast(flat, src=src)  # rank 0's values win, as without Init
         r, c = self.comm.rank, entry.shard.numel()
         piece = flat[r * c : min((r + 1) * c, entry.numel)]
         entry.shard.zero_()
@@ -281,6 +253,11 @@ class Init:
         if entry is not None and entry.param() is None:
             return None
         return entry
+
+    def hidden(self, t: torch.Tensor) -> Sealed | None:
+        """``t``'s entry if it is sealed and not held whole by ``GatheredParameters``."""
+        entry = self.lookup(t)
+        return entry if entry is not None and not entry.gathered else None
 
     def full_value(self, entry: Sealed) -> torch.Tensor:
         """All-gather a sealed parameter's slices into a temporary full flat tensor."""
@@ -304,7 +281,7 @@ class Init:
         def swap(t):
             if not torch.is_tensor(t):
                 return t
-            entry = self.lookup(t)
+            entry = self.hidden(t)
             if entry is None:
                 return t
             key = _storage_key(t)
@@ -328,10 +305,37 @@ class Init:
                     return first
         return out
 
+    # -- GatheredParameters before initialize -------------------------------------------
+    def gather(self, param: torch.Tensor) -> None:
+        """Give sealed ``param`` its whole value on this rank until :meth:`release`
+        (collective: one all-gather, on the first of nested blocks)."""
+        entry = self.lookup(param)
+        entry.gathered += 1
+        if entry.gathered > 1:
+            return
+        full = self.full_value(entry)
+        with torch._C.DisableTorchFunction(), torch.no_grad():
+            param.untyped_storage().resize_(entry.numel * entry.shard.element_size())
+            param.detach().copy_(full.view(param.shape))
+        set_released(param, False)
+
+    def release(self, param: torch.Tensor, modifier_rank: int | None) -> None:
+        """End a :meth:`gather`: with ``modifier_rank``, that rank's values become every
+        rank's slice (one broadcast); the storage is freed when the last block ends."""
+        entry = self.lookup(param)
+        with torch._C.DisableTorchFunction(), torch.no_grad():
+            if modifier_rank is not None:
+                self._keep_slice(_storage_key(param), param.detach(), src=modifier_rank)
+            entry.gathered -= 1
+            if entry.gathered == 0:
+                param.untyped_storage().resize_(0)
+                set_released(param, True)
+
     # -- hand-over to the engine ------------------------------------------------------
     def hand_over(self, param: torch.Tensor) -> None:
         """The engine has taken ``param`` over."""
-        self._sealed.pop(_storage_key(param), None)
+        if self._sealed.pop(_storage_key(param), None) is not None:
+            unguard(param)
         if not self._sealed and self in _ACTIVE:
             _ACTIVE.remove(self)
 
@@ -358,6 +362,12 @@ def _owner(param: torch.Tensor) -> tuple[Init, Sealed] | None:
         if entry is not None:
             return init, entry
     return None
+
+
+def sealing_init(param: torch.Tensor) -> Init | None:
+    """The ``zero.Init`` context holding ``param`` sealed, or None."""
+    found = _owner(param)
+    return found[0] if found is not None else None
 
 
 def is_sealed(param: torch.Tensor) -> bool:
