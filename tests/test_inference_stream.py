@@ -216,3 +216,51 @@ def test_nvme_streamed_peak_rss_under_30_percent_of_weights(tmp_path, monkeypatc
         f"in memory {memory['peak_mib']:.0f} MiB; tokens/s streamed "
         f"{streamed['tokens_per_s']:.2f}, in memory {memory['tokens_per_s']:.2f}"
     )
+
+
+# -- through init_inference ----------------------------------------------------------------
+
+
+def test_init_inference_zero_section_streams_with_kv_cache(tmp_path, capsys):
+    import zeroshard
+
+    ids = _ids()
+    want = zeroshard.init_inference(_gpt(), {}).generate(ids, max_new_tokens=NEW)
+    zero = {
+        "stage": 3,
+        "offload_param": {"device": "nvme", "nvme_path": str(tmp_path), "buffer_count": 3},
+        "stage3_prefetch_bucket_size": 1000,
+    }
+    eng = zeroshard.init_inference(_gpt(), {"zero": zero})
+    assert "stage3_prefetch_bucket_size means nothing" in capsys.readouterr().out
+    assert torch.equal(eng.generate(ids, max_new_tokens=NEW), want)
+    # with the cache, each new token runs every unit once on one position
+    assert eng.streaming.stats.units_read >= NEW * len(eng.streaming.units)
+    eng.streaming.remove()
+
+
+@pytest.mark.parametrize(
+    ("zero", "match"),
+    [
+        ({"stage": 2, "offload_param": {"device": "cpu"}}, r"zero\.stage: .* stage 3"),
+        ({"stage": 3}, r"zero\.offload_param: say where"),
+        ({"stage": 3, "offload_param": {"device": "nvme"}}, r"nvme_path: needed"),
+        ({"stage": 3, "offload_param": {"device": "disk"}}, r"offload_param\.device: 'disk'"),
+        ({"stage": 3, "offload_param": {"device": "cpu", "bufer_count": 2}}, "bufer_count"),
+        ({"stage": 3, "offload_param": {"device": "cpu", "buffer_count": 1}}, "at least 2"),
+        ({"stage": 3, "reduce_scatter": True, "offload_param": {"device": "cpu"}}, "zero.reduce"),
+    ],
+)
+def test_bad_zero_sections_name_the_key(zero, match):
+    import zeroshard
+
+    with pytest.raises(ValueError, match=match):
+        zeroshard.init_inference(_gpt(), {"zero": zero})
+
+
+def test_streaming_quantized_layers_is_refused(tmp_path):
+    import zeroshard
+
+    zero = {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": str(tmp_path)}}
+    with pytest.raises(ValueError, match="streaming of quantized layers is not built"):
+        zeroshard.init_inference(_gpt(), {"zero": zero, "quant": {"enabled": True}})

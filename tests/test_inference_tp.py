@@ -83,6 +83,7 @@ def _tp_cases(rank, world):
             "tokens": got.tolist(),
             "bytes": (_bytes(ref), _bytes(model)),
         }
+    out.update(_engine_cases(rank, comm))
     # differing weights are refused on every rank, naming the parameter and the rank
     model = _gpt()
     if rank == 1:
@@ -93,6 +94,58 @@ def _tp_cases(rank, world):
         out["differ"] = None
     except ValueError as exc:
         out["differ"] = str(exc)
+    return out
+
+
+def _engine_cases(rank, comm):
+    """Through ``init_inference``: the built-in GPT generating with its KV cache (TP2 vs
+    the unsplit model), Llama through the engine, int8/int4 after sharding, streaming."""
+    import tempfile
+
+    import zeroshard
+
+    out = {}
+    ids = _prompts(64)
+    tp2 = {"tensor_parallel": {"tp_size": 2}}
+    ref = zeroshard.init_inference(_gpt(), {})
+    want = ref.generate(ids, max_new_tokens=NEW)
+    out["gpt_no_cache"] = torch.equal(want, _greedy_no_cache(_gpt(), ids, NEW))
+    eng = zeroshard.init_inference(_gpt(), tp2)
+    out["gpt_cache"] = torch.equal(eng.generate(ids, max_new_tokens=NEW), want)
+    out["gpt_cache_heads"] = eng.module.blocks[0].attn.n_head
+    llama = zeroshard.init_inference(_llama(), tp2)
+    out["llama_engine"] = torch.equal(
+        llama.generate(ids, max_new_tokens=NEW, min_new_tokens=NEW), _hf_generate(_llama(), ids)
+    )
+    # weight-only quantization of each rank's slice (after sharding)
+    big = dict(d_model=64, n_head=4)
+    for bits, group in ((8, 128), (4, 32)):
+        q = {"quant": {"enabled": True, "weight": {"num_bits": bits, "group_size": group}}}
+        one = zeroshard.init_inference(_gpt(**big), q)
+        two = zeroshard.init_inference(_gpt(**big), {**q, **tp2})
+        x = _prompts(64)
+        l1, l2 = one(x), two(x)
+        out[f"int{bits}"] = {
+            "logit_diff": (l1 - l2).abs().max().item(),
+            "logit_scale": l1.abs().max().item(),
+            "quantized": len(two.quantized),
+            "bytes": (one.weight_bytes()[0], two.weight_bytes()[0]),
+            "tokens_equal": torch.equal(
+                one.generate(x, max_new_tokens=NEW), two.generate(x, max_new_tokens=NEW)
+            ),
+        }
+    q = {"quant": {"enabled": True, "weight": {"num_bits": 4, "group_size": 64}}}
+    try:
+        zeroshard.init_inference(_gpt(**big), {**q, **tp2})
+        out["int4_bad_group"] = None
+    except ValueError as exc:
+        out["int4_bad_group"] = str(exc)
+    # TP2 with each rank's slices streamed from its own NVMe swap file
+    with tempfile.TemporaryDirectory() as d:
+        zero = {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": d}}
+        eng = zeroshard.init_inference(_gpt(), {**tp2, "zero": zero})
+        out["tp_streamed"] = torch.equal(eng.generate(ids, max_new_tokens=NEW), want)
+        eng.streaming.remove()
     return out
 
 
@@ -109,6 +162,36 @@ def test_tp2_greedy_tokens_equal_tp1(tp2, key):
         whole, local = r["bytes"]
         assert local < 0.6 * whole  # every matrix split (norms and positions replicated)
     assert tp2[0][key]["tokens"] == tp2[1][key]["tokens"]
+
+
+def test_engine_tp2_gpt_with_kv_cache_and_llama(tp2):
+    for r in tp2:
+        assert r["gpt_no_cache"]  # the cache path itself equals recomputing (TP1)
+        assert r["gpt_cache"], "TP2 + KV cache tokens differ from TP1's"
+        assert r["gpt_cache_heads"] == 2  # each rank attends over its 2 of the 4 heads
+        assert r["llama_engine"]
+        assert r["tp_streamed"], "TP2 with streamed weights differs from TP1"
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quantized_after_sharding(tp2, bits):
+    for r in tp2:
+        q = r[f"int{bits}"]
+        assert q["quantized"] >= 8  # qkv, attn.proj, fc, mlp.proj of 2 blocks (head tied)
+        # per-rank scales differ from the whole layer's only where a row is split
+        # (row-parallel int8 scales; int4 groups never straddle ranks), so logits match
+        # the TP1 quantized model's to within quantization error
+        assert q["logit_diff"] <= 0.02 * q["logit_scale"], q
+        whole, local = q["bytes"]
+        assert local < 0.6 * whole
+    assert tp2[0]["int4"]["tokens_equal"]  # int4 groups: identical weights, same tokens
+
+
+def test_int4_group_not_dividing_the_local_slice_is_refused(tp2):
+    for r in tp2:
+        msg = r["int4_bad_group"]
+        assert msg is not None
+        assert "blocks.0.attn.proj" in msg and "32 input features" in msg and "tp_size" in msg
 
 
 def test_differing_weights_refused_on_every_rank(tp2):

@@ -60,6 +60,7 @@ class TPConfig(Section):
     tp_grain_size: int = key(1, INERT("weights are split evenly by the tensor-parallel degree"), doc="Split granularity.", min=1)
     mpu: Any = key(None, NOT_BUILT("an mpu for inference (the group is built from the world)"), doc="A Megatron-style mpu.")
     tp_group: Any = key(None, NOT_BUILT("a given tensor-parallel group (the group is built from the world)"), doc="A process group.")
+    tp_plan: dict[str, Any] | None = key(None, doc="zeroshard: module or parameter name patterns (fnmatch, or 're:' + a regex) -> a style ('column', 'row', 'replicate', or transformers' names), over the model's own plan, as in training's tensor_parallel.tp_plan.")
     # fmt: on
 
     @property

@@ -77,15 +77,42 @@ class InferenceEngine:
             self._apply_streaming()
         model.eval()
 
-    # -- hooks for the parallel and streaming parts (infer2) -----------------------------------
+    # -- tensor parallelism and weight streaming (tensor_parallel.py, streaming.py) -----------
     def _apply_tensor_parallel(self) -> None:
-        raise ConfigError(
-            "tensor_parallel.tp_size",
-            f"tensor-parallel inference (tp_size={self.config.tp_size}) is not built yet in zeroshard",
+        import torch.distributed as dist
+
+        from zeroshard.distributed import init_distributed
+        from zeroshard.inference.tensor_parallel import inference_mesh, shard_for_inference
+
+        n = self.config.tp_size
+        if not dist.is_initialized() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            init_distributed()
+        if not dist.is_initialized():
+            raise ConfigError(
+                "tensor_parallel.tp_size",
+                f"tp_size={n} needs {n} ranks: launch with `zeroshard generate --nproc {n}` "
+                f"or `zeroshard run --nproc {n} script.py` (torch.distributed is not initialized)",
+            )
+        mesh = inference_mesh(n, self._device().type)
+        self.tp = shard_for_inference(
+            self.module, mesh.comm("tp"), tp_plan=self.config.tensor_parallel.tp_plan
         )
 
     def _apply_streaming(self) -> None:
-        raise ConfigError("zero", "ZeRO-Inference weight streaming is not built yet in zeroshard")
+        from zeroshard.inference.streaming import stream_config, stream_weights
+
+        if self.quantized:
+            raise ConfigError(
+                "zero",
+                "weight streaming of quantized layers is not built yet in zeroshard; stream "
+                "floating-point weights (drop quant) or quantize without zero",
+            )
+        tag = f"rank{self.tp.rank}" if self.tp is not None else "rank0"
+        if self.tp is None:
+            import torch.distributed as dist
+
+            tag = f"rank{dist.get_rank()}" if dist.is_initialized() else tag
+        self.streaming = stream_weights(self.module, stream_config(self.config.zero), tag=tag)
 
     def _quantize(self) -> None:
         w = self.config.quant.weight
@@ -97,6 +124,16 @@ class InferenceEngine:
             symmetric=w.q_type == "symmetric",
             skip=tuple(self.config.quant.skip),
         )
+        if self.tp is not None:  # the column/row-parallel layers hold their local slices
+            from zeroshard.inference.tensor_parallel import quantize_sharded
+
+            self.quantized += quantize_sharded(
+                self.module,
+                bits=bits,
+                group_size=w.group_size,
+                symmetric=w.q_type == "symmetric",
+                skip=tuple(self.config.quant.skip),
+            )
 
     # -- use ----------------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:

@@ -68,6 +68,55 @@ class StreamConfig:
             )
 
 
+_OFFLOAD_KEYS = {"device", "nvme_path", "buffer_count", "pin_memory", "buffer_size", "max_in_cpu"}
+# zero-section keys that shape stage-3 training gathers; streaming reads whole layers
+_INERT_ZERO = {
+    "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold",
+    "stage3_max_live_parameters", "stage3_max_reuse_distance", "prefetch_bucket_size",
+    "param_persistence_threshold", "max_live_parameters", "max_reuse_distance",
+    "contiguous_gradients", "overlap_comm", "reduce_bucket_size", "sub_group_size",
+}  # fmt: skip
+
+
+def stream_config(zero: dict) -> StreamConfig:
+    """A :class:`StreamConfig` from DeepSpeed's ZeRO-Inference section (``init_inference``'s
+    ``zero``; the same keys as ``zero_optimization`` in a training config): ``stage`` 3 and
+    ``offload_param`` ``{"device": "cpu" | "nvme", "nvme_path", "buffer_count",
+    "pin_memory"}``. ``buffer_size`` and ``max_in_cpu`` are accepted with a note (buffers
+    are sized to the largest layer); the stage-3 gather tuning keys mean nothing here."""
+    if not isinstance(zero, dict):
+        raise ValueError(f"zero: expected an object, got {type(zero).__name__}")
+    unknown = set(zero) - {"stage", "offload_param"} - _INERT_ZERO
+    if unknown:
+        raise ValueError(
+            f"zero.{sorted(unknown)[0]}: not a ZeRO-Inference key; weight streaming reads "
+            "zero.stage (3) and zero.offload_param"
+        )
+    if zero.get("stage") != 3:
+        raise ValueError(
+            f"zero.stage: ZeRO-Inference streams weights at stage 3, got {zero.get('stage')!r}"
+        )
+    off = zero.get("offload_param")
+    if not isinstance(off, dict) or off.get("device") in (None, "none"):
+        raise ValueError(
+            'zero.offload_param: say where the weights live, {"device": "cpu"} or '
+            '{"device": "nvme", "nvme_path": "/local_nvme"}'
+        )
+    unknown = set(off) - _OFFLOAD_KEYS
+    if unknown:
+        raise ValueError(f"zero.offload_param.{sorted(unknown)[0]}: not an offload_param key")
+    for k in sorted(set(zero) & _INERT_ZERO) + [
+        f"offload_param.{k}" for k in ("buffer_size", "max_in_cpu") if k in off
+    ]:
+        print(f"zeroshard: zero.{k} means nothing to weight streaming (buffers hold whole layers)")
+    return StreamConfig(
+        device=off["device"],
+        nvme_path=off.get("nvme_path"),
+        buffer_count=int(off.get("buffer_count", 5)),
+        pin_memory=bool(off.get("pin_memory", True)),
+    )
+
+
 # -- units --------------------------------------------------------------------------------
 
 

@@ -27,7 +27,9 @@ digest per rank (:func:`check_same_weights`).
 
 from __future__ import annotations
 
+import fnmatch
 import hashlib
+import types
 from dataclasses import dataclass
 
 import torch
@@ -120,6 +122,57 @@ def shard_for_inference(
         raise ValueError(str(exc).replace("an autotp_size", "a tensor_parallel.tp_size")) from exc
     model.train(was_training)
     return TPInference(comm=comm, sharding=sharding)
+
+
+def quantize_sharded(
+    model: nn.Module,
+    *,
+    bits: int,
+    group_size: int = 128,
+    symmetric: bool = True,
+    skip: tuple[str, ...] | list[str] = (),
+) -> list[str]:
+    """Quantize the local weight slice of every column- and row-parallel layer of a
+    sharded model (weight-only int8 per output channel, int4 in groups along the input,
+    ``quantize.py``'s :class:`QuantLinear`); their collectives are unchanged. Layers
+    sharing their weight (a head tied to the embedding) or matching ``skip`` keep it.
+    Checks every layer first: under int4, ``group_size`` must divide this rank's share
+    of the input features. Returns the names quantized."""
+    from zeroshard.inference.quantize import QuantLinear
+
+    counts: dict[int, int] = {}
+    for _, p in model.named_parameters(remove_duplicate=False):
+        counts[id(p)] = counts.get(id(p), 0) + 1
+    chosen = []
+    for name, layer in parallel_layers(model):
+        if counts.get(id(layer.weight), 0) > 1 or any(
+            fnmatch.fnmatchcase(name, pat) for pat in skip
+        ):
+            continue
+        w = layer.weight.t() if layer.transposed else layer.weight  # [out, in] local
+        if bits == 4 and w.shape[1] % group_size:
+            t = layer.comm.world_size
+            whole = w.shape[1] * (t if isinstance(layer, RowParallelLinear) else 1)
+            raise ValueError(
+                f"{name}: int4 group_size {group_size} does not divide this rank's "
+                f"{w.shape[1]} input features ({whole} split over tensor_parallel.tp_size "
+                f"{t}); choose a quant.weight.group_size that divides {w.shape[1]}, or leave "
+                "the layer unquantized (quant.skip)"
+            )
+        chosen.append((name, layer, w))
+    for name, layer, w in chosen:
+        q = QuantLinear.from_float(
+            w.detach(), None, bits=bits, group_size=group_size, symmetric=symmetric, name=name
+        )
+        del layer.weight
+        layer.weight_only = q  # a submodule: moves with .to(), counted by weight_bytes
+        layer._matmul = types.MethodType(_quantized_matmul, layer)
+    return [name for name, _, _ in chosen]
+
+
+def _quantized_matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    y = self.weight_only(x)
+    return y if bias is None else y + bias
 
 
 def parallel_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:

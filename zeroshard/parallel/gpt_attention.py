@@ -6,7 +6,9 @@ sequence-parallel attention core. :class:`LocalHeadsAttention` adopts the same
 ``qkv`` and ``proj`` submodules (parameter names are unchanged) and computes the same
 function with ``n_head`` local heads, the width taken from ``qkv``'s output, and a
 pluggable ``core`` (causal scaled-dot-product attention by default; Ulysses or ring
-attention under sequence parallelism).
+attention under sequence parallelism). Given a layer's key/value cache (generation,
+``zeroshard/inference/kv_cache.py``), it attends over the cached keys and values of its
+local heads, as the built-in ``Attention`` does.
 
 No communication of its own (its projections and core may communicate).
 """
@@ -42,14 +44,24 @@ class LocalHeadsAttention(nn.Module):
         self.n_head = n_head
         self.core = core
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, kv=None) -> torch.Tensor:
         y = self.qkv(x)
         b, s, three_d = y.shape
         d = three_d // 3
         q, k, v = (
             z.view(b, s, self.n_head, d // self.n_head).transpose(1, 2) for z in y.split(d, 2)
         )
-        o = self.core(q, k, v, self.dropout if self.training else 0.0)
+        drop = self.dropout if self.training else 0.0
+        if kv is None:
+            o = self.core(q, k, v, drop)
+        elif self.core is not causal_sdpa:
+            raise ValueError(
+                "a key/value cache with sequence-parallel attention is not supported; "
+                "generate without sequence parallelism"
+            )
+        else:  # generation: this rank's heads of every cached position, with the mask
+            k, v, mask = kv.update(k, v)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=drop)
         return self.proj(o.transpose(1, 2).reshape(b, s, d))
 
 
