@@ -78,7 +78,9 @@ def test_seed001_method_b_one_rank_without_launcher() -> None:
     assert "seed001 method B: 1 optimizer step(s) after 10 micro-steps" in out.stdout
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize(
+    "stage", [pytest.param(1, marks=pytest.mark.slow), pytest.param(2, marks=pytest.mark.slow), 3]
+)
 def test_seed003_zero_stages(stage: int) -> None:
     pytest.importorskip("transformers")
     out = _launch("run", "--nproc", "2", "examples/seeds/seed003_zero.py", "--stage", str(stage))

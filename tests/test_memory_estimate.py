@@ -90,7 +90,7 @@ def _measure(rank: int, world: int, stage: int) -> dict:
     }
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [pytest.param(2, marks=pytest.mark.slow), 3])
 def test_estimate_matches_memory_stats(world: int) -> None:
     for stage in range(4):
         for r in multirank.run(_measure, world, stage, timeout=300):

@@ -167,6 +167,7 @@ def _train_gpt(rank: int, world: int, nvme: str | None) -> dict:
     }
 
 
+@pytest.mark.slow
 def test_nvme_ram_holds_only_the_buffer_pool(tmp_path, monkeypatch) -> None:
     """Measured: the bytes memory_stats moves to "nvme" really leave RAM (peak RSS), and
     what stays of the parameter and optimizer side is the buffer pool alone."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import multirank
 import parity
+import pytest
 from test_parity import _worker
 
 CPU = {"device": "cpu", "pin_memory": True}
@@ -131,6 +132,7 @@ def test_hybrid_cpu_adamw_one_rank() -> None:
     parity.assert_parity(cases, multirank.run(_worker, 1, cases, timeout=300), 1)
 
 
+@pytest.mark.slow
 def test_offload_keeps_optimizer_state_off_the_device() -> None:
     for per_rank in multirank.run(_memory, 2, timeout=300):
         assert any(r["pipelined"] for r in per_rank)  # the parity model has several buckets

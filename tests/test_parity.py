@@ -131,7 +131,7 @@ def _clip_failures(case: dict, per_rank: list[dict]) -> list[str]:
     return out
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [pytest.param(2, marks=pytest.mark.slow), 3])
 def test_stage_parity(world: int) -> None:
     cases = _cases()
     results = multirank.run(_worker, world, cases, timeout=600)

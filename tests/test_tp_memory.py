@@ -5,6 +5,7 @@ estimator's formula (``memory.activation_bytes``): within 15%."""
 from __future__ import annotations
 
 import multirank
+import pytest
 import torch
 
 L, H, S, B, V = 4, 128, 256, 2, 256
@@ -31,6 +32,7 @@ def _kept(rank: int, world: int) -> dict:
     return out
 
 
+@pytest.mark.slow
 def test_activation_bytes_per_rank_under_tensor_parallelism() -> None:
     from zeroshard.memory import activation_bytes
 
