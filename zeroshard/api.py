@@ -152,11 +152,12 @@ def initialize(
     source = _config_from_args(args, config, config_params)
     init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
     world = dist.get_world_size()
+    own = training_data is None  # the user feeds the batches: their size can be seen
     if mpu is not None:
         mesh = Mesh.from_mpu(mpu)
-        cfg = load_config(source, dp_world_size=mesh.size("dp"))
+        cfg = load_config(source, dp_world_size=mesh.size("dp"), micro_batch_from_data=own)
     else:
-        cfg = load_config(source, world_size=world)
+        cfg = load_config(source, world_size=world, micro_batch_from_data=own)
         shape = MeshShape.for_world(
             world,
             tp=cfg.tensor_parallel.size,

@@ -143,6 +143,9 @@ class Config(Section):
     dp_world_size: int = 1  # what the batch sizes were resolved for (not a key)
     world_size: int | None = None  # given instead: dp is what tp x sp x pp leave (not a key)
     module_stages: int | None = None  # the PipelineModule's num_stages, if any (not a key)
+    # only gradient_accumulation_steps given: leave the micro-batch size None for the engine
+    # to take from the first batch (initialize without training_data; not a key)
+    micro_batch_from_data: bool = False
     optimizer: OptimizerConfig | None = key(None, doc="The optimizer to build; null: pass one to initialize().")
     scheduler: SchedulerConfig | None = key(None, doc="The learning-rate schedule, if any.")
     fp16: FP16Config = _section(FP16Config, "fp16 mixed precision.")
@@ -225,7 +228,11 @@ class Config(Section):
             object.__setattr__(self, "dp_world_size", self._dp_of(self.world_size))
         check(self.dp_world_size >= 1, "dp_world_size", "must be >= 1")
         given = [getattr(self, name) or None for name in _BATCH]  # 0 means "derive it"
-        resolved = resolve_batch_sizes(*given, self.dp_world_size)
+        train, micro, gas = given
+        if self.micro_batch_from_data and train is None and micro is None and gas is not None:
+            resolved = (None, None, gas)  # zeroshard/first_batch.py fills them in
+        else:
+            resolved = resolve_batch_sizes(*given, self.dp_world_size)
         for name, value in zip(_BATCH, resolved, strict=True):
             object.__setattr__(self, name, value)
         mb = self.pipeline.micro_batches
@@ -281,6 +288,7 @@ def load_config(
     world_size: int | None = None,
     auto_values: Mapping[str, Any] | None = None,
     module_stages: int | None = None,
+    micro_batch_from_data: bool = False,
 ) -> Config:
     """Read and validate a DeepSpeed config for ``dp_world_size`` data-parallel ranks.
 
@@ -290,8 +298,11 @@ def load_config(
     is the Hugging Face integration's hook, and a key it names must be one the schema
     knows. ``world_size`` instead of ``dp_world_size``: the data-parallel size is what
     the config's tensor, sequence and pipeline degrees leave of it; ``module_stages``:
-    the stages of the PipelineModule being trained (``pipeline.stages`` must agree). Raises
-    :class:`ConfigError` on the first problem, including a feature that is not built yet.
+    the stages of the PipelineModule being trained (``pipeline.stages`` must agree);
+    ``micro_batch_from_data``: a config giving only ``gradient_accumulation_steps`` leaves
+    ``train_micro_batch_size_per_gpu`` and ``train_batch_size`` None (the engine takes them
+    from the first batch) instead of being refused. Raises :class:`ConfigError` on the
+    first problem, including a feature that is not built yet.
     """
     config = read_config(
         source,
@@ -299,6 +310,7 @@ def load_config(
         world_size=world_size,
         auto_values=auto_values,
         module_stages=module_stages,
+        micro_batch_from_data=micro_batch_from_data,
     )
     if config.not_built:
         path, feature = config.not_built[0]
@@ -313,6 +325,7 @@ def read_config(
     world_size: int | None = None,
     auto_values: Mapping[str, Any] | None = None,
     module_stages: int | None = None,
+    micro_batch_from_data: bool = False,
 ) -> Config:
     """:func:`load_config` for tools that inspect configs: a config asking for features
     that are not built is returned, with them in :attr:`Config.not_built`."""
@@ -349,6 +362,7 @@ def read_config(
         dp_world_size=world,
         world_size=world_size,
         module_stages=module_stages,
+        micro_batch_from_data=micro_batch_from_data,
         **extra,
     )
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -27,6 +27,7 @@ from torch import nn
 from zeroshard import watchdog
 from zeroshard.agreement import check_ranks_agree
 from zeroshard.distributed import default_device, local_rank
+from zeroshard.first_batch import FirstBatchSize, not_learned
 from zeroshard.memory import measure
 from zeroshard.monitor.hub import EngineMonitor
 from zeroshard.offload.placement import Placement
@@ -172,6 +173,10 @@ class Engine(nn.Module):
         if self.policy.compute != torch.float32:
             cast = module.register_forward_pre_hook(self._cast_inputs, with_kwargs=True)
             self._installed.append(cast)
+        if config.train_micro_batch_size_per_gpu is None:  # see zeroshard/first_batch.py
+            self._installed.append(
+                FirstBatchSize(module, self.comm, self.device, self._micro_batch_seen)
+            )
         param_groups = self._parallelize(param_groups)
         self._swaps = EngineSwaps(config, self.comm.rank)
         self._swap_spaces = self._swaps.spaces  # nvme_path -> this rank's swap directory
@@ -396,6 +401,25 @@ class Engine(nn.Module):
             drop_last=self._config.dataloader_drop_last,  # as DeepSpeed: the sampler still pads
         )
 
+    def _micro_batch_seen(self, rows: int) -> None:
+        """The config left the micro-batch size out: take the first batch's ``rows``."""
+        self._config = replace(
+            self._config, train_micro_batch_size_per_gpu=rows, micro_batch_from_data=False
+        )
+        if self.monitor.throughput is not None:
+            self.monitor.throughput.batch_size = self.train_batch_size()
+        if self.comm.rank == 0:  # a warning, so that it shows by default, as config notes do
+            log.warning(
+                "zeroshard: train_micro_batch_size_per_gpu is not in the config; taken from "
+                "the first batch: %d (train_batch_size %d = %d x gradient_accumulation_steps "
+                "%d x %d data-parallel ranks)",
+                rows,
+                self.train_batch_size(),
+                rows,
+                self.gradient_accumulation_steps(),
+                self._config.dp_world_size,
+            )
+
     def _cast_inputs(self, module, args, kwargs):
         dtype = self.policy.compute
         return _cast_floating(args, dtype), _cast_floating(kwargs, dtype)
@@ -481,6 +505,8 @@ class Engine(nn.Module):
     def step(self, lr_kwargs: dict | None = None) -> None:
         """Count a micro-step; at the accumulation boundary, update the model."""
         self._enter("step")
+        if self._config.train_batch_size is None:
+            raise not_learned()
         self.monitor.step_start()
         self._step_applied = False
         boundary = self.is_gradient_accumulation_boundary()
