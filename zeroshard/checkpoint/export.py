@@ -22,6 +22,7 @@ from zeroshard.checkpoint.save import CheckpointSaveError
 from zeroshard.progress import progress
 from zeroshard.safetensors_io import DTYPES, StreamWriter, dtype_size
 
+MODEL_KEY = "zeroshard_model"  # safetensors metadata: the model's description (JSON)
 DTYPE_ARGS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -39,10 +40,14 @@ def _plan(entries, max_shard_bytes: int | None) -> list[list]:
     return shards
 
 
-def write_weights(out: str, entries, fetch, max_shard_bytes: int | None = None) -> list[str]:
+def write_weights(
+    out: str, entries, fetch, max_shard_bytes: int | None = None, metadata: dict | None = None
+) -> list[str]:
     """Write ``entries`` (name, dtype, shape) to ``out`` (a ``.safetensors`` path, or a
     directory for several shards plus ``model.safetensors.index.json``), calling
-    ``fetch(name)`` for each tensor in turn."""
+    ``fetch(name)`` for each tensor in turn; ``metadata`` goes into every file's header
+    (the model's description under ``zeroshard_model``)."""
+    metadata = metadata or {"format": "pt"}
     shards = _plan(entries, max_shard_bytes)
     if len(shards) == 1 and out.endswith(".safetensors"):
         paths = [out]
@@ -55,7 +60,7 @@ def write_weights(out: str, entries, fetch, max_shard_bytes: int | None = None) 
     weight_map, total = {}, 0
     for path, shard in zip(paths, shards, strict=True):
         partial = _partial(path)
-        writer = StreamWriter(partial, shard, {"format": "pt"})
+        writer = StreamWriter(partial, shard, metadata)
         try:
             desc = f"writing {os.path.basename(path)}"
             for name, dtype, shape in progress(shard, desc=desc, unit="tensor"):
@@ -73,6 +78,17 @@ def write_weights(out: str, entries, fetch, max_shard_bytes: int | None = None) 
             os.path.join(out, "model.safetensors.index.json"), json.dumps(index, indent=2)
         )
     return paths
+
+
+def _metadata(module) -> dict[str, str]:
+    """safetensors header metadata: the format, and the model's description if known."""
+    from zeroshard.checkpoint.model_config import describe_model
+
+    description = describe_model(module)
+    meta = {"format": "pt"}
+    if description is not None:
+        meta[MODEL_KEY] = json.dumps(description)
+    return meta
 
 
 def _partial(path: str) -> str:
@@ -99,6 +115,24 @@ def export_checkpoint(
     """Consolidate a checkpoint (a tag directory, or a directory with ``latest``), after
     checking every file (checksums unless ``verify=False``; non-finite values unless
     ``allow_nonfinite``, as :func:`load_checkpoint`)."""
+    entries, fetch, manifest = open_checkpoint(
+        ckpt_dir, dtype, verify=verify, allow_nonfinite=allow_nonfinite
+    )
+    metadata = {"format": "pt"}
+    if manifest.get("model"):
+        metadata[MODEL_KEY] = json.dumps(manifest["model"])
+    return write_weights(out, entries, fetch, max_shard_bytes, metadata)
+
+
+def open_checkpoint(
+    ckpt_dir: str,
+    dtype: torch.dtype | None = None,
+    *,
+    verify: bool = True,
+    allow_nonfinite: bool = False,
+):
+    """``(entries, fetch, manifest)`` of a checked checkpoint: entries are (name, dtype,
+    shape) of every whole tensor, ``fetch(name)`` assembles one from its pieces."""
     path = resolve_path(ckpt_dir, None)
     manifest = read_manifest(path, root=ckpt_dir)
     scan_files(
@@ -135,7 +169,7 @@ def export_checkpoint(
         shape = manifest["params"][real]["shape"]
         return reader.get(kind, real, 0, math.prod(shape), torch.float32).view(shape)
 
-    return write_weights(out, entries, fetch, max_shard_bytes)
+    return entries, fetch, manifest
 
 
 def save_16bit(engine, save_dir: str, filename: str = "model.safetensors") -> str | None:
@@ -165,7 +199,7 @@ def save_16bit(engine, save_dir: str, filename: str = "model.safetensors") -> st
     if comm.rank == 0:
         try:
             os.makedirs(save_dir, exist_ok=True)
-            writer = StreamWriter(partial, entries, {"format": "pt"})
+            writer = StreamWriter(partial, entries, _metadata(module))
         except Exception as exc:
             error = exc
     failed, _ = exchange(comm, engine.device, error)

@@ -40,6 +40,7 @@ from zeroshard.checkpoint.format import (
     raise_if_failed,
     write_text_atomic,
 )
+from zeroshard.checkpoint.model_config import describe_model
 from zeroshard.checkpoint.paths import (
     LATEST,
     check_tag,
@@ -346,6 +347,7 @@ def _manifest(engine, access, names, kinds, sizes, client_json, tag) -> dict:
         },
         "files": [{"name": file_name(r), "bytes": int(b)} for r, b in enumerate(sizes)],
         "params": params,
+        "model": describe_model(engine.module),
         "aliases": _aliases(engine),
         "whole": whole,
         "kinds": kinds,

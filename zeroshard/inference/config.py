@@ -10,6 +10,7 @@ DeepSpeed's spelling is accepted as a dict, a JSON file, keyword arguments, or b
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -58,8 +59,6 @@ class TPConfig(Section):
     enabled: bool = key(True, doc="false turns tensor parallelism off whatever tp_size says.")
     tp_size: int = key(1, doc="Tensor-parallel degree: the model's layers are split over this many ranks (zeroshard/inference/tensor_parallel.py).", min=1)
     tp_grain_size: int = key(1, INERT("weights are split evenly by the tensor-parallel degree"), doc="Split granularity.", min=1)
-    mpu: Any = key(None, NOT_BUILT("an mpu for inference (the group is built from the world)"), doc="A Megatron-style mpu.")
-    tp_group: Any = key(None, NOT_BUILT("a given tensor-parallel group (the group is built from the world)"), doc="A process group.")
     tp_plan: dict[str, Any] | None = key(None, doc="zeroshard: module or parameter name patterns (fnmatch, or 're:' + a regex) -> a style ('column', 'row', 'replicate', or transformers' names), over the model's own plan, as in training's tensor_parallel.tp_plan.")
     # fmt: on
 
@@ -111,7 +110,7 @@ class InferenceConfig(Section):
     triton_autotune: bool = key(False, INERT("no Triton kernels"), doc="Triton autotuning.")
     triangular_masking: bool = key(True, INERT("the model's own attention masks apply"), doc="Causal masking.", aliases=("tm",))
     return_tuple: bool = key(True, INERT("the model's own return type is kept"), doc="Return tuples.")
-    checkpoint: Any = key(None, doc="A zeroshard checkpoint directory, a safetensors file or directory, or a quantized export, loaded into the model (see zeroshard/inference/weights.py).")
+    checkpoint: str | None = key(None, doc="A zeroshard checkpoint directory, a safetensors file or directory, or a quantized export, loaded into the model (see zeroshard/inference/weights.py).")
     base_dir: str = key("", doc="Directory that relative checkpoint paths start from.")
     save_mp_checkpoint_path: str | None = key(None, NOT_BUILT("saving tensor-parallel inference checkpoints (save quantized weights with engine.save_quantized)"), doc="Where to save MP checkpoints.")
     injection_policy: dict[str, Any] | None = key(None, NOT_BUILT("DeepSpeed injection policies (use tensor_parallel with a tp_plan)"), doc="Injection policy.", aliases=("injection_dict",))
@@ -119,7 +118,7 @@ class InferenceConfig(Section):
     replace_method: str = key("auto", INERT("nothing is replaced but Linear layers by quantization"), doc="Replacement method.")
     zero: dict[str, Any] | None = key(None, doc="ZeRO-Inference: weights streamed from CPU memory or NVMe layer by layer (zeroshard/inference/streaming.py).")
     keep_module_on_host: bool = key(False, INERT("the model stays where it is given"), doc="Keep the module on the host.")
-    moe: Any = key(None, NOT_BUILT("mixture-of-experts inference with expert parallelism"), doc="MoE settings.")
+    moe: dict[str, Any] | bool | None = key(None, NOT_BUILT("mixture-of-experts inference with expert parallelism"), doc="MoE settings.")
     ep_size: int = key(1, NOT_BUILT("expert parallelism", lambda v: v != 1), doc="Expert-parallel degree.", min=1)
     training_mp_size: int = key(1, INERT("checkpoints are resharded on load whatever their layout"), doc="MP size of the training checkpoint.", min=1)
     set_empty_params: bool = key(False, INERT("parameters are always materialized"), doc="Empty parameters.")
@@ -168,6 +167,15 @@ def load_inference_config(
         config = read_config_file(config)
     data = dict(config or {})
     data.update(kwargs)
+    for section in ("tensor_parallel", "tp"):  # objects, not JSON: refused before reading
+        for name in ("mpu", "tp_group"):
+            if isinstance(data.get(section), Mapping) and data[section].get(name) is not None:
+                raise ConfigError(f"{section}.{name}", "a given process group or mpu for inference is not built yet in zeroshard (groups are built from the world)")  # fmt: skip
+    if data.get("mpu") is not None:
+        raise ConfigError("mpu", "an mpu for inference is not built yet in zeroshard")
+    data.pop("mpu", None)
+    if "checkpoint" in data and isinstance(data["checkpoint"], os.PathLike):
+        data["checkpoint"] = os.fspath(data["checkpoint"])
     if "dtype" in data and data["dtype"] is not None:
         value = _jsonable(data["dtype"], "dtype")
         spelled = _DTYPE_SPELLINGS.get(str(value).lower())

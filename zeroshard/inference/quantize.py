@@ -147,7 +147,9 @@ class QuantLinear(nn.Module):
 
     def set_portable(self, qweight, scale, offset) -> None:
         """Install portable tensors (as ``state_dict`` holds them) and build the kernel form."""
-        self.qweight = qweight.contiguous()
+        # a fresh, aligned copy: the CPU int8 kernel crashes on a tensor read in place from
+        # a safetensors file (unaligned data, seen with torch 2.13)
+        self.qweight = qweight.contiguous().clone()
         self.scale = scale.to(self.scale.dtype).contiguous()
         if offset is not None:
             self.offset = offset.to(self.scale.dtype).contiguous()

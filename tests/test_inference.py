@@ -1,0 +1,192 @@
+"""Issue 19 (inference core): init_inference's config, int8/int4 weight-only quantization
+(bytes, kernels against the dequantized weight, save/load), KV-cache generation (exact
+against recomputation, padding, sampling, stop tokens), Hugging Face generate() with
+quantized layers, model configs in checkpoints, bad input. One process, small models."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+import zeroshard
+from zeroshard.config import ConfigError
+from zeroshard.inference import QuantizationError, QuantLinear, init_inference, quantize_model
+from zeroshard.models import GPT, GPTConfig
+
+torch.set_num_threads(1)
+
+
+def _gpt(**kw) -> GPT:
+    torch.manual_seed(0)
+    return GPT(GPTConfig(**{"n_layer": 2, "n_head": 2, "d_model": 64, "seq_len": 96, **kw}))
+
+
+def test_config_keys(capsys) -> None:
+    eng = init_inference(_gpt(), {"replace_with_kernel_inject": True, "max_out_tokens": 64})
+    assert "no kernels to inject" in capsys.readouterr().out
+    assert eng.config.max_out_tokens == 64 and eng.quantized == []
+    eng = init_inference(_gpt(tie_embeddings=False), dtype=torch.int8)
+    assert all(isinstance(eng.module.get_submodule(n), QuantLinear) for n in eng.quantized)
+    assert "head" in eng.quantized
+    cfg = zeroshard.inference.load_inference_config({"mp_size": 2})[0]
+    assert cfg.tp_size == 2
+    with pytest.raises(ConfigError, match="max_out_tokenz"):
+        init_inference(_gpt(), {"max_out_tokenz": 3})
+    with pytest.raises(ConfigError, match=r"enable_cuda_graph.*not built"):
+        init_inference(_gpt(), enable_cuda_graph=True)
+    with pytest.raises(ConfigError, match=r"quant\.weight\.num_bits"):
+        init_inference(_gpt(), quant={"enabled": True, "weight": {"num_bits": 3}})
+    with pytest.raises(ConfigError, match="dtype"):
+        init_inference(_gpt(), dtype=torch.int32)
+
+
+@pytest.mark.parametrize("bits,group,sym", [(8, 128, True), (8, 128, False), (4, 32, True), (4, 128, False)])  # fmt: skip
+def test_quant_linear_kernel_and_round_trip(bits, group, sym) -> None:
+    torch.manual_seed(1)
+    lin = torch.nn.Linear(256, 96)
+    q = QuantLinear.from_float(lin.weight, lin.bias, bits=bits, group_size=group, symmetric=sym)
+    assert q._kernel  # torch's int8 / int4 kernel runs for this shape
+    x = torch.randn(2, 5, 256)
+    y = q(x)
+    deq = torch.nn.functional.linear(x, q.dequantize(), lin.bias)
+    assert (y - deq).norm() / deq.norm() < 5e-3  # bf16 activations in the kernel
+    err = (q.dequantize() - lin.weight).abs().max()
+    assert err < (0.01 if bits == 8 else 0.1) * lin.weight.abs().max()
+    q2 = QuantLinear(256, 96, bits=bits, group_size=group, symmetric=sym)
+    q2.load_state_dict(q.state_dict())
+    assert torch.equal(q2(x), y)
+    # a shape the kernel does not take falls back to the dequantized weight
+    odd = torch.nn.Linear(24 if bits == 8 else 64, 20)
+    qo = QuantLinear.from_float(odd.weight, odd.bias, bits=bits, group_size=32, symmetric=sym)
+    assert not qo._kernel
+    xo = torch.randn(3, odd.in_features)
+    assert torch.allclose(qo(xo), odd(xo), atol=0.05 if bits == 8 else 0.3)
+
+
+def test_weight_bytes() -> None:
+    """Measured bytes held by the quantized Linear weights, scales included."""
+    ratios = {}
+    for bits in (8, 4):
+        model = GPT(GPTConfig(n_layer=2, n_head=4, d_model=256, tie_embeddings=False))
+        held, fp32 = init_inference(model, dtype=None, quant={"enabled": True, "weight": {"num_bits": bits}}).weight_bytes()  # fmt: skip
+        ratios[bits] = held / fp32
+    assert ratios[8] <= 0.27 and ratios[4] <= 0.15, ratios
+
+
+def test_bad_group_size_names_layer() -> None:
+    model = _gpt(d_model=96)  # in_features 96 and 384
+    with pytest.raises(QuantizationError, match=r"blocks.0.attn.qkv: int4 group_size 64 does not divide in_features 96"):  # fmt: skip
+        init_inference(model, quant={"enabled": True, "weight": {"num_bits": 4, "group_size": 64}})
+    assert isinstance(model.blocks[0].mlp.fc, torch.nn.Linear)  # nothing replaced
+    assert quantize_model(model, bits=4, group_size=32)  # 32 divides both
+
+
+def test_cache_exact_and_padding() -> None:
+    eng = init_inference(_gpt(), dtype=torch.float32)
+    ids = torch.randint(0, 256, (3, 9), generator=torch.Generator().manual_seed(0))
+    cached = eng.generate(ids, max_new_tokens=40)
+    assert torch.equal(cached, eng.generate(ids, max_new_tokens=40, use_cache=False))
+    # a left-padded batch gives each prompt the tokens it gets alone
+    prompts = [[5, 6, 7, 8, 9, 10], [11, 12], [13, 14, 15]]
+    batch = eng.generate(prompts, max_new_tokens=12, pad_token_id=0)
+    for row, p in zip(batch, prompts, strict=True):
+        alone = eng.generate([p], max_new_tokens=12)[0]
+        assert row[6 - len(p) :].tolist() == alone.tolist()
+    assert torch.equal(batch, eng.generate(prompts, max_new_tokens=12, use_cache=False))
+
+
+def test_sampling_and_stop_tokens() -> None:
+    eng = init_inference(_gpt())
+    ids = torch.tensor([[1, 2, 3]])
+    kw = dict(max_new_tokens=20, do_sample=True, temperature=0.9, top_k=20, top_p=0.9)
+    a, b = eng.generate(ids, seed=3, **kw), eng.generate(ids, seed=3, **kw)
+    assert torch.equal(a, b) and not torch.equal(a, eng.generate(ids, seed=4, **kw))
+    k1 = eng.generate(ids, seed=5, **{**kw, "top_k": 1})  # top-k 1 is greedy
+    assert torch.equal(k1, eng.generate(ids, max_new_tokens=20))
+    greedy = eng.generate(ids, max_new_tokens=20)[0, 3:].tolist()
+    stop = greedy[4]
+    out = eng.generate(ids, max_new_tokens=20, eos_token_id=stop, pad_token_id=255)[0, 3:].tolist()
+    assert out == greedy[: greedy.index(stop) + 1]  # ended at the first stop token
+    two = eng.generate([[1, 2, 3], [9, 9, 9]], max_new_tokens=20, eos_token_id=stop, pad_token_id=255)  # fmt: skip
+    row = two[0, 3:].tolist()
+    assert row[: len(out)] == out and set(row[len(out) :]) <= {255}
+    with pytest.raises(ValueError, match="max_out_tokens=16"):
+        init_inference(_gpt(), max_out_tokens=16).generate(ids, max_new_tokens=14)
+    with pytest.raises(ValueError, match="pad prompts on the left"):
+        eng.generate(ids, attention_mask=torch.tensor([[1, 1, 0]]), max_new_tokens=2)
+
+
+def test_quantized_generation_and_save_load(tmp_path) -> None:
+    model = _gpt()
+    ids = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(2))
+    for bits in (8, 4):
+        eng = init_inference(_gpt(), quant={"enabled": True, "weight": {"num_bits": bits, "group_size": 32}})  # fmt: skip
+        out = eng.generate(ids, max_new_tokens=16)
+        assert torch.equal(out, eng.generate(ids, max_new_tokens=16, use_cache=False))
+        path = eng.save_quantized(str(tmp_path / f"q{bits}.safetensors"))
+        again = init_inference(_gpt(seq_len=96), checkpoint=path)  # shells filled from the file
+        assert len([m for m in again.module.modules() if isinstance(m, QuantLinear)]) == 8
+        assert torch.equal(again(ids), eng(ids))
+        from zeroshard.inference.weights import model_from
+
+        assert torch.equal(model_from(path)(ids), eng(ids))  # the file records the model
+    assert model is not None
+
+
+def test_hf_generate_with_quantized_layers() -> None:
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfgs = [
+        transformers.GPT2Config(n_embd=64, n_layer=2, n_head=2, vocab_size=128, n_positions=64),
+        transformers.LlamaConfig(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=128,
+        ),
+    ]
+    ids = torch.randint(0, 128, (2, 6))
+    for cfg in cfgs:
+        model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+        ref = model.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=0)
+        eng = init_inference(model)
+        assert torch.equal(eng.generate(ids, max_new_tokens=8, pad_token_id=0), ref)
+        q = init_inference(transformers.AutoModelForCausalLM.from_config(cfg).eval(), dtype=torch.int8)  # fmt: skip
+        assert len(q.quantized) >= 8  # GPT-2's Conv1D layers and Llama's Linear ones
+        out = q.generate(ids, max_new_tokens=8, pad_token_id=0)
+        assert out.shape == (2, 14)
+
+
+def _save_gpt_checkpoint(rank: int, world: int, root: str, with_config: bool) -> str:
+    model = _gpt(seq_len=32)
+    cfg = {"train_batch_size": 1, "optimizer": {"type": "SGD", "params": {"lr": 0.0}}}
+    engine, *_ = zeroshard.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    engine.save_checkpoint(root, tag="t")
+    if not with_config:  # as a checkpoint saved before model configs were recorded
+        path = os.path.join(root, "t", "manifest.json")
+        with open(path) as f:
+            manifest = json.load(f)
+        manifest.pop("model")
+        with open(path, "w") as f:
+            json.dump(manifest, f)
+    return os.path.join(root, "t")
+
+
+def test_checkpoint_records_model_config(tmp_path) -> None:
+    from multirank import run
+
+    from zeroshard.checkpoint.model_config import ModelConfigError
+    from zeroshard.inference.weights import model_from
+
+    good = run(_save_gpt_checkpoint, 1, str(tmp_path / "a"), True, timeout=120)[0]
+    model = model_from(good)
+    assert model.cfg == _gpt(seq_len=32).cfg
+    assert torch.equal(model.tok_emb.weight, _gpt(seq_len=32).tok_emb.weight)  # no step taken
+    bad = run(_save_gpt_checkpoint, 1, str(tmp_path / "b"), False, timeout=120)[0]
+    with pytest.raises(ModelConfigError, match="no model config"):
+        model_from(bad)

@@ -1,0 +1,146 @@
+"""Weights into an inference model, and quantized weights out. No collectives.
+
+:func:`load_weights` takes a zeroshard checkpoint (a tag directory, or a directory with
+``latest``: tensors assembled piece by piece, checked as ``zeroshard convert`` checks
+them), a safetensors file, or a directory of them (``model.safetensors`` or a sharded set
+with its index), float or quantized. :func:`save_quantized` writes one safetensors file:
+float tensors as they are, quantized layers in their portable form (``quantize.py``),
+with the header metadata ``zeroshard_quant`` (bits, group size, symmetry, layer names)
+and ``zeroshard_model`` (the model's description, when known).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+
+from zeroshard.checkpoint.export import MODEL_KEY
+from zeroshard.checkpoint.model_config import ModelConfigError, build_model, describe_model
+from zeroshard.inference.quantize import QuantLinear, _as_linear
+
+QUANT_KEY = "zeroshard_quant"
+
+
+def _is_checkpoint(path: str) -> bool:
+    return os.path.isdir(path) and any(
+        os.path.exists(os.path.join(path, n)) for n in ("latest", "manifest.json")
+    )
+
+
+def _safetensors_files(path: str) -> list[str]:
+    if os.path.isfile(path):
+        return [path]
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            names = sorted(set(json.load(f)["weight_map"].values()))
+        return [os.path.join(path, n) for n in names]
+    single = os.path.join(path, "model.safetensors")
+    if os.path.exists(single):
+        return [single]
+    raise FileNotFoundError(
+        f"{path}: neither a zeroshard checkpoint (no 'latest' or manifest.json), nor a "
+        "safetensors file, nor a directory with model.safetensors or its index"
+    )
+
+
+def read_metadata(path: str) -> dict[str, str]:
+    """The header metadata of the first safetensors file at ``path``, or of a checkpoint's
+    manifest (its ``model`` as ``zeroshard_model``)."""
+    if _is_checkpoint(path):
+        from zeroshard.checkpoint.load import read_manifest, resolve_path
+
+        manifest = read_manifest(resolve_path(path, None), root=path)
+        model = manifest.get("model")
+        return {MODEL_KEY: json.dumps(model)} if model else {}
+    with safe_open(_safetensors_files(path)[0], framework="pt") as f:
+        return dict(f.metadata() or {})
+
+
+def model_from(path: str) -> nn.Module:
+    """Build the model a checkpoint or safetensors export describes, with its weights
+    (quantized layers included)."""
+    meta = read_metadata(path)
+    if MODEL_KEY not in meta:
+        raise ModelConfigError(
+            f"{path}: no model config recorded (checkpoints and exports record the built-in "
+            "GPT's and Hugging Face models' configs since issue 19; older ones do not): "
+            "build the model yourself and load the weights with init_inference(model, checkpoint=...)"
+        )
+    model = build_model(json.loads(meta[MODEL_KEY]), path)
+    load_weights(model, path)
+    return model
+
+
+def quantized_shells(model: nn.Module, spec: dict) -> None:
+    """Replace the layers named in ``spec['layers']`` by empty :class:`QuantLinear`s of
+    the recorded format, ready for ``load_state_dict``."""
+    for name in spec["layers"]:
+        module = model.get_submodule(name)
+        if isinstance(module, QuantLinear):
+            continue
+        wb = _as_linear(module)
+        if wb is None:
+            raise ValueError(f"quantized weights name {name!r}, not a Linear layer of this model")
+        weight, bias = wb
+        shell = QuantLinear(weight.shape[1], weight.shape[0], bits=spec["bits"],
+                            group_size=spec["group_size"], symmetric=spec["symmetric"],
+                            bias=bias is not None, device=weight.device, name=name)  # fmt: skip
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, child, shell)
+
+
+def load_weights(model: nn.Module, path: str) -> None:
+    """Load a checkpoint or safetensors weights into ``model`` (strict: every tensor of
+    the model must be there, nothing else)."""
+    if _is_checkpoint(path):
+        from zeroshard.checkpoint.export import open_checkpoint
+
+        entries, fetch, _ = open_checkpoint(path)
+        state = {name: fetch(name) for name, _, _ in entries}
+    else:
+        state, meta = {}, {}
+        for file in _safetensors_files(path):
+            with safe_open(file, framework="pt") as f:
+                meta.update(f.metadata() or {})
+                for name in f.keys():  # noqa: SIM118  (safe_open has no __iter__)
+                    state[name] = f.get_tensor(name)
+        if QUANT_KEY in meta:
+            quantized_shells(model, json.loads(meta[QUANT_KEY]))
+    result = model.load_state_dict(state, strict=False)
+    if result.missing_keys or result.unexpected_keys:
+        raise ValueError(
+            f"{path}: weights do not match the model: missing {result.missing_keys[:5]}, "
+            f"unexpected {result.unexpected_keys[:5]}"
+        )
+
+
+def save_quantized(model: nn.Module, path: str) -> str:
+    """One safetensors file with the model's weights, quantized layers portable."""
+    layers = {n: m for n, m in model.named_modules() if isinstance(m, QuantLinear)}
+    formats = {(m.bits, m.group_size if m.bits == 4 else 0, m.symmetric) for m in layers.values()}
+    if len(formats) > 1:
+        raise ValueError(f"save_quantized: layers use several formats {sorted(formats)}")
+    state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    seen: dict[int, str] = {}
+    for k in list(state):  # safetensors stores no shared tensors: keep a tie's first name
+        ptr = state[k].data_ptr() if state[k].numel() else None
+        if ptr is not None and ptr in seen:
+            state[k] = state[k].clone()
+        elif ptr is not None:
+            seen[ptr] = k
+    meta = {"format": "pt"}
+    if layers:
+        bits, group, sym = formats.pop()
+        spec = {"bits": bits, "group_size": group or 128, "symmetric": sym, "layers": list(layers)}
+        meta[QUANT_KEY] = json.dumps(spec)
+    description = describe_model(model)
+    if description is not None:
+        meta[MODEL_KEY] = json.dumps(description)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    save_file(state, path, metadata=meta)
+    return path
