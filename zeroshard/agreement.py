@@ -2,8 +2,9 @@
 difference is an error naming the rank and the first thing that differs, raised on every
 rank, before any collective on the model could hang or abort.
 
-Communication: one all-gather of a 64-character digest per rank (over the whole world);
-only when digests differ, a second all-gather of the descriptions themselves.
+Communication: one all-gather of a 64-character digest per rank (over the whole world;
+with pipeline stages, a second one over each stage's ranks, which alone hold the same
+parameters); only when digests differ, a second all-gather of the descriptions themselves.
 """
 
 from __future__ import annotations
@@ -20,12 +21,12 @@ class RanksDisagreeError(RuntimeError):
     """Ranks started with different models or configs (raised on every rank)."""
 
 
-def describe(module: nn.Module, config) -> list[str]:
+def describe(module: nn.Module, config, parameters: bool = True) -> list[str]:
     """One line per thing ranks must agree on: every parameter (name, shape, dtype,
-    trainable), then the settings that shape the step."""
+    trainable) unless ``parameters`` is false, then the settings that shape the step."""
     lines = [
         f"parameter {name}: shape {tuple(p.shape)}, {p.dtype}, requires_grad {p.requires_grad}"
-        for name, p in module.named_parameters()
+        for name, p in (module.named_parameters() if parameters else ())
     ]
     zc = config.zero_optimization
     lines += [
@@ -39,16 +40,20 @@ def describe(module: nn.Module, config) -> list[str]:
         f"zero_optimization.mics_shard_size: {zc.mics_shard_size}",
         f"tensor_parallel.autotp_size: {config.tensor_parallel.size}",
         f"sequence_parallel_size: {config.sequence_parallel_size}",
+        f"pipeline: {config.pipeline_stages} stages, schedule {config.pipeline.schedule}",
     ]
+    parts = getattr(module, "parts", None)  # a PipelineModule: where the layers are cut
+    if parts is not None:
+        lines.append(f"pipeline cut: {list(parts)}")
     return lines
 
 
-def check_ranks_agree(comm: Comm, module: nn.Module, config) -> None:
-    """Raise :class:`RanksDisagreeError` on every rank unless all ranks describe the
-    same model and config."""
+def check_ranks_agree(comm: Comm, module: nn.Module, config, parameters: bool = True) -> None:
+    """Raise :class:`RanksDisagreeError` on every rank unless all ranks of ``comm``
+    describe the same model (its parameters only if ``parameters``) and config."""
     if comm.world_size == 1:
         return
-    mine = describe(module, config)
+    mine = describe(module, config, parameters)
     digest = hashlib.sha256(json.dumps(mine).encode()).hexdigest()
     digests = comm.all_gather_object(digest)
     if len(set(digests)) == 1:

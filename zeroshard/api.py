@@ -18,6 +18,8 @@ from zeroshard.distributed import default_device, init_distributed
 from zeroshard.engine import Engine
 from zeroshard.optim import hyperparams
 from zeroshard.parallel.mesh import Mesh, MeshShape
+from zeroshard.parallel.pipeline_engine import PipelineEngine
+from zeroshard.parallel.pipeline_module import PipelineError, PipelineModule
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -122,6 +124,41 @@ def _collect_groups(module: nn.Module, optimizer, model_parameters, opt_cfg):
     return groups, client
 
 
+def _split(model: nn.Module, cfg) -> PipelineModule:
+    """A model that is not a PipelineModule, cut by the Hugging Face decoder splitter
+    (``parallel/pipeline_split.py``; it takes an ``nn.Sequential`` too)."""
+    virtual = cfg.pipeline.virtual_stages or 1
+    try:
+        from zeroshard.parallel.pipeline_split import split_for_pipeline
+    except ImportError:
+        split_for_pipeline = None
+    if split_for_pipeline is not None:
+        split = split_for_pipeline(model)
+        layers, loss_fn = split.layers, split.loss_fn
+    elif isinstance(model, nn.Sequential):
+        layers, loss_fn = list(model), None
+    else:
+        raise PipelineError(
+            f"pipeline.stages: {cfg.pipeline_stages}, but the model ({type(model).__name__}) "
+            "is not a zeroshard.pipe.PipelineModule or an nn.Sequential, and no splitter "
+            "knows it; build PipelineModule(layers=[...], num_stages=...)"
+        )
+    return PipelineModule(
+        layers, num_stages=cfg.pipeline_stages, loss_fn=loss_fn, virtual_stages=virtual
+    )
+
+
+def _stage_parameters(module: nn.Module, model_parameters):
+    """``model_parameters`` of a whole model, kept to those of this pipeline stage."""
+    if model_parameters is None:
+        return None
+    mine = {id(p) for p in module.parameters()}
+    source = list(model_parameters)
+    if source and isinstance(source[0], dict):
+        return [{**g, "params": [p for p in g["params"] if id(p) in mine]} for g in source]
+    return [p for p in source if id(p) in mine]
+
+
 def initialize(
     args=None,
     model: nn.Module | None = None,
@@ -152,12 +189,21 @@ def initialize(
     source = _config_from_args(args, config, config_params)
     init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
     world = dist.get_world_size()
-    own = training_data is None  # the user feeds the batches: their size can be seen
+    module_stages = model.num_stages if isinstance(model, PipelineModule) else None
+    # the user feeds the batches: their size can be seen (not through a pipeline engine)
+    own = training_data is None and module_stages is None
     if mpu is not None:
         mesh = Mesh.from_mpu(mpu)
-        cfg = load_config(source, dp_world_size=mesh.size("dp"), micro_batch_from_data=own)
+        cfg = load_config(
+            source,
+            dp_world_size=mesh.size("dp"),
+            micro_batch_from_data=own,
+            module_stages=module_stages,
+        )
     else:
-        cfg = load_config(source, world_size=world, micro_batch_from_data=own)
+        cfg = load_config(
+            source, world_size=world, micro_batch_from_data=own, module_stages=module_stages
+        )
         shape = MeshShape.for_world(
             world,
             tp=cfg.tensor_parallel.size,
@@ -166,13 +212,17 @@ def initialize(
             shard_size=cfg.zero_optimization.mics_shard_size,
         )
         mesh = Mesh.build(shape, device_type=default_device().type)
-    if cfg.pipeline_stages > 1:
-        raise ConfigError("pipeline.stages", "the pipeline engine is not built yet in zeroshard")
     if cfg.seed is not None:
         random.seed(cfg.seed)
         torch.manual_seed(cfg.seed)
+    engine_class = Engine
+    if cfg.pipeline_stages > 1 or module_stages is not None:
+        engine_class = PipelineEngine
+        if module_stages is None:
+            model = _split(model, cfg)
+        model_parameters = _stage_parameters(model, model_parameters)
     groups, client = _collect_groups(model, optimizer, model_parameters, cfg.optimizer)
-    engine = Engine(
+    engine = engine_class(
         model,
         cfg,
         mesh,

@@ -9,7 +9,8 @@ per op and ``by_axis()`` splits them by axis.
 
 Byte convention (the ZeRO paper's): all-reduce counts 2x the buffer (it is a
 reduce-scatter plus an all-gather), reduce-scatter counts the full unsharded input,
-all-gather the full gathered output, broadcast / all-to-all / send / recv the buffer.
+all-gather the full gathered output, broadcast / all-to-all / send / recv the buffer
+(pipeline stages' point-to-point ``send`` and ``recv`` are filed as two ops).
 
 With world size 1 every collective is a local copy (or nothing) and nothing is recorded:
 no bytes leave the process.
@@ -360,6 +361,36 @@ class Comm:
             return _Works(dist.batch_isend_irecv(ops))
 
         return self._run("send_recv", _nbytes(send), start, async_op)
+
+    def _peer(self, r: int) -> int:
+        return dist.get_global_rank(self.group, r) if self.group is not None else r
+
+    def send(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> Handle:
+        """Start sending ``tensor`` to group rank ``dst`` (point to point, pipeline
+        stages); returns the :class:`Handle` to wait on before reusing the buffer.
+        Filed as op ``"send"`` with the buffer's bytes."""
+        if self.world_size == 1:
+            raise RuntimeError("Comm.send: a group of one rank has no peer")
+        return self._run(
+            "send",
+            _nbytes(tensor),
+            lambda: dist.isend(tensor, self._peer(dst), group=self.group, tag=tag),
+            True,
+        )
+
+    def recv(
+        self, tensor: torch.Tensor, src: int, tag: int = 0, async_op: bool = False
+    ) -> Handle | None:
+        """Receive into ``tensor`` from group rank ``src`` (the sender's ``tag``). Filed
+        as op ``"recv"`` with the buffer's bytes."""
+        if self.world_size == 1:
+            raise RuntimeError("Comm.recv: a group of one rank has no peer")
+        return self._run(
+            "recv",
+            _nbytes(tensor),
+            lambda: dist.irecv(tensor, self._peer(src), group=self.group, tag=tag),
+            async_op,
+        )
 
 
 class _Works:

@@ -138,7 +138,7 @@ class Engine(nn.Module):
         self.comm = mesh.comm("world")  # every rank: checkpoints' agreement, barriers
         self._watchdog = watchdog.start(config.comm_timeout)
         self.global_steps = 0
-        check_ranks_agree(self.comm, module, config)
+        self._check_agreement(module, config)
         self.device = default_device()
         self.monitor = EngineMonitor(config, mesh, self.device)  # first: bad input fails here
         self.policy = DtypePolicy.from_config(config)
@@ -249,6 +249,10 @@ class Engine(nn.Module):
                 log.warning("zeroshard: config key %s has no effect here: %s", key, reason)
 
     # -- construction -------------------------------------------------------------------
+    def _check_agreement(self, module: nn.Module, config) -> None:
+        """Every rank describes the same model and config (``agreement.py``)."""
+        check_ranks_agree(self.comm, module, config)
+
     def _optimizer_states(self, client: torch.optim.Optimizer | None):
         """Masters and optimizer states: in swap files (NVMe offload) or in memory."""
         if self.placement.optimizer_nvme:
@@ -357,7 +361,7 @@ class Engine(nn.Module):
                 "tensor_parallel.autotp_size: a model built under zero.Init with tensor "
                 "parallelism is not built yet; build the model without zero.Init"
             )
-        source = self.mesh.comm("world" if split else "replicas")
+        source = self.mesh.comm("stage" if split else "replicas")
         for p in self.module.parameters():
             if not is_sealed(p):  # zero.Init slices are rank 0's values already
                 source.broadcast(p.data, src=0)

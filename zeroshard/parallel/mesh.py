@@ -17,7 +17,9 @@ Named groups of axes, used by the engine and ZeRO:
 * ``zero_replicate`` = dp_replicate: shards are replicated across it (gradient shards
   are all-reduced over it);
 * ``replicas`` = dp_replicate x dp_shard x sp: the ranks that start from identical
-  parameters (the initial broadcast) and whose gradients are averaged.
+  parameters (the initial broadcast) and whose gradients are averaged;
+* ``stage`` = every axis but pp: the ranks of one pipeline stage (they hold the same
+  layers; tensor parallelism slices them from the same whole values).
 
 Each axis (or named group) has one :class:`~zeroshard.comm.Comm`; all of a mesh's Comms
 share one ledger, which files bytes per axis. The single axes come from torch's
@@ -45,6 +47,7 @@ GROUPS = {
     "zero_shard": ("dp_shard", "sp"),
     "zero_replicate": ("dp_replicate",),
     "replicas": ("dp_replicate", "dp_shard", "sp"),
+    "stage": ("dp_replicate", "dp_shard", "sp", "tp"),
     "world": AXES,
 }
 
@@ -246,6 +249,24 @@ class Mesh:
                     f"({'+'.join(axes)}); not supported with an mpu"
                 )
         return cls(shape, shape.rank_of(coords), groups, ledger=ledger)
+
+    def pipeline_subgroup(self, stages: list[int], name: str) -> Comm:
+        """A Comm over the ranks at pipeline ``stages`` that share this rank's other
+        coordinates (e.g. the stages holding a tied embedding). Every rank must call it
+        with the same arguments, in the same order; a rank outside ``stages`` gets a
+        Comm it must not use."""
+        stages = sorted(stages)
+        if stages == list(range(self.shape.pp)):
+            comm = self.comm("pp")
+            return Comm(comm.group, self.ledger, axis=name)
+        mine = None
+        if dist.is_initialized():
+            for members in self.shape.partitions(("pp",)):  # rank order = stage order
+                chosen = [members[s] for s in stages]
+                group = dist.new_group(chosen)
+                if self.rank in chosen:
+                    mine = group
+        return Comm(mine, self.ledger, axis=name)
 
     # -- queries --------------------------------------------------------------------------
     def size(self, name: str) -> int:

@@ -353,6 +353,20 @@ class GradReducer:
             if self.flat.group_of[pi] >= 0:
                 p.grad = None
 
+    def local_grad(self, pi: int) -> torch.Tensor:
+        """Parameter ``pi``'s gradient accumulated on this rank in this window, not yet
+        reduced (full-gradient mode only): a view to edit in place before the boundary's
+        reduction (the pipeline engine sums tied parameters' copies into it). A
+        parameter with no gradient yet gets zeros and counts as having one."""
+        if self.sharded:
+            raise RuntimeError("internal: local_grad needs full (unsharded) gradients")
+        view = self._views[pi]
+        if pi not in self._window_filled:
+            view.zero_()
+            self._window_filled.add(pi)
+            self._any_grad = True
+        return view
+
     def grad_range(self, a: int, b: int) -> torch.Tensor:
         """This rank's reduced gradient at shard positions ``[a, b)`` (zeros where a
         segment holds only frozen parameters)."""

@@ -12,6 +12,8 @@ Communication at the step, per accumulation boundary:
   (then no rank steps);
 * with tensor parallelism: the squared norm all-reduced over the TP group too, and one
   all-reduce over it of the gradients of replicated parameters that are partial sums;
+* with pipeline stages: the squared norm all-reduced over the pipeline axis too, and
+  one byte (some stage saw inf/nan) all-reduced over it (:class:`PipelineGrads`);
 and nothing else: re-assembling whole parameters from the updated chunks is the job of
 ``zero/parameters.py``.
 
@@ -74,6 +76,31 @@ class TensorParallelGrads:
             offset += hi - lo
 
 
+class PipelineGrads:
+    """The global norm and the non-finite check span every pipeline stage.
+
+    ``comm``: the pipeline axis. ``excluded``: ``(segment, lo, hi)`` of this rank's
+    gradient chunks left out of its part of the norm (a tied parameter, whose summed
+    gradient every stage holding it has, is counted on the first one only). Adds one
+    all-reduce of a byte (any stage non-finite) and, when the norm is needed, one of an
+    fp32 scalar over the pipeline axis at each step.
+    """
+
+    def __init__(self, comm: Comm, excluded) -> None:
+        self.comm, self.excluded = comm, list(excluded)
+
+    def excluded_sum_of_squares(self, chunks: list[torch.Tensor]) -> torch.Tensor:
+        total = torch.zeros((), dtype=torch.float32)
+        for s, lo, hi in self.excluded:
+            total = total + _sum_of_squares(chunks[s][lo:hi]).to(total.device)
+        return total
+
+    def any_stage(self, bad: bool, device: torch.device) -> bool:
+        flag = torch.tensor([bad], dtype=torch.uint8, device=device)
+        self.comm.all_reduce(flag, op="max")
+        return bool(flag.item())
+
+
 class ShardedOptimizer:
     """Unscale, check overflow, clip by global norm, then step the state store.
 
@@ -98,6 +125,7 @@ class ShardedOptimizer:
         self.flat, self.reducer, self.states = flat, reducer, states
         self.comm, self.policy, self.scaler = comm, policy, scaler
         self.tp = tp
+        self.pipeline: PipelineGrads | None = None  # set by the pipeline engine
         self.clip = clip
         # fp16 always checks (an overflow lowers the loss scale); else the config's policy
         self.nonfinite = "skip" if scaler.dynamic else nonfinite
@@ -129,6 +157,8 @@ class ShardedOptimizer:
             local = torch.stack([_sum_of_squares(c) for c in chunks]).sum()
         else:
             local = torch.zeros((), dtype=torch.float32)
+        if self.pipeline is not None and self.pipeline.excluded:
+            local = local - self.pipeline.excluded_sum_of_squares(chunks).to(local.device)
         return local.reshape(1).to(device=self.flat.device, dtype=torch.float32)
 
     def _global_norm(self, local: torch.Tensor) -> float:
@@ -138,6 +168,8 @@ class ShardedOptimizer:
             self.comm.all_reduce(local)
         if self.tp is not None:
             self.tp.comm.all_reduce(local)
+        if self.pipeline is not None:  # every stage's parameters
+            self.pipeline.comm.all_reduce(local)
         return math.sqrt(float(local))
 
     def step(self, closure=None) -> None:
@@ -157,6 +189,8 @@ class ShardedOptimizer:
             self.tp.sum_partial(self.reducer.grad_chunks, self.flat.device)
         local = self._local_sum_of_squares() if self.clip > 0 or self.nonfinite != "apply" else None
         bad = self.nonfinite != "apply" and not (loss_finite and bool(torch.isfinite(local)))
+        if self.pipeline is not None and self.nonfinite != "apply":
+            bad = self.pipeline.any_stage(bad, self.flat.device)  # an overflow anywhere
         # one all-reduce for both: which parameters got gradients, and whether any rank
         # saw a non-finite value
         unused, self.overflow = self.reducer.unused_everywhere(bad, extra=self.tp)

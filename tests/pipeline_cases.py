@@ -1,0 +1,157 @@
+"""Shared pipeline parity harness: a tiny tied-embedding model as a PipelineModule,
+trained by zeroshard's pipeline engine on N ranks and by plain single-process PyTorch on
+the same micro-batches (fp32). A case is a dict: stages, schedule, virtual, dp, tp, zero,
+gas (micro-batches), steps, clip, tied, layers, dtype."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+VOCAB, D, SEQ, MICRO = 32, 16, 6, 2
+TOL = 2e-5
+
+
+class Block(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(d, 2 * d)
+        self.fc2 = nn.Linear(2 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(torch.tanh(self.fc1(x)))
+
+
+def logits(embedding: nn.Embedding, x: torch.Tensor) -> torch.Tensor:
+    return x @ embedding.weight.t()
+
+
+def loss_fn(out: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(out.reshape(-1, out.shape[-1]), labels.reshape(-1))
+
+
+def specs(case: dict) -> list:
+    from zeroshard.pipe import LayerSpec, TiedLayerSpec
+
+    n = case.get("layers", 8)
+    out: list = [TiedLayerSpec("embed", nn.Embedding, VOCAB, D)]
+    out += [LayerSpec(Block, D) for _ in range(n)]
+    if case.get("tied", True):
+        out.append(TiedLayerSpec("embed", nn.Embedding, VOCAB, D, forward_fn=logits))
+    else:
+        out.append(LayerSpec(nn.Linear, D, VOCAB, bias=False))
+    return out
+
+
+def build(case: dict, stages: int, stage_id: int | None = None):
+    from zeroshard.pipe import PipelineModule
+
+    return PipelineModule(
+        specs(case),
+        num_stages=stages,
+        loss_fn=loss_fn,
+        seed_layers=True,
+        partition_method=case.get("partition", "uniform"),
+        virtual_stages=case.get("virtual", 1),
+        activation_checkpoint_interval=case.get("ckpt", 0),
+        stage_id=stage_id,
+    )
+
+
+def batch(step: int, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Micro-batch ``index`` of step ``step`` (over all data-parallel ranks); variable
+    sequence length when ``index`` is odd."""
+    g = torch.Generator().manual_seed(1000 * step + index)
+    seq = SEQ + (index % 2)
+    ids = torch.randint(0, VOCAB, (MICRO, seq), generator=g)
+    labels = torch.randint(0, VOCAB, (MICRO, seq), generator=g)
+    return ids, labels
+
+
+def config(case: dict) -> dict:
+    cfg = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": case.get("gas", 4),
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}},
+        "gradient_clipping": case.get("clip", 0.0),
+        "zero_optimization": {"stage": case.get("zero", 1)},
+        "pipeline": {"schedule": case.get("schedule", "1f1b")},
+    }
+    if case.get("tp", 1) > 1:
+        cfg["tensor_parallel"] = {
+            "autotp_size": case["tp"],
+            "tp_plan": {"*.fc1": "column", "*.fc2": "row"},
+        }
+    return cfg
+
+
+def reference(case: dict) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Plain PyTorch: the whole model in one process, every micro-batch of every
+    data-parallel rank, mean loss; AdamW; clipping as configured."""
+    torch.manual_seed(0)
+    model = build({**case, "virtual": 1}, 1, 0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    n = case.get("gas", 4) * case.get("dp", 1)
+    losses = []
+    for step in range(case.get("steps", 3)):
+        opt.zero_grad()
+        total = 0.0
+        for i in range(n):
+            ids, labels = batch(step, i)
+            loss = loss_fn(model(ids), labels) / n
+            loss.backward()
+            total += float(loss.detach())
+        if case.get("clip", 0.0):
+            torch.nn.utils.clip_grad_norm_(model.parameters(), case["clip"])
+        opt.step()
+        losses.append(total)
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def train(rank: int, world: int, case: dict) -> dict:
+    """One rank of the pipeline run; returns its losses and the max difference of its
+    stage's parameters (gathered whole over tensor parallelism) to the reference."""
+    import zeroshard
+
+    torch.manual_seed(0)
+    model = build(case, case["stages"])
+    engine, *_ = zeroshard.initialize(model=model, config=config(case))
+    dp = engine.mesh.coord("dp")
+    gas = case.get("gas", 4)
+    losses = []
+    for step in range(case.get("steps", 3)):
+        mine = iter([batch(step, dp * gas + i) for i in range(gas)])
+        losses.append(float(engine.train_batch(mine)))
+    ref_losses, ref = reference(case)
+    worst = 0.0
+    for name, p in engine.module.named_parameters():
+        whole = gather_whole(engine, name, p)
+        worst = max(worst, float((whole - ref[name]).abs().max()))
+    out = {
+        "losses": losses,
+        "ref_losses": ref_losses,
+        "param_diff": worst,
+        "memory": engine.pipeline_memory,
+        "trace": len(engine.pipeline_trace),
+        "stage": engine.stage_id,
+        "comm": engine.comm_stats(by_axis=True).get("pp", {}),
+    }
+    engine.destroy()
+    return out
+
+
+def gather_whole(engine, name: str, p: torch.Tensor) -> torch.Tensor:
+    """``p`` whole: tensor-parallel slices gathered over the stage's tp group."""
+    from zeroshard.parallel.slices import assemble, tp_slice_of
+
+    spec = tp_slice_of(p)
+    if spec is None:
+        return p.detach().float().cpu()
+    pieces = engine.mesh.comm("tp").all_gather_object(p.detach().float().cpu())
+    return assemble(pieces, spec)
+
+
+def train_many(rank: int, world: int, cases: list[dict]) -> list[dict]:
+    """Several cases in one spawn (each its own engine)."""
+    return [train(rank, world, case) for case in cases]
