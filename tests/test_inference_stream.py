@@ -264,3 +264,43 @@ def test_streaming_quantized_layers_is_refused(tmp_path):
     zero = {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": str(tmp_path)}}
     with pytest.raises(ValueError, match="streaming of quantized layers is not built"):
         zeroshard.init_inference(_gpt(), {"zero": zero, "quant": {"enabled": True}})
+
+
+def test_meta_model_streams_from_a_safetensors_export(tmp_path):
+    """init_inference(meta_model, checkpoint=export, zero=...): the weights go from the
+    file to the swap file one layer at a time (built-in GPT, tied head stored once)."""
+    from safetensors.torch import save_file
+
+    import zeroshard
+
+    ref = _gpt()
+    state = {k: v.clone() for k, v in ref.state_dict().items() if k != "head.weight"}
+    save_file(state, str(tmp_path / "model.safetensors"))
+    want = zeroshard.init_inference(ref, {}).generate(_ids(), max_new_tokens=NEW)
+    zero = {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": str(tmp_path)}}
+    with torch.device("meta"):
+        meta = GPT(ref.cfg)
+    eng = zeroshard.init_inference(meta, {"checkpoint": str(tmp_path), "zero": zero})
+    assert torch.equal(eng.generate(_ids(), max_new_tokens=NEW), want)
+    eng.streaming.remove()
+    # a transformers model saved by save_pretrained (its tied lm_head not in the file)
+    gpt2 = _gpt2()
+    gpt2.save_pretrained(tmp_path / "gpt2")
+    kw = dict(max_new_tokens=NEW, min_new_tokens=NEW)
+    want = zeroshard.init_inference(gpt2, {}).generate(_ids(), **kw)
+    with torch.device("meta"):
+        meta = type(gpt2)(gpt2.config)
+    eng = zeroshard.init_inference(meta, {"checkpoint": str(tmp_path / "gpt2"), "zero": zero})
+    assert torch.equal(eng.generate(_ids(), **kw), want)
+    # what cannot work says so, naming the key or the tensor
+    with torch.device("meta"):
+        meta = GPT(ref.cfg)
+    with pytest.raises(ValueError, match="checkpoint: the model is on the meta device"):
+        zeroshard.init_inference(meta, {"zero": zero})
+    with pytest.raises(ValueError, match="quant: a model on the meta device"):
+        zeroshard.init_inference(meta, {"checkpoint": str(tmp_path), "zero": zero,
+                                        "quant": {"enabled": True}})  # fmt: skip
+    with torch.device("meta"):
+        other = GPT(GPTConfig(vocab_size=64, seq_len=32, n_layer=4, n_head=4, d_model=32))
+    with pytest.raises(KeyError, match=r"no tensor 'blocks\.3\.ln1\.weight'"):
+        zeroshard.init_inference(other, {"checkpoint": str(tmp_path), "zero": zero})

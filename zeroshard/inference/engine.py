@@ -59,13 +59,17 @@ class InferenceEngine:
         self.module = model
         self.tp = None  # what tensor_parallel.py did, when tp_size > 1
         self.streaming = None  # what streaming.py did, when config.zero is set
-        if config.checkpoint is not None:
+        # a model built on meta with zero: its weights go from the checkpoint to the
+        # stream store one layer at a time (never whole in memory)
+        self._stream_from_file = config.zero is not None and any(
+            p.is_meta for p in model.parameters()
+        )
+        if self._stream_from_file:
+            self._check_meta_model()
+        elif config.checkpoint is not None:
             from zeroshard.inference.weights import load_weights
 
-            path = config.checkpoint
-            if isinstance(path, str) and config.base_dir and not os.path.isabs(path):
-                path = os.path.join(config.base_dir, path)
-            load_weights(model, path)
+            load_weights(model, self._checkpoint_path())
         if config.tp_size > 1:
             self._apply_tensor_parallel()
         self.quantized: list[str] = []
@@ -98,8 +102,31 @@ class InferenceEngine:
             self.module, mesh.comm("tp"), tp_plan=self.config.tensor_parallel.tp_plan
         )
 
+    def _checkpoint_path(self):
+        path, base = self.config.checkpoint, self.config.base_dir
+        if isinstance(path, str) and base and not os.path.isabs(path):
+            path = os.path.join(base, path)
+        return path
+
+    def _check_meta_model(self) -> None:
+        c = self.config
+        if c.checkpoint is None:
+            raise ConfigError(
+                "checkpoint",
+                "the model is on the meta device: give the safetensors export its weights "
+                "are streamed from (checkpoint), or build the model with real weights",
+            )
+        for at, on in (("tensor_parallel.tp_size", c.tp_size > 1), ("quant", c.num_bits)):
+            if on:
+                raise ConfigError(
+                    at,
+                    "a model on the meta device streamed from its checkpoint cannot be "
+                    f"split or quantized first ({at}); build it with real weights",
+                )
+
     def _apply_streaming(self) -> None:
-        from zeroshard.inference.streaming import stream_config, stream_weights
+        from zeroshard.inference.stream_store import safetensors_init
+        from zeroshard.inference.streaming import plan_units, stream_config, stream_weights
 
         if self.quantized:
             raise ConfigError(
@@ -112,7 +139,12 @@ class InferenceEngine:
             import torch.distributed as dist
 
             tag = f"rank{dist.get_rank()}" if dist.is_initialized() else tag
-        self.streaming = stream_weights(self.module, stream_config(self.config.zero), tag=tag)
+        init = None
+        if self._stream_from_file:
+            init = safetensors_init(self._checkpoint_path(), plan_units(self.module))
+        self.streaming = stream_weights(
+            self.module, stream_config(self.config.zero), tag=tag, init=init
+        )
 
     def _quantize(self) -> None:
         w = self.config.quant.weight

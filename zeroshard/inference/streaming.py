@@ -41,81 +41,13 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from zeroshard.inference.stream_store import (  # noqa: F401  (StreamConfig, stream_config: re-exported)
+    MemorySource,
+    StreamConfig,
+    SwapSource,
+    stream_config,
+)
 from zeroshard.offload.nvme import ALIGN, SwapSpace, aligned_empty, round_up
-
-DEVICES = ("cpu", "nvme")
-
-
-@dataclass(frozen=True, kw_only=True)
-class StreamConfig:
-    """Where the weights live between uses (DeepSpeed's ``zero.offload_param``)."""
-
-    device: str = "nvme"  # "cpu" | "nvme"
-    nvme_path: str | None = None  # the swap directory's parent (nvme)
-    buffer_count: int = 5  # unit buffers in RAM: the one computing + those read ahead
-    pin_memory: bool = True  # pinned host buffers when the compute device is a GPU
-
-    def __post_init__(self) -> None:
-        where = "zero.offload_param"
-        if self.device not in DEVICES:
-            raise ValueError(f"{where}.device: {self.device!r} is not one of {DEVICES}")
-        if self.device == "nvme" and not self.nvme_path:
-            raise ValueError(f'{where}.nvme_path: needed with "device": "nvme"')
-        if self.buffer_count < 2:
-            raise ValueError(
-                f"{where}.buffer_count: {self.buffer_count}; streaming needs at least 2 "
-                "(one unit computing while the next is read)"
-            )
-
-
-_OFFLOAD_KEYS = {"device", "nvme_path", "buffer_count", "pin_memory", "buffer_size", "max_in_cpu"}
-# zero-section keys that shape stage-3 training gathers; streaming reads whole layers
-_INERT_ZERO = {
-    "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold",
-    "stage3_max_live_parameters", "stage3_max_reuse_distance", "prefetch_bucket_size",
-    "param_persistence_threshold", "max_live_parameters", "max_reuse_distance",
-    "contiguous_gradients", "overlap_comm", "reduce_bucket_size", "sub_group_size",
-}  # fmt: skip
-
-
-def stream_config(zero: dict) -> StreamConfig:
-    """A :class:`StreamConfig` from DeepSpeed's ZeRO-Inference section (``init_inference``'s
-    ``zero``; the same keys as ``zero_optimization`` in a training config): ``stage`` 3 and
-    ``offload_param`` ``{"device": "cpu" | "nvme", "nvme_path", "buffer_count",
-    "pin_memory"}``. ``buffer_size`` and ``max_in_cpu`` are accepted with a note (buffers
-    are sized to the largest layer); the stage-3 gather tuning keys mean nothing here."""
-    if not isinstance(zero, dict):
-        raise ValueError(f"zero: expected an object, got {type(zero).__name__}")
-    unknown = set(zero) - {"stage", "offload_param"} - _INERT_ZERO
-    if unknown:
-        raise ValueError(
-            f"zero.{sorted(unknown)[0]}: not a ZeRO-Inference key; weight streaming reads "
-            "zero.stage (3) and zero.offload_param"
-        )
-    if zero.get("stage") != 3:
-        raise ValueError(
-            f"zero.stage: ZeRO-Inference streams weights at stage 3, got {zero.get('stage')!r}"
-        )
-    off = zero.get("offload_param")
-    if not isinstance(off, dict) or off.get("device") in (None, "none"):
-        raise ValueError(
-            'zero.offload_param: say where the weights live, {"device": "cpu"} or '
-            '{"device": "nvme", "nvme_path": "/local_nvme"}'
-        )
-    unknown = set(off) - _OFFLOAD_KEYS
-    if unknown:
-        raise ValueError(f"zero.offload_param.{sorted(unknown)[0]}: not an offload_param key")
-    for k in sorted(set(zero) & _INERT_ZERO) + [
-        f"offload_param.{k}" for k in ("buffer_size", "max_in_cpu") if k in off
-    ]:
-        print(f"zeroshard: zero.{k} means nothing to weight streaming (buffers hold whole layers)")
-    return StreamConfig(
-        device=off["device"],
-        nvme_path=off.get("nvme_path"),
-        buffer_count=int(off.get("buffer_count", 5)),
-        pin_memory=bool(off.get("pin_memory", True)),
-    )
-
 
 # -- units --------------------------------------------------------------------------------
 
@@ -187,44 +119,6 @@ class StreamStats:
     bytes_read: int = 0
     prefetched: int = 0  # reads already started when their unit's forward began
     waited_s: float = 0.0  # time forwards spent waiting for reads
-
-
-class _SwapSource:
-    """Every distinct parameter in one swap file, at aligned offsets."""
-
-    def __init__(self, space: SwapSpace, nbytes: int) -> None:
-        self.space = space
-        self.file = space.file("weights", max(nbytes, ALIGN))
-
-    def write(self, offset: int, data: torch.Tensor) -> None:
-        n = data.numel() * data.element_size()
-        buf = aligned_empty(round_up(n))
-        buf[:n].copy_(data.detach().reshape(-1).view(torch.uint8))
-        buf[n:].zero_()
-        self.file.write(buf, offset)
-
-    def read(self, offset: int, out: torch.Tensor) -> None:
-        self.file.read(out, offset)
-
-    def close(self) -> None:
-        self.space.close()
-
-
-class _MemorySource:
-    """Every distinct parameter in one host buffer (pinned when feeding a GPU)."""
-
-    def __init__(self, nbytes: int, pin: bool) -> None:
-        self.buf = torch.empty(max(nbytes, ALIGN), dtype=torch.uint8, pin_memory=pin)
-
-    def write(self, offset: int, data: torch.Tensor) -> None:
-        n = data.numel() * data.element_size()
-        self.buf[offset : offset + n].copy_(data.detach().reshape(-1).view(torch.uint8))
-
-    def read(self, offset: int, out: torch.Tensor) -> None:
-        out.copy_(self.buf[offset : offset + out.numel()])
-
-    def close(self) -> None:
-        self.buf = torch.empty(0, dtype=torch.uint8)
 
 
 class StreamedWeights:
@@ -448,9 +342,9 @@ def stream_weights(
                 m._parameters[attr] = new_of[id(p)]
     if config.device == "nvme":
         space = SwapSpace(os.fspath(config.nvme_path), f"infer-{tag}")
-        source: _SwapSource | _MemorySource = _SwapSource(space, total)
+        source: SwapSource | MemorySource = SwapSource(space, total)
     else:
-        source = _MemorySource(total, pin=config.pin_memory and device.type == "cuda")
+        source = MemorySource(total, pin=config.pin_memory and device.type == "cuda")
     written: set[int] = set()
     for u in units:
         for m in u.module.modules():  # slots in the order the unit holds them
