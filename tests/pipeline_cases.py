@@ -76,12 +76,16 @@ def config(case: dict) -> dict:
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}},
         "gradient_clipping": case.get("clip", 0.0),
         "zero_optimization": {"stage": case.get("zero", 1)},
-        "pipeline": {"schedule": case.get("schedule", "1f1b")},
+        "pipeline": {
+            "schedule": case.get("schedule", "1f1b"),
+            "pipe_partitioned": case.get("partitioned", True),
+            "grad_partitioned": case.get("partitioned", True),
+        },
     }
     if case.get("tp", 1) > 1:
         cfg["tensor_parallel"] = {
             "autotp_size": case["tp"],
-            "tp_plan": {"*.fc1": "column", "*.fc2": "row"},
+            "tp_plan": {"*.fc1": "column", "*.fc2": "row", "tied_modules.*": "replicate"},
         }
     return cfg
 
@@ -136,6 +140,7 @@ def train(rank: int, world: int, case: dict) -> dict:
         "trace": len(engine.pipeline_trace),
         "stage": engine.stage_id,
         "comm": engine.comm_stats(by_axis=True).get("pp", {}),
+        "comm_by_axis": engine.comm_stats(by_axis=True),
     }
     engine.destroy()
     return out
