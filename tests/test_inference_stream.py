@@ -292,6 +292,19 @@ def test_meta_model_streams_from_a_safetensors_export(tmp_path):
         meta = type(gpt2)(gpt2.config)
     eng = zeroshard.init_inference(meta, {"checkpoint": str(tmp_path / "gpt2"), "zero": zero})
     assert torch.equal(eng.generate(_ids(), **kw), want)
+    # Llama's rotary buffer must be real: parameters only on meta (accelerate)
+    init_empty_weights = pytest.importorskip("accelerate").init_empty_weights
+
+    llama = _llama()
+    llama.save_pretrained(tmp_path / "llama")
+    want = zeroshard.init_inference(llama, {}).generate(_ids(), **kw)
+    with init_empty_weights():
+        meta = type(llama)(llama.config)
+    meta.generation_config.pad_token_id = 1
+    eng = zeroshard.init_inference(meta, {"checkpoint": str(tmp_path / "llama"), "zero": zero})
+    assert torch.equal(eng.generate(_ids(), **kw), want)
+    with torch.device("meta"), pytest.raises(ValueError, match="init_empty_weights"):
+        zeroshard.init_inference(type(llama)(llama.config), {"checkpoint": str(tmp_path / "llama"), "zero": zero})  # fmt: skip
     # what cannot work says so, naming the key or the tensor
     with torch.device("meta"):
         meta = GPT(ref.cfg)

@@ -309,7 +309,8 @@ def stream_weights(
         name = next(n for n, b in model.named_buffers() if b.is_meta)
         raise ValueError(
             f"stream_weights: buffer {name} is on the meta device; only parameters are "
-            "streamed, so buffers must be real (build them on the CPU)"
+            "streamed, so buffers must be real: build the model with parameters only on "
+            "meta (accelerate's init_empty_weights() does that)"
         )
     if device is None:
         device = "cpu" if on_meta else params[0].device
