@@ -111,6 +111,7 @@ class _Loaded:
     future: Future | None
     users: int = 0
     compute: torch.Tensor | None = None  # the device copy, when computing off the host
+    uploaded: object = None  # CUDA event recorded after the upload from ``buf``
 
 
 @dataclass
@@ -130,7 +131,9 @@ class StreamedWeights:
         self.device, self.upload = torch.device(device), upload
         self.stats = StreamStats()
         self._bufsize = max((u.nbytes for u in units), default=ALIGN)
-        self._pool: list[torch.Tensor] = []  # free host buffers
+        # free host buffers, each with the CUDA event its last upload must reach before
+        # it is written again (None on the host)
+        self._pool: list[tuple[torch.Tensor, object]] = []
         self._allocated = 0
         self._loaded: dict[int, _Loaded] = {}
         self._next = {i: (i + 1) % len(units) for i in range(len(units))}
@@ -147,11 +150,17 @@ class StreamedWeights:
         """A free host buffer; when all are out and ``evict_for`` is given, one holding
         a unit read ahead but not in use (a wrong guess) is taken back."""
         if self._pool:
-            return self._pool.pop()
+            buf, uploaded = self._pool.pop()
+            if uploaded is not None:
+                uploaded.synchronize()  # a non-blocking upload may still read it
+            return buf
         if self._allocated < self.config.buffer_count:
             self._allocated += 1
-            b = aligned_empty(self._bufsize)
-            return b.pin_memory() if self.config.pin_memory and self.device.type == "cuda" else b
+            if not (self.config.pin_memory and self.device.type == "cuda"):
+                return aligned_empty(self._bufsize)
+            raw = torch.empty(self._bufsize + ALIGN, dtype=torch.uint8, pin_memory=True)
+            skip = (-raw.data_ptr()) % ALIGN  # O_DIRECT reads need aligned addresses
+            return raw[skip : skip + self._bufsize]
         if evict_for is None:
             return None
         for j, ld in list(self._loaded.items()):
@@ -217,6 +226,9 @@ class StreamedWeights:
                 n = self.units[i].nbytes
                 ld.compute = torch.empty(n, dtype=torch.uint8, device=self.device)
                 ld.compute.copy_(ld.buf[:n], non_blocking=True)
+                if self.device.type == "cuda":
+                    ld.uploaded = torch.cuda.Event()
+                    ld.uploaded.record()
         ld.users += 1
         data = ld.compute if ld.compute is not None else ld.buf
         for s in self.units[i].slots:
@@ -244,7 +256,7 @@ class StreamedWeights:
             if lo <= p.data_ptr() < hi:  # a tied parameter may point at another unit now
                 p.data = _placeholder(p.shape, p.dtype, self.device)
         del self._loaded[i]
-        self._pool.append(ld.buf)
+        self._pool.append((ld.buf, ld.uploaded))
 
     # -- teardown -----------------------------------------------------------------------
     def remove(self) -> None:
