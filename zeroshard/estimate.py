@@ -54,9 +54,9 @@ from zeroshard.memory import (
 def _model_facts(spec: str, seq: int = 0) -> dict:
     """Parameter count, largest module's own parameters and, for the built-in GPT, the
     shapes the activation formula needs (else ``activations_unknown`` says why)."""
-    from zeroshard.models import _PRESETS, GPT, GPTConfig
+    from zeroshard.models import GPT, GPTConfig, preset_names
 
-    if spec in _PRESETS:
+    if spec in preset_names():
         cfg = GPTConfig.preset(spec, seq_len=max(seq, GPTConfig.seq_len))
         with torch.device("meta"):
             model = GPT(cfg)

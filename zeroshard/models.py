@@ -27,6 +27,11 @@ _PRESETS = {
 }
 
 
+def preset_names() -> tuple[str, ...]:
+    """Names ``GPTConfig.preset`` knows."""
+    return tuple(_PRESETS)
+
+
 @dataclass(frozen=True, kw_only=True)
 class GPTConfig:
     """Shape of the reference GPT."""
