@@ -190,3 +190,22 @@ def test_checkpoint_records_model_config(tmp_path) -> None:
     bad = run(_save_gpt_checkpoint, 1, str(tmp_path / "b"), False, timeout=120)[0]
     with pytest.raises(ModelConfigError, match="no model config"):
         model_from(bad)
+
+
+def test_generate_command(tmp_path, capsys) -> None:
+    """`zeroshard generate` on a quantized export, and its exit status on bad input."""
+    from zeroshard.cli import main
+
+    eng = init_inference(_gpt(tie_embeddings=False), dtype=torch.int8)
+    path = eng.save_quantized(str(tmp_path / "q.safetensors"))
+    assert main(["generate", "--checkpoint", path, "--prompt", "def f(", "--max-new-tokens", "5"]) == 0  # fmt: skip
+    text = capsys.readouterr().out
+    expected = eng.generate([list(b"def f(")], max_new_tokens=5)[0].tolist()
+    assert text.startswith(bytes(expected).decode("utf-8", errors="replace"))
+    plain = init_inference(_gpt(d_model=96)).save_quantized(str(tmp_path / "f.safetensors"))
+    argv = ["generate", "--checkpoint", plain, "--prompt", "x", "--quant", "int4", "--group-size", "64"]  # fmt: skip
+    assert main(argv) == 2
+    assert "int4 group_size 64 does not divide in_features 96" in capsys.readouterr().err
+    torch.save({}, tmp_path / "w.pt")
+    assert main(["generate", "--checkpoint", str(tmp_path), "--prompt", "x"]) == 2
+    assert "neither a zeroshard checkpoint" in capsys.readouterr().err

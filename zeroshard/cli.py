@@ -22,6 +22,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "convert": ("zeroshard.convert", "consolidate a checkpoint into safetensors weights"),
     "estimate": ("zeroshard.estimate", "per-rank memory for each stage / offload / precision"),
     "plan": ("zeroshard.plan", "the layout that fits the device with the least communication"),
+    "generate": (
+        "zeroshard.inference.cli",
+        "text from a checkpoint (int8/int4, KV cache, --nproc: tensor parallel)",
+    ),
     "plot": ("zeroshard.plot", "PNG charts of a run's CSV and metrics files (matplotlib)"),
 }
 
