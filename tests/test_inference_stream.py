@@ -73,6 +73,20 @@ def test_streamed_gpt_tokens_equal_in_memory(tmp_path, device, upload):
     assert torch.equal(_greedy(model, _ids()), want)
 
 
+def test_a_forward_that_raises_does_not_leak_buffers(tmp_path):
+    model = _gpt()
+    want = _greedy(copy.deepcopy(model), _ids())
+    sw = stream_weights(model, StreamConfig(device="nvme", nvme_path=str(tmp_path), buffer_count=2))
+    for i in (1, 2):  # each raise leaves block i "in use": without recovery, two of
+        # them hold both buffers of the pool and the next forward has none
+        boom = model.blocks[i].register_forward_pre_hook(lambda *a: 1 / 0)  # after acquire
+        with pytest.raises(ZeroDivisionError):
+            model(_ids())
+        boom.remove()
+    assert torch.equal(_greedy(model, _ids()), want)
+    sw.remove()
+
+
 def test_cpu_storage_on_cpu_compute_moves_nothing(tmp_path):
     model = _gpt()
     before = [p.data_ptr() for p in model.parameters()]

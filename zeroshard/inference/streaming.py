@@ -144,6 +144,15 @@ class StreamedWeights:
         for i, u in enumerate(units):
             self._hooks.append(u.module.register_forward_pre_hook(self._pre_hook(i)))
             self._hooks.append(u.module.register_forward_hook(self._post_hook(i)))
+        # first of the model's pre-forward hooks: a forward that raised left its units
+        # in use; a new top-level forward takes their buffers back
+        self._hooks.append(model.register_forward_pre_hook(self._recover, prepend=True))
+
+    def _recover(self, module, args) -> None:
+        for i, ld in list(self._loaded.items()):
+            if ld.users:
+                ld.users = 1
+                self.release(i)
 
     # -- buffers ------------------------------------------------------------------------
     def _take_buffer(self, evict_for: int | None) -> torch.Tensor | None:
