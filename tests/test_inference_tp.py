@@ -215,3 +215,39 @@ def _fake_comm(t: int):
 def test_tp_not_dividing_heads_is_refused_by_name(build, t, match):
     with pytest.raises(ValueError, match=match):
         shard_for_inference(build(), _fake_comm(t), check_weights=False)
+
+
+def test_generate_cli_nproc2_and_offload_print_the_same_text(tmp_path):
+    """`zeroshard generate` on one rank, on two (--nproc 2: tensor parallel through
+    `zeroshard run`) and with the weights streamed from NVMe files (--offload nvme)."""
+    import os
+    import subprocess
+    import sys
+
+    import zeroshard
+
+    engine = zeroshard.init_inference(_gpt(vocab_size=256), {})
+    path = engine.save_quantized(str(tmp_path / "gpt.safetensors"))
+    prompts = ["def f(", "import"]
+    ids = [list(p.encode()) for p in prompts]
+    rows = engine.generate(ids, max_new_tokens=12).tolist()
+    width = max(len(i) for i in ids)
+    want = "".join(
+        p + bytes(r[width:]).decode("utf-8", errors="replace") + "\n" + "-" * 40 + "\n"
+        for p, r in zip(prompts, rows, strict=True)
+    )
+    base = [sys.executable, "-m", "zeroshard.cli", "generate", "--checkpoint", path,
+            "--prompt", prompts[0], "--prompt", prompts[1], "--max-new-tokens", "12"]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "ZEROSHARD_PROGRESS": "0"}
+    runs = {
+        "tp2": [*base, "--nproc", "2"],
+        "nvme": [*base, "--offload", "nvme", "--nvme-path", str(tmp_path / "swap")],
+        "bad": [*base, "--offload", "nvme"],
+    }
+    out = {}
+    for key, cmd in runs.items():
+        out[key] = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    for key in ("tp2", "nvme"):  # rank 0 alone prints, the same text as in this process
+        assert out[key].returncode == 0, (key, out[key].stdout, out[key].stderr)
+        assert out[key].stdout == want, key
+    assert out["bad"].returncode == 2 and "nvme_path: needed" in out["bad"].stderr

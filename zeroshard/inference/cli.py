@@ -5,8 +5,10 @@ PATH is a zeroshard checkpoint (it records the model's config), a safetensors ex
 reads and writes bytes (its vocabulary is 256 byte values); a Hugging Face model needs a
 tokenizer (``--tokenizer``, default: PATH itself). ``--quant int8|int4`` quantizes the
 weights first. ``--nproc N`` starts N processes through ``zeroshard run`` that generate
-together with tensor parallelism (tp_size N); rank 0 prints. Exit status 2 on bad input
-(no model config, a group size that does not divide, ...), naming it.
+together with tensor parallelism (tp_size N); rank 0 prints. ``--offload cpu|nvme``
+(ZeRO-Inference) builds the model with empty parameters and streams its weights from a
+safetensors export layer by layer. Exit status 2 on bad input (no model config, a group
+size that does not divide, ...), naming it.
 """
 
 from __future__ import annotations
@@ -36,6 +38,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--tokenizer", help="Hugging Face tokenizer path (HF models; default: the checkpoint)")
     a("--nproc", type=int, default=1, help="processes for tensor-parallel generation")
     a("--no-cache", dest="use_cache", action="store_false", help="recompute every step")
+    a("--offload", choices=["cpu", "nvme"], help="ZeRO-Inference: stream the weights from the "
+      "safetensors export layer by layer, kept in CPU memory or NVMe files (--nvme-path)")  # fmt: skip
+    a("--nvme-path", help="directory for the weight swap files (--offload nvme)")
+    a("--buffer-count", type=int, default=5, help="layers held in RAM while streaming")
 
 
 def _relaunch(args: argparse.Namespace) -> int:
@@ -62,6 +68,11 @@ def _config(args: argparse.Namespace, world: int) -> dict:
         cfg["quant"] = {"enabled": True, "weight": weight}
     if args.dtype:
         cfg["dtype"] = args.dtype
+    if args.offload:
+        off = {"device": args.offload, "buffer_count": args.buffer_count}
+        if args.nvme_path:
+            off["nvme_path"] = args.nvme_path
+        cfg.update(checkpoint=args.checkpoint, zero={"stage": 3, "offload_param": off})
     return cfg
 
 
@@ -81,7 +92,12 @@ def main(args: argparse.Namespace) -> int:
     if world > 1:
         torch.set_num_threads(1)
     try:
-        model = model_from(args.checkpoint)
+        if args.offload:  # parameters on meta: weights go file -> store one layer at a time
+            from zeroshard.inference.stream_store import empty_model_from
+
+            model = empty_model_from(args.checkpoint)
+        else:
+            model = model_from(args.checkpoint)
         engine = init_inference(model, _config(args, world))
     except (ModelConfigError, QuantizationError, ConfigError, FileNotFoundError, ValueError) as exc:
         print(f"zeroshard generate: {exc}", file=sys.stderr)

@@ -208,3 +208,35 @@ def safetensors_init(
                     p.copy_(h.get_tensor(name))
 
     return init
+
+
+def empty_model_from(path: str) -> nn.Module:
+    """The model a safetensors export at ``path`` describes (its ``zeroshard_model``
+    metadata), with its parameters on the meta device (buffers real), ready to be
+    streamed from ``path`` by ``init_inference(model, {"checkpoint": path, "zero": ...})``.
+    A transformers model is built under accelerate's ``init_empty_weights()``."""
+    from zeroshard.checkpoint.export import MODEL_KEY
+    from zeroshard.checkpoint.model_config import build_model
+    from zeroshard.inference.weights import read_metadata
+
+    if os.path.isdir(path) and any(
+        os.path.exists(os.path.join(path, n)) for n in ("latest", "manifest.json")
+    ):
+        raise ValueError(
+            f"{path}: a zeroshard checkpoint; weights stream from a safetensors export: "
+            f"write one with `zeroshard convert {path} OUT` and pass OUT"
+        )
+    meta = read_metadata(path)
+    desc = json.loads(meta[MODEL_KEY]) if MODEL_KEY in meta else None
+    if desc and desc.get("class") == "transformers":
+        try:
+            from accelerate import init_empty_weights
+        except ImportError as exc:
+            raise ValueError(
+                "streaming a transformers model builds it with empty parameters through "
+                "accelerate's init_empty_weights(): pip install accelerate"
+            ) from exc
+        with init_empty_weights():
+            return build_model(desc, path)
+    with torch.device("meta"):
+        return build_model(desc, path)
