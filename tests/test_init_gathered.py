@@ -50,6 +50,13 @@ def _llama_config():
     )
 
 
+def _gpt2():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    cfg = GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=2)
+    return GPT2LMHeadModel(cfg)
+
+
 def _gpt_loss(model, ids):
     return model(ids[:, :-1], ids[:, 1:])
 
@@ -121,8 +128,14 @@ def _plain(rank, world) -> dict:
             errors.append("no error")
         except PartitionedParameterError as exc:
             errors.append(str(exc))
+    try:  # moving it would read it; a move to where it already is does not
+        model.to(torch.float64)
+        errors.append("no error")
+    except PartitionedParameterError as exc:
+        errors.append(str(exc))
     out["errors"] = errors
     out["name"] = name
+    out["noop_to"] = model.to("cpu").float() is model and type(w) is not torch.nn.Parameter
 
     # modifier_rank=None: gathered values are the whole tensors; writes are dropped
     with GatheredParameters(list(model.parameters())):
@@ -252,6 +265,20 @@ def _hf(rank, world, path) -> dict:
         out["loaded_keys"] = sorted(set(saved) - set(params))
     ref = LlamaForCausalLM.from_pretrained(path)  # no ZeRO-3: the plain load
     out["z3"] = _train(model, ref, _hf_loss, 3, rank, world, steps=2)
+
+    # GPT-2 ties its output embedding to the input one
+    from transformers import GPT2LMHeadModel
+
+    hf_ds.set_hf_deepspeed_config(flag)
+    try:
+        gpt2 = GPT2LMHeadModel.from_pretrained(f"{path}-gpt2")
+    finally:
+        hf_ds.unset_hf_deepspeed_config()
+    saved = load_file(f"{path}-gpt2/model.safetensors")
+    params = dict(gpt2.named_parameters())
+    with GatheredParameters(list(params.values())):
+        out["gpt2_equal"] = all(torch.equal(params[k].detach(), v) for k, v in saved.items())
+    out["gpt2_tied"] = gpt2.lm_head.weight is gpt2.transformer.wte.weight
     return out
 
 
@@ -266,6 +293,7 @@ def results(tmp_path_factory):
     path = tmp_path_factory.mktemp("llama")
     torch.manual_seed(3)
     LlamaForCausalLM(_llama_config()).save_pretrained(path)
+    _gpt2().save_pretrained(f"{path}-gpt2")
     return multirank.run(_all, 2, str(path), timeout=300)
 
 
@@ -273,7 +301,7 @@ def test_reading_outside_a_gather_raises_naming_the_parameter(results):
     for r in results:
         p = r["plain"]
         assert p["shape_kept"] and p["state_dict_keys"]
-        assert len(p["errors"]) == 6
+        assert len(p["errors"]) == 7 and p["noop_to"]
         for msg in p["errors"]:
             assert p["name"] in msg and "GatheredParameters" in msg and "zero.Init" in msg, msg
 
@@ -300,5 +328,6 @@ def test_from_pretrained_under_zero3(results):
     for r in results:
         h = r["hf"]
         assert h["sealed"] and h["loaded_equal"] and h["loaded_keys"] == []
+        assert h["gpt2_equal"] and h["gpt2_tied"]
         loss_diff, param_diff = h["z3"]
         assert loss_diff <= TOL and param_diff <= TOL, (loss_diff, param_diff)

@@ -13,7 +13,8 @@ communication here: these only call back into the gatherer.
   built under ``zero.Init`` (full shape, storage freed until gathered) is guarded the
   same way from the end of the ``Init`` block until ``initialize``: metadata and aliases
   (``p.data``, ``detach()``, views: :class:`SealedView`, which checks again on use) are
-  fine, anything reading its values raises instead of reading freed memory.
+  fine, and so are moves to where it already is (``module.to(its device)``, ``.float()``
+  of fp32); anything reading its values raises instead of reading freed memory.
 """
 
 from __future__ import annotations
@@ -113,9 +114,9 @@ def _op_name(func) -> str:
     return name
 
 
-_SEALED_METADATA = _METADATA - {
+_SEALED_METADATA = (_METADATA - {
     "__repr__", "__format__", "__reduce_ex__", "__deepcopy__", "__setstate__", "data",
-}  # fmt: skip
+}) | {"_has_compatible_shallow_copy_type"}  # fmt: skip
 # ops that make an alias and read no data: allowed on a sealed parameter (e.g.
 # ``state_dict()`` detaches every parameter); their result stays guarded
 _VIEWS = frozenset(
@@ -156,6 +157,31 @@ def hollow(t: torch.Tensor) -> bool:
         steps = zip(t.shape, t.stride(), strict=True)
         span = t.storage_offset() + sum((n - 1) * s for n, s in steps)
         return t.untyped_storage().nbytes() < (span + 1) * t.element_size()
+
+
+_CASTS = {"float": torch.float32, "double": torch.float64, "half": torch.float16, "bfloat16": torch.bfloat16}  # fmt: skip
+
+
+def _stays(t: torch.Tensor, name: str, args, kwargs) -> bool:
+    """Whether ``t.to(*args, **kwargs)`` (or ``t.float()``, ``t.cpu()``, ...: ``name``)
+    would return ``t`` itself, moving and reading nothing."""
+    if name in _CASTS:
+        return not args and _CASTS[name] == t.dtype
+    if name == "cpu":
+        return not args and t.device.type == "cpu"
+    if name != "to" or kwargs.get("copy"):
+        return False
+    try:
+        kw = {k: v for k, v in kwargs.items() if k != "copy"}
+        device, dtype, _, memory_format = torch._C._nn._parse_to(*args, **kw)
+    except (TypeError, RuntimeError):
+        return False
+    with torch._C.DisableTorchFunctionSubclass():
+        same_device = device is None or torch.device(device) == t.device
+        if device is not None and torch.device(device).index is None:
+            same_device = torch.device(device).type == t.device.type
+        same_dtype = dtype is None or dtype == t.dtype
+    return same_device and same_dtype and memory_format in (None, torch.preserve_format)
 
 
 def _alias(func, args, kwargs, base: torch.Tensor, name: str):
@@ -217,6 +243,8 @@ def _check_then_run(cls, func, types, args=(), kwargs=None):
                     raise _released_error(d.get("_zs_name"), name or func)
             elif name in _VIEWS:
                 return _alias(func, args, kwargs, a, d.get("_zs_name"))
+            elif a is args[0] and _stays(a, name, args[1:], kwargs):
+                return a  # ``module.to(its own device and dtype)``: nothing to move
             elif name not in _SEALED_METADATA:
                 raise _sealed_error(d.get("_zs_name"), name or func)
     with torch._C.DisableTorchFunctionSubclass():
