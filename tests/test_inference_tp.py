@@ -113,6 +113,8 @@ def _engine_cases(rank, comm):
     eng = zeroshard.init_inference(_gpt(), tp2)
     out["gpt_cache"] = torch.equal(eng.generate(ids, max_new_tokens=NEW), want)
     out["gpt_cache_heads"] = eng.module.blocks[0].attn.n_head
+    torch.manual_seed(rank)  # ranks' own generators differ: sampling must still agree
+    out["gpt_sampled"] = eng.generate(ids, max_new_tokens=NEW, do_sample=True).tolist()
     llama = zeroshard.init_inference(_llama(), tp2)
     out["llama_engine"] = torch.equal(
         llama.generate(ids, max_new_tokens=NEW, min_new_tokens=NEW), _hf_generate(_llama(), ids)
@@ -171,6 +173,8 @@ def test_engine_tp2_gpt_with_kv_cache_and_llama(tp2):
         assert r["gpt_cache_heads"] == 2  # each rank attends over its 2 of the 4 heads
         assert r["llama_engine"]
         assert r["tp_streamed"], "TP2 with streamed weights differs from TP1"
+    # sampling without a seed: the seed is drawn on rank 0 and broadcast
+    assert tp2[0]["gpt_sampled"] == tp2[1]["gpt_sampled"]
 
 
 @pytest.mark.parametrize("bits", [8, 4])

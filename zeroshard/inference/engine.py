@@ -232,6 +232,8 @@ class InferenceEngine:
                 f"a prompt of {ids.shape[1]} tokens plus max_new_tokens={max_new_tokens} is "
                 f"over max_out_tokens={limit}; ask for fewer tokens or raise max_out_tokens"
             )
+        if self.tp is not None and do_sample and seed is None and generator is None:
+            seed = self._agreed_seed()  # ranks of a TP group must draw the same tokens
         if generator is None and seed is not None:
             generator = torch.Generator(device=device).manual_seed(seed)
         if _is_hf(self.module):
@@ -277,6 +279,12 @@ class InferenceEngine:
         args.update(kwargs)
         with torch.no_grad():
             return self.module.generate(**{k: v for k, v in args.items() if v is not None})
+
+    def _agreed_seed(self) -> int:
+        """A fresh seed drawn on the tensor-parallel group's rank 0 and broadcast."""
+        seed = torch.randint(0, 2**62, (1,), device=self._device())
+        self.tp.comm.broadcast(seed, src=0)
+        return int(seed.item())
 
     def _device(self) -> torch.device:
         for t in self.module.parameters():
