@@ -209,6 +209,7 @@ def run_once(spec: dict, timeout: float) -> dict:
 
 
 def main(argv=None) -> int:
+    sys.path.insert(0, ROOT)  # this checkout's zeroshard, as the workers get it
     from zeroshard.parallel.pipeline_plot import bubble_fractions, plot_timeline, theoretical_bubble
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])

@@ -13,9 +13,10 @@ ranks are concatenated before they are measured or drawn.
   per stage ``(p-1)/(v*m+p-1)``; ZB-H1 ``(p-1)(F+B-W) / (m(F+B+W) + (p-1)(F+B-W))`` with ``B``
   the input-gradient and ``W`` the weight-gradient half of the backward (a third of 1F1B's
   bubble when F = B = W).
-* ``plot_timeline(trace, path)``: one row per stage, a box per action coloured by kind with
-  its microbatch number (and chunk, when there are several) inside, the measured bubble per
-  stage in the labels; a PNG through matplotlib's Agg backend.
+* ``plot_timeline(trace, path)``: one row per stage, a box per compute action coloured by
+  kind with its microbatch number (and chunk, when there are several) inside, sends and
+  receives as a thin grey strip under the row, the measured bubble per stage in the
+  labels; a PNG through matplotlib's Agg backend.
 
 ``python -m zeroshard.parallel.pipeline_plot TRACE.json [-o timeline.png]`` draws a trace saved
 with ``save_trace``. No collectives; reads and writes files only.
@@ -128,21 +129,20 @@ def plot_timeline(trace: Sequence[dict], path: str, title: str | None = None) ->
     stages = sorted(fractions)
     chunks = {a.get("chunk", 0) or 0 for a in trace}
     fig, ax = plt.subplots(
-        figsize=(max(8.0, min(24.0, 0.25 * len(trace))), 0.6 * len(stages) + 1.6), dpi=100
+        figsize=(
+            max(8.0, min(24.0, 0.3 * sum(a["kind"] in COLORS for a in trace) / len(stages))),
+            0.6 * len(stages) + 1.6,
+        ),
+        dpi=100,
     )
     for a in trace:
         row = stages.index(a["stage"])
         x, w = (a["t_start"] - t0) * scale, (a["t_end"] - a["t_start"]) * scale
         kind = a["kind"]
-        ax.barh(
-            row,
-            w,
-            left=x,
-            height=0.8,
-            color=COLORS.get(kind, OTHER_COLOR),
-            edgecolor="black",
-            linewidth=0.4,
-        )
+        if kind not in COLORS:  # transfers and waits: a thin strip under the row, unlabelled
+            ax.barh(row + 0.3, w, left=x, height=0.2, color=OTHER_COLOR, linewidth=0)
+            continue
+        ax.barh(row, w, left=x, height=0.8, color=COLORS[kind], edgecolor="black", linewidth=0.4)
         mb = a.get("microbatch")
         if mb is not None:
             label = str(mb) if len(chunks) < 2 else f"{mb}.{a.get('chunk', 0)}"
@@ -154,7 +154,7 @@ def plot_timeline(trace: Sequence[dict], path: str, title: str | None = None) ->
     kinds = [k for k in COLORS if any(a["kind"] == k for a in trace)]
     others = sorted({a["kind"] for a in trace} - set(COLORS))
     handles = [Patch(color=COLORS[k], label=k) for k in kinds]
-    handles += [Patch(color=OTHER_COLOR, label="/".join(others))] if others else []
+    handles += [Patch(color=OTHER_COLOR, label="sends/receives")] if others else []
     ax.legend(
         handles=handles,
         loc="upper right",
