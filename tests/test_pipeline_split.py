@@ -182,3 +182,94 @@ def test_pipeline_module_stages_in_sequence_equal_model(tied):
         x = st(x)
     assert torch.equal(x, out.logits)
     assert torch.equal(stages[-1].loss_fn(x, labels), out.loss)
+
+
+# -- through the pipeline engine: 2 stages against the whole model in one process ----------
+PARITY_STEPS, MICRO, ROWS = 3, 2, 2
+ADAMW = {"lr": 1e-2, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1}
+
+
+def _parity_batches(step: int, padded: bool):
+    g = torch.Generator().manual_seed(100 + step)
+    out = []
+    for _ in range(MICRO):
+        ids = torch.randint(0, 64, (ROWS, 12), generator=g)
+        labels = ids.clone()
+        if padded:
+            mask = torch.ones_like(ids)
+            mask[0, :3] = 0
+            labels[0, :3] = -100
+            out.append(((ids, mask), labels))
+        else:
+            out.append((ids, labels))
+    return out
+
+
+def _parity_reference(case: dict) -> tuple[list[float], dict]:
+    model = tiny_llama(tied=case["tied"]).train()
+    opt = torch.optim.AdamW(model.parameters(), **{**ADAMW, "betas": tuple(ADAMW["betas"])})
+    losses = []
+    for step in range(PARITY_STEPS):
+        total = 0.0
+        for inputs, labels in _parity_batches(step, case["padded"]):
+            ids, mask = inputs if isinstance(inputs, tuple) else (inputs, None)
+            loss = model(ids, attention_mask=mask, labels=labels).loss / MICRO
+            loss.backward()
+            total += loss.item()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(total)
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _parity_rank(rank: int, world: int, cases: list[dict]) -> list:
+    import zeroshard
+
+    results = []
+    for case in cases:
+        model = tiny_llama(tied=case["tied"]).train()
+        config = {
+            "train_micro_batch_size_per_gpu": ROWS,
+            "gradient_accumulation_steps": MICRO,
+            "optimizer": {"type": "AdamW", "params": ADAMW},
+            "pipeline": {"stages": 2, "schedule": case["schedule"]},
+        }
+        engine, *_ = zeroshard.initialize(
+            model=model, model_parameters=model.parameters(), config=config
+        )
+        losses = [
+            float(engine.train_batch(iter(_parity_batches(s, case["padded"]))))
+            for s in range(PARITY_STEPS)
+        ]
+        mine = {id(p) for p in engine.module.parameters()}
+        params = {n: p.detach().tolist() for n, p in model.named_parameters() if id(p) in mine}
+        results.append({"losses": losses, "params": params})
+        engine.destroy()
+    return results
+
+
+PARITY_CASES = [
+    {"tied": False, "padded": False, "schedule": "1f1b"},
+    {"tied": True, "padded": True, "schedule": "zb_h1"},
+]
+
+
+def test_two_stage_llama_matches_single_process():
+    """`"pipeline": {"stages": 2}` on an unmodified transformers Llama: losses and every
+    parameter after 3 AdamW steps equal the single-process model's (<= 2e-5)."""
+    from multirank import run
+
+    ranks = run(_parity_rank, 2, PARITY_CASES, timeout=240)
+    for i, case in enumerate(PARITY_CASES):
+        ref_losses, ref_params = _parity_reference(case)
+        seen = set()
+        for rank in ranks:
+            got = rank[i]
+            assert (
+                max(abs(a - b) for a, b in zip(got["losses"], ref_losses, strict=True)) <= 2e-5
+            ), case
+            for name, value in got["params"].items():
+                diff = (torch.tensor(value) - ref_params[name]).abs().max().item()
+                assert diff <= 2e-5, (case, name, diff)
+                seen.add(name)
+        assert seen == set(ref_params), (case, set(ref_params) - seen)
