@@ -27,6 +27,10 @@ entries are the same module.
 ``causal_lm_loss(logits, labels)`` is the models' shifted cross-entropy (mean over the labels
 that are not -100), computed as ``transformers`` computes it.
 
+Dropout (GPT-2's ``*_pdrop``, Llama's ``attention_dropout``) draws its masks from each
+stage's own generator, so a split model with dropout trains like the whole one but not
+bitwise; the parity tests run with dropout off (``eval()`` or zero rates).
+
 A plain ``nn.Sequential`` splits into its children (no loss: pass your own). Anything else is
 refused with an error naming the model class and what to do.
 
