@@ -31,6 +31,7 @@ def run_ranks(
     env: dict[str, str] | None = None,
     timeout: float | None = None,
     prefix: str = "zs-ranks-",
+    python: str | None = None,
 ) -> list[dict]:
     """Run ``zeroshard run --nproc NPROC SCRIPT _rank *ARGS OUT`` and return each rank's
     JSON from ``OUT.<rank>``, rank 0 first.
@@ -39,10 +40,11 @@ def run_ranks(
     ``args`` may end with a flag that takes it (``--out``). ``env`` is added to
     ``os.environ``. Raises :class:`RanksFailed` on a non-zero exit and
     ``subprocess.TimeoutExpired`` past ``timeout`` seconds; the out files are removed
-    either way."""
+    either way. ``python`` picks another interpreter's ``zeroshard`` (a venv with
+    DeepSpeed)."""
     out = tempfile.mktemp(prefix=prefix)
     cmd = [
-        os.path.join(os.path.dirname(sys.executable), "zeroshard"),
+        os.path.join(os.path.dirname(python or sys.executable), "zeroshard"),
         "run",
         "--nproc",
         str(nproc),

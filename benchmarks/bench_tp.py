@@ -1,6 +1,9 @@
 """Tensor parallelism on 2 ranks: zeroshard's AutoTP against torch's own tensor
-parallelism (``parallelize_module`` with DTensor), on the same transformers Llama, the
-same data, in the same run (rounds interleaved).
+parallelism (``parallelize_module`` with DTensor) and DeepSpeed's AutoTP training
+(``tensor_parallel.autotp_size``, DeepSpeed from ``--ds-python``, CPU accelerator, gloo),
+on the same transformers Llama, the same data, in the same run (rounds interleaved).
+DeepSpeed's AutoTP chooses its own split (it also splits ``lm_head``): its parameter bytes
+per rank are reported as measured.
 
 Both split the decoder layers the Megatron way (q, k, v, gate and up column-parallel;
 o and down row-parallel) and keep the embedding, norms and head replicated; both step
@@ -10,7 +13,7 @@ time (slowest rank) over the timed steps of each round, and the median over roun
 parameter bytes per rank; peak RSS per rank; the tensor-parallel bytes per step from
 zeroshard's ledger; the losses (both must match).
 
-    .venv/bin/python benchmarks/bench_tp.py --rounds 5
+    .venv/bin/python benchmarks/bench_tp.py --rounds 5 [--ds-python .venv-bench/bin/python]
 """
 
 from __future__ import annotations
@@ -112,6 +115,27 @@ def _dtensor(args, model):
     return step, None
 
 
+def _deepspeed(args, model):
+    import deepspeed
+
+    cfg = {
+        "train_micro_batch_size_per_gpu": args.micro,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}},
+        "tensor_parallel": {"autotp_size": 2},
+        "zero_optimization": {"stage": 0},
+        "steps_per_print": 10**9,
+    }
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+
+    def step(ids):
+        loss = engine(input_ids=ids, labels=ids).loss
+        engine.backward(loss)
+        engine.step()
+        return loss.item()
+
+    return step, None
+
+
 def _rank(argv: list[str]) -> None:
     import torch
     import torch.distributed as dist
@@ -119,11 +143,17 @@ def _rank(argv: list[str]) -> None:
     args = _parser().parse_args(argv[:-1])
     out = argv[-1]
     torch.set_num_threads(1)
-    import zeroshard
+    if args.system == "deepspeed":
+        import deepspeed
 
-    zeroshard.init_distributed()
+        deepspeed.init_distributed(dist_backend="gloo")
+    else:
+        import zeroshard
+
+        zeroshard.init_distributed()
     model = _model(args)
-    step, engine = (_zeroshard if args.system == "zeroshard" else _dtensor)(args, model)
+    build = {"zeroshard": _zeroshard, "dtensor": _dtensor, "deepspeed": _deepspeed}
+    step, engine = build[args.system](args, model)
     param_bytes = sum(
         (p.to_local() if hasattr(p, "to_local") else p).numel() * 4 for p in model.parameters()
     )
@@ -153,7 +183,12 @@ def _rank(argv: list[str]) -> None:
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser()
-    p.add_argument("--system", default="zeroshard", choices=("zeroshard", "dtensor"))
+    p.add_argument("--system", default="zeroshard", choices=("zeroshard", "dtensor", "deepspeed"))
+    p.add_argument(
+        "--ds-python",
+        default=".venv-bench/bin/python",
+        help="an interpreter with DeepSpeed; '' to skip it",
+    )
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--hidden", type=int, default=512)
@@ -173,20 +208,27 @@ def main() -> None:
         f"--micro={args.micro}", f"--warmup={args.warmup}", f"--steps={args.steps}",
     ]  # fmt: skip
     per_round: dict[str, list] = {"zeroshard": [], "dtensor": []}
+    if args.ds_python and os.path.exists(args.ds_python):
+        per_round["deepspeed"] = []
     for _ in range(args.rounds):
-        for system in per_round:  # interleaved: A B A B ...
-            ranks = run_ranks(__file__, [f"--system={system}", *base], nproc=2)
+        for system in per_round:  # interleaved: A B C A B C ...
+            ds = system == "deepspeed"
+            ranks = run_ranks(
+                __file__, [f"--system={system}", *base], nproc=2,
+                python=os.path.abspath(args.ds_python) if ds else None,
+                env={"DS_ACCELERATOR": "cpu"} if ds else None,
+            )  # fmt: skip
             slowest = [max(t) for t in zip(*(r["times"] for r in ranks), strict=True)]
             per_round[system].append({"step": statistics.median(slowest), "ranks": ranks})
     print(f"Llama {args.layers} x {args.hidden}, seq {args.seq}, micro-batch {args.micro}, fp32, "
           f"2 ranks (gloo, 1 thread each), {args.rounds} rounds x {args.steps} timed steps")  # fmt: skip
     print("| system | step (s), median [min-max] | x DTensor | param bytes/rank | peak RSS r0/r1 (MiB) | TP all-reduce bytes/step | loss first -> last |")  # fmt: skip
     print("|---|---|---|---|---|---|---|")
-    ratios = [z["step"] / d["step"] for z, d in zip(per_round["zeroshard"], per_round["dtensor"], strict=True)]  # fmt: skip
     for system, rounds in per_round.items():
         steps = [r["step"] for r in rounds]
         last = rounds[-1]["ranks"]
-        ratio = f"{statistics.median(ratios):.2f}" if system == "zeroshard" else "1.00"
+        ratios = [r["step"] / d["step"] for r, d in zip(rounds, per_round["dtensor"], strict=True)]
+        ratio = f"{statistics.median(ratios):.2f}"
         tp = (
             f"{last[0]['tp_bytes_per_step'] / 2**20:.1f} MiB"
             if system == "zeroshard"
