@@ -34,10 +34,12 @@ format: $(STAMP)
 	$(BIN)/ruff format .
 	$(BIN)/ruff check --fix .
 
-# Benchmarks against DDP, ZeroRedundancyOptimizer, FSDP2 and DeepSpeed (~45 min on 2 cores).
+# The whole training matrix at each system's defaults: zeroshard stages 0-3 with and
+# without optimizer offload, DDP, ZeroRedundancyOptimizer, FSDP2, DeepSpeed stages 0-3,
+# both shapes, 5 interleaved rounds (~2 h on 2 cores); rows go to benchmarks/RESULTS.md.
 # DeepSpeed goes in its own venv so the project's stays free of it.
 bench: $(STAMP) .venv-bench/.installed-stamp
-	$(BIN)/python benchmarks/bench_train.py --shape both --rounds 3 --bucket 6553600 --json runs/bench_train.json
+	$(BIN)/python benchmarks/bench_train.py --shape both --rounds 5 --json runs/bench_train.json --png runs/bench_train.png
 
 .venv-bench/.installed-stamp: pyproject.toml
 	test -x .venv-bench/bin/python || $(PYTHON) -m venv .venv-bench

@@ -8,20 +8,20 @@ allocator, and ``ru_maxrss`` is that system's own peak. The ranks meet in a
 The systems (all fp32, AdamW lr 3e-4 / betas 0.9, 0.95 / eps 1e-8 / wd 0.1):
 
 - ``zeroshard-sN``: ``zeroshard.initialize`` with ``zero_optimization.stage`` N,
-  ``overlap_comm``, reduce/all-gather buckets of ``--bucket`` elements (default 5e8);
-  its AdamW is torch's fused one. Stage 3 reports "not available" while the config
-  says it is not built.
+  ``overlap_comm``, reduce/all-gather buckets of ``--bucket`` elements (default:
+  zeroshard's own, 25 MiB of gradients); its AdamW is torch's fused one.
+  ``zeroshard-sN-offload`` adds ``offload_optimizer: {"device": "cpu"}``.
 - ``ddp``: ``DistributedDataParallel(gradient_as_bucket_view=True)`` + torch AdamW
   ``fused=True`` (the fair match for zeroshard's fused AdamW; there is no row with the
   default for-each AdamW).
 - ``zero-redundancy``: the same DDP + ``ZeroRedundancyOptimizer(AdamW, fused=True)``.
 - ``fsdp2``: ``fully_shard`` on each transformer block, then the root (mesh on CPU,
   gloo), torch AdamW ``fused=True`` over the DTensor parameters.
-- ``deepspeed-sN``: ``deepspeed.initialize`` with the same optimizer/bucket settings
-  from its config (``"optimizer": {"type": "AdamW"}``: on CPU its JIT-built FusedAdam;
+- ``deepspeed-sN``: ``deepspeed.initialize`` with the same optimizer and, given
+  ``--bucket``, bucket settings (else DeepSpeed's defaults) from its config (``"optimizer": {"type": "AdamW"}``: on CPU its JIT-built FusedAdam;
   if that fails, torch's fused AdamW via ``torch_adam``, and the setup column says so).
-  Stage 3 sets ``stage3_param_persistence_threshold: 0`` so every parameter is
-  partitioned, as in zeroshard's stage 3.
+  With ``--bucket``, stage 3 sets ``stage3_param_persistence_threshold: 0`` so every
+  parameter is partitioned, as in zeroshard's stage 3.
 
 A system is a small object with ``fwd_bwd(x, y) -> loss``, ``opt_step()`` and
 ``tracked() -> {kind: bytes}`` (the model-state bytes it holds on this rank):
@@ -175,11 +175,16 @@ def tracked_bytes(module: nn.Module, optimizer) -> tuple[dict[str, int], list]:
 
 # -- the systems ----------------------------------------------------------------------------
 class Zeroshard:
-    def __init__(self, spec, stage: int) -> None:
+    def __init__(self, spec, stage: int, offload: bool = False) -> None:
         import zeroshard
         from zeroshard.config import ConfigError
 
-        bucket = int(spec["bucket"] or 5e8)
+        bucket = spec["bucket"]  # None: zeroshard's defaults
+        zero: dict = {"stage": stage, "overlap_comm": True}
+        if bucket is not None:
+            zero.update(reduce_bucket_size=int(bucket), allgather_bucket_size=int(bucket))
+        if offload:
+            zero["offload_optimizer"] = {"device": "cpu"}
         config = {
             "train_micro_batch_size_per_gpu": spec["micro_batch"],
             "gradient_accumulation_steps": 1,
@@ -187,12 +192,7 @@ class Zeroshard:
                 "type": "AdamW",
                 "params": {"lr": LR, "betas": list(BETAS), "eps": EPS, "weight_decay": WD},
             },
-            "zero_optimization": {
-                "stage": stage,
-                "overlap_comm": True,
-                "reduce_bucket_size": bucket,
-                "allgather_bucket_size": bucket,
-            },
+            "zero_optimization": zero,
             "steps_per_print": 10**9,
         }
         model = build_model(spec)
@@ -206,7 +206,9 @@ class Zeroshard:
             raise
         inner = getattr(self.engine.optimizer, "inner", None)
         fused = ", fused" if inner is not None and inner.defaults.get("fused") else ""
-        self.note = f"{type(inner).__name__} (torch{fused}), bucket {bucket:.0e}"
+        where = ", optimizer on CPU" if offload else ""
+        size = "default bucket" if bucket is None else f"bucket {bucket:.0e}"
+        self.note = f"{type(inner).__name__} (torch{fused}){where}, {size}"
 
     def fwd_bwd(self, x, y):
         loss = self.engine(x, y)
@@ -281,16 +283,14 @@ class DeepSpeed:
         except ImportError as e:
             raise NotAvailable(f"deepspeed not installed ({e})") from e
         deepspeed.init_distributed(dist_backend="gloo")
-        bucket = int(spec["bucket"] or 5e8)
+        bucket = spec["bucket"]  # None: DeepSpeed's defaults
         params = {"lr": LR, "betas": list(BETAS), "eps": EPS, "weight_decay": WD}
-        zero = {
-            "stage": stage,
-            "overlap_comm": True,
-            "reduce_bucket_size": bucket,
-            "allgather_bucket_size": bucket,
-        }
-        if stage == 3:
-            zero.update(stage3_prefetch_bucket_size=bucket, stage3_param_persistence_threshold=0)
+        zero: dict = {"stage": stage, "overlap_comm": True}
+        if bucket is not None:
+            b = int(bucket)
+            zero.update(reduce_bucket_size=b, allgather_bucket_size=b)
+            if stage == 3:
+                zero.update(stage3_prefetch_bucket_size=b, stage3_param_persistence_threshold=0)
         config = {
             "train_micro_batch_size_per_gpu": spec["micro_batch"],
             "gradient_accumulation_steps": 1,
@@ -321,7 +321,8 @@ class DeepSpeed:
         inner = getattr(self.opt, "optimizer", self.opt)
         kind = "torch, fused" if isinstance(inner, torch.optim.AdamW) else "DeepSpeed's"
         wrapper = "" if inner is self.opt else f"{type(self.opt).__name__} over "
-        self.note = f"{wrapper}{type(inner).__name__} ({kind}), bucket {bucket:.0e}{fallback}"
+        size = "default bucket" if bucket is None else f"bucket {bucket:.0e}"
+        self.note = f"{wrapper}{type(inner).__name__} ({kind}), {size}{fallback}"
 
     def _initialize(self, deepspeed, spec, config) -> None:
         model = build_model(spec)
@@ -348,7 +349,7 @@ class DeepSpeed:
 def make_system(spec):
     name = spec["system"]
     if name.startswith("zeroshard-s"):
-        return Zeroshard(spec, int(name[-1]))
+        return Zeroshard(spec, int(name[len("zeroshard-s")]), offload=name.endswith("-offload"))
     if name.startswith("deepspeed-s"):
         return DeepSpeed(spec, int(name[-1]))
     if name in ("ddp", "zero-redundancy", "fsdp2"):

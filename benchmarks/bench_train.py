@@ -1,9 +1,15 @@
 """Training-step benchmark: zeroshard ZeRO 0-3 against DDP, ZeroRedundancyOptimizer,
 FSDP2 and DeepSpeed ZeRO 0-3, on 2 CPU ranks (gloo), fp32, the reference GPT.
 
-    .venv/bin/python benchmarks/bench_train.py --shape both --rounds 3      # ~40 min
+    make bench        # the whole matrix at the defaults, 5 rounds, RESULTS.md + PNG (~2 h)
+    .venv/bin/python benchmarks/bench_train.py --shape both --rounds 3
     .venv/bin/python benchmarks/bench_train.py --model tiny --seq 32 --steps 2 \
         --rounds 1 --shape compute --no-record                            # smoke test
+
+Systems: zeroshard stages 0-3, and 1-3 with the optimizer offloaded to the CPU
+(``zeroshard-sN-offload``); DDP, ZeroRedundancyOptimizer + DDP, FSDP2; DeepSpeed stages
+0-3. Every system runs at its own defaults unless ``--bucket`` sets one bucket size for
+all (zeroshard: 25 MiB of gradients; DeepSpeed: 5e8 elements; DDP: 25 MiB).
 
 Shapes: *compute* (GPT 25M, seq 256, micro-batch 4) and *state* (GPT 100M, seq 32,
 micro-batch 1). Every system trains the same model from the same seed on the same
@@ -50,7 +56,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 WORKER = os.path.join(HERE, "_systems.py")
 
-ZEROSHARD = [f"zeroshard-s{s}" for s in range(4)]
+ZEROSHARD = [f"zeroshard-s{s}" for s in range(4)] + [f"zeroshard-s{s}-offload" for s in (1, 2, 3)]
 TORCH = ["ddp", "zero-redundancy", "fsdp2"]
 DEEPSPEED = [f"deepspeed-s{s}" for s in range(4)]
 ALL_SYSTEMS = ZEROSHARD + TORCH + DEEPSPEED
@@ -280,6 +286,41 @@ def table(summary: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
+def chart(report: dict, path: str) -> None:
+    """One row per shape: step time as a multiple of DDP's, and rank 0's peak RSS and
+    model-state bytes, per system (systems that did not run are left out)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shapes = report["shapes"]
+    fig, axes = plt.subplots(len(shapes), 2, figsize=(12, 4.2 * len(shapes)), squeeze=False)
+    for row, data in zip(axes, shapes.values(), strict=True):
+        ok = {n: s for n, s in data["summary"].items() if s["status"].startswith("ok")}
+        names = list(ok)
+        ratio = [ok[n]["ratio_to_ddp"] or math.nan for n in names]
+        colors = ["tab:blue" if n.startswith("zeroshard") else "tab:gray" for n in names]
+        row[0].barh(names, ratio, color=colors)
+        row[0].axvline(1.0, color="k", lw=0.8)
+        row[0].set_xlabel("step time / DDP's (median of rounds)")
+        row[0].set_title(f"{data['spec']['desc']}: GPT {data['spec']['model']}")
+        rss = [ok[n]["rss_mib"][0] for n in names]
+        state = [ok[n]["state_mib"][0] for n in names]
+        y = range(len(names))
+        row[1].barh([i + 0.2 for i in y], rss, height=0.4, label="peak RSS, rank 0")
+        row[1].barh([i - 0.2 for i in y], state, height=0.4, label="model state, rank 0")
+        row[1].set_yticks(list(y), names)
+        row[1].set_xlabel("MiB")
+        row[1].legend(loc="lower right")
+        for ax in row:
+            ax.invert_yaxis()
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
 RESULTS_HEADER = """# Benchmark results
 
 Each section is one run of a script in `benchmarks/`, with the exact command that made
@@ -331,8 +372,8 @@ def parse_args(argv=None):
         "--bucket",
         type=float,
         default=None,
-        help="reduce/all-gather bucket elements for zeroshard and DeepSpeed (default 5e8); "
-        "DDP buckets become the same size in bytes (default 25 MiB)",
+        help="reduce/all-gather bucket elements for zeroshard and DeepSpeed, DDP's buckets "
+        "the same size in bytes (default: each system's own default)",
     )
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--seed", type=int, default=1234)
@@ -350,6 +391,7 @@ def parse_args(argv=None):
     )
     p.add_argument("--timeout", type=float, default=900, help="seconds allowed per run")
     p.add_argument("--json", default=None, help="write full results as JSON here")
+    p.add_argument("--png", default=None, help="draw step time (x DDP) and memory per system here")
     p.add_argument("--results", default=os.path.join(HERE, "RESULTS.md"))
     p.add_argument("--no-record", action="store_true", help="do not append to RESULTS.md")
     args = p.parse_args(argv)
@@ -448,6 +490,9 @@ def main(argv=None) -> int:
     if not args.no_record:
         record(args.results, text)
         print(f"appended to {os.path.relpath(args.results, ROOT)}")
+    if args.png:
+        chart(report, args.png)
+        print(f"chart: {args.png}")
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
