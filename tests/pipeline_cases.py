@@ -160,3 +160,61 @@ def gather_whole(engine, name: str, p: torch.Tensor) -> torch.Tensor:
 def train_many(rank: int, world: int, cases: list[dict]) -> list[dict]:
     """Several cases in one spawn (each its own engine)."""
     return [train(rank, world, case) for case in cases]
+
+
+def _steps(engine, case: dict, start: int, n: int) -> list[float]:
+    gas = engine.gradient_accumulation_steps()
+    dp = engine.mesh.coord("dp")
+    out = []
+    for step in range(start, start + n):
+        mine = iter([batch(step, dp * gas + i) for i in range(gas)])
+        out.append(float(engine.train_batch(mine)))
+    return out
+
+
+def _engine(case: dict):
+    import zeroshard
+
+    torch.manual_seed(0)
+    return zeroshard.initialize(model=build(case, case["stages"]), config=config(case))[0]
+
+
+def _params(engine) -> dict[str, torch.Tensor]:
+    return {n: gather_whole(engine, n, p) for n, p in engine.module.named_parameters()}
+
+
+def checkpoint_roundtrip(rank: int, world: int, root: str, zero: int) -> dict:
+    """On 2 ranks: pp2 trains 2 steps and saves; pp1 x dp2 loads it and trains a third
+    step, as pp2 does; pp1 saves; pp2 loads that and trains a fourth, as pp1 does.
+    Returns the losses of each continuation and the largest parameter difference."""
+    pp2 = {"stages": 2, "gas": 4, "zero": zero, "clip": 0.5}
+    pp1 = {"stages": 1, "gas": 2, "zero": zero, "clip": 0.5, "dp": 2}
+    a = _engine(pp2)
+    _steps(a, pp2, 0, 2)
+    a.save_checkpoint(f"{root}/a", tag="two")
+    a_third = _steps(a, pp2, 2, 2)
+    a_params = _params(a)
+    a.destroy()
+    b = _engine(pp1)
+    b.load_checkpoint(f"{root}/a", tag="two")
+    b_third = _steps(b, pp1, 2, 1)
+    b.save_checkpoint(f"{root}/b", tag="three")
+    b_fourth = _steps(b, pp1, 3, 1)
+    b_params = _params(b)
+    b.destroy()
+    c = _engine(pp2)
+    c.load_checkpoint(f"{root}/b", tag="three")
+    c_fourth = _steps(c, pp2, 3, 1)
+    c_params = _params(c)
+    c.destroy()
+    ab = {n: float((p - b_params[n]).abs().max()) for n, p in a_params.items()}
+    cb = {n: float((p - b_params[n]).abs().max()) for n, p in c_params.items()}
+    diff = max(max(ab.values()), max(cb.values()))
+    return {
+        "a": a_third,
+        "b": b_third + b_fourth,
+        "c": c_fourth,
+        "param_diff": diff,
+        "ab": ab,
+        "cb": cb,
+    }

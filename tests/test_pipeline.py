@@ -113,3 +113,15 @@ def test_dp2_tp2_pp2() -> None:
     """8 ranks on gloo: the smallest model with two layers per stage."""
     cases = [{"stages": 2, "tp": 2, "dp": 2, "clip": 0.5, "steps": 2, "layers": 2}]
     _check(run(pc.train_many, 8, cases, timeout=600), cases)
+
+
+@pytest.mark.parametrize("zero", [1, pytest.param(0, marks=pytest.mark.slow)])
+def test_checkpoint_pp2_to_pp1_and_back(tmp_path, zero: int) -> None:
+    """A pp2 save loads at pp1 x dp2 and the reverse (global parameter names; a tied
+    layer saved once); training goes on as if uninterrupted, within 2e-5."""
+    results = run(pc.checkpoint_roundtrip, 2, str(tmp_path), zero, timeout=300)
+    for r in results:
+        assert abs(r["a"][0] - r["b"][0]) <= pc.TOL, r
+        assert abs(r["a"][1] - r["b"][1]) <= pc.TOL, r
+        assert abs(r["c"][0] - r["b"][1]) <= pc.TOL, r
+        assert r["param_diff"] <= pc.TOL, r

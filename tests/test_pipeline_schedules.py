@@ -182,3 +182,46 @@ def test_config_section() -> None:
         load_config({"train_batch_size": 8, "pipeline": {"partition": "random"}})
     with pytest.raises(ConfigError, match=r"pipeline\.stagez"):
         load_config({"train_batch_size": 8, "pipeline": {"stagez": 2}})
+
+
+# -- bad input --------------------------------------------------------------------------
+def test_bad_models_and_configs_are_named() -> None:
+    from zeroshard.api import _split
+    from zeroshard.parallel.pipeline_engine import _check_module
+
+    def cfg(**pipe):
+        zero = pipe.pop("zero", 1)
+        return load_config(
+            {
+                "train_batch_size": 8,
+                "zero_optimization": {"stage": zero},
+                "pipeline": {"stages": 2, **pipe},
+            },
+            world_size=2,
+        )
+
+    with pytest.raises(ValueError, match=r"cannot split Linear .* not an nn\.Sequential"):
+        _split(nn.Linear(2, 2), cfg())
+    model = PipelineModule([nn.Linear(2, 2), nn.Linear(2, 2)], num_stages=2, stage_id=0)
+    with pytest.raises(PipelineError, match=r"is not a zeroshard\.pipe\.PipelineModule"):
+        _check_module(nn.Linear(2, 2), cfg())
+    with pytest.raises(PipelineError, match=r"zero_optimization\.stage: 3"):
+        _check_module(model, cfg(zero=3))
+    with pytest.raises(PipelineError, match=r"pipeline\.partition: 'uniform'"):
+        _check_module(model, cfg(partition="uniform"))
+    with pytest.raises(PipelineError, match=r"pipeline\.seed_layers"):
+        _check_module(model, cfg(seed_layers=True))
+    with pytest.raises(PipelineError, match=r"pipeline\.virtual_stages"):
+        _check_module(model, cfg(virtual_stages=2))
+    _check_module(model, cfg(partition="best"))  # DeepSpeed's default: parameters
+    tied = PipelineModule(
+        [
+            TiedLayerSpec("e", nn.Embedding, 4, 2),
+            nn.Linear(2, 2),
+            TiedLayerSpec("e", nn.Embedding, 4, 2),
+        ],
+        num_stages=2,
+        stage_id=0,
+    )
+    with pytest.raises(PipelineError, match=r"zero_optimization\.stage: 2 with a tied layer"):
+        _check_module(tied, cfg(zero=2))

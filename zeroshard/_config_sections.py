@@ -322,7 +322,7 @@ class ZeroConfig(Section):
     mics_shard_size: int = key(-1, doc="Hybrid sharding (MiCS / HSDP): shard within groups of this many ranks, replicate across them (-1, 0: shard over every data-parallel rank).", min=-1)
     mics_hierarchical_params_gather: bool = key(False, NOT_BUILT("MiCS hierarchical all-gather"), doc="MiCS hierarchical gather.")
     memory_efficient_linear: bool = key(True, INERT("zeroshard does not replace nn.Linear"), doc=_S3 + "DeepSpeed's linear layer.")
-    pipeline_loading_checkpoint: bool = key(False, INERT("no pipeline parallelism"), doc=_S3 + "pipeline-mode loading.")
+    pipeline_loading_checkpoint: bool = key(False, INERT("checkpoints load into any pipeline layout: stage parameters keep their global names"), doc=_S3 + "pipeline-mode loading.")
     override_module_apply: bool = key(True, INERT("zeroshard does not patch nn.Module.apply"), doc=_S3 + "gather in Module.apply.")
     log_trace_cache_warnings: bool = key(False, INERT("no trace cache: units are planned once"), doc=_S3 + "log trace misses.")
     enable_sanity_checks: bool = key(False, doc=_S3 + "check before every gather that all ranks gather the same parameters (always done in the first forward and backward).")
@@ -423,7 +423,7 @@ class CheckpointConfig(Section):
     tag_validation: str = key("Warn", NOT_BUILT("checking that every rank saves under one tag", lambda v: v != "Ignore"), doc="Ignore, Warn or Fail.", choices=("Ignore", "Warn", "Fail"))
     load_universal: bool = key(False, INERT("every checkpoint loads at any world size or stage"), doc="Load a universal checkpoint.")
     use_node_local_storage: bool = key(False, NOT_BUILT("node-local checkpoint storage"), doc="Save per node.")
-    parallel_write_pipeline_stage: bool = key(False, INERT("no pipeline parallelism"), doc="Writes per pipeline stage.", name="parallel_write.pipeline_stage")
+    parallel_write_pipeline_stage: bool = key(False, INERT("every rank writes its own pieces, so every pipeline stage writes in parallel already"), doc="Writes per pipeline stage.", name="parallel_write.pipeline_stage")
     writer: dict[str, Any] | None = key(None, INERT("checkpoints have one writer (safetensors)"), doc="DeepSpeed's writer settings.")
     dir: str | None = key(None, doc="zeroshard: the job's checkpoint directory: initialize() resumes from its latest, and SIGTERM saves there at the next step boundary and exits 0.", nullable=True, check=_non_empty)
     # fmt: on

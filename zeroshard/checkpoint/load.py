@@ -129,7 +129,8 @@ class PieceReader:
     def whole(self, name: str) -> torch.Tensor:
         if name in self.manifest["params"]:  # saved as pieces (stage 3, or whole by TP)
             return self._whole_kind("param", name)
-        return self._file(0).get_tensor(f"whole:{name}")
+        rank = self.manifest["whole"][name].get("rank", 0)  # a pipeline stage's first rank
+        return self._file(rank).get_tensor(f"whole:{name}")
 
     def rank_tensors(self, rank: int) -> tuple[dict, dict]:
         f = self._file(rank)

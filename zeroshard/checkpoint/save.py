@@ -2,8 +2,10 @@
 unsharded layout, an equal 1/N of the flat range each); rank 0 writes the JSON manifest
 and publishes the directory atomically.
 
-Communication: three all-reduces of a tiny int64 table on the engine's device (through
-``comm``): after rank 0 prepares the temporary directory (sharing its random save id),
+Communication: with pipeline stages, one object all-gather of each stage's part of the
+manifest (each stage's first rank describes its own parameters; a tied layer is saved
+by the first stage holding it); three all-reduces of a tiny int64 table on the engine's
+device (through ``comm``): after rank 0 prepares the temporary directory (sharing its random save id),
 after every rank wrote its file (a failure flag, the file size and its header's CRC-32
 per rank), and after rank 0 published. A rank that fails raises only after telling the
 others, so every rank raises :class:`CheckpointSaveError` instead of waiting forever;
@@ -84,6 +86,20 @@ def whole_tensors(engine) -> dict[str, tuple[torch.Tensor, bool]]:
         if not isinstance(b, torch.nn.Parameter) and torch.is_tensor(b):
             out[name] = (b.detach(), True)
     return out
+
+
+def stage_ranks(engine) -> list[int]:
+    """The ranks of this rank's pipeline stage (every rank without pipelining): they
+    share the flat layout; each stage describes its own parameters in the manifest."""
+    mesh = engine.mesh
+    me = mesh.coord("pp")
+    return [r for r in range(engine.comm.world_size) if mesh.coord("pp", r) == me]
+
+
+def _not_saved_here(engine) -> set[int]:
+    """Flat parameters this stage leaves to another: a tied layer's copy on a pipeline
+    stage after the first one holding it (the copies are equal)."""
+    return set(getattr(engine, "checkpoint_skip", ()))
 
 
 def _unserializable(obj, path: str) -> str | None:
@@ -171,7 +187,7 @@ def save(engine, save_dir: str, tag: str, client_state: dict | None, save_latest
         path = os.path.join(tmp, file_name(rank))
         crc = _write_rank_file(engine, access, names, kinds, path, f"{save_id:016x}")
         size = os.path.getsize(path)
-        if rank == 0:
+        if rank == stage_ranks(engine)[0]:  # each pipeline stage describes its part
             manifest = _manifest(engine, access, names, kinds, [], client_json, tag)
             _manifest_text(manifest)  # fails here, before any rank waits on rank 0
     except Exception as exc:
@@ -180,6 +196,14 @@ def save(engine, save_dir: str, tag: str, client_state: dict | None, save_latest
     if failed and rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
     raise_if_failed(comm, failed, error, what, CheckpointSaveError)
+    if engine.mesh.size("pp") > 1:  # every rank is here: no failure can strand one
+        part = None if manifest is None else (manifest["params"], manifest["whole"])
+        parts = comm.all_gather_object(part)
+        if rank == 0:
+            for got in parts:
+                if got is not None:
+                    manifest["params"].update(got[0])
+                    manifest["whole"].update(got[1])
 
     # 3. rank 0 writes the manifest and publishes under the directory's lock: tag
     # directory, fsync, then `latest`
@@ -250,14 +274,17 @@ def _write_rank_file(engine, access, names, kinds, path: str, save_id: str) -> i
     of every tensor)."""
     rank = engine.comm.rank
     entries, sources = [], []
+    skip = _not_saved_here(engine)
     for piece in _pieces_to_write(engine, access, rank):
+        if piece.param in skip:
+            continue
         name = names[piece.param]
         for kind in kinds if piece.group >= 0 else ["param"]:
             dtype = engine.flat.dtype if kind == "param" else torch.float32
             entries.append((piece_key(kind, name, piece.lo), dtype, [piece.hi - piece.lo]))
             sources.append((kind, piece))
     extra = _rng_tensors()
-    if rank == 0:
+    if rank == stage_ranks(engine)[0]:  # rank 0 without pipelining
         extra.update({f"whole:{n}": t for n, (t, _) in whole_tensors(engine).items()})
     for key, t in extra.items():
         entries.append((key, t.dtype, list(t.shape)))
@@ -292,7 +319,11 @@ def _manifest(engine, access, names, kinds, sizes, client_json, tag) -> dict:
     layout = flat.layout
     params: dict = {}
     splits = [tp_slice_of(p) for p in flat.params]
+    skip = _not_saved_here(engine)
+    ranks = stage_ranks(engine)
     for i, spec in enumerate(splits):
+        if i in skip:
+            continue
         params[names[i]] = {
             "shape": list(spec.full_shape if spec else flat.shapes[i]),
             "dtype": DTYPE_NAMES[flat.dtype],
@@ -306,7 +337,7 @@ def _manifest(engine, access, names, kinds, sizes, client_json, tag) -> dict:
                 "world": spec.world,
             }
     mesh = engine.mesh
-    for r in range(world):
+    for r in ranks:
         t = mesh.coord("tp", r)
         if flat.partitioned:  # the first replica's ranks write the shards
             first = mesh.coord("zero_replicate", r) == 0
@@ -319,10 +350,13 @@ def _manifest(engine, access, names, kinds, sizes, client_json, tag) -> dict:
         else:  # split as _pieces_to_write splits it (every rank has the same pieces)
             spans = [(p.param, p.lo, p.hi) for p in _pieces_to_write(engine, access, r)]
         for i, lo, hi in spans:
+            if i in skip:
+                continue
             piece = [r, lo, hi] if splits[i] is None else [r, lo, hi, t]
             params[names[i]]["pieces"].append(piece)
-    whole = {
+    whole = {  # in the file of the stage's first rank (rank 0 without pipelining)
         n: {"shape": list(t.shape), "dtype": DTYPE_NAMES[t.dtype], "buffer": is_buffer}
+        | ({"rank": ranks[0]} if ranks[0] else {})
         for n, (t, is_buffer) in whole_tensors(engine).items()
     }
     opt = engine.optimizer

@@ -112,7 +112,14 @@ class PipelineEngine(Engine):
         self.schedule: list[Action] = schedule[self.stage_id]
         self.pipe_comm = mesh.comm("pp")
         self._ties = [(comm, [self._flat_index(p) for _, p in module.tied_parameters(key)]) for key, comm in ties]  # fmt: skip
-        self.optimizer.pipeline = PipelineGrads(self.pipe_comm, self._excluded_pieces(ties))
+        #: flat parameters a checkpoint leaves to another stage: tied copies after the first
+        self.checkpoint_skip = {
+            self._flat_index(p)
+            for key, comm in ties
+            if comm.rank != 0
+            for _, p in module.tied_parameters(key)
+        }
+        self.optimizer.pipeline = PipelineGrads(self.pipe_comm, self._excluded_pieces())
         link = None
         if module.num_stages > 1:
             link = StageLink(
@@ -168,7 +175,7 @@ class PipelineEngine(Engine):
                 return i
         raise RuntimeError("internal: a tied parameter is not in the flat layout")
 
-    def _excluded_pieces(self, ties) -> list[tuple[int, int, int]]:
+    def _excluded_pieces(self) -> list[tuple[int, int, int]]:
         """Tied parameters' pieces in this rank's gradient chunks, left out of the norm
         unless this is the first stage holding them (and not already left out as a
         tensor-parallel replica)."""
@@ -177,12 +184,7 @@ class PipelineEngine(Engine):
         tp = self.optimizer.tp
         if tp is not None and tp.comm.rank != 0:
             tp_skip = set(tp.replicated)
-        mine = {
-            self._flat_index(p)
-            for key, comm in ties
-            if comm.rank != 0
-            for _, p in self.module.tied_parameters(key)
-        }
+        mine = self.checkpoint_skip
         for piece in flat.layout.pieces(flat.rank):
             if piece.param in mine:
                 lo = piece.shard_lo - flat.layout.segments[piece.segment].shard_start
@@ -265,7 +267,9 @@ class PipelineEngine(Engine):
         self._reduce_gradients()
         if losses:
             self._loss_finite = torch.isfinite(torch.stack(losses)).all()
-        self.micro_steps += m - 1  # one step() below ends the window of m micro-batches
+        # one step() below ends the window of m micro-batches (also after loading a
+        # checkpoint saved with another accumulation count)
+        self.micro_steps += m - 1 - self.micro_steps % m
         self._in_step = True
         try:
             self.step()
