@@ -113,6 +113,16 @@ def reference(case: dict) -> tuple[list[float], dict[str, torch.Tensor]]:
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
+def reference_eval(case: dict, state: dict[str, torch.Tensor]) -> float:
+    """The reference model with ``state``: mean loss over eval micro-batches of every
+    data-parallel rank."""
+    model = build({**case, "virtual": 1}, 1, 0)
+    model.load_state_dict(state)
+    n = case.get("gas", 4) * case.get("dp", 1)
+    with torch.no_grad():
+        return sum(float(loss_fn(model(b[0]), b[1])) for b in (batch(99, i) for i in range(n))) / n
+
+
 def train(rank: int, world: int, case: dict) -> dict:
     """One rank of the pipeline run; returns its losses and the max difference of its
     stage's parameters (gathered whole over tensor parallelism) to the reference."""
@@ -124,17 +134,28 @@ def train(rank: int, world: int, case: dict) -> dict:
     dp = engine.mesh.coord("dp")
     gas = case.get("gas", 4)
     losses = []
+    poison = None
+    if case.get("poison") and engine.stage_id == 0:  # an inf gradient on stage 0 only
+        p = next(engine.module.parameters())
+        poison = p.register_hook(lambda g: g * float("inf"))
     for step in range(case.get("steps", 3)):
         mine = iter([batch(step, dp * gas + i) for i in range(gas)])
         losses.append(float(engine.train_batch(mine)))
-    ref_losses, ref = reference(case)
+    if poison is not None:
+        poison.remove()
+    evaluated = float(engine.eval_batch(iter([batch(99, dp * gas + i) for i in range(gas)])))
+    ref_losses, ref = reference({**case, "steps": 0} if case.get("poison") else case)
+    ref_eval = reference_eval(case, ref)
     worst = 0.0
     for name, p in engine.module.named_parameters():
         whole = gather_whole(engine, name, p)
         worst = max(worst, float((whole - ref[name]).abs().max()))
     out = {
-        "losses": losses,
+        "losses": losses if not case.get("poison") else [],
         "ref_losses": ref_losses,
+        "eval": evaluated,
+        "ref_eval": ref_eval,
+        "skipped": engine.skipped_steps,
         "param_diff": worst,
         "memory": engine.pipeline_memory,
         "trace": len(engine.pipeline_trace),

@@ -25,20 +25,25 @@ def _check(results: list[list[dict]], cases: list[dict]) -> None:
             for got, want in zip(r["losses"], r["ref_losses"], strict=True):
                 assert abs(got - want) <= pc.TOL, (case, rank, r["losses"], r["ref_losses"])
             assert r["param_diff"] <= pc.TOL, (case, rank, r["param_diff"])
+            assert abs(r["eval"] - r["ref_eval"]) <= pc.TOL, (case, rank, r["eval"], r["ref_eval"])
 
 
 def test_pp2_1f1b_tied_parity_and_memory() -> None:
     """pp2 1F1B and GPipe with a tied embedding and clipping (the norm spans both
-    stages) match the reference; 1F1B's stage s holds p - s micro-batches' saved
-    activations, GPipe all m (bytes from saved_tensors_hooks)."""
+    stages) match the reference, and so does eval_batch; 1F1B's stage s holds p - s
+    micro-batches' saved activations, GPipe all m (bytes from saved_tensors_hooks); an
+    inf gradient on one stage skips the step on both."""
     m = 4
     cases = [
         {"stages": 2, "schedule": "1f1b", "clip": 0.5, "gas": m},
         {"stages": 2, "schedule": "gpipe", "clip": 0.5, "gas": m, "steps": 1},
+        {"stages": 2, "schedule": "1f1b", "gas": m, "steps": 1, "poison": True},
     ]
     results = run(pc.train_many, 2, cases, timeout=240)
     _check(results, cases)
-    for stage, (ofob, gpipe) in enumerate(results):
+    # an inf gradient on stage 0 only: both stages skip the step (parameters unchanged)
+    assert [r[2]["skipped"] for r in results] == [1, 1]
+    for stage, (ofob, gpipe, _) in enumerate(results):
         assert ofob["memory"]["peak_inflight"] == 2 - stage
         assert gpipe["memory"]["peak_inflight"] == m
         # micro-batches alternate sequence lengths 6 and 7: the p held by 1F1B weigh at
