@@ -128,12 +128,6 @@ class InferenceEngine:
         from zeroshard.inference.stream_store import safetensors_init
         from zeroshard.inference.streaming import plan_units, stream_config, stream_weights
 
-        if self.quantized:
-            raise ConfigError(
-                "zero",
-                "weight streaming of quantized layers is not built yet in zeroshard; stream "
-                "floating-point weights (drop quant) or quantize without zero",
-            )
         tag = f"rank{self.tp.rank}" if self.tp is not None else "rank0"
         if self.tp is None:
             import torch.distributed as dist

@@ -23,7 +23,9 @@ reading every weight once (DeepSpeed's ZeRO-Inference: it pays off with large ba
 whose compute hides the reads).
 
 A parameter shared by two units (tied embedding and head) is stored once and read by
-each. A parameter must be read inside its unit's forward (as ``nn.Module`` layers do).
+each. A quantized layer (``quantize.py``'s ``QuantLinear``) streams the tensors its
+kernel reads (int8 weights and scales, int4 packed weights and scales) the same way. A
+parameter must be read inside its unit's forward (as ``nn.Module`` layers do).
 
 No communication.
 """
@@ -88,12 +90,27 @@ def _placeholder(shape, dtype, device) -> torch.Tensor:
 
 @dataclass
 class _Slot:
-    """One tensor's place: its bytes in the source and in a unit's buffer."""
+    """One tensor's place: its bytes in the source and in a unit's buffer. A parameter
+    (shared by every module that holds it) or a tensor attribute of one module (the
+    kernel tensors of a quantized layer)."""
 
-    param: nn.Parameter
     offset: int  # in the source
-    nbytes: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    param: nn.Parameter | None = None
+    owner: nn.Module | None = None
+    attr: str = ""
+    nbytes: int = 0
     at: int = 0  # in the unit's buffer
+
+    def point(self, t: torch.Tensor) -> None:
+        if self.param is not None:
+            self.param.data = t
+        else:
+            setattr(self.owner, self.attr, t)
+
+    def current(self) -> torch.Tensor:
+        return self.param if self.param is not None else getattr(self.owner, self.attr)
 
 
 @dataclass
@@ -241,8 +258,7 @@ class StreamedWeights:
         ld.users += 1
         data = ld.compute if ld.compute is not None else ld.buf
         for s in self.units[i].slots:
-            p = s.param
-            p.data = data[s.at : s.at + s.nbytes].view(p.dtype).view(p.shape)
+            s.point(data[s.at : s.at + s.nbytes].view(s.dtype).view(s.shape))
         self._prefetch(i)
 
     def _prefetch(self, i: int) -> None:
@@ -261,9 +277,8 @@ class StreamedWeights:
         data = ld.compute if ld.compute is not None else ld.buf
         lo, hi = data.data_ptr(), data.data_ptr() + data.numel()
         for s in self.units[i].slots:
-            p = s.param
-            if lo <= p.data_ptr() < hi:  # a tied parameter may point at another unit now
-                p.data = _placeholder(p.shape, p.dtype, self.device)
+            if lo <= s.current().data_ptr() < hi:  # a tied parameter may be another unit's now
+                s.point(_placeholder(s.shape, s.dtype, self.device))
         del self._loaded[i]
         self._pool.append((ld.buf, ld.uploaded))
 
@@ -278,16 +293,15 @@ class StreamedWeights:
             if ld.future is not None:
                 ld.future.result()
         self._loaded.clear()
-        done: set[int] = set()
+        done: set[int] = set()  # offsets: a tied parameter is read back once
         for u in self.units:
             for s in u.slots:
-                if id(s.param) in done:
+                if s.offset in done:
                     continue
-                done.add(id(s.param))
+                done.add(s.offset)
                 raw = aligned_empty(round_up(s.nbytes))
                 self.source.read(s.offset, raw)
-                whole = raw[: s.nbytes].view(s.param.dtype).view(s.param.shape).clone()
-                s.param.data = whole.to(self.device)
+                s.point(raw[: s.nbytes].view(s.dtype).view(s.shape).clone().to(self.device))
         self._io.shutdown(wait=True)
         self.source.close()
 
@@ -345,19 +359,34 @@ def stream_weights(
     for u in units:
         for p in u.module.parameters():
             olds.setdefault(id(p), p)
-    covered = set(olds)
-    missing = [n for n, p in model.named_parameters() if id(p) not in covered]
+    missing = [n for n, p in model.named_parameters() if id(p) not in olds]
     if missing:  # plan_units covers every parameter; a guard for future changes
         raise AssertionError(f"parameters outside every unit: {missing}")
     new_of = {
         k: nn.Parameter(_placeholder(p.shape, p.dtype, device), requires_grad=False)
         for k, p in olds.items()
     }
-    where: dict[int, int] = {}  # id(new) -> offset in the source, in first-use order
+    # lay out unit by unit (each unit's tensors contiguous in the source): its parameters
+    # not placed by an earlier unit, then its quantized layers' kernel tensors
+    where: dict[int, int] = {}  # id(old parameter) -> offset
+    values: dict[int, torch.Tensor] = {}  # offset -> the values (live models)
     total = 0
-    for k, p in olds.items():
-        where[id(new_of[k])] = total
-        total += round_up(p.numel() * p.element_size())
+    for u in units:
+        for m in u.module.modules():
+            for p in m._parameters.values():
+                if p is None or any(s.param is new_of[id(p)] for s in u.slots):
+                    continue
+                if id(p) not in where:
+                    where[id(p)] = total
+                    values[total] = p
+                    total += round_up(p.numel() * p.element_size())
+                u.slots.append(_Slot(where[id(p)], tuple(p.shape), p.dtype, param=new_of[id(p)]))
+            for attr, t in _kernel_tensors(m):
+                if on_meta:
+                    raise ValueError(f"stream_weights: {u.name} holds quantized layers on meta")
+                u.slots.append(_Slot(total, tuple(t.shape), t.dtype, owner=m, attr=attr))
+                values[total] = t
+                total += round_up(t.numel() * t.element_size())
     for m in model.modules():  # every holder, ties included, gets the placeholder
         for attr, p in list(m._parameters.items()):
             if p is not None and id(p) in new_of:
@@ -369,31 +398,41 @@ def stream_weights(
         source = MemorySource(total, pin=config.pin_memory and device.type == "cuda")
     written: set[int] = set()
     for u in units:
-        for m in u.module.modules():  # slots in the order the unit holds them
-            for p in m._parameters.values():
-                if p is not None and not any(s.param is p for s in u.slots):
-                    u.slots.append(_Slot(param=p, offset=where[id(p)], nbytes=0))
-        values = {id(s.param): olds[_old_id(new_of, s.param)] for s in u.slots}
+        mine = {s.offset: values[s.offset] for s in u.slots}
         if on_meta:  # materialize this unit only, let init fill it, write it, drop it
-            values = {k: torch.empty(v.shape, dtype=v.dtype) for k, v in values.items()}
-            _with_values(u.module, values, lambda mod=u.module, n=u.name: init(n, mod))
+            mine = {k: torch.empty(v.shape, dtype=v.dtype) for k, v in mine.items()}
+            by_param = {id(s.param): mine[s.offset] for s in u.slots}
+            _with_values(u.module, by_param, lambda mod=u.module, n=u.name: init(n, mod))
         at = 0
         for s in u.slots:
-            v = values[id(s.param)]
+            v = mine[s.offset]
             s.nbytes, s.at = v.numel() * v.element_size(), at
             at += round_up(s.nbytes)
-            if id(s.param) not in written:
+            if s.offset not in written:
                 source.write(s.offset, v)
-                written.add(id(s.param))
+                written.add(s.offset)
+            if s.param is None:  # the module's own tensor: dropped now
+                s.point(_placeholder(s.shape, s.dtype, device))
         u.nbytes = max(at, ALIGN)
         u.runs = _runs(u.slots)
-        del values
+        del mine
     olds.clear()
+    values.clear()
     return StreamedWeights(model, units, source, config, device, upload)
 
 
-def _old_id(new_of: dict[int, nn.Parameter], p: nn.Parameter) -> int:
-    return next(k for k, v in new_of.items() if v is p)
+def _kernel_tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """A quantized layer's tensors (buffers and the kernel forms it derives), by attribute
+    name; other modules have none here (their parameters are streamed)."""
+    from zeroshard.inference.quantize import QuantLinear
+
+    if not isinstance(module, QuantLinear):
+        return []
+    out = []
+    for attr, t in list(vars(module).items()) + list(module._buffers.items()):
+        if isinstance(t, torch.Tensor) and not isinstance(t, nn.Parameter) and t.numel():
+            out.append((attr, t))
+    return out
 
 
 def _with_values(module: nn.Module, values: dict[int, torch.Tensor], fn) -> None:
