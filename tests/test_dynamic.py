@@ -211,6 +211,36 @@ class LoRANet(nn.Module):
         return F.mse_loss(self.last(h), y)
 
 
+class PeftBase(nn.Module):
+    """LoRANet's shape as plain Linears, for ``peft`` to inject its adapters into."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(8, 32)
+        self.layers = nn.ModuleList(nn.Linear(32, 32) for _ in range(3))
+        self.last = nn.Linear(32, 4)
+
+    def forward(self, x, y):
+        h = self.first(x)
+        for layer in self.layers:
+            h = torch.tanh(layer(h))
+        return F.mse_loss(self.last(h), y)
+
+
+def peft_net() -> nn.Module:
+    """A LoRA model made by ``peft``: adapters on the three inner layers, their bases and
+    ``last`` frozen by peft, ``first`` trained whole (as ``modules_to_save`` would)."""
+    from peft import LoraConfig, inject_adapter_in_model
+
+    model = inject_adapter_in_model(
+        LoraConfig(r=2, lora_alpha=4, lora_dropout=0.0, target_modules=["0", "1", "2"]),
+        PeftBase(),
+    )
+    for name, p in model.named_parameters():
+        p.requires_grad_("lora_" in name or name.startswith("first."))
+    return model
+
+
 def _z3_config(stage: int = 3, **zero) -> dict:
     zc = {"stage": stage, "stage3_param_persistence_threshold": 0, "reduce_scatter": True, **zero}
     return {
@@ -370,13 +400,13 @@ def _generate(rank, world):
     return {"same": torch.equal(ours, theirs), "length": ours.shape[1]}
 
 
-def _ledger_lora(rank, world):
+def _ledger_lora(rank, world, build=LoRANet, offloads=(False, True)):
     """One step of a LoRA model at stage 3: every unit all-gathered twice, only the
     trainable units reduce-scattered; no gradient storage for frozen weights."""
     out = {}
-    for offload in (False, True):
+    for offload in offloads:
         zc = {"offload_optimizer": {"device": "cpu"}} if offload else {}
-        diff, engine = _fit(LoRANet, rank, world, **zc)
+        diff, engine = _fit(build, rank, world, **zc)
         engine.reset_comm_stats()
         x, y = _data(50, MICRO * world)
         engine.backward(
@@ -490,6 +520,12 @@ def _second(rank: int, world: int) -> dict:
             out[f"{kind}_{offload}"] = _hf_moe_case(rank, world, kind, offload)
     out["generate"] = _generate(rank, world)
     out["lora"] = _ledger_lora(rank, world)
+    try:
+        import peft  # noqa: F401
+    except ImportError:
+        out["peft"] = None
+    else:
+        out["peft"] = _ledger_lora(rank, world, peft_net, offloads=(False,))
     out["edits"] = {stage: _edits(rank, world, stage) for stage in (0, 1, 2, 3)}
     return out
 
@@ -522,9 +558,13 @@ def test_generate_with_different_lengths_needs_no_synced_gpus(second):
     assert all(r["generate"]["same"] for r in second)
 
 
-def test_lora_ledger_and_no_frozen_gradients(second):
+@pytest.mark.parametrize("made_by", ["hand", "peft"])
+def test_lora_ledger_and_no_frozen_gradients(second, made_by):
     for r in second:
-        for offload, led in r["lora"].items():
+        lora = r["lora"] if made_by == "hand" else r["peft"]
+        if lora is None:
+            pytest.skip("peft is not installed")
+        for offload, led in lora.items():
             stats = led["stats"]
             assert led["diff"] <= TOL, (offload, led["diff"])
             assert stats["all_gather"]["bytes"] == 2 * 4 * led["total"], (offload, stats)
