@@ -67,6 +67,18 @@ def arm(kind: str, batch: int, new: int, nvme: str, buffer_count: int) -> dict:
     if kind == "nvme":
         sc = StreamConfig(device="nvme", nvme_path=nvme, buffer_count=buffer_count)
         sw = stream_weights(model, sc, init=init_unit)
+    elif kind in ("nvme-int8", "nvme-int4"):  # quantized in memory first, then streamed
+        import zeroshard
+
+        model.to_empty(device="cpu")
+        with torch.no_grad():
+            for name, m in plan_units(model):
+                init_unit(name, m)
+        bits = 8 if kind.endswith("int8") else 4
+        zero = {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": nvme,
+                                              "buffer_count": buffer_count}}  # fmt: skip
+        quant = {"enabled": True, "weight": {"num_bits": bits, "group_size": 128}}
+        sw = zeroshard.init_inference(model, {"quant": quant, "zero": zero}).streaming
     else:
         model.to_empty(device="cpu")
         with torch.no_grad():
@@ -106,6 +118,9 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=16)
     ap.add_argument("--buffer-count", type=int, default=4)
     ap.add_argument("--nvme", default="/tmp/zs-bench-nvme")
+    ap.add_argument("--quant", nargs="*", default=[], choices=["int8", "int4"],
+                    help="also stream int8/int4 weights (quantized in memory first: their "
+                    "peak RSS counts the whole fp32 model)")  # fmt: skip
     ap.add_argument("--_arm", nargs=2, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a._arm:
@@ -115,21 +130,22 @@ def main() -> None:
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "1"}
     rows = []
     for batch in a.batch:
-        for kind in ("memory", "nvme"):
+        for kind in ["memory", "nvme", *(f"nvme-{q}" for q in a.quant)]:
             cmd = [sys.executable, __file__, "--_arm", kind, str(batch), "--new", str(a.new),
                    "--nvme", a.nvme, "--buffer-count", str(a.buffer_count)]  # fmt: skip
             line = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True)
             rows.append(json.loads(line.stdout.strip().splitlines()[-1]))
             r = rows[-1]
             extra = ""
-            if kind == "nvme":
+            if kind.startswith("nvme"):
                 extra = (f", read {r['read_gib_s']:.2f} GiB/s, waited {r['waited_s']:.2f} s, "
                          f"buffers {r['buffers_mib']:.0f} MiB, O_DIRECT {r['direct_io']}")  # fmt: skip
             print(f"batch {batch} {kind:6s}: {r['tokens_per_s']:.2f} tokens/s, peak RSS "
                   f"{r['peak_rss_mib']:.0f} MiB ({r['peak_rss_mib'] / r['weight_mib']:.0%} of "
                   f"{r['weight_mib']:.0f} MiB weights), build {r['build_s']:.1f} s{extra}",
                   flush=True)  # fmt: skip
-        same = rows[-1]["tokens"] == rows[-2]["tokens"]
+        mem, nvme = rows[-2 - len(a.quant)], rows[-1 - len(a.quant)]
+        same = mem["tokens"] == nvme["tokens"]
         print(f"batch {batch}: tokens equal: {same}", flush=True)
         if not same:
             sys.exit("streamed tokens differ from the in-memory model's")
