@@ -37,7 +37,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -49,77 +49,16 @@ from zeroshard.inference.stream_store import (  # noqa: F401  (StreamConfig, str
     SwapSource,
     stream_config,
 )
+from zeroshard.inference.stream_units import (
+    Slot,
+    Unit,
+    kernel_tensors,
+    placeholder,
+    plan_units,
+    reads,
+    with_values,
+)
 from zeroshard.offload.nvme import ALIGN, SwapSpace, aligned_empty, round_up
-
-# -- units --------------------------------------------------------------------------------
-
-
-def _layers(model: nn.Module) -> str | None:
-    """Name of the ``ModuleList`` holding the most parameters (the decoder blocks)."""
-    best, best_n = None, 0
-    for name, m in model.named_modules():
-        if isinstance(m, nn.ModuleList) and len(m) > 1:
-            n = sum(p.numel() for p in m.parameters())
-            if n > best_n:
-                best, best_n = name, n
-    return best
-
-
-def plan_units(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The units weights are streamed by, in registration order: each child of the
-    largest ``ModuleList``, then every other module that owns parameters itself."""
-    layers = _layers(model)
-    units: list[tuple[str, nn.Module]] = []
-    inside: str | None = None
-    for name, m in model.named_modules():
-        if inside is not None and name.startswith(inside + "."):
-            continue
-        inside = None
-        parent, _, _ = name.rpartition(".")
-        if layers is not None and name and parent == layers:
-            units.append((name, m))
-            inside = name
-        elif any(True for _ in m.parameters(recurse=False)):
-            units.append((name, m))
-    return units
-
-
-def _placeholder(shape, dtype, device) -> torch.Tensor:
-    return torch.empty((), dtype=dtype, device=device).expand(shape)
-
-
-@dataclass
-class _Slot:
-    """One tensor's place: its bytes in the source and in a unit's buffer. A parameter
-    (shared by every module that holds it) or a tensor attribute of one module (the
-    kernel tensors of a quantized layer)."""
-
-    offset: int  # in the source
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    param: nn.Parameter | None = None
-    owner: nn.Module | None = None
-    attr: str = ""
-    nbytes: int = 0
-    at: int = 0  # in the unit's buffer
-
-    def point(self, t: torch.Tensor) -> None:
-        if self.param is not None:
-            self.param.data = t
-        else:
-            setattr(self.owner, self.attr, t)
-
-    def current(self) -> torch.Tensor:
-        return self.param if self.param is not None else getattr(self.owner, self.attr)
-
-
-@dataclass
-class _Unit:
-    name: str
-    module: nn.Module
-    slots: list[_Slot] = field(default_factory=list)
-    nbytes: int = 0  # of its buffer (aligned slots)
-    runs: list[tuple[int, int, int]] = field(default_factory=list)  # (source, buffer, bytes)
 
 
 @dataclass
@@ -207,7 +146,7 @@ class StreamedWeights:
         self._loaded[i] = _Loaded(buf=buf, future=self._io.submit(self._read, unit, buf))
         return True
 
-    def _read(self, unit: _Unit, buf: torch.Tensor) -> None:
+    def _read(self, unit: Unit, buf: torch.Tensor) -> None:
         for src, at, n in unit.runs:
             self.source.read(src, buf[at : at + n])
         with self._lock:
@@ -278,7 +217,7 @@ class StreamedWeights:
         lo, hi = data.data_ptr(), data.data_ptr() + data.numel()
         for s in self.units[i].slots:
             if lo <= s.current().data_ptr() < hi:  # a tied parameter may be another unit's now
-                s.point(_placeholder(s.shape, s.dtype, self.device))
+                s.point(placeholder(s.shape, s.dtype, self.device))
         del self._loaded[i]
         self._pool.append((ld.buf, ld.uploaded))
 
@@ -353,7 +292,7 @@ def stream_weights(
     upload = device.type != "cpu" or force_upload
     if config.device == "cpu" and not upload and not on_meta:
         return None  # the weights already sit in the compute device's memory
-    units = [_Unit(name, m) for name, m in plan_units(model)]
+    units = [Unit(name, m) for name, m in plan_units(model)]
     # every distinct parameter, kept alive here so ids stay unique while we lay out
     olds: dict[int, nn.Parameter] = {}
     for u in units:
@@ -363,7 +302,7 @@ def stream_weights(
     if missing:  # plan_units covers every parameter; a guard for future changes
         raise AssertionError(f"parameters outside every unit: {missing}")
     new_of = {
-        k: nn.Parameter(_placeholder(p.shape, p.dtype, device), requires_grad=False)
+        k: nn.Parameter(placeholder(p.shape, p.dtype, device), requires_grad=False)
         for k, p in olds.items()
     }
     # lay out unit by unit (each unit's tensors contiguous in the source): its parameters
@@ -380,11 +319,11 @@ def stream_weights(
                     where[id(p)] = total
                     values[total] = p
                     total += round_up(p.numel() * p.element_size())
-                u.slots.append(_Slot(where[id(p)], tuple(p.shape), p.dtype, param=new_of[id(p)]))
-            for attr, t in _kernel_tensors(m):
+                u.slots.append(Slot(where[id(p)], tuple(p.shape), p.dtype, param=new_of[id(p)]))
+            for attr, t in kernel_tensors(m):
                 if on_meta:
                     raise ValueError(f"stream_weights: {u.name} holds quantized layers on meta")
-                u.slots.append(_Slot(total, tuple(t.shape), t.dtype, owner=m, attr=attr))
+                u.slots.append(Slot(total, tuple(t.shape), t.dtype, owner=m, attr=attr))
                 values[total] = t
                 total += round_up(t.numel() * t.element_size())
     for m in model.modules():  # every holder, ties included, gets the placeholder
@@ -402,7 +341,7 @@ def stream_weights(
         if on_meta:  # materialize this unit only, let init fill it, write it, drop it
             mine = {k: torch.empty(v.shape, dtype=v.dtype) for k, v in mine.items()}
             by_param = {id(s.param): mine[s.offset] for s in u.slots}
-            _with_values(u.module, by_param, lambda mod=u.module, n=u.name: init(n, mod))
+            with_values(u.module, by_param, lambda mod=u.module, n=u.name: init(n, mod))
         at = 0
         for s in u.slots:
             v = mine[s.offset]
@@ -412,54 +351,10 @@ def stream_weights(
                 source.write(s.offset, v)
                 written.add(s.offset)
             if s.param is None:  # the module's own tensor: dropped now
-                s.point(_placeholder(s.shape, s.dtype, device))
+                s.point(placeholder(s.shape, s.dtype, device))
         u.nbytes = max(at, ALIGN)
-        u.runs = _runs(u.slots)
+        u.runs = reads(u.slots)
         del mine
     olds.clear()
     values.clear()
     return StreamedWeights(model, units, source, config, device, upload)
-
-
-def _kernel_tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """A quantized layer's tensors (buffers and the kernel forms it derives), by attribute
-    name; other modules have none here (their parameters are streamed)."""
-    from zeroshard.inference.quantize import QuantLinear
-
-    if not isinstance(module, QuantLinear):
-        return []
-    out = []
-    for attr, t in list(vars(module).items()) + list(module._buffers.items()):
-        if isinstance(t, torch.Tensor) and not isinstance(t, nn.Parameter) and t.numel():
-            out.append((attr, t))
-    return out
-
-
-def _with_values(module: nn.Module, values: dict[int, torch.Tensor], fn) -> None:
-    """Run ``fn`` with ``module``'s placeholder parameters temporarily set to real
-    tensors ``values`` (by id of the placeholder), then put the placeholders back."""
-    saved = []
-    for m in module.modules():
-        for attr, p in list(m._parameters.items()):
-            if p is not None and id(p) in values:
-                saved.append((m, attr, p))
-                m._parameters[attr] = nn.Parameter(values[id(p)], requires_grad=False)
-    try:
-        with torch.no_grad():
-            fn()
-    finally:
-        for m, attr, p in saved:
-            m._parameters[attr] = p
-
-
-def _runs(slots: list[_Slot]) -> list[tuple[int, int, int]]:
-    """Coalesce slots contiguous in both the source and the buffer into single reads."""
-    runs: list[tuple[int, int, int]] = []
-    for s in slots:
-        n = round_up(s.nbytes)
-        if runs and runs[-1][0] + runs[-1][2] == s.offset and runs[-1][1] + runs[-1][2] == s.at:
-            src, at, m = runs[-1]
-            runs[-1] = (src, at, m + n)
-        else:
-            runs.append((s.offset, s.at, n))
-    return runs
