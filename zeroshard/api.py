@@ -106,7 +106,10 @@ def _collect_groups(module: nn.Module, optimizer, model_parameters, opt_cfg):
     else:
         raise ConfigError(
             'optimizer: no optimizer; add an "optimizer" section to the config, e.g. '
-            '{"type": "AdamW", "params": {"lr": 1e-4}}, or pass optimizer= to initialize()'
+            '{"type": "AdamW", "params": {"lr": 1e-4}}, or pass optimizer= to initialize(); '
+            "to generate with weights offloaded to CPU or NVMe (DeepSpeed's ZeRO-Inference), "
+            'use zeroshard.init_inference(model, {"zero": {"stage": 3, "offload_param": '
+            '{"device": "nvme", "nvme_path": ...}}}) instead'
         )
     owned = {id(p) for p in module.parameters()}
     seen: set[int] = set()
