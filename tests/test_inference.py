@@ -160,6 +160,10 @@ def test_hf_generate_with_quantized_layers() -> None:
         assert len(q.quantized) >= 8  # GPT-2's Conv1D layers and Llama's Linear ones
         out = q.generate(ids, max_new_tokens=8, pad_token_id=0)
         assert out.shape == (2, 14)
+        ragged = q.generate([[5, 6, 7], [8]], max_new_tokens=4, pad_token_id=0)  # left-padded
+        assert ragged.shape == (2, 7)
+        alone = q.generate([[8]], max_new_tokens=4, pad_token_id=0)
+        assert ragged[1, 2:].tolist() == alone[0].tolist()
 
 
 def _save_gpt_checkpoint(rank: int, world: int, root: str, with_config: bool) -> str:
@@ -209,3 +213,20 @@ def test_generate_command(tmp_path, capsys) -> None:
     torch.save({}, tmp_path / "w.pt")
     assert main(["generate", "--checkpoint", str(tmp_path), "--prompt", "x"]) == 2
     assert "neither a zeroshard checkpoint" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_generate_command_tensor_parallel(tmp_path) -> None:
+    """`zeroshard generate --nproc 2` relaunches through `zeroshard run`: TP2's greedy text
+    equals one process's."""
+    import subprocess
+    import sys
+
+    path = init_inference(_gpt()).save_quantized(str(tmp_path / "m.safetensors"))
+    cmd = [sys.executable, "-m", "zeroshard.cli", "generate", "--checkpoint", path,
+           "--prompt", "abc", "--max-new-tokens", "8"]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    one = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    two = subprocess.run([*cmd, "--nproc", "2"], capture_output=True, text=True, env=env, timeout=300)  # fmt: skip
+    assert one.returncode == 0 and two.returncode == 0, (one.stderr[-2000:], two.stderr[-2000:])
+    assert one.stdout.strip() and one.stdout.strip() in two.stdout

@@ -45,6 +45,19 @@ def test_quantized_perplexity_short_training() -> None:
     _check(_perplexities(steps=80))
 
 
+def test_cache_exact_on_trained_model() -> None:
+    """Greedy tokens with the KV cache equal those recomputed without it (fp32), on real
+    prompts of different lengths (a left-padded batch)."""
+    engine = zeroshard.init_inference(stdlib_gpt.trained_model(CACHE, steps=80))
+    prompts = [
+        list(b"import os\n\ndef main("),
+        list(b"class A:\n    def __init__(self"),
+        list(b"#"),
+    ]
+    cached = engine.generate(prompts, max_new_tokens=48)
+    assert torch.equal(cached, engine.generate(prompts, max_new_tokens=48, use_cache=False))
+
+
 @pytest.mark.slow
 def test_quantized_perplexity() -> None:
     _check(_perplexities(steps=300))

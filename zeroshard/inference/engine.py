@@ -261,7 +261,7 @@ class InferenceEngine:
             use_cache=use_cache,
         )
         if mask is not None:
-            args["attention_mask"] = mask
+            args["attention_mask"] = mask.long()
         if do_sample:
             args.update(temperature=temperature, top_k=top_k or None, top_p=top_p)
             if seed is not None:

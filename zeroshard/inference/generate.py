@@ -105,6 +105,11 @@ def generate_tokens(
     valid = valid.to(device=ids.device, dtype=torch.bool)
     check_left_padded(valid)
     padded = not bool(valid.all())
+    if padded and not hasattr(model, "blocks"):
+        raise ValueError(
+            "prompts of different lengths need a model that takes padding: the built-in GPT "
+            "or a Hugging Face model; give this model prompts of one length"
+        )
     total = t0 + max_new_tokens
     if max_len is not None and total > max_len:
         raise ValueError(
