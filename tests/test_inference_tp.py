@@ -136,6 +136,12 @@ def _engine_cases(rank, comm):
                 one.generate(x, max_new_tokens=NEW), two.generate(x, max_new_tokens=NEW)
             ),
         }
+    # GPT-2's Conv1D layers (weights stored transposed) quantized after sharding
+    q = {"quant": {"enabled": True, "weight": {"num_bits": 8}}}
+    one, two = zeroshard.init_inference(_gpt2(), q), zeroshard.init_inference(_gpt2(), {**q, **tp2})
+    l1, l2 = one(ids).logits, two(ids).logits
+    out["gpt2_int8"] = {"quantized": len(two.quantized), "logit_diff": (l1 - l2).abs().max().item(),
+                        "logit_scale": l1.abs().max().item()}  # fmt: skip
     q = {"quant": {"enabled": True, "weight": {"num_bits": 4, "group_size": 64}}}
     try:
         zeroshard.init_inference(_gpt(**big), {**q, **tp2})
@@ -189,6 +195,10 @@ def test_quantized_after_sharding(tp2, bits):
         whole, local = q["bytes"]
         assert local < 0.6 * whole
     assert tp2[0]["int4"]["tokens_equal"]  # int4 groups: identical weights, same tokens
+    for r in tp2:
+        g = r["gpt2_int8"]
+        assert g["quantized"] == 8  # c_attn, c_proj, c_fc, mlp.c_proj of 2 blocks
+        assert g["logit_diff"] <= 0.02 * g["logit_scale"], g
 
 
 def test_int4_group_not_dividing_the_local_slice_is_refused(tp2):
