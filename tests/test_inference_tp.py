@@ -265,3 +265,13 @@ def test_generate_cli_nproc2_and_offload_print_the_same_text(tmp_path):
         assert out[key].returncode == 0, (key, out[key].stdout, out[key].stderr)
         assert out[key].stdout == want, key
     assert out["bad"].returncode == 2 and "nvme_path: needed" in out["bad"].stderr
+
+
+def test_tp_size_without_ranks_says_how_to_launch(monkeypatch):
+    import zeroshard
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(
+        ValueError, match=r"tensor_parallel\.tp_size: .*zeroshard generate --nproc 2"
+    ):
+        zeroshard.init_inference(_gpt(), {"tensor_parallel": {"tp_size": 2}})
