@@ -31,6 +31,10 @@ def test_config_keys(capsys) -> None:
     eng = init_inference(_gpt(tie_embeddings=False), dtype=torch.int8)
     assert all(isinstance(eng.module.get_submodule(n), QuantLinear) for n in eng.quantized)
     assert "head" in eng.quantized
+    for dtype in (torch.bfloat16, "fp16"):  # compute dtypes, with quantized layers too
+        eng = init_inference(_gpt(), dtype=dtype, quant={"enabled": True, "weight": {"num_bits": 4, "group_size": 32}})  # fmt: skip
+        out = eng.generate([[1, 2, 3]], max_new_tokens=4)
+        assert out.shape == (1, 7) and eng.module.tok_emb.weight.dtype != torch.float32
     cfg = zeroshard.inference.load_inference_config({"mp_size": 2})[0]
     assert cfg.tp_size == 2
     with pytest.raises(ConfigError, match="max_out_tokenz"):
@@ -191,6 +195,16 @@ def test_checkpoint_records_model_config(tmp_path) -> None:
     model = model_from(good)
     assert model.cfg == _gpt(seq_len=32).cfg
     assert torch.equal(model.tok_emb.weight, _gpt(seq_len=32).tok_emb.weight)  # no step taken
+    # quantized straight from the checkpoint, and from its safetensors export
+    from zeroshard.checkpoint.export import export_checkpoint
+
+    export = export_checkpoint(good, str(tmp_path / "export"))[0]
+    ids = torch.tensor([[1, 2, 3, 4]])
+    live = init_inference(_gpt(seq_len=32), dtype=torch.int8)
+    for source in (good, export):
+        eng = init_inference(GPT(model.cfg), checkpoint=source, dtype=torch.int8)
+        assert torch.equal(eng(ids), live(ids))
+        assert torch.equal(model_from(source).tok_emb.weight, model.tok_emb.weight)
     bad = run(_save_gpt_checkpoint, 1, str(tmp_path / "b"), False, timeout=120)[0]
     with pytest.raises(ModelConfigError, match="no model config"):
         model_from(bad)
