@@ -82,6 +82,13 @@ def config(case: dict) -> dict:
             "grad_partitioned": case.get("partitioned", True),
         },
     }
+    if case.get("zero", 1) == 3:  # release every parameter after use, however small
+        cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+        cfg["zero_optimization"]["stage3_model_persistence_threshold"] = 0
+        cfg["zero_optimization"]["reduce_bucket_size"] = 64
+        cfg["zero_optimization"]["stage3_prefetch_bucket_size"] = 64
+    if case.get("cfg_ckpt"):  # the config's interval overrides the module's
+        cfg["pipeline"]["activation_checkpoint_interval"] = case["cfg_ckpt"]
     if case.get("tp", 1) > 1:
         cfg["tensor_parallel"] = {
             "autotp_size": case["tp"],
@@ -138,24 +145,33 @@ def train(rank: int, world: int, case: dict) -> dict:
     if case.get("poison") and engine.stage_id == 0:  # an inf gradient on stage 0 only
         p = next(engine.module.parameters())
         poison = p.register_hook(lambda g: g * float("inf"))
+    gathered = []  # all-gather bytes over the ZeRO group after each step
+
+    def all_gather_bytes() -> int:
+        ops = engine.comm_stats(by_axis=True).get("zero_shard", {})
+        return ops.get("all_gather", {}).get("bytes", 0)
+
     for step in range(case.get("steps", 3)):
         mine = iter([batch(step, dp * gas + i) for i in range(gas)])
         losses.append(float(engine.train_batch(mine)))
+        gathered.append(all_gather_bytes())
     if poison is not None:
         poison.remove()
     evaluated = float(engine.eval_batch(iter([batch(99, dp * gas + i) for i in range(gas)])))
     ref_losses, ref = reference({**case, "steps": 0} if case.get("poison") else case)
     ref_eval = reference_eval(case, ref)
     worst = 0.0
-    for name, p in engine.module.named_parameters():
-        whole = gather_whole(engine, name, p)
-        worst = max(worst, float((whole - ref[name]).abs().max()))
+    with zeroshard.zero.GatheredParameters(list(engine.module.parameters())):  # stage 3
+        for name, p in engine.module.named_parameters():
+            whole = gather_whole(engine, name, p)
+            worst = max(worst, float((whole - ref[name]).abs().max()))
     out = {
         "losses": losses if not case.get("poison") else [],
         "ref_losses": ref_losses,
         "eval": evaluated,
         "ref_eval": ref_eval,
         "skipped": engine.skipped_steps,
+        "gathered": gathered,
         "param_diff": worst,
         "memory": engine.pipeline_memory,
         "trace": len(engine.pipeline_trace),

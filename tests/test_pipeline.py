@@ -55,8 +55,18 @@ def test_pp2_1f1b_tied_parity_and_memory() -> None:
 
 @pytest.mark.slow
 def test_every_schedule_pp2() -> None:
+    """Every schedule; activation checkpoints (the module's interval, and the config's
+    pipeline.activation_checkpoint_interval), with 1F1B and with ZB-H1's split backward."""
     cases = [{"stages": 2, "clip": 0.5, **s} for s in SCHEDULES]
-    _check(run(pc.train_many, 2, cases, timeout=400), cases)
+    cases += [
+        {"stages": 2, "steps": 2, "cfg_ckpt": 2},
+        {"stages": 2, "steps": 2, "schedule": "zb_h1", "ckpt": 3},
+    ]
+    results = run(pc.train_many, 2, cases, timeout=500)
+    _check(results, cases)
+    for per_case in results:  # checkpointed: fewer saved activations than plain 1F1B
+        plain, ckpt = per_case[1]["memory"], per_case[4]["memory"]
+        assert ckpt["peak_saved_bytes"] < plain["peak_saved_bytes"] / 2
 
 
 @pytest.mark.slow
@@ -97,6 +107,25 @@ def test_dp2_pp2_zero1_and_zero2() -> None:
 
 
 @pytest.mark.slow
+def test_dp2_pp2_zero3() -> None:
+    """dp2 x pp2 at ZeRO-3 (DeepSpeed refuses it) matches the reference with 1F1B and
+    ZB-H1 (untied); its price: each step all-gathers the stage's parameters 2m times
+    (every micro-batch's forward and backward), ZeRO-1 once (its step's all-gather)."""
+    m = 4
+    cases = [
+        {"stages": 2, "dp": 2, "zero": 3, "tied": False, "gas": m, "steps": 2},
+        {"stages": 2, "dp": 2, "zero": 3, "tied": False, "gas": m, "steps": 2, "schedule": "zb_h1"},
+        {"stages": 2, "dp": 2, "zero": 1, "tied": False, "gas": m, "steps": 2},
+    ]
+    results = run(pc.train_many, 4, cases, timeout=500)
+    _check(results, cases)
+    for per_case in results:
+        z3 = per_case[0]["gathered"][1] - per_case[0]["gathered"][0]
+        z1 = per_case[2]["gathered"][1] - per_case[2]["gathered"][0]
+        assert 2 * m - 0.5 <= z3 / z1 <= 2 * m + 1.5, (z3, z1)
+
+
+@pytest.mark.slow
 def test_tp2_pp2_partitioned_transfers() -> None:
     """tp2 x pp2 matches the reference with and without pipe_partitioned; partitioned,
     each tensor-parallel rank sends half of each activation and gradient."""
@@ -107,8 +136,9 @@ def test_tp2_pp2_partitioned_transfers() -> None:
     results = run(pc.train_many, 4, cases, timeout=500)
     _check(results, cases)
     for split, whole in results:
-        # stage 0 sends 4 micro-batches x 2 steps headers; stage 1 only gradients
-        headers = 8 * HEADER_LEN * 4 * 2 if split["stage"] == 0 else 0
+        # stage 0 sends a header per micro-batch (4 x (2 steps + 1 eval_batch)); stage 1
+        # only gradients
+        headers = 8 * HEADER_LEN * 4 * 3 if split["stage"] == 0 else 0
         sent = [r["comm"]["send"]["bytes"] - headers for r in (split, whole)]
         assert sent[0] <= 0.5 * sent[1] + 64, sent
 

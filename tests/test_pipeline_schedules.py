@@ -205,8 +205,7 @@ def test_bad_models_and_configs_are_named() -> None:
     model = PipelineModule([nn.Linear(2, 2), nn.Linear(2, 2)], num_stages=2, stage_id=0)
     with pytest.raises(PipelineError, match=r"is not a zeroshard\.pipe\.PipelineModule"):
         _check_module(nn.Linear(2, 2), cfg())
-    with pytest.raises(PipelineError, match=r"zero_optimization\.stage: 3"):
-        _check_module(model, cfg(zero=3))
+    _check_module(model, cfg(zero=3))  # works (tests/test_pipeline.py measures its cost)
     with pytest.raises(PipelineError, match=r"pipeline\.partition: 'uniform'"):
         _check_module(model, cfg(partition="uniform"))
     with pytest.raises(PipelineError, match=r"pipeline\.seed_layers"):
@@ -223,5 +222,6 @@ def test_bad_models_and_configs_are_named() -> None:
         num_stages=2,
         stage_id=0,
     )
-    with pytest.raises(PipelineError, match=r"zero_optimization\.stage: 2 with a tied layer"):
-        _check_module(tied, cfg(zero=2))
+    for zero in (2, 3):
+        with pytest.raises(PipelineError, match=rf"zero_optimization\.stage: {zero} with a tied"):
+            _check_module(tied, cfg(zero=zero))

@@ -78,7 +78,7 @@ class PipelineConfig(Section):
     partition: str | None = key(None, doc="DeepSpeed's partition method ('parameters', 'uniform', 'type:REGEX'; 'best' means 'parameters'); the PipelineModule's partition_method decides the layout, and a different value here is an error naming both.", check=_partition_spelling)
     seed_layers: bool | None = key(None, doc="DeepSpeed's per-layer seeding; the PipelineModule's seed_layers decides, and a different value here is an error.")
     activation_checkpoint_interval: int | None = key(None, doc="Checkpoint every this many layers of a stage (0: none); null: the PipelineModule's activation_checkpoint_interval.", min=0)
-    use_reentrant: bool = key(True, doc="Activation checkpoints with torch's reentrant implementation (DeepSpeed's default) or not.")
+    use_reentrant: bool = key(True, doc="Activation checkpoints with torch's reentrant implementation (DeepSpeed's default) or not; zb_h1 (split backward) and a stage whose input needs no gradient (token ids) always use the non-reentrant one.")
     pipe_partitioned: bool = key(True, doc="With tensor parallelism: each tensor-parallel rank sends 1/t of an activation to the next stage, which all-gathers it over its tensor-parallel group (no effect without tensor parallelism).")
     grad_partitioned: bool = key(True, doc="The same for the gradients sent back to the previous stage.")
     # fmt: on

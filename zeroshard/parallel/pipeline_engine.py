@@ -13,12 +13,14 @@ reduced over data-parallel ranks; one optimizer step whose gradient norm and inf
 check span every stage. Returns the mean loss (over micro-batches and data-parallel
 ranks) on every rank. ``engine.pipeline_trace`` holds the last batch's timed actions.
 
-ZeRO: stages 0 and 1 keep full gradients and reduce them once, after the schedule
-(DeepSpeed's order: tied gradients first). Stage 2 reduce-scatters each micro-batch's
-gradients as its backward ends: m reductions per step instead of one (measured in
-``tests/test_pipeline_zero.py``; DeepSpeed refuses it); tied layers with stage 2 are
-refused. Stage 3 is refused: each micro-batch's forward and backward would gather every
-parameter of the stage again, 2m all-gathers per step (DeepSpeed refuses it too).
+ZeRO (DeepSpeed allows stage 1 only with pipelines): stages 0 and 1 keep full gradients
+and reduce them once, after the schedule (DeepSpeed's order: tied gradients first).
+Stages 2 and 3 work, at a measured price (``tests/test_pipeline.py``): stage 2
+reduce-scatters each micro-batch's gradients as its backward ends, m times stage 1's
+reduction bytes per step; stage 3 also all-gathers the stage's parameters for every
+micro-batch's forward and again for its backward, 2m times stage 1's all-gather bytes.
+A tied layer held by several stages is refused at stages 2 and 3 (its gradient shards
+differ between the stages).
 
 Communication, per batch: the transfers of ``pipeline_p2p.py`` over ``pp``; the ZeRO
 reductions over the stage's data-parallel group; per tied key one all-reduce of its
@@ -73,17 +75,11 @@ def _check_module(module: nn.Module, config) -> None:
             f"built with virtual_stages={module.virtual_stages}"
         )
     stage = config.zero_optimization.stage
-    if stage == 3:
+    if stage >= 2 and any(len(h) > 1 for h in module.tied_stages.values()):
         raise PipelineError(
-            "zero_optimization.stage: 3 with pipeline stages is refused: every micro-batch's "
-            "forward and backward would all-gather the stage's parameters again (2 x "
-            "micro-batches all-gathers of the stage per step); use stage 1 (or 2)"
-        )
-    if stage == 2 and any(len(h) > 1 for h in module.tied_stages.values()):
-        raise PipelineError(
-            "zero_optimization.stage: 2 with a tied layer held by several pipeline stages is "
-            "not built yet in zeroshard (its gradient shards differ between stages); use "
-            "stage 1"
+            f"zero_optimization.stage: {stage} with a tied layer held by several pipeline "
+            "stages is not built yet in zeroshard (its gradient shards differ between "
+            "stages); use stage 1"
         )
 
 
@@ -102,7 +98,9 @@ class PipelineEngine(Engine):
         self.micro_batches = config.gradient_accumulation_steps
         if pc.activation_checkpoint_interval is not None:
             module.activation_checkpoint_interval = pc.activation_checkpoint_interval
-        module.use_reentrant = pc.use_reentrant
+        # zb_h1's split backward (autograd.grad, backward(inputs=)) needs torch's
+        # non-reentrant checkpoints
+        module.use_reentrant = pc.use_reentrant and pc.schedule != "zb_h1"
         try:
             schedule = build_schedule(
                 pc.schedule, module.num_stages, self.micro_batches, module.virtual_stages

@@ -362,7 +362,11 @@ class PipelineModule(nn.Module):
             if self.activation_checkpoint_func is not None:
                 x = self.activation_checkpoint_func(run, *args)
             else:
-                x = _checkpoint(run, *args, use_reentrant=self.use_reentrant)
+                # torch's reentrant checkpoint gives no parameter gradients when no input
+                # requires one (token ids into the first stage): non-reentrant there
+                grad_in = any(torch.is_tensor(a) and a.requires_grad for a in args)
+                reentrant = self.use_reentrant and grad_in
+                x = _checkpoint(run, *args, use_reentrant=reentrant)
         return x
 
     def _checkpointable(self, start: int, end: int) -> bool:
