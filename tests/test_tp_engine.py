@@ -203,6 +203,10 @@ def _checkpoint(rank: int, world: int, root: str) -> dict:
     after = _whole(engine)
     out = {}
     if rank == 0:
+        from safetensors.torch import save_file
+
+        for name, state in (("saved", saved), ("after", after)):  # for the other layouts
+            save_file({n: t.contiguous() for n, t in state.items()}, f"{root}/{name}.safetensors")
         export_checkpoint(f"{root}/tp2dp2", f"{root}/whole.safetensors")
         from safetensors.torch import load_file
 
@@ -230,10 +234,46 @@ def _worker(rank: int, world: int, root: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def everything(tmp_path_factory):
+def tp_root(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("tp-ckpt"))
+
+
+@pytest.fixture(scope="module")
+def everything(tp_root):
     pytest.importorskip("transformers")
-    root = str(tmp_path_factory.mktemp("tp-ckpt"))
-    return multirank.run(_worker, 4, root, timeout=900)
+    return multirank.run(_worker, 4, tp_root, timeout=900)
+
+
+def _load_elsewhere(rank: int, world: int, root: str, layout: dict) -> dict:
+    """The tp2 x dp2 save loaded on ``world`` ranks in ``layout`` (the whole batch of 4
+    rows per step), then 2 more steps: against what the save held and the uninterrupted
+    run's parameters after those steps."""
+    from safetensors.torch import load_file
+
+    torch.set_num_threads(1)
+    engine = _engine(layout, 4)
+    engine.load_checkpoint(root, tag="tp2dp2")
+    saved, after = load_file(f"{root}/saved.safetensors"), load_file(f"{root}/after.safetensors")
+    loaded = _whole(engine)
+    _steps(engine, "gpt", 2, 2, 4)
+    got = _whole(engine)
+    return {
+        "loaded": max((loaded[n] - saved[n]).abs().max().item() for n in saved),
+        "continued": max((got[n] - after[n]).abs().max().item() for n in after),
+        "sizes": [engine.mesh.size(a) for a in ("dp", "tp")],
+    }
+
+
+@pytest.mark.slow
+def test_tensor_parallel_checkpoint_loads_at_tp1_dp1_and_tp2_dp1(everything, tp_root):
+    case = {"model": "gpt", "stage": 3, "clip": 0.5}
+    for world, layout, sizes in (
+        (1, {**case, "stage": 0}, [1, 1]),
+        (2, {**case, "tp": True}, [1, 2]),
+    ):
+        for r in multirank.run(_load_elsewhere, world, tp_root, layout, timeout=300):
+            assert r["sizes"] == sizes, r
+            assert r["loaded"] == 0.0 and r["continued"] <= TOL, (layout, r)
 
 
 @pytest.fixture(scope="module")
