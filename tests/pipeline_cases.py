@@ -82,6 +82,8 @@ def config(case: dict) -> dict:
             "grad_partitioned": case.get("partitioned", True),
         },
     }
+    if case.get("dtype") in ("bf16", "fp16"):
+        cfg[case["dtype"]] = {"enabled": True}
     if case.get("zero", 1) == 3:  # release every parameter after use, however small
         cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 0
         cfg["zero_optimization"]["stage3_model_persistence_threshold"] = 0
