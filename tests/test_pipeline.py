@@ -160,3 +160,20 @@ def test_checkpoint_pp2_to_pp1_and_back(tmp_path, zero: int) -> None:
         assert abs(r["a"][1] - r["b"][1]) <= pc.TOL, r
         assert abs(r["c"][0] - r["b"][1]) <= pc.TOL, r
         assert r["param_diff"] <= pc.TOL, r
+
+
+@pytest.mark.slow
+def test_bf16_and_fp16_pipelines_track_the_fp32_reference() -> None:
+    """Low precision through the stages (activations and gradients sent in bf16/fp16;
+    fp16's loss scale and overflow check over both stages): losses within 0.5% of the
+    fp32 reference, no step skipped."""
+    cases = [
+        {"stages": 2, "schedule": "zb_h1", "dtype": "bf16", "steps": 2},
+        {"stages": 2, "schedule": "1f1b", "dtype": "fp16", "steps": 3},
+    ]
+    results = run(pc.train_many, 2, cases, timeout=300)
+    for per_case in results:
+        for r in per_case:
+            for got, want in zip(r["losses"], r["ref_losses"], strict=True):
+                assert abs(got - want) <= 5e-3 * abs(want), (r["losses"], r["ref_losses"])
+            assert r["skipped"] == 0
