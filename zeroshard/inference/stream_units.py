@@ -15,21 +15,24 @@ from zeroshard.offload.nvme import round_up
 # -- units --------------------------------------------------------------------------------
 
 
-def _layers(model: nn.Module) -> str | None:
-    """Name of the ``ModuleList`` holding the most parameters (the decoder blocks)."""
-    best, best_n = None, 0
+def _layer_lists(model: nn.Module) -> set[str]:
+    """Names of the outermost ``ModuleList``s of two or more layers that hold parameters
+    (decoder blocks; an encoder-decoder's two stacks); lists inside them (experts) are
+    part of their layer."""
+    lists: set[str] = set()
     for name, m in model.named_modules():
-        if isinstance(m, nn.ModuleList) and len(m) > 1:
-            n = sum(p.numel() for p in m.parameters())
-            if n > best_n:
-                best, best_n = name, n
-    return best
+        if not (isinstance(m, nn.ModuleList) and len(m) > 1 and any(True for _ in m.parameters())):
+            continue
+        if not any(name.startswith(outer + ".") for outer in lists):
+            lists.add(name)
+    return lists
 
 
 def plan_units(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The units weights are streamed by, in registration order: each child of the
-    largest ``ModuleList``, then every other module that owns parameters itself."""
-    layers = _layers(model)
+    """The units weights are streamed by, in registration order: each layer of the
+    outermost layer lists (``_layer_lists``), then every other module that owns
+    parameters itself."""
+    lists = _layer_lists(model)
     units: list[tuple[str, nn.Module]] = []
     inside: str | None = None
     for name, m in model.named_modules():
@@ -37,7 +40,7 @@ def plan_units(model: nn.Module) -> list[tuple[str, nn.Module]]:
             continue
         inside = None
         parent, _, _ = name.rpartition(".")
-        if layers is not None and name and parent == layers:
+        if name and parent in lists:
             units.append((name, m))
             inside = name
         elif any(True for _ in m.parameters(recurse=False)):

@@ -1,9 +1,9 @@
 """ZeRO-Inference: generate with weights kept in CPU memory or NVMe files, streamed to the
 compute device one layer at a time, with the next layers read ahead while this one runs.
 
-A model is cut into *units* (:func:`plan_units`): each layer of its largest
-``ModuleList`` (the decoder blocks), and every other module that owns parameters (the
-embeddings, the final norm, the head). The weights of every unit live in a *source*:
+A model is cut into *units* (``stream_units.py``): each layer of its outermost layer
+lists (the decoder blocks; an encoder-decoder's two stacks), and every other module
+that owns parameters (the embeddings, the final norm, the head). The weights of every unit live in a *source*:
 
 * ``nvme``: one file in a private swap directory under ``nvme_path``
   (``offload/nvme.py``: aligned ``O_DIRECT`` I/O on a thread pool, so the page cache
@@ -16,7 +16,8 @@ storage). A forward pre-hook on each unit waits for its read, points the paramet
 a buffer of a pool of ``buffer_count`` (uploading it first when the compute device is a
 GPU), and starts reading the units predicted to come next (the unit that followed this
 one last time, initially registration order, which wraps from the head to the
-embeddings for the next token) while buffers are free; the forward hook puts the
+embeddings for the next token; units read ahead on a guess the forward proved wrong
+give their buffers back) while buffers are free; the forward hook puts the
 placeholders back and returns the buffer. Memory is thus ``buffer_count`` times the
 largest unit, whatever the model's size: a model larger than RAM generates, each token
 reading every weight once (DeepSpeed's ZeRO-Inference: it pays off with large batches,
@@ -201,10 +202,23 @@ class StreamedWeights:
         self._prefetch(i)
 
     def _prefetch(self, i: int) -> None:
-        j = i
+        """Read ahead the units predicted to follow ``i``; units read ahead earlier that
+        the prediction no longer names (a guess the forward proved wrong) give their
+        buffers back first."""
+        chain, j = [], i
         for _ in range(self.config.buffer_count - 1):
             j = self._next[j]
-            if j == i or not self._start(j, demand=False):
+            if j == i or j in chain:
+                break
+            chain.append(j)
+        for k, ld in list(self._loaded.items()):
+            if ld.users == 0 and k not in chain:
+                if ld.future is not None:
+                    ld.future.result()
+                del self._loaded[k]
+                self._pool.append((ld.buf, ld.uploaded))
+        for j in chain:
+            if not self._start(j, demand=False):
                 break
 
     def release(self, i: int) -> None:
