@@ -140,7 +140,7 @@ def test_quantized_generation_and_save_load(tmp_path) -> None:
     assert model is not None
 
 
-def test_hf_generate_with_quantized_layers() -> None:
+def test_hf_generate_with_quantized_layers(tmp_path) -> None:
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     cfgs = [
@@ -168,6 +168,11 @@ def test_hf_generate_with_quantized_layers() -> None:
         assert ragged.shape == (2, 7)
         alone = q.generate([[8]], max_new_tokens=4, pad_token_id=0)
         assert ragged[1, 2:].tolist() == alone[0].tolist()
+        from zeroshard.inference.weights import model_from  # the file records the HF config
+
+        rebuilt = model_from(q.save_quantized(str(tmp_path / f"{cfg.model_type}.safetensors")))
+        assert type(rebuilt) is type(model)
+        assert torch.equal(rebuilt.eval()(ids).logits, q(ids).logits)
 
 
 def _save_gpt_checkpoint(rank: int, world: int, root: str, with_config: bool) -> str:
