@@ -14,7 +14,8 @@ the fix) and the same column/row/vocab-parallel layers. For generation:
   KV cache shrinks by the TP size as the weights do;
 * Megatron-SP and a vocabulary-parallel loss are training-only and refused;
 * every rank must start from the same whole weights (they slice their own copy):
-  :func:`check_same_weights` compares a digest per parameter across the group first.
+  :func:`check_same_weights` compares a digest per parameter (shape, dtype and a sample
+  of its values) across the group first.
 
 Weight-only quantization composes after sharding: :func:`quantize_sharded` quantizes the
 local slice held by each column/row-parallel layer (the collectives are unchanged).
@@ -72,12 +73,20 @@ def inference_mesh(tp_size: int, device_type: str = "cpu") -> Mesh:
     return Mesh.build(MeshShape.for_world(world, tp=tp_size), device_type)
 
 
+_SAMPLE = 1 << 16  # elements of each tensor digested: evenly spaced, the first included
+
+
 def weight_digest(model: nn.Module) -> list[tuple[str, str]]:
-    """(name, digest of its bytes) for every parameter and buffer, in order."""
+    """(name, digest) for every parameter and buffer, in order: shape, dtype and up to
+    65536 evenly spaced elements (weights from another seed or checkpoint differ almost
+    everywhere; hashing every byte of a large model would cost seconds per rank)."""
     out = []
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
-        data = t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()
-        out.append((name, hashlib.blake2b(data.tobytes(), digest_size=8).hexdigest()))
+        flat = t.detach().reshape(-1)
+        sample = flat[:: max(1, flat.numel() // _SAMPLE)].contiguous().cpu()
+        h = hashlib.blake2b(f"{tuple(t.shape)} {t.dtype}".encode(), digest_size=8)
+        h.update(sample.view(torch.uint8).numpy().tobytes())
+        out.append((name, h.hexdigest()))
     return out
 
 
