@@ -23,18 +23,26 @@ _LAZY = {
     "init_distributed": "zeroshard.distributed",
     "resume": "zeroshard.restart",
     "init_inference": "zeroshard.inference",
+    "DeepSpeedEngine": "zeroshard.engine",
+    "tp_model_init": "zeroshard.integrations.deepspeed_names",
 }
 
-_SUBMODULES = ("zero", "utils", "comm", "pipe")  # zeroshard.comm.log_summary(), as deepspeed.comm
+# as deepspeed.<name>: zeroshard.comm.get_rank(), zeroshard.accelerator.get_accelerator(), ...
+_SUBMODULES = ("zero", "utils", "comm", "pipe", "accelerator", "ops")
 
 __all__ = [
+    "DeepSpeedEngine",
     "__version__",
+    "accelerator",
     "add_config_arguments",
+    "comm",
     "init_distributed",
     "init_inference",
     "initialize",
+    "ops",
     "pipe",
     "resume",
+    "tp_model_init",
     "utils",
     "zero",
 ]

@@ -27,6 +27,7 @@ from torch import nn
 from zeroshard import watchdog
 from zeroshard.agreement import check_ranks_agree
 from zeroshard.distributed import default_device, local_rank
+from zeroshard.engine_compat import DeepSpeedEngineCompat
 from zeroshard.first_batch import FirstBatchSize, not_learned
 from zeroshard.memory import measure
 from zeroshard.monitor.hub import EngineMonitor
@@ -116,8 +117,11 @@ def _move_module(module: nn.Module, device: torch.device, dtype: torch.dtype) ->
                     m._buffers[name] = b.to(device=device, dtype=target)
 
 
-class Engine(nn.Module):
-    """What ``zeroshard.initialize`` returns first; call it like the model."""
+class Engine(DeepSpeedEngineCompat, nn.Module):
+    """What ``zeroshard.initialize`` returns first; call it like the model.
+
+    ``engine.config`` is the DeepSpeed config as a dict (as DeepSpeed's engine has it);
+    the parsed, typed one is ``engine.parsed_config``."""
 
     def __init__(
         self,
@@ -157,6 +161,7 @@ class Engine(nn.Module):
         self.global_samples = 0
         self.skipped_steps = 0
         self._step_applied = False
+        self._backwards_in_window = 0  # backward() calls since the last boundary step
         self._loss_finite: torch.Tensor | None = None  # every loss of this window finite
         previous = _ENGINES[module]() if module in _ENGINES else None
         if previous is not None and not previous.destroyed:
@@ -472,6 +477,10 @@ class Engine(nn.Module):
         return out
 
     def is_gradient_accumulation_boundary(self) -> bool:
+        """Whether the current micro-step ends the accumulation window: what
+        ``set_gradient_accumulation_boundary`` said last, else the micro-step count."""
+        if self._boundary_override is not None:
+            return self._boundary_override
         return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True):
@@ -504,6 +513,7 @@ class Engine(nn.Module):
         finally:
             self.params.end_backward()
         self.monitor.backward_end()
+        self._backwards_in_window += 1
         return loss
 
     def step(self, lr_kwargs: dict | None = None) -> None:
@@ -541,14 +551,12 @@ class Engine(nn.Module):
                         else "",
                     )
             self.reducer.zero_grad()
+            self._backwards_in_window = 0
             self.global_steps += 1
             self.global_samples += self.train_batch_size()
         self.monitor.step_end(self, boundary)
         self.micro_steps += 1
-        if (
-            self.preemption is not None
-            and self.micro_steps % self.gradient_accumulation_steps() == 0
-        ):
+        if self.preemption is not None and boundary:
             self.preemption.at_step_boundary(self)  # SIGTERM: save, exit 0
 
     def zero_grad(self) -> None:
@@ -567,7 +575,7 @@ class Engine(nn.Module):
         self._enter("save_checkpoint")
         from zeroshard.checkpoint.save import save
 
-        if self.micro_steps % self.gradient_accumulation_steps():
+        if self._backwards_in_window:
             log.warning("zeroshard: saving mid-accumulation; the partial gradients are not saved")
         tag = str(tag) if tag is not None else f"global_step{self.global_steps}"
         save(self, save_dir, tag, client_state, save_latest)
@@ -648,7 +656,14 @@ class Engine(nn.Module):
         return self._config.bf16.enabled
 
     @property
-    def config(self):
+    def config(self) -> dict:
+        """The DeepSpeed config as a dict, as given ("auto" values filled), like
+        DeepSpeed's ``engine.config`` (``engine.config["zero_optimization"]["stage"]``)."""
+        return self._config.raw
+
+    @property
+    def parsed_config(self):
+        """The typed :class:`~zeroshard.config.Config` this engine was built from."""
         return self._config
 
     @property
@@ -687,3 +702,6 @@ class Engine(nn.Module):
     def memory_stats(self) -> dict:
         """Bytes of the persistent buffers this rank holds, by kind and by location."""
         return measure(self)
+
+
+DeepSpeedEngine = Engine  # DeepSpeed's name (accelerate unwraps models by it)

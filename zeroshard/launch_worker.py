@@ -6,6 +6,8 @@ zeroshard.launch_worker [flags] target args``). No collectives.
   killer included; it is set before the script runs or, with ``--no-python``, before the
   executable is exec'd (the setting survives exec). Elsewhere a thread watches the parent
   pid. A worker whose launcher is already gone exits at once.
+* With ``--as-deepspeed`` (``ZEROSHARD_AS_DEEPSPEED=1``) it makes ``import deepspeed``
+  give zeroshard first (``zeroshard.integrations.deepspeed_alias``).
 * It runs the target like ``python script.py`` / ``python -m module`` would and records an
   uncaught exception (message, traceback, precise time) in torchelastic's per-worker
   error file, so the launcher can name the root-cause rank.
@@ -29,6 +31,7 @@ MODULE_FLAG, RANK_FLAG = "--zeroshard-module", "--zeroshard-local-rank"
 EXEC_FLAG = "--zeroshard-exec"  # exec the target (--no-python)
 LAUNCHER_PID_ENV = "ZEROSHARD_LAUNCHER_PID"  # workers die with this process
 RUN_DIR_ENV = "ZEROSHARD_RUN_DIR"  # where preempted workers leave their markers
+AS_DEEPSPEED_ENV = "ZEROSHARD_AS_DEEPSPEED"  # 1: `import deepspeed` gives zeroshard
 _PR_SET_PDEATHSIG = 1
 
 
@@ -103,6 +106,10 @@ def main(argv: list[str]) -> None:
     faulthandler.enable(all_threads=True)
     sys.argv = [target, *script_args]
     try:
+        if os.environ.get(AS_DEEPSPEED_ENV) == "1":  # zeroshard run --as-deepspeed
+            from zeroshard.integrations.deepspeed_alias import register
+
+            register()
         if MODULE_FLAG in flags:
             runpy.run_module(target, run_name="__main__", alter_sys=True)
         else:

@@ -55,6 +55,7 @@ from zeroshard.launch_layout import (  # noqa: F401  (re-exported: the launcher'
     plan_layout,
 )
 from zeroshard.launch_worker import (  # the bootstrap each worker runs under
+    AS_DEEPSPEED_ENV,
     EXEC_FLAG,
     LAUNCHER_PID_ENV,
     MODULE_FLAG,
@@ -106,6 +107,14 @@ def add_arguments(parser: argparse.ArgumentParser, deepspeed_style: bool = False
         type=float,
         help="seconds a rank may block in one collective before the watchdog reports every "
         "rank and stops the job (default 600; 0: off; the config's comm_timeout wins)",
+    )
+    a(
+        "--as-deepspeed",
+        "--as_deepspeed",
+        action="store_true",
+        help="`import deepspeed` gives zeroshard in every worker, so Hugging Face's "
+        "Trainer(deepspeed=...) and accelerate's DeepSpeed plugin run on it (refused if a "
+        "real DeepSpeed is installed)",
     )
     for flag in ("--launcher", "--launcher_args", "--ssh_port"):  # DeepSpeed's; unused here
         a(flag, help=argparse.SUPPRESS)
@@ -172,6 +181,10 @@ def _set_child_environment(args: argparse.Namespace, layout: Layout) -> None:
     if args.log_dir:
         os.environ.setdefault("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE", "[rank${rank}]: ")
     os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
+    if getattr(args, "as_deepspeed", False):
+        if args.no_python:
+            raise LaunchError("--as-deepspeed needs a Python target (not --no-python)")
+        os.environ[AS_DEEPSPEED_ENV] = "1"
     if args.comm_timeout is not None:
         from zeroshard.watchdog import TIMEOUT_ENV
 

@@ -1,9 +1,17 @@
 """ZeRO: which model states are sharded across data-parallel ranks, and how.
 
-Public (DeepSpeed-compatible) names: ``Init``, ``GatheredParameters``.
+Public (DeepSpeed-compatible) names: ``Init``, ``GatheredParameters``,
+``register_external_parameter`` / ``unregister_external_parameter`` (nothing to register
+here: external reads are found by the gatherer).
 """
 
+from zeroshard.zero.external import register_external_parameter, unregister_external_parameter
 from zeroshard.zero.gathered import GatheredParameters
 from zeroshard.zero.init import Init
 
-__all__ = ["GatheredParameters", "Init"]
+__all__ = [
+    "GatheredParameters",
+    "Init",
+    "register_external_parameter",
+    "unregister_external_parameter",
+]
