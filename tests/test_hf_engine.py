@@ -1,0 +1,89 @@
+"""The engine methods transformers and accelerate call (issue 13), on 2 ranks in one spawn:
+accelerate's way of driving accumulation (``set_gradient_accumulation_boundary`` before
+each backward, ``step()`` only at the boundary) trains exactly as the plain loop;
+``engine.config`` is DeepSpeed's dict; the consolidated 16-bit state dict equals the
+gathered parameters; ``compile()``; checkpoint keyword arguments."""
+
+from __future__ import annotations
+
+import multirank
+import parity
+import torch
+
+
+def _accelerate_style(case: dict, rank: int, world: int):
+    """parity.train's loop, driven as accelerate's DeepSpeedEngineWrapper drives it."""
+    import zeroshard
+
+    model = parity.build_model(case)
+    engine, *_ = zeroshard.initialize(
+        model=model, model_parameters=parity.param_groups(model), config=parity.ds_config(case)
+    )
+    micro, gas = case["micro"], case["gas"]
+    for step in range(case["steps"]):
+        x, y = parity.batch(step, micro * gas * world)
+        for m in range(gas):
+            lo = (m * world + rank) * micro
+            sync = m == gas - 1
+            engine.set_gradient_accumulation_boundary(is_boundary=sync)
+            engine.backward(engine(x[lo : lo + micro], y[lo : lo + micro]))
+            if sync:
+                engine.step()
+    return engine
+
+
+def _checks(rank: int, world: int) -> dict:
+    out = {}
+    for stage in (2, 3):
+        case = {"stage": stage, "micro": 2, "gas": 4, "steps": 2, "frozen": False, "clip": 1.0}
+        _, plain = parity.train(case, rank, world)
+        want = parity.full_params(plain)
+        plain.destroy()
+        driven = _accelerate_style(case, rank, world)
+        got = parity.full_params(driven)
+        out[f"boundary{stage}"] = parity.max_param_diff(want, got)
+        out[f"steps{stage}"] = driven.global_steps
+        cfg = driven.config
+        out[f"config{stage}"] = [
+            isinstance(cfg, dict),
+            cfg["zero_optimization"]["stage"],
+            driven.parsed_config.zero_optimization.stage,
+        ]
+        state = driven._zero3_consolidated_16bit_state_dict()
+        if rank == 0:
+            out[f"consolidated{stage}"] = max(
+                (state[n].float() - t).abs().max().item() for n, t in got.items()
+            )
+            out[f"keys{stage}"] = sorted(state) == sorted(driven.module.state_dict())
+        else:
+            out[f"consolidated{stage}"] = len(state)
+        out[f"gather_on_save{stage}"] = driven.zero_gather_16bit_weights_on_model_save()
+        out[f"norm{stage}"] = driven.get_global_grad_norm() is not None
+        out[f"overflow{stage}"] = driven.optimizer.overflow
+        x, y = parity.batch(0, 2)
+        if stage == 2:
+            driven.compile(backend="eager")
+            out["compiled"] = [driven.is_compiled, bool(torch.isfinite(driven(x, y)))]
+        else:
+            try:
+                driven.compile(backend="eager")
+            except NotImplementedError as e:
+                out["compile3"] = str(e)
+        driven.destroy()
+    return out
+
+
+def test_engine_methods_for_hugging_face() -> None:
+    for rank, r in enumerate(multirank.run(_checks, 2, timeout=240)):
+        for stage in (2, 3):
+            assert r[f"boundary{stage}"] <= 1e-6, (stage, r)
+            assert r[f"steps{stage}"] == 2
+            assert r[f"config{stage}"] == [True, stage, stage]
+            if rank == 0:
+                assert r[f"consolidated{stage}"] == 0.0 and r[f"keys{stage}"]
+            else:
+                assert r[f"consolidated{stage}"] == 0  # other ranks get an empty dict
+            assert r[f"gather_on_save{stage}"] is False  # the key's default
+            assert r[f"norm{stage}"] and r[f"overflow{stage}"] is False
+        assert r["compiled"] == [True, True]
+        assert "stage 3 is not built yet" in r["compile3"]
