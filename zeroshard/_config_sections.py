@@ -307,7 +307,7 @@ class ZeroConfig(Section):
     stage3_model_persistence_threshold: int = key(sys.maxsize, doc=_S3 + "cap on whole-parameter elements.", min=0, aliases=("model_persistence_threshold",))
     stage3_max_live_parameters: int = key(1_000_000_000, doc=_S3 + "gathered elements kept per rank.", min=0, aliases=("max_live_parameters",))
     stage3_max_reuse_distance: int = key(1_000_000_000, INERT("units are released after use, within max_live_parameters"), doc=_S3 + "keep reused params.", min=0, aliases=("max_reuse_distance",))
-    stage3_gather_16bit_weights_on_model_save: bool = key(False, INERT("save_16bit_model always gathers the whole weights"), doc=_S3 + "gather on save.", aliases=("gather_16bit_weights_on_model_save", "stage3_gather_fp16_weights_on_model_save"))
+    stage3_gather_16bit_weights_on_model_save: bool = key(False, doc=_S3 + "let Hugging Face's save_model gather the whole weights (engine.zero_gather_16bit_weights_on_model_save(); save_16bit_model always does).", aliases=("gather_16bit_weights_on_model_save", "stage3_gather_fp16_weights_on_model_save"))
     stage3_module_granularity_threshold: int = key(0, INERT("gather units are whole modules, planned once"), doc=_S3 + "fuse small modules.", min=0, aliases=("module_granularity_threshold",))
     stage3_use_all_reduce_for_fetch_params: bool = key(False, INERT("parameters are always all-gathered"), doc=_S3 + "all-reduce fetch.", aliases=("use_all_reduce_for_fetch_params",))
     stage3_allgather_sequential: bool = key(False, INERT("a unit is one all-gather"), doc=_S3 + "unbucketed all-gathers.", aliases=("allgather_sequential",))

@@ -432,7 +432,14 @@ def init_distributed(dist_backend: str | None = None, **kwargs) -> None:
 
 
 def is_initialized() -> bool:
-    return dist.is_available() and dist.is_initialized()
+    """Whether torch.distributed is initialized. accelerate asks this (and skips
+    init_distributed when true) while building its state: see accelerate_env.py."""
+    ready = dist.is_available() and dist.is_initialized()
+    if ready and "accelerate.state" in sys.modules:
+        from zeroshard.integrations.accelerate_env import after_init_distributed
+
+        after_init_distributed(None)
+    return ready
 
 
 def get_rank(group=None) -> int:

@@ -7,7 +7,8 @@ manifest (each stage's first rank describes its own parameters; a tied layer is 
 by the first stage holding it); three all-reduces of a tiny int64 table on the engine's
 device (through ``comm``): after rank 0 prepares the temporary directory (sharing its random save id),
 after every rank wrote its file (a failure flag, the file size and its header's CRC-32
-per rank), and after rank 0 published. A rank that fails raises only after telling the
+per rank), and after rank 0 published; one all-reduce (max) of each param group's step
+count over the ZeRO shard group. A rank that fails raises only after telling the
 others, so every rank raises :class:`CheckpointSaveError` instead of waiting forever;
 only then, one small object gather of the reasons.
 
@@ -170,6 +171,7 @@ def save(engine, save_dir: str, tag: str, client_state: dict | None, save_latest
     failed, values = exchange(comm, device, error, (save_id,))
     raise_if_failed(comm, failed, error, what, CheckpointSaveError)
     save_id = values[0][0]
+    group_steps = _group_steps(engine)
     tmp = tmp_dir(save_dir, tag, save_id)
 
     # 2. every rank writes its own file; rank 0 builds the manifest (and its JSON text)
@@ -188,7 +190,7 @@ def save(engine, save_dir: str, tag: str, client_state: dict | None, save_latest
         crc = _write_rank_file(engine, access, names, kinds, path, f"{save_id:016x}")
         size = os.path.getsize(path)
         if rank == stage_ranks(engine)[0]:  # each pipeline stage describes its part
-            manifest = _manifest(engine, access, names, kinds, [], client_json, tag)
+            manifest = _manifest(engine, access, names, kinds, [], client_json, tag, group_steps)
             _manifest_text(manifest)  # fails here, before any rank waits on rank 0
     except Exception as exc:
         error = exc
@@ -314,7 +316,19 @@ def _publish(tmp: str, final: str) -> None:
     os.rename(tmp, final)
 
 
-def _manifest(engine, access, names, kinds, sizes, client_json, tag) -> dict:
+def _group_steps(engine) -> list[int]:
+    """Each param group's step count: the most any rank of the shard group took (a rank
+    may hold none of a group's tensors, or only ones left without gradients). One
+    all-reduce (max) of a few integers over the ZeRO shard group."""
+    steps = [int(s) for s in ShardAccess(engine).group_steps()]
+    if not steps:
+        return steps
+    t = torch.tensor(steps, dtype=torch.int64, device=engine.device)
+    engine.mesh.comm("zero_shard").all_reduce(t, "max")
+    return [int(v) for v in t.tolist()]
+
+
+def _manifest(engine, access, names, kinds, sizes, client_json, tag, group_steps) -> dict:
     flat, world = engine.flat, engine.comm.world_size
     layout = flat.layout
     params: dict = {}
@@ -364,7 +378,7 @@ def _manifest(engine, access, names, kinds, sizes, client_json, tag) -> dict:
         {k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items() if k != "params"}
         for g in opt.param_groups
     ]
-    for g, step in zip(groups, access.group_steps(), strict=True):
+    for g, step in zip(groups, group_steps, strict=True):
         g["step"] = step
     sched = engine.lr_scheduler
     return {

@@ -10,8 +10,10 @@ the world has one process (``num_processes == 1``), so the Trainer and
 makes no difference: the environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
 ``MASTER_ADDR``) is complete in both cases.
 
-:func:`after_init_distributed` runs after zeroshard's ``init_distributed`` when it was
-called from accelerate's ``PartialState`` set-up (the state is being built: it holds no
+:func:`after_init_distributed` runs after zeroshard's ``init_distributed``, and in
+``zeroshard.comm.is_initialized`` (accelerate asks it first, and does not initialize again
+when a second ``TrainingArguments`` rebuilds its state), when called from accelerate's
+``PartialState`` set-up (the state is being built: it holds no
 ``num_processes`` yet, and its backend is None): it records the backend that was
 actually started, so accelerate counts the processes from ``torch.distributed``.
 """
