@@ -72,3 +72,20 @@ def test_trainer_zero3_from_pretrained_and_peft(tmp_path) -> None:
     _check_trainer(r, 3)
     assert r["lora_steps"] == 4 and r["lora_trainable"] > 0
     assert all(abs(x) < 100 for x in r["lora_losses"])
+
+
+def _check_accelerate(r: dict) -> None:
+    assert r["processes"] == 2 and r["engine"] == "Engine"
+    assert r["steps"] == 3 and r["micro"] == 12  # 3 optimizer steps of 4 micro-batches
+    diff = max(abs(a - b) for a, b in zip(r["losses"], r["ref_losses"], strict=True))
+    assert diff <= TOL, (r["losses"], r["ref_losses"])
+    assert r["param_diff"] <= TOL
+
+
+def test_accelerate_gradient_accumulation_zero2(tmp_path) -> None:
+    _check_accelerate(_launch("hf_accelerate.py", tmp_path, "2"))
+
+
+@pytest.mark.slow
+def test_accelerate_gradient_accumulation_zero3(tmp_path) -> None:
+    _check_accelerate(_launch("hf_accelerate.py", tmp_path, "3"))

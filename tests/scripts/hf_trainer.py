@@ -142,8 +142,9 @@ with torch.no_grad():
     result["saved_logits_diff"] = (reloaded(probe).logits.float() - trained).abs().max().item()
 
 # (2) zeroshard's own loop on the same inputs, weights and config
-import zeroshard  # noqa: E402
 from transformers import get_linear_schedule_with_warmup  # noqa: E402
+
+import zeroshard  # noqa: E402
 
 own_model = GPT2LMHeadModel.from_pretrained(base_model_dir())
 opt = torch.optim.AdamW(own_model.parameters(), lr=LR, weight_decay=0.0)
@@ -167,7 +168,9 @@ del own, own_model, opt
 
 # (3) resume from the checkpoint of step 2: the rest of run 1, learning rate included
 targs = args("run1", resume_from_checkpoint=None)
-t2 = Recording(model=GPT2LMHeadModel.from_pretrained(base_model_dir()), args=targs, train_dataset=DATA)
+t2 = Recording(
+    model=GPT2LMHeadModel.from_pretrained(base_model_dir()), args=targs, train_dataset=DATA
+)
 t2.train(resume_from_checkpoint=os.path.join(OUT, "run1", "checkpoint-2"))
 result["loss_resumed"] = [loss for loss, _ in t2.seen]
 result["lr_resumed"] = lr_now(t2)
