@@ -54,13 +54,24 @@ CASES = [
         ],
         "method A equivalent: 4 steps",
     ),
+    pytest.param(  # the Trainer itself, on zeroshard through the alias (slow: imports it)
+        ["--num_gpus", "2", "--as-deepspeed", "examples/seeds/seed001_method_a.py"],
+        "'train_loss'",
+        marks=pytest.mark.slow,
+    ),
 ]
+
+
+def _case_id(argv: list[str]) -> str:
+    if "--as-deepspeed" in argv:
+        return "method_a_trainer"
+    return "method_a" if "--deepspeed" in argv else argv[-1]
 
 
 @pytest.mark.parametrize(
     ("argv", "expect"),
     CASES,
-    ids=[c[0][-1] if "--deepspeed" not in c[0] else "method_a" for c in CASES],
+    ids=[_case_id(getattr(c, "values", c)[0]) for c in CASES],
 )
 def test_seed_example(argv: list[str], expect: str | tuple[str, ...]) -> None:
     pytest.importorskip("transformers")
