@@ -33,7 +33,22 @@ def _accelerate_style(case: dict, rank: int, world: int):
 
 
 def _checks(rank: int, world: int) -> dict:
-    out = {}
+    import zeroshard
+
+    comm = zeroshard.comm  # deepspeed.comm's module-level names, counted in comm.LEDGER
+    comm.LEDGER.reset()
+    t = torch.full((4,), float(rank + 1))
+    comm.all_reduce(t)
+    b = torch.full((2,), float(rank))
+    comm.broadcast(b, src=1)
+    parts = [torch.zeros(2) for _ in range(world)]
+    comm.all_gather(parts, torch.full((2,), float(rank)))
+    comm.barrier()
+    out = {
+        "comm": [t.tolist(), b.tolist(), [p.tolist() for p in parts]],
+        "who": [comm.get_rank(), comm.get_world_size(), comm.is_initialized()],
+        "ledger": sorted(comm.LEDGER.snapshot()),
+    }
     for stage in (2, 3):
         case = {"stage": stage, "micro": 2, "gas": 4, "steps": 2, "frozen": False, "clip": 1.0}
         _, plain = parity.train(case, rank, world)
@@ -75,6 +90,9 @@ def _checks(rank: int, world: int) -> dict:
 
 def test_engine_methods_for_hugging_face() -> None:
     for rank, r in enumerate(multirank.run(_checks, 2, timeout=240)):
+        assert r["comm"] == [[3.0] * 4, [1.0, 1.0], [[0.0, 0.0], [1.0, 1.0]]]
+        assert r["who"] == [rank, 2, True]
+        assert r["ledger"] == ["all_gather", "all_reduce", "broadcast"]
         for stage in (2, 3):
             assert r[f"boundary{stage}"] <= 1e-6, (stage, r)
             assert r[f"steps{stage}"] == 2
