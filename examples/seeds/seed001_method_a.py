@@ -17,7 +17,10 @@ Differences from the seed, none of them about zeroshard:
   `"bf16": {"enabled": true}`: the Trainer checks those keys against TrainingArguments
   and refuses the seed's values ("Please correct the following DeepSpeed config values
   that mismatch TrainingArguments values: - ds train_batch_size=0 vs hf train_batch_size
-  (calculated)=2 ..."), with DeepSpeed as with zeroshard. "auto" is what it asks for.
+  (calculated)=2 ..."), with DeepSpeed as with zeroshard. "auto" is what it asks for;
+* the config file has no `//` comments: transformers reads it with `json.load`, which
+  refuses them ("Expecting property name enclosed in double quotes"), with DeepSpeed too.
+  (zeroshard's own reader takes them: seed001_method_b_as_printed.py.)
 """
 
 import os
