@@ -231,6 +231,11 @@ def checkpoint_roundtrip(rank: int, world: int, root: str, zero: int) -> dict:
     a = _engine(pp2)
     _steps(a, pp2, 0, 2)
     a.save_checkpoint(f"{root}/a", tag="two")
+    exported = []
+    if rank == 0:  # `zeroshard convert`: every stage's tensors, the tied one once
+        from zeroshard.checkpoint.export import open_checkpoint
+
+        exported = sorted(e[0] for e in open_checkpoint(f"{root}/a/two")[0])
     a_third = _steps(a, pp2, 2, 2)
     a_params = _params(a)
     a.destroy()
@@ -256,4 +261,6 @@ def checkpoint_roundtrip(rank: int, world: int, root: str, zero: int) -> dict:
         "param_diff": diff,
         "ab": ab,
         "cb": cb,
+        "exported": exported,
+        "names": sorted(b_params),
     }

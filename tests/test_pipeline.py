@@ -160,6 +160,7 @@ def test_checkpoint_pp2_to_pp1_and_back(tmp_path, zero: int) -> None:
         assert abs(r["a"][1] - r["b"][1]) <= pc.TOL, r
         assert abs(r["c"][0] - r["b"][1]) <= pc.TOL, r
         assert r["param_diff"] <= pc.TOL, r
+    assert results[0]["exported"] == results[0]["names"]  # convert: the whole model
 
 
 @pytest.mark.slow

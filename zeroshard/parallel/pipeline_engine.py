@@ -339,6 +339,21 @@ class PipelineEngine(Engine):
             return result, (outputs or None)
         return result
 
+    def save_16bit_model(self, save_dir: str, save_filename: str = "model.safetensors") -> bool:
+        if self.num_stages > 1:
+            raise PipelineError(
+                "save_16bit_model with pipeline stages is not built yet in zeroshard (rank 0 "
+                "holds only its stage's layers): save_checkpoint(dir), then `zeroshard "
+                "convert dir OUT` writes the whole model"
+            )
+        return super().save_16bit_model(save_dir, save_filename)
+
+    def is_first_stage(self) -> bool:
+        return self.stage_id == 0
+
+    def is_last_stage(self) -> bool:
+        return self.stage_id == self.num_stages - 1
+
     # -- helpers for tools ------------------------------------------------------------
     def gather_pipeline_trace(self) -> list[dict]:
         """Every rank's ``pipeline_trace`` of the last batch, with its ``rank`` (every rank
