@@ -1,4 +1,4 @@
-"""Pipeline-parallel training step: zeroshard's pipeline engine against
+"""Pipeline-parallel training step: zeroshard's pipeline engine (gpipe, 1f1b, zb_h1) against
 ``torch.distributed.pipelining`` (``PipelineStage`` + ``ScheduleGPipe`` / ``Schedule1F1B``)
 and DeepSpeed's ``PipelineModule`` engine, on the same model, in the same run.
 
@@ -16,7 +16,8 @@ pipeline (no data parallelism), gloo, one thread per rank.
 
 Every run is a fresh set of processes (``_worker``), DeepSpeed's in ``--ds-python``
 (default ``.venv-bench``: ``make .venv-bench/.installed-stamp``) with ``DS_ACCELERATOR=cpu``.
-Rounds interleave the systems, rotating the order; a run's step time is the median over its
+Rounds interleave the systems, rotating the order; after ``--warmup`` batches (the first
+carries one-off costs: shape exchange, allocator growth), a run's step time is the median over its
 timed steps of the slowest rank's ``train_batch`` (forward, backward, optimizer step); the
 table gives the median over rounds. Memory: each rank's peak RSS (``ru_maxrss``) and that
 peak minus the RSS before the model was built (the run's own growth: weights, gradients,
@@ -47,7 +48,14 @@ from torch import nn
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-SYSTEMS = ["zeroshard-gpipe", "zeroshard-1f1b", "torch-gpipe", "torch-1f1b", "deepspeed"]
+SYSTEMS = [
+    "zeroshard-gpipe",
+    "zeroshard-1f1b",
+    "zeroshard-zb_h1",
+    "torch-gpipe",
+    "torch-1f1b",
+    "deepspeed",
+]
 LR = 3e-4
 
 
@@ -358,8 +366,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--systems", default=",".join(SYSTEMS))
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--steps", type=int, default=4)
-    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--stages", type=int, default=2)
     ap.add_argument("--microbatches", type=int, default=8)
     ap.add_argument("--micro-batch", type=int, default=2)
