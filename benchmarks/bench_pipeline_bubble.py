@@ -158,6 +158,7 @@ def worker(spec_path: str, rank: int) -> None:
             times.append(dt)
     with open(os.path.join(here, f"result{rank}.json"), "w") as f:
         json.dump({"traces": traces, "times": times}, f)
+    engine.destroy()
     dist.destroy_process_group()
 
 
@@ -194,11 +195,14 @@ def run_once(spec: dict, timeout: float) -> dict:
         ranks = []
         for r, p in enumerate(procs):
             res = os.path.join(tmp, f"result{r}.json")
-            if p.returncode != 0 or not os.path.exists(res):
+            if p.returncode != 0 and os.path.exists(res):  # died after its results: say so
+                print(f"{spec['schedule']}: rank {r} exit {p.returncode} after writing its results")
+            if not os.path.exists(res):
                 with open(os.path.join(tmp, f"log{r}.txt")) as f:
                     tail = f.read().strip().splitlines()[-8:]
                 raise RuntimeError(
-                    f"{spec['schedule']}: rank {r} exit {p.returncode}:\n" + "\n".join(tail)
+                    f"{spec['schedule']}: rank {r} exit {p.returncode} (result written: "
+                    f"{os.path.exists(res)}):\n" + "\n".join(tail)
                 )
             with open(res) as f:
                 ranks.append(json.load(f))
@@ -287,7 +291,8 @@ def main(argv=None) -> int:
         + f"), {args.rounds} rounds x {args.steps} timed batches. Bubble = a stage's idle share of the batch "
         f"span (sends/receives count as idle), median over batches of the mean over stages. Stage 0 has no "
         "input gradient to compute (its input is data), so it does less work than the others and idles more "
-        "than the formula for equal stages says; *stages 1..p-1* are the stages of equal work. Timelines: `{os.path.relpath(args.png_dir, ROOT)}/"
+        "than the formula for equal stages says; *stages 1..p-1* are the stages of equal work. "
+        f"Timelines: `{os.path.relpath(args.png_dir, ROOT)}/"
         f"<schedule>_{args.layer}.png`.\n\n" + "\n".join(rows) + "\n"
     )
     print(text)
