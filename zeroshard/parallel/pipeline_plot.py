@@ -144,7 +144,7 @@ def plot_timeline(trace: Sequence[dict], path: str, title: str | None = None) ->
             continue
         ax.barh(row, w, left=x, height=0.8, color=COLORS[kind], edgecolor="black", linewidth=0.4)
         mb = a.get("microbatch")
-        if mb is not None:
+        if mb is not None and w > 0.012 * (t1 - t0) * scale:  # no labels on slivers
             label = str(mb) if len(chunks) < 2 else f"{mb}.{a.get('chunk', 0)}"
             ax.text(x + w / 2, row, label, ha="center", va="center", fontsize=7, clip_on=True)
     ax.set_yticks(range(len(stages)), [f"stage {s}\nbubble {fractions[s]:.0%}" for s in stages])
