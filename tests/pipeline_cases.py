@@ -56,6 +56,7 @@ def build(case: dict, stages: int, stage_id: int | None = None):
         virtual_stages=case.get("virtual", 1),
         activation_checkpoint_interval=case.get("ckpt", 0),
         stage_id=stage_id,
+        dynamic_shape=case.get("dynamic", False),
     )
 
 
@@ -174,6 +175,7 @@ def train(rank: int, world: int, case: dict) -> dict:
         "ref_eval": ref_eval,
         "skipped": engine.skipped_steps,
         "gathered": gathered,
+        "headers": _headers(engine),
         "param_diff": worst,
         "memory": engine.pipeline_memory,
         "trace": len(engine.pipeline_trace),
@@ -194,6 +196,11 @@ def gather_whole(engine, name: str, p: torch.Tensor) -> torch.Tensor:
         return p.detach().float().cpu()
     pieces = engine.mesh.comm("tp").all_gather_object(p.detach().float().cpu())
     return assemble(pieces, spec)
+
+
+def _headers(engine) -> list[int]:
+    link = engine.runner.link
+    return [link.headers_sent, link.headers_received] if link is not None else [0, 0]
 
 
 def train_many(rank: int, world: int, cases: list[dict]) -> list[dict]:

@@ -32,18 +32,24 @@ def test_pp2_1f1b_tied_parity_and_memory() -> None:
     """pp2 1F1B and GPipe with a tied embedding and clipping (the norm spans both
     stages) match the reference, and so does eval_batch; 1F1B's stage s holds p - s
     micro-batches' saved activations, GPipe all m (bytes from saved_tensors_hooks); an
-    inf gradient on one stage skips the step on both."""
+    inf gradient on one stage skips the step on both; activation shapes are agreed once
+    per sequence length."""
     m = 4
     cases = [
         {"stages": 2, "schedule": "1f1b", "clip": 0.5, "gas": m},
         {"stages": 2, "schedule": "gpipe", "clip": 0.5, "gas": m, "steps": 1},
         {"stages": 2, "schedule": "1f1b", "gas": m, "steps": 1, "poison": True},
+        {"stages": 2, "schedule": "1f1b", "gas": m, "steps": 1, "dynamic": True},
     ]
     results = run(pc.train_many, 2, cases, timeout=240)
     _check(results, cases)
+    # shapes agreed once per input signature and link: sequence lengths 6 and 7 give two
+    # headers over 3 steps and an eval_batch; dynamic_shape sends one per activation
+    assert [r[0]["headers"] for r in results] == [[2, 0], [0, 2]]
+    assert [r[3]["headers"] for r in results] == [[2 * m, 0], [0, 2 * m]]
     # an inf gradient on stage 0 only: both stages skip the step (parameters unchanged)
     assert [r[2]["skipped"] for r in results] == [1, 1]
-    for stage, (ofob, gpipe, _) in enumerate(results):
+    for stage, (ofob, gpipe, *_) in enumerate(results):
         assert ofob["memory"]["peak_inflight"] == 2 - stage
         assert gpipe["memory"]["peak_inflight"] == m
         # micro-batches alternate sequence lengths 6 and 7: the p held by 1F1B weigh at
@@ -136,10 +142,7 @@ def test_tp2_pp2_partitioned_transfers() -> None:
     results = run(pc.train_many, 4, cases, timeout=500)
     _check(results, cases)
     for split, whole in results:
-        # stage 0 sends a header per micro-batch (4 x (2 steps + 1 eval_batch)); stage 1
-        # only gradients
-        headers = 8 * HEADER_LEN * 4 * 3 if split["stage"] == 0 else 0
-        sent = [r["comm"]["send"]["bytes"] - headers for r in (split, whole)]
+        sent = [r["comm"]["send"]["bytes"] - 8 * HEADER_LEN * r["headers"][0] for r in (split, whole)]  # fmt: skip
         assert sent[0] <= 0.5 * sent[1] + 64, sent
 
 

@@ -43,7 +43,7 @@ from zeroshard.agreement import check_ranks_agree
 from zeroshard.engine import Engine
 from zeroshard.parallel.pipeline_exec import StageRunner
 from zeroshard.parallel.pipeline_module import PipelineError, PipelineModule
-from zeroshard.parallel.pipeline_p2p import StageLink
+from zeroshard.parallel.pipeline_p2p import HEADER_LEN, StageLink, header_of
 from zeroshard.parallel.schedules import Action, build_schedule
 from zeroshard.zero.optimizer import PipelineGrads
 
@@ -256,6 +256,7 @@ class PipelineEngine(Engine):
         if self.module.loss_fn is None and labels is not None:
             raise PipelineError("train_batch: the PipelineModule has no loss_fn")
         scale = self.loss_scaler.scale / m
+        self._agree_shapes(inputs, m)
         losses, _ = self.runner.run(self.schedule, inputs, labels, train=True, loss_scale=scale)
         self.pipeline_trace = self.runner.trace
         self.pipeline_memory = {
@@ -274,6 +275,23 @@ class PipelineEngine(Engine):
         finally:
             self._in_step = False
         return self._mean_loss(losses)
+
+    def _agree_shapes(self, inputs: list | None, m: int) -> None:
+        """Every stage learns the first stage's input shapes per micro-batch: one
+        broadcast over ``pp`` of ``m x 65`` int64 (see ``pipeline_p2p.py``)."""
+        link = self.runner.link
+        if link is None:
+            return
+        if self.module.dynamic_shape:
+            link.begin_batch(None)
+            return
+        sig = torch.zeros(m, HEADER_LEN, dtype=torch.int64)
+        if inputs is not None and self.module.is_first_chunk(0):
+            for i, x in enumerate(inputs):
+                sig[i] = header_of(x)
+        sig = sig.to(self.device)
+        self.pipe_comm.broadcast(sig, src=0)
+        link.begin_batch([tuple(row) for row in sig.cpu().tolist()])
 
     def _reduce_gradients(self) -> None:
         """Stages 0/1: tied copies summed over their stages, then the data-parallel
@@ -323,6 +341,7 @@ class PipelineEngine(Engine):
             inputs, labels = self._read(data_iter, m)
             if not compute_loss:
                 labels = None
+            self._agree_shapes(inputs, m)
             actions = _forward_only(self.module.num_stages, m, self.module.virtual_stages)
             losses, outputs = self.runner.run(
                 actions[self.stage_id], inputs, labels, train=False, keep_outputs=return_logits

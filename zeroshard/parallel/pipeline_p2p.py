@@ -1,20 +1,24 @@
 """Point-to-point transfers between pipeline stages: activations forward, gradients back.
 
-What travels is a tensor or a tuple of tensors (up to :data:`MAX_TENSORS`). Every
-activation goes with a header (one int64 tensor of :data:`HEADER_LEN` elements: per
-tensor its dtype, whether it carries a gradient, and its shape), so the receiver
-allocates exactly what comes and micro-batches of different sequence lengths simply
-work; a gradient needs no header: it has the shape of the activation it belongs to,
-which the sender of that activation kept. The header is the shape agreement, made once
-per activation by the side that knows it.
+What travels is a tensor or a tuple of tensors (up to :data:`MAX_TENSORS`). Shapes are
+agreed once: the first activation on a link for a given *input signature* (the first
+stage's input shapes for that micro-batch, which every stage learns at the start of a
+batch, ``begin_batch``) goes with a header (one int64 tensor of :data:`HEADER_LEN`
+elements: per tensor its dtype, whether it carries a gradient, and its shape); both ends
+keep it, and later activations with the same signature travel without one. A new
+sequence length is a new signature, so variable lengths work, at one header per new
+length and link. ``PipelineModule(dynamic_shape=True)`` (DeepSpeed's flag, for outputs
+whose shapes depend on more than the input shapes) sends a header with every
+activation. A gradient never needs a header: it has the shape of the activation it
+belongs to, which that activation's sender kept.
 
 With tensor parallelism and ``pipeline.pipe_partitioned`` (activations) /
 ``grad_partitioned`` (gradients), each tensor-parallel rank sends only its 1/t slice
 of a tensor (all ranks of the group hold it whole) and the receiving stage all-gathers
 the slices over its tensor-parallel group: 1/t of the bytes cross between stages.
 
-Communication, per activation: a send of the header (8 x 65 bytes) and of each tensor
-(its bytes, or 1/t of them partitioned) over the ``pp`` axis, the matching receives,
+Communication, per activation: a send of each tensor (its bytes, or 1/t of them
+partitioned), plus the header (8 x 65 bytes) the first time a signature crosses the link, over the ``pp`` axis, the matching receives,
 and with partitioning one all-gather per tensor over ``tp``; per gradient the same
 without the header. Tags tell messages apart (micro-batch, model chunk, kind, tensor),
 so order between a pair of stages does not matter on gloo. Sends are asynchronous:
@@ -79,6 +83,11 @@ def _header(tensors: tuple[torch.Tensor, ...]) -> torch.Tensor:
     return h
 
 
+def header_of(x) -> torch.Tensor:
+    """The header describing the activation (or input) ``x``."""
+    return _header(as_tuple(x))
+
+
 def _read_header(h: torch.Tensor) -> list[tuple[torch.dtype, bool, tuple[int, ...]]]:
     out = []
     values = h.tolist()
@@ -111,6 +120,22 @@ class StageLink:
         self.split_act = self.tp is not None and pipe_partitioned
         self.split_grad = self.tp is not None and grad_partitioned
         self._sends: list[tuple[Handle, torch.Tensor]] = []
+        #: the agreed headers: (link, input signature) -> the header both ends know
+        self._agreed: dict[tuple, torch.Tensor] = {}
+        self._signatures: list[tuple] | None = None  # this batch's, per micro-batch
+        self.headers_sent = self.headers_received = 0
+
+    def begin_batch(self, signatures: list[tuple] | None) -> None:
+        """This batch's input signature per micro-batch (the first stage's input shapes,
+        the same on every stage), or None: every activation goes with its header
+        (``PipelineModule(dynamic_shape=True)``: shapes that depend on more than the
+        input shapes)."""
+        self._signatures = signatures
+
+    def _known(self, microbatch: int, link: int) -> tuple | None:
+        if self._signatures is None:
+            return None
+        return (link, self._signatures[microbatch])
 
     # -- sending ------------------------------------------------------------------------
     def _send(self, t: torch.Tensor, dst: int, tag: int, split: bool) -> None:
@@ -131,8 +156,14 @@ class StageLink:
         """Send the activation ``x`` of (micro-batch, this sender's chunk) to stage
         ``dst``; tagged with the receiver's chunk ``chunk``."""
         tensors = as_tuple(x)
-        h = _header(tensors).to(self.device)
-        self._sends.append((self.pp.send(h, dst, _tag(microbatch, chunk, _HEADER, 0, self.chunks)), h))  # fmt: skip
+        key = self._known(microbatch, chunk)
+        if key is None or key not in self._agreed:
+            h = _header(tensors).to(self.device)
+            tag = _tag(microbatch, chunk, _HEADER, 0, self.chunks)
+            self._sends.append((self.pp.send(h, dst, tag), h))
+            self.headers_sent += 1
+            if key is not None:
+                self._agreed[key] = h.cpu()
         for i, t in enumerate(tensors):
             self._send(t, dst, _tag(microbatch, chunk, _ACT, i, self.chunks), self.split_act)
 
@@ -167,8 +198,14 @@ class StageLink:
     def recv_activation(self, src: int, microbatch: int, chunk: int) -> tuple[torch.Tensor, ...]:
         """Receive (micro-batch, ``chunk``)'s activation from stage ``src``: tensors that
         carry a gradient come back as leaves requiring one."""
-        h = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
-        self.pp.recv(h, src, _tag(microbatch, chunk, _HEADER, 0, self.chunks))
+        key = self._known(microbatch, chunk)
+        h = self._agreed.get(key) if key is not None else None
+        if h is None:
+            h = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
+            self.pp.recv(h, src, _tag(microbatch, chunk, _HEADER, 0, self.chunks))
+            self.headers_received += 1
+            if key is not None:
+                self._agreed[key] = h.cpu()
         out = []
         for i, (dtype, grad, shape) in enumerate(_read_header(h.cpu())):
             t = self._recv(shape, dtype, src, _tag(microbatch, chunk, _ACT, i, self.chunks), self.split_act)  # fmt: skip
