@@ -32,7 +32,44 @@ def _accelerate_style(case: dict, rank: int, world: int):
     return engine
 
 
-def _checks(rank: int, world: int) -> dict:
+def _exclude_frozen(rank: int, world: int, tmp: str) -> dict:
+    """save_checkpoint(exclude_frozen_parameters=True) leaves the frozen parameters out;
+    load_checkpoint(load_module_strict=False) restores the rest, strict refuses."""
+    import json
+    import os
+
+    from zeroshard.checkpoint.format import CheckpointError
+
+    out = {}
+    for stage in (2, 3):
+        case = {"stage": stage, "micro": 2, "steps": 2, "frozen": True}
+        _, trained = parity.train(case, rank, world)
+        frozen = sorted(n for n, p in trained.module.named_parameters() if not p.requires_grad)
+        path = os.path.join(tmp, f"ex{stage}")
+        trained.save_checkpoint(path, exclude_frozen_parameters=True)
+        want = parity.full_params(trained)
+        trained.destroy()
+        with open(os.path.join(path, "global_step2", "manifest.json")) as f:
+            manifest = json.load(f)
+        saved = set(manifest["params"]) | set(manifest["whole"])
+        _, fresh = parity.train({**case, "steps": 0}, rank, world)
+        try:
+            fresh.load_checkpoint(path)
+            out[f"strict{stage}"] = "loaded"
+        except CheckpointError as e:
+            out[f"strict{stage}"] = str(e)
+        fresh.load_checkpoint(path, load_module_strict=False)
+        out[f"exclude{stage}"] = [
+            bool(frozen),
+            sorted(saved & set(frozen)),
+            parity.max_param_diff(want, parity.full_params(fresh)),
+            fresh.global_steps,
+        ]
+        fresh.destroy()
+    return out
+
+
+def _checks(rank: int, world: int, tmp: str) -> dict:
     import zeroshard
 
     comm = zeroshard.comm  # deepspeed.comm's module-level names, counted in comm.LEDGER
@@ -85,11 +122,12 @@ def _checks(rank: int, world: int) -> dict:
             except NotImplementedError as e:
                 out["compile3"] = str(e)
         driven.destroy()
+    out.update(_exclude_frozen(rank, world, tmp))
     return out
 
 
-def test_engine_methods_for_hugging_face() -> None:
-    for rank, r in enumerate(multirank.run(_checks, 2, timeout=240)):
+def test_engine_methods_for_hugging_face(tmp_path) -> None:
+    for rank, r in enumerate(multirank.run(_checks, 2, str(tmp_path), timeout=300)):
         assert r["comm"] == [[3.0] * 4, [1.0, 1.0], [[0.0, 0.0], [1.0, 1.0]]]
         assert r["who"] == [rank, 2, True]
         assert r["ledger"] == ["all_gather", "all_reduce", "broadcast"]
@@ -104,4 +142,7 @@ def test_engine_methods_for_hugging_face() -> None:
             assert r[f"gather_on_save{stage}"] is False  # the key's default
             assert r[f"norm{stage}"] and r[f"overflow{stage}"] is False
         assert r["compiled"] == [True, True]
+        for stage in (2, 3):
+            assert r[f"exclude{stage}"] == [True, [], 0.0, 2], r
+            assert "missing from the checkpoint" in r[f"strict{stage}"]
         assert "stage 3 is not built yet" in r["compile3"]

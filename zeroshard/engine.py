@@ -571,14 +571,16 @@ class Engine(DeepSpeedEngineCompat, nn.Module):
         save_latest: bool = True,
         exclude_frozen_parameters: bool = False,
     ) -> bool:
-        """Write a universal checkpoint to ``save_dir/tag`` (default ``global_step<N>``)."""
+        """Write a universal checkpoint to ``save_dir/tag`` (default ``global_step<N>``).
+        ``exclude_frozen_parameters``: leave out parameters that get no gradient (load it
+        with ``load_module_strict=False``: they keep the model's values)."""
         self._enter("save_checkpoint")
         from zeroshard.checkpoint.save import save
 
         if self._backwards_in_window:
             log.warning("zeroshard: saving mid-accumulation; the partial gradients are not saved")
         tag = str(tag) if tag is not None else f"global_step{self.global_steps}"
-        save(self, save_dir, tag, client_state, save_latest)
+        save(self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
         return True
 
     def load_checkpoint(

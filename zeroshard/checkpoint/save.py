@@ -69,13 +69,14 @@ def _rng_tensors() -> dict[str, torch.Tensor]:
     return out
 
 
-def whole_tensors(engine) -> dict[str, tuple[torch.Tensor, bool]]:
+def whole_tensors(engine, exclude_frozen: bool = False) -> dict[str, tuple[torch.Tensor, bool]]:
     """Tensors saved whole by rank 0, by name, with whether each is a buffer: parameters
-    outside the flat layout (frozen, at stages 0-2) and the persistent buffers."""
+    outside the flat layout (frozen, at stages 0-2; none with ``exclude_frozen``) and the
+    persistent buffers."""
     in_flat = {id(p) for p in engine.flat.params}
     out = {}
     for name, p in engine.module.named_parameters():
-        if id(p) not in in_flat:
+        if id(p) not in in_flat and not exclude_frozen:
             if tp_slice_of(p) is not None:
                 raise NotImplementedError(
                     f"save_checkpoint: {name!r} is a frozen tensor-parallel slice outside "
@@ -97,10 +98,14 @@ def stage_ranks(engine) -> list[int]:
     return [r for r in range(engine.comm.world_size) if mesh.coord("pp", r) == me]
 
 
-def _not_saved_here(engine) -> set[int]:
+def _not_saved_here(engine, exclude_frozen: bool = False) -> set[int]:
     """Flat parameters this stage leaves to another: a tied layer's copy on a pipeline
-    stage after the first one holding it (the copies are equal)."""
-    return set(getattr(engine, "checkpoint_skip", ()))
+    stage after the first one holding it (the copies are equal); with ``exclude_frozen``,
+    the frozen ones (stage 3 lays them out too)."""
+    skip = set(getattr(engine, "checkpoint_skip", ()))
+    if exclude_frozen:
+        skip.update(i for i, g in enumerate(engine.flat.group_of) if g < 0)
+    return skip
 
 
 def _unserializable(obj, path: str) -> str | None:
@@ -146,9 +151,18 @@ def _manifest_text(manifest: dict) -> str:
         ) from exc
 
 
-def save(engine, save_dir: str, tag: str, client_state: dict | None, save_latest: bool) -> str:
+def save(
+    engine,
+    save_dir: str,
+    tag: str,
+    client_state: dict | None,
+    save_latest: bool,
+    exclude_frozen: bool = False,
+) -> str:
     """Write ``save_dir/tag`` on every rank; publish it (rank 0) only if every rank
-    succeeded. On any failure every rank raises :class:`CheckpointSaveError` (no rank
+    succeeded. ``exclude_frozen``: leave out parameters that get no gradient (DeepSpeed's
+    ``exclude_frozen_parameters``; load such a checkpoint with ``load_module_strict=False``,
+    which keeps the model's own values for them). On any failure every rank raises :class:`CheckpointSaveError` (no rank
     is left waiting in a collective) and the previous checkpoints stay as they were."""
     comm, rank, device = engine.comm, engine.comm.rank, engine.device
     final = os.path.join(save_dir, str(tag))
@@ -187,10 +201,14 @@ def save(engine, save_dir: str, tag: str, client_state: dict | None, save_latest
         names = parameter_names(engine)
         kinds = access.kinds()
         path = os.path.join(tmp, file_name(rank))
-        crc = _write_rank_file(engine, access, names, kinds, path, f"{save_id:016x}")
+        crc = _write_rank_file(
+            engine, access, names, kinds, path, f"{save_id:016x}", exclude_frozen
+        )
         size = os.path.getsize(path)
         if rank == stage_ranks(engine)[0]:  # each pipeline stage describes its part
-            manifest = _manifest(engine, access, names, kinds, [], client_json, tag, group_steps)
+            manifest = _manifest(
+                engine, access, names, kinds, [], client_json, tag, group_steps, exclude_frozen
+            )
             _manifest_text(manifest)  # fails here, before any rank waits on rank 0
     except Exception as exc:
         error = exc
@@ -271,12 +289,14 @@ def _pieces_to_write(engine, access, rank: int) -> list[OwnedPiece]:
     return out
 
 
-def _write_rank_file(engine, access, names, kinds, path: str, save_id: str) -> int:
+def _write_rank_file(
+    engine, access, names, kinds, path: str, save_id: str, exclude_frozen: bool
+) -> int:
     """Write this rank's file; returns the CRC-32 of its header (which lists the CRC-32
     of every tensor)."""
     rank = engine.comm.rank
     entries, sources = [], []
-    skip = _not_saved_here(engine)
+    skip = _not_saved_here(engine, exclude_frozen)
     for piece in _pieces_to_write(engine, access, rank):
         if piece.param in skip:
             continue
@@ -287,7 +307,8 @@ def _write_rank_file(engine, access, names, kinds, path: str, save_id: str) -> i
             sources.append((kind, piece))
     extra = _rng_tensors()
     if rank == stage_ranks(engine)[0]:  # rank 0 without pipelining
-        extra.update({f"whole:{n}": t for n, (t, _) in whole_tensors(engine).items()})
+        whole = whole_tensors(engine, exclude_frozen)
+        extra.update({f"whole:{n}": t for n, (t, _) in whole.items()})
     for key, t in extra.items():
         entries.append((key, t.dtype, list(t.shape)))
     meta = {"rank": str(rank), "python_rng": json.dumps(random.getstate()), "zs_save": save_id}
@@ -328,12 +349,14 @@ def _group_steps(engine) -> list[int]:
     return [int(v) for v in t.tolist()]
 
 
-def _manifest(engine, access, names, kinds, sizes, client_json, tag, group_steps) -> dict:
+def _manifest(
+    engine, access, names, kinds, sizes, client_json, tag, group_steps, exclude_frozen
+) -> dict:
     flat, world = engine.flat, engine.comm.world_size
     layout = flat.layout
     params: dict = {}
     splits = [tp_slice_of(p) for p in flat.params]
-    skip = _not_saved_here(engine)
+    skip = _not_saved_here(engine, exclude_frozen)
     ranks = stage_ranks(engine)
     for i, spec in enumerate(splits):
         if i in skip:
@@ -371,7 +394,7 @@ def _manifest(engine, access, names, kinds, sizes, client_json, tag, group_steps
     whole = {  # in the file of the stage's first rank (rank 0 without pipelining)
         n: {"shape": list(t.shape), "dtype": DTYPE_NAMES[t.dtype], "buffer": is_buffer}
         | ({"rank": ranks[0]} if ranks[0] else {})
-        for n, (t, is_buffer) in whole_tensors(engine).items()
+        for n, (t, is_buffer) in whole_tensors(engine, exclude_frozen).items()
     }
     opt = engine.optimizer
     groups = [
