@@ -137,7 +137,7 @@ def test_streamed_hf_generate_equals_in_memory(tmp_path, build):
     assert sw.stats.units_read >= NEW * (len(sw.units) if build is not _t5 else 5)
     # the order is learned (T5: the encoder once, then the decoder per token): read-ahead
     # serves nearly every layer
-    assert sw.stats.prefetched >= 0.85 * sw.stats.units_read, sw.stats
+    assert sw.stats.prefetched >= 0.85 * (sw.stats.prefetched + sw.stats.on_demand), sw.stats
     sw.remove()
 
 

@@ -76,6 +76,7 @@ class StreamStats:
     units_read: int = 0
     bytes_read: int = 0
     prefetched: int = 0  # reads already started when their unit's forward began
+    on_demand: int = 0  # reads started only when their unit's forward began
     waited_s: float = 0.0  # time forwards spent waiting for reads
 
 
@@ -174,6 +175,7 @@ class StreamedWeights:
         self._last = i
         ld = self._loaded.get(i)
         if ld is None:
+            self.stats.on_demand += 1
             if not self._start(i, demand=True):
                 raise RuntimeError(
                     f"zero.offload_param.buffer_count: all {self.config.buffer_count} "
