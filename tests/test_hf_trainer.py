@@ -62,6 +62,7 @@ def _check_trainer(r: dict, stage: int) -> None:
     assert resumed <= TOL, (r["loss_resumed"], r["loss1"][4:])
     assert r["lrs_resumed"] == r["lrs1"] and r["lr_resumed"] == r["lr1"]
     assert r["saved_logits_diff"] == 0.0
+    assert 0 < r["eval_loss"] < 100  # Trainer.evaluate through the engine
 
 
 def test_trainer_zero2_two_ranks(tmp_path) -> None:
@@ -83,6 +84,8 @@ def _check_accelerate(r: dict) -> None:
     diff = max(abs(a - b) for a, b in zip(r["losses"], r["ref_losses"], strict=True))
     assert diff <= TOL, (r["losses"], r["ref_losses"])
     assert r["param_diff"] <= TOL
+    # save_state, one more step (it moved them), load_state: back where they were
+    assert r["moved"] > 1e-4 and r["restored"] == 0.0
 
 
 def test_accelerate_gradient_accumulation_zero2(tmp_path) -> None:

@@ -63,7 +63,24 @@ from zeroshard.zero import GatheredParameters  # noqa: E402
 
 with GatheredParameters(list(model.module.parameters())):
     got = {n: p.detach().clone() for n, p in model.module.named_parameters()}
+# accelerate's save_state / load_state (DeepSpeed's save_checkpoint / load_checkpoint)
+accelerator.save_state(os.path.join(OUT, "state"))
+for x, y in list(loader)[:GAS]:  # one more optimizer step moves the parameters
+    x, y = x.to(accelerator.device), y.to(accelerator.device)
+    with accelerator.accumulate(model):
+        accelerator.backward(nn.functional.mse_loss(model(x), y))
+with GatheredParameters(list(model.module.parameters())):
+    moved = max(
+        (p.detach() - got[n]).abs().max().item() for n, p in model.module.named_parameters()
+    )
+accelerator.load_state(os.path.join(OUT, "state"))
+with GatheredParameters(list(model.module.parameters())):
+    restored = max(
+        (p.detach() - got[n]).abs().max().item() for n, p in model.module.named_parameters()
+    )
 result = {
+    "restored": restored,
+    "moved": moved,
     "processes": accelerator.num_processes,
     "engine": type(model).__name__,
     "steps": model.global_steps,

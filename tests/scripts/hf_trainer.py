@@ -122,7 +122,8 @@ result["world"] = [targs.world_size, t1.accelerator.num_processes, dist.get_worl
 result["lr1"] = lr_now(t1)
 result["lrs1"] = [h["learning_rate"] for h in t1.state.log_history if "learning_rate" in h]
 result["loss1"] = [loss for loss, _ in t1.seen]
-seen1 = t1.seen
+seen1 = list(t1.seen)  # evaluate() below records too
+result["eval_loss"] = t1.evaluate(eval_dataset=DATA[:8])["eval_loss"]
 config = copy.deepcopy(engine.config)
 
 # (4) save_model -> from_pretrained: the same logits as the trained engine's module
