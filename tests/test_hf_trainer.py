@@ -33,10 +33,24 @@ if importlib.util.find_spec("deepspeed") is not None:  # the alias refuses to sh
     pytest.skip("a real DeepSpeed is installed", allow_module_level=True)
 
 
-def _launch(script: str, out: Path, *args: str, timeout: float = 600) -> dict:
+def _launch(
+    script: str, out: Path, *args: str, timeout: float = 600, torchrun: bool = False
+) -> dict:
+    """2 ranks under `zeroshard run --as-deepspeed`, or (``torchrun``) under torch's own
+    launcher, the script then importing zeroshard.as_deepspeed itself."""
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     cmd = [sys.executable, "-m", "zeroshard.cli", "run", "--nproc", "2", "--as-deepspeed"]
+    if torchrun:
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+        ]
+        args = (*args, "import")
     proc = subprocess.run(
         [*cmd, str(ROOT / "tests" / "scripts" / script), str(out), *args],
         capture_output=True,
@@ -93,5 +107,6 @@ def test_accelerate_gradient_accumulation_zero2(tmp_path) -> None:
 
 
 @pytest.mark.slow
-def test_accelerate_gradient_accumulation_zero3(tmp_path) -> None:
-    _check_accelerate(_launch("hf_accelerate.py", tmp_path, "3"))
+def test_accelerate_gradient_accumulation_zero3_torchrun(tmp_path) -> None:
+    """Launched by torchrun, `import zeroshard.as_deepspeed` in the script."""
+    _check_accelerate(_launch("hf_accelerate.py", tmp_path, "3", torchrun=True))

@@ -1,6 +1,9 @@
 """accelerate's DeepSpeed plugin on zeroshard (run by tests/test_hf_trainer.py, 2 ranks):
 
     zeroshard run --nproc 2 --as-deepspeed tests/scripts/hf_accelerate.py OUT STAGE
+    torchrun --nproc-per-node 2 tests/scripts/hf_accelerate.py OUT STAGE import
+
+(the second: any launcher, with `import zeroshard.as_deepspeed` before accelerate's import)
 
 A small MLP trains for 3 optimizer steps with ``Accelerator(deepspeed_plugin=...)`` and
 gradient accumulation 4 (``accelerator.accumulate``, ``accelerator.backward``); rank 0
@@ -14,6 +17,9 @@ from __future__ import annotations
 import json
 import os
 import sys
+
+if "import" in sys.argv[3:]:
+    import zeroshard.as_deepspeed  # noqa: F401  (the one line, before accelerate)
 
 import torch
 from accelerate import Accelerator
