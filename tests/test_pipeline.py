@@ -96,14 +96,15 @@ def _reduced_bytes(r: dict) -> int:
 
 @pytest.mark.slow
 def test_dp2_pp2_zero1_and_zero2() -> None:
-    """dp2 x pp2 at ZeRO-1 (tied) and ZeRO-2 (untied: tied layers are refused there);
-    ZeRO-2 reduces every micro-batch's gradients: m times ZeRO-1's bytes (the reason
+    """dp2 x pp2 at ZeRO-1 and ZeRO-2, tied and untied (a tied parameter has a segment
+    of its own, so its chunks are summed over its stages); ZeRO-2 reduces every micro-batch's gradients: m times ZeRO-1's bytes (the reason
     DeepSpeed refuses it), measured on the ledger."""
     m = 4
     cases = [
         {"stages": 2, "dp": 2, "zero": 1, "clip": 0.5, "gas": m},
         {"stages": 2, "dp": 2, "zero": 1, "tied": False, "gas": m, "steps": 1},
         {"stages": 2, "dp": 2, "zero": 2, "tied": False, "gas": m, "steps": 1},
+        {"stages": 2, "dp": 2, "zero": 2, "gas": m, "steps": 2, "clip": 0.5},
     ]
     results = run(pc.train_many, 4, cases, timeout=500)
     _check(results, cases)
@@ -115,12 +116,12 @@ def test_dp2_pp2_zero1_and_zero2() -> None:
 @pytest.mark.slow
 def test_dp2_pp2_zero3() -> None:
     """dp2 x pp2 at ZeRO-3 (DeepSpeed refuses it) matches the reference with 1F1B and
-    ZB-H1 (untied); its price: each step all-gathers the stage's parameters 2m times
+    ZB-H1 (tied embedding, clipping); its price: each step all-gathers the stage's parameters 2m times
     (every micro-batch's forward and backward), ZeRO-1 once (its step's all-gather)."""
     m = 4
     cases = [
         {"stages": 2, "dp": 2, "zero": 3, "tied": False, "gas": m, "steps": 2},
-        {"stages": 2, "dp": 2, "zero": 3, "tied": False, "gas": m, "steps": 2, "schedule": "zb_h1"},
+        {"stages": 2, "dp": 2, "zero": 3, "gas": m, "steps": 2, "schedule": "zb_h1", "clip": 0.5},
         {"stages": 2, "dp": 2, "zero": 1, "tied": False, "gas": m, "steps": 2},
     ]
     results = run(pc.train_many, 4, cases, timeout=500)

@@ -213,15 +213,3 @@ def test_bad_models_and_configs_are_named() -> None:
     with pytest.raises(PipelineError, match=r"pipeline\.virtual_stages"):
         _check_module(model, cfg(virtual_stages=2))
     _check_module(model, cfg(partition="best"))  # DeepSpeed's default: parameters
-    tied = PipelineModule(
-        [
-            TiedLayerSpec("e", nn.Embedding, 4, 2),
-            nn.Linear(2, 2),
-            TiedLayerSpec("e", nn.Embedding, 4, 2),
-        ],
-        num_stages=2,
-        stage_id=0,
-    )
-    for zero in (2, 3):
-        with pytest.raises(PipelineError, match=rf"zero_optimization\.stage: {zero} with a tied"):
-            _check_module(tied, cfg(zero=zero))

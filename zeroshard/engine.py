@@ -285,9 +285,10 @@ class Engine(DeepSpeedEngineCompat, nn.Module):
                 int(zc.stage3_param_persistence_threshold),
                 bucket,
                 int(zc.stage3_model_persistence_threshold),
+                alone=self._alone(),
             )
         else:
-            grouping = bucket_segments(self.module, param_groups, bucket)
+            grouping = bucket_segments(self.module, param_groups, bucket, alone=self._alone())
         # with the shard in swap files, chunks start and end on whole disk blocks
         align = _NVME_ALIGN if self.placement.param_nvme else _ALIGN if world > 1 else 1
         layout = FlatLayout(
@@ -306,6 +307,11 @@ class Engine(DeepSpeedEngineCompat, nn.Module):
             value_of=take_value,
         )
         return flat, grouping.persistent
+
+    def _alone(self) -> frozenset:
+        """Ids of parameters laid out in segments of their own (the pipeline engine's
+        tied layers); none here."""
+        return frozenset()
 
     def _bucket_numel(self) -> int:
         """Elements per gradient bucket: the smaller of the two bucket sizes given (0: each

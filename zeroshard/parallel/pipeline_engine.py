@@ -19,12 +19,14 @@ Stages 2 and 3 work, at a measured price (``tests/test_pipeline.py``): stage 2
 reduce-scatters each micro-batch's gradients as its backward ends, m times stage 1's
 reduction bytes per step; stage 3 also all-gathers the stage's parameters for every
 micro-batch's forward and again for its backward, 2m times stage 1's all-gather bytes.
-A tied layer held by several stages is refused at stages 2 and 3 (its gradient shards
-differ between the stages).
+A tied parameter held by several stages sits in a segment of its own, so its gradient
+chunk holds the same elements on every holder: at stages 2 and 3 the reduced chunks
+are summed over the holders.
 
 Communication, per batch: the transfers of ``pipeline_p2p.py`` over ``pp``; the ZeRO
 reductions over the stage's data-parallel group; per tied key one all-reduce of its
-gradients over the stages holding it; the norm and inf/nan flag over ``pp``
+gradients (stages 0/1) or of this rank's chunk of them (stages 2/3) over the stages
+holding it; the norm and inf/nan flag over ``pp``
 (``zero/optimizer.py``); the mean loss: one all-reduce over ``dp`` on the last stage
 and one broadcast over ``pp``. At start-up: per tied key, one broadcast of its weights
 from the first stage holding it.
@@ -73,13 +75,6 @@ def _check_module(module: nn.Module, config) -> None:
         raise PipelineError(
             f"pipeline.virtual_stages: {pc.virtual_stages}, but the PipelineModule was "
             f"built with virtual_stages={module.virtual_stages}"
-        )
-    stage = config.zero_optimization.stage
-    if stage >= 2 and any(len(h) > 1 for h in module.tied_stages.values()):
-        raise PipelineError(
-            f"zero_optimization.stage: {stage} with a tied layer held by several pipeline "
-            "stages is not built yet in zeroshard (its gradient shards differ between "
-            "stages); use stage 1"
         )
 
 
@@ -161,6 +156,18 @@ class PipelineEngine(Engine):
                     comm.broadcast(p.data, src=0)
                 out.append((key, comm))
         return out
+
+    def _alone(self) -> frozenset:
+        """Tied parameters held by several stages get a segment each, so that at ZeRO
+        stages 2 and 3 a rank's gradient chunk of one holds the same elements on every
+        stage holding it (summed chunk by chunk)."""
+        module = self.module
+        return frozenset(
+            id(p)
+            for key, holders in module.tied_stages.items()
+            if len(holders) > 1 and module.stage_id in holders
+            for _, p in module.tied_parameters(key)
+        )
 
     def _check_agreement(self, module: nn.Module, config) -> None:
         """Config and cut over the world; parameters over each stage's ranks."""
@@ -296,7 +303,14 @@ class PipelineEngine(Engine):
     def _reduce_gradients(self) -> None:
         """Stages 0/1: tied copies summed over their stages, then the data-parallel
         reduction of everything (stage 2 reduced each micro-batch already)."""
-        if self.reducer.sharded:
+        if self.reducer.sharded:  # each tied parameter's chunk: the same elements
+            layout = self.flat.layout
+            for comm, indices in self._ties:
+                for pi in indices:
+                    seg = next(g for g in layout.segments if pi in g.params)
+                    chunk = self.reducer.grad_chunks[seg.index]
+                    if chunk.numel():
+                        comm.all_reduce(chunk)
             return
         for comm, indices in self._ties:
             grads = [self.reducer.local_grad(pi) for pi in indices]

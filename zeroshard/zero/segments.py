@@ -55,17 +55,23 @@ def _assemble(
     )
 
 
-def bucket_segments(module: nn.Module, param_groups: list[dict], bucket_numel: int) -> SegmentPlan:
-    """Stages 0-2: trainable parameters only, in gradient buckets."""
+def bucket_segments(
+    module: nn.Module, param_groups: list[dict], bucket_numel: int, alone: frozenset = frozenset()
+) -> SegmentPlan:
+    """Stages 0-2: trainable parameters only, in gradient buckets. Parameters whose id
+    is in ``alone`` get a segment each (so their chunks hold the same elements on
+    every pipeline stage that has a copy: tied layers)."""
     group = _group_index(param_groups)
     order = {id(p): i for i, p in enumerate(module.parameters())}
     trainable = [p for spec in param_groups for p in spec["params"] if p.requires_grad]
     trainable.sort(key=lambda p: -order.get(id(p), -1))
+    single = [[p] for p in trainable if id(p) in alone]
+    trainable = [p for p in trainable if id(p) not in alone]
     members = [
         [trainable[i] for i in s]
         for s in greedy_segments([p.numel() for p in trainable], bucket_numel)
     ]
-    return _assemble(members, group, persistent_from=len(members))
+    return _assemble(single + members, group, persistent_from=len(single) + len(members))
 
 
 def unit_segments(
@@ -74,10 +80,11 @@ def unit_segments(
     persistence_threshold: int,
     bucket_numel: int,
     model_persistence_threshold: int | None = None,
+    alone: frozenset = frozenset(),
 ) -> SegmentPlan:
     """Stage 3: a segment per module of its own parameters, its trainable and its frozen
     ones apart (frozen segments are never reduced and hold no gradient storage); small
-    ones persistent.
+    ones persistent; those in ``alone`` each in a segment of their own.
 
     As in DeepSpeed, a parameter with ``numel <= persistence_threshold`` stays whole on
     every rank, as long as the persistent total stays within
@@ -93,6 +100,9 @@ def unit_segments(
             if id(p) in seen:
                 continue
             seen.add(id(p))
+            if id(p) in alone:  # a segment of its own, never persistent
+                units.append([p])
+                continue
             if p.numel() <= persistence_threshold and p.numel() <= budget:
                 small.append(p)
                 budget -= p.numel()
