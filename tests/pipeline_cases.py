@@ -83,6 +83,10 @@ def config(case: dict) -> dict:
             "grad_partitioned": case.get("partitioned", True),
         },
     }
+    if case.get("print"):
+        cfg["steps_per_print"] = 1
+    if case.get("offload"):
+        cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
     if case.get("dtype") in ("bf16", "fp16"):
         cfg[case["dtype"]] = {"enabled": True}
     if case.get("zero", 1) == 3:  # release every parameter after use, however small
@@ -176,6 +180,7 @@ def train(rank: int, world: int, case: dict) -> dict:
         "skipped": engine.skipped_steps,
         "gathered": gathered,
         "headers": _headers(engine),
+        "step_line_loss": getattr(engine.monitor.summary(), "loss", None),
         "param_diff": worst,
         "memory": engine.pipeline_memory,
         "trace": len(engine.pipeline_trace),

@@ -36,7 +36,7 @@ def test_pp2_1f1b_tied_parity_and_memory() -> None:
     per sequence length."""
     m = 4
     cases = [
-        {"stages": 2, "schedule": "1f1b", "clip": 0.5, "gas": m},
+        {"stages": 2, "schedule": "1f1b", "clip": 0.5, "gas": m, "print": True},
         {"stages": 2, "schedule": "gpipe", "clip": 0.5, "gas": m, "steps": 1},
         {"stages": 2, "schedule": "1f1b", "gas": m, "steps": 1, "poison": True},
         {"stages": 2, "schedule": "1f1b", "gas": m, "steps": 1, "dynamic": True},
@@ -46,6 +46,8 @@ def test_pp2_1f1b_tied_parity_and_memory() -> None:
     # shapes agreed once per input signature and link: sequence lengths 6 and 7 give two
     # headers over 3 steps and an eval_batch; dynamic_shape sends one per activation
     assert [r[0]["headers"] for r in results] == [[2, 0], [0, 2]]
+    # the step line's loss (steps_per_print) is the batch's mean loss, on rank 0
+    assert abs(results[0][0]["step_line_loss"] - results[0][0]["losses"][-1]) <= pc.TOL
     assert [r[3]["headers"] for r in results] == [[2 * m, 0], [0, 2 * m]]
     # an inf gradient on stage 0 only: both stages skip the step (parameters unchanged)
     assert [r[2]["skipped"] for r in results] == [1, 1]
@@ -105,6 +107,7 @@ def test_dp2_pp2_zero1_and_zero2() -> None:
         {"stages": 2, "dp": 2, "zero": 1, "tied": False, "gas": m, "steps": 1},
         {"stages": 2, "dp": 2, "zero": 2, "tied": False, "gas": m, "steps": 1},
         {"stages": 2, "dp": 2, "zero": 2, "gas": m, "steps": 2, "clip": 0.5},
+        {"stages": 2, "dp": 2, "zero": 2, "gas": m, "steps": 2, "offload": True},
     ]
     results = run(pc.train_many, 4, cases, timeout=500)
     _check(results, cases)

@@ -139,6 +139,13 @@ class EngineMonitor:
             self.timers.stop("fwd")
         self._memory("Engine after forward")
 
+    def whole_batch(self, loss: torch.Tensor, started: float) -> None:
+        """A pipeline engine's ``train_batch``: the window's mean loss and start time
+        (it runs forward and backward itself, micro-batch by micro-batch)."""
+        self._loss = loss.detach().float()
+        if self._window_start is None:
+            self._window_start = started
+
     def backward_start(self, loss: torch.Tensor, gas: int) -> None:
         self._memory("Engine before backward")
         mean = loss.detach().float().mean() / gas

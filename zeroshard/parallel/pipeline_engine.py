@@ -35,6 +35,7 @@ from the first stage holding it.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -257,6 +258,7 @@ class PipelineEngine(Engine):
         """One optimizer step over ``gradient_accumulation_steps`` micro-batches through
         every stage; returns the mean loss on every rank."""
         self._enter("train_batch")
+        started = time.perf_counter()
         self.module.train()
         m = self.micro_batches
         inputs, labels = self._read(data_iter, m)
@@ -276,12 +278,14 @@ class PipelineEngine(Engine):
         # one step() below ends the window of m micro-batches (also after loading a
         # checkpoint saved with another accumulation count)
         self.micro_steps += m - 1 - self.micro_steps % m
+        mean = self._mean_loss(losses)
+        self.monitor.whole_batch(mean, started)  # the step line's loss and samples/s
         self._in_step = True
         try:
             self.step()
         finally:
             self._in_step = False
-        return self._mean_loss(losses)
+        return mean
 
     def _agree_shapes(self, inputs: list | None, m: int) -> None:
         """Every stage learns the first stage's input shapes per micro-batch: one
