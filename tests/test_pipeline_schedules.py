@@ -13,6 +13,7 @@ from zeroshard.parallel.schedules import (
     ScheduleError,
     build_schedule,
     compute_order,
+    forward_only,
     render,
     simulate,
 )
@@ -77,6 +78,16 @@ def test_interleaved(p: int, m: int) -> None:
         for kind in ("F", "B"):
             got = sorted((a.microbatch, a.chunk) for a in actions if a.kind == kind)
             assert got == [(i, c) for i in range(m) for c in range(2)]
+    simulate(schedule)
+
+
+@pytest.mark.parametrize(("p", "m", "v"), [(2, 3, 1), (4, 4, 2), (3, 5, 2)])
+def test_forward_only(p: int, m: int, v: int) -> None:
+    """eval_batch's schedule: every (micro-batch, chunk) forwarded once, no deadlock."""
+    schedule = forward_only(p, m, v)
+    for actions in schedule:
+        got = sorted((a.microbatch, a.chunk) for a in actions if a.kind == "F")
+        assert got == [(i, c) for i in range(m) for c in range(v)]
     simulate(schedule)
 
 
@@ -187,7 +198,7 @@ def test_config_section() -> None:
 # -- bad input --------------------------------------------------------------------------
 def test_bad_models_and_configs_are_named() -> None:
     from zeroshard.api import _split
-    from zeroshard.parallel.pipeline_engine import _check_module
+    from zeroshard.parallel.pipeline_module import check_config as _check_module
 
     def cfg(**pipe):
         zero = pipe.pop("zero", 1)

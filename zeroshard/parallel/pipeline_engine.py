@@ -45,38 +45,12 @@ from torch import nn
 from zeroshard.agreement import check_ranks_agree
 from zeroshard.engine import Engine
 from zeroshard.parallel.pipeline_exec import StageRunner
-from zeroshard.parallel.pipeline_module import PipelineError, PipelineModule
+from zeroshard.parallel.pipeline_module import PipelineError, PipelineModule, check_config
 from zeroshard.parallel.pipeline_p2p import HEADER_LEN, StageLink, header_of
-from zeroshard.parallel.schedules import Action, build_schedule
+from zeroshard.parallel.schedules import Action, build_schedule, forward_only
 from zeroshard.zero.optimizer import PipelineGrads
 
 log = logging.getLogger("zeroshard")
-
-
-def _check_module(module: nn.Module, config) -> None:
-    if not isinstance(module, PipelineModule):
-        raise PipelineError(
-            f"pipeline.stages: {config.pipeline_stages} stages, but the model "
-            f"({type(module).__name__}) is not a zeroshard.pipe.PipelineModule"
-        )
-    pc = config.pipeline
-    method = module.partition_method.lower()
-    given = (pc.partition or "").lower().replace("best", "parameters")
-    if given and given != method:
-        raise PipelineError(
-            f"pipeline.partition: {pc.partition!r}, but the PipelineModule was built with "
-            f"partition_method={module.partition_method!r} (the module's argument cuts it)"
-        )
-    if pc.seed_layers is not None and pc.seed_layers != module.seed_layers:
-        raise PipelineError(
-            f"pipeline.seed_layers: {pc.seed_layers}, but the PipelineModule was built "
-            f"with seed_layers={module.seed_layers}"
-        )
-    if pc.virtual_stages is not None and pc.virtual_stages != module.virtual_stages:
-        raise PipelineError(
-            f"pipeline.virtual_stages: {pc.virtual_stages}, but the PipelineModule was "
-            f"built with virtual_stages={module.virtual_stages}"
-        )
 
 
 class PipelineEngine(Engine):
@@ -84,7 +58,7 @@ class PipelineEngine(Engine):
     ``forward``, ``backward`` and ``step`` are refused, as in DeepSpeed."""
 
     def __init__(self, module: nn.Module, config, mesh, **kwargs: Any) -> None:
-        _check_module(module, config)
+        check_config(module, config)
         ties = self._sync_ties(module, mesh)
         self._in_step = False
         super().__init__(module, config, mesh, **kwargs)
@@ -230,11 +204,12 @@ class PipelineEngine(Engine):
         if not (first or last):
             return None, None
         if data_iter is None:
-            if self.training_dataloader is None:
-                raise PipelineError(
-                    "train_batch(data_iter=None) needs training_data given to initialize()"
-                )
             if self._data_iterator is None:
+                if self.training_dataloader is None:
+                    raise PipelineError(
+                        "train_batch(data_iter=None) needs training_data given to "
+                        "initialize() or engine.set_dataiterator(it)"
+                    )
                 self._data_iterator = _repeat(self.training_dataloader)
             data_iter = self._data_iterator
         inputs, labels = [], []
@@ -360,7 +335,7 @@ class PipelineEngine(Engine):
             if not compute_loss:
                 labels = None
             self._agree_shapes(inputs, m)
-            actions = _forward_only(self.module.num_stages, m, self.module.virtual_stages)
+            actions = forward_only(self.module.num_stages, m, self.module.virtual_stages)
             losses, outputs = self.runner.run(
                 actions[self.stage_id], inputs, labels, train=False, keep_outputs=return_logits
             )
@@ -385,6 +360,10 @@ class PipelineEngine(Engine):
             )
         return super().save_16bit_model(save_dir, save_filename)
 
+    def set_dataiterator(self, iterator: Iterator) -> None:
+        """DeepSpeed's: the iterator ``train_batch()`` / ``eval_batch()`` read when given none."""
+        self._data_iterator = iterator
+
     def is_first_stage(self) -> bool:
         return self.stage_id == 0
 
@@ -397,23 +376,6 @@ class PipelineEngine(Engine):
         must call it: one all-gather of objects over the world)."""
         every = self.comm.all_gather_object(self.pipeline_trace)
         return [{**e, "rank": r} for r, trace in enumerate(every) for e in trace]
-
-
-def _forward_only(stages: int, m: int, virtual: int) -> list[list[Action]]:
-    out = []
-    last = stages * virtual - 1
-    for s in range(stages):
-        steps = []
-        for i in range(m):
-            for c in range(virtual):
-                vs = c * stages + s
-                if vs > 0:
-                    steps.append(Action("RECV_F", i, c))
-                steps.append(Action("F", i, c))
-                if vs < last:
-                    steps.append(Action("SEND_F", i, c))
-        out.append(steps)
-    return out
 
 
 def _repeat(loader) -> Iterator:

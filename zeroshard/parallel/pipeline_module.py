@@ -376,3 +376,30 @@ class PipelineModule(nn.Module):
         if self.checkpointable_layers is not None:
             return any(type(f).__name__ in self.checkpointable_layers for f in funcs)
         return any(isinstance(f, nn.Module) and any(True for _ in f.parameters()) for f in funcs)
+
+
+def check_config(module: nn.Module, config) -> None:
+    """The pipeline section must agree with the PipelineModule (errors name the key)."""
+    if not isinstance(module, PipelineModule):
+        raise PipelineError(
+            f"pipeline.stages: {config.pipeline_stages} stages, but the model "
+            f"({type(module).__name__}) is not a zeroshard.pipe.PipelineModule"
+        )
+    pc = config.pipeline
+    method = module.partition_method.lower()
+    given = (pc.partition or "").lower().replace("best", "parameters")
+    if given and given != method:
+        raise PipelineError(
+            f"pipeline.partition: {pc.partition!r}, but the PipelineModule was built with "
+            f"partition_method={module.partition_method!r} (the module's argument cuts it)"
+        )
+    if pc.seed_layers is not None and pc.seed_layers != module.seed_layers:
+        raise PipelineError(
+            f"pipeline.seed_layers: {pc.seed_layers}, but the PipelineModule was built "
+            f"with seed_layers={module.seed_layers}"
+        )
+    if pc.virtual_stages is not None and pc.virtual_stages != module.virtual_stages:
+        raise PipelineError(
+            f"pipeline.virtual_stages: {pc.virtual_stages}, but the PipelineModule was "
+            f"built with virtual_stages={module.virtual_stages}"
+        )

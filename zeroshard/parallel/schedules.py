@@ -197,6 +197,25 @@ def peer(kind: str, stage: int, chunk: int, stages: int) -> tuple[int, int]:
     return other % stages, other // stages
 
 
+def forward_only(stages: int, m: int, virtual: int = 1) -> list[list[Action]]:
+    """``eval_batch``'s schedule: each stage forwards micro-batch by micro-batch, chunk
+    by chunk, receiving and sending around each forward."""
+    out = []
+    last = stages * virtual - 1
+    for s in range(stages):
+        steps = []
+        for i in range(m):
+            for c in range(virtual):
+                vs = c * stages + s
+                if vs > 0:
+                    steps.append(Action("RECV_F", i, c))
+                steps.append(Action("F", i, c))
+                if vs < last:
+                    steps.append(Action("SEND_F", i, c))
+        out.append(steps)
+    return out
+
+
 DURATIONS = {"F": 1.0, "B": 2.0, "BI": 1.0, "BW": 1.0}
 
 
