@@ -21,7 +21,9 @@ Communication, per activation: a send of each tensor (its bytes, or 1/t of them
 partitioned), plus the header (8 x 65 bytes) the first time a signature crosses the link, over the ``pp`` axis, the matching receives,
 and with partitioning one all-gather per tensor over ``tp``; per gradient the same
 without the header. Tags tell messages apart (micro-batch, model chunk, kind, tensor),
-so order between a pair of stages does not matter on gloo. Sends are asynchronous:
+so order between a pair of stages does not matter on gloo. NCCL ignores tags and matches
+messages between two ranks in posting order; both ends of a link post in schedule order,
+which keeps them matched, but that path is untested (the tests run on gloo, on CPU). Sends are asynchronous:
 :meth:`StageLink.wait_sends` completes them at the end of a batch.
 """
 
