@@ -261,7 +261,7 @@ class QuantLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, {kind}, {sym}"
 
 
-def _as_linear(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+def linear_weight_bias(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """(weight [out, in], bias) of a Linear, or of transformers' GPT-2 Conv1D; else None."""
     if type(module) is nn.Linear:
         return module.weight, module.bias
@@ -287,7 +287,7 @@ def quantize_model(
         counts[id(p)] = counts.get(id(p), 0) + 1
     chosen = []
     for name, module in model.named_modules():
-        wb = _as_linear(module)
+        wb = linear_weight_bias(module)
         if wb is None or any(fnmatch.fnmatchcase(name, pat) for pat in skip):
             continue
         raw = module.weight
@@ -311,7 +311,7 @@ def weight_bytes(model: nn.Module) -> tuple[int, int]:
         if isinstance(module, QuantLinear):
             held += module.weight_bytes()
             fp32 += 4 * module.in_features * module.out_features
-        elif (wb := _as_linear(module)) is not None:
+        elif (wb := linear_weight_bias(module)) is not None:
             held += wb[0].numel() * wb[0].element_size()
             fp32 += 4 * wb[0].numel()
     return held, fp32

@@ -20,7 +20,7 @@ from torch import nn
 
 from zeroshard.checkpoint.export import MODEL_KEY
 from zeroshard.checkpoint.model_config import ModelConfigError, build_model, describe_model
-from zeroshard.inference.quantize import QuantLinear, _as_linear
+from zeroshard.inference.quantize import QuantLinear, linear_weight_bias
 
 QUANT_KEY = "zeroshard_quant"
 
@@ -83,7 +83,7 @@ def quantized_shells(model: nn.Module, spec: dict) -> None:
         module = model.get_submodule(name)
         if isinstance(module, QuantLinear):
             continue
-        wb = _as_linear(module)
+        wb = linear_weight_bias(module)
         if wb is None:
             raise ValueError(f"quantized weights name {name!r}, not a Linear layer of this model")
         weight, bias = wb
