@@ -19,7 +19,9 @@ Every run is a fresh set of processes (``_worker``), DeepSpeed's in ``--ds-pytho
 Rounds interleave the systems, rotating the order; after ``--warmup`` batches (the first
 carries one-off costs: shape exchange, allocator growth), a run's step time is the median over its
 timed steps of the slowest rank's ``train_batch`` (forward, backward, optimizer step); the
-table gives the median over rounds. Memory: each rank's peak RSS (``ru_maxrss``) and that
+table gives the median over rounds and the fastest round. *CPU per step* is the process CPU time of
+one ``train_batch`` (the busier rank, median over steps and rounds): the work each system does,
+which other jobs on a shared host disturb much less than the wall time. Memory: each rank's peak RSS (``ru_maxrss``) and that
 peak minus the RSS before the model was built (the run's own growth: weights, gradients,
 optimizer state, activations in flight, communication buffers).
 
@@ -256,17 +258,18 @@ def worker(spec_path: str, rank: int) -> None:
         out = {"status": "not available", "reason": str(e)}
     else:
         torch.set_num_threads(1)
-        times, losses = [], []
+        times, cpu, losses = [], [], []
         for i in range(spec["warmup"] + spec["steps"]):
             mbs = micro_batches(spec, i)
             dist.barrier()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             loss = step(mbs)
-            dt = time.perf_counter() - t0
+            dt, dc = time.perf_counter() - t0, time.process_time() - c0
             losses.append(loss)
             if i >= spec["warmup"]:
                 times.append(dt)
-        out = {"status": "ok", "note": note, "times": times, "losses": losses}
+                cpu.append(dc)
+        out = {"status": "ok", "note": note, "times": times, "cpu": cpu, "losses": losses}
     out["rss_base_kib"] = base
     out["maxrss_kib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     with open(os.path.join(here, f"result{rank}.json"), "w") as f:
@@ -326,6 +329,9 @@ def run_once(spec: dict, python: str, timeout: float) -> dict:
             "status": "ok",
             "note": ranks[0]["note"],
             "step_s": statistics.median(slowest),
+            "cpu_s": statistics.median(
+                max(cs) for cs in zip(*(r["cpu"] for r in ranks), strict=True)
+            ),
             "peak_mib": [r["maxrss_kib"] / 1024 for r in ranks],
             "growth_mib": [(r["maxrss_kib"] - r["rss_base_kib"]) / 1024 for r in ranks],
             "first_loss": first_loss,
@@ -334,18 +340,19 @@ def run_once(spec: dict, python: str, timeout: float) -> dict:
 
 def summarize(runs: dict[str, list[dict]]) -> str:
     rows = [
-        "| system | step (ms), median of rounds | rounds | peak RSS per rank (MiB) | growth per rank (MiB) "
-        "| first loss | setup |",
-        "|---|---|---|---|---|---|---|",
+        "| system | step (ms), median of rounds | fastest round | CPU per step (ms) | peak RSS per rank (MiB) "
+        "| growth per rank (MiB) | first loss | setup |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for name, rs in runs.items():
         ok = [r for r in rs if r["status"] == "ok"]
         if not ok:
             rows.append(
-                f"| {name} | {rs[0]['status']}: {rs[0].get('reason', '')[:160]} | | | | | |"
+                f"| {name} | {rs[0]['status']}: {rs[0].get('reason', '')[:160]} | | | | | | |"
             )
             continue
         med = statistics.median(r["step_s"] for r in ok) * 1e3
+        cpu = statistics.median(r["cpu_s"] for r in ok) * 1e3
         per = " ".join(f"{r['step_s'] * 1e3:.0f}" for r in ok)
         peak = " / ".join(
             f"{statistics.median(r['peak_mib'][i] for r in ok):.0f}"
@@ -356,7 +363,8 @@ def summarize(runs: dict[str, list[dict]]) -> str:
             for i in range(len(ok[0]["growth_mib"]))
         )
         rows.append(
-            f"| {name} | **{med:.0f}** ({per}) | {len(ok)} | {peak} | {grow} | {ok[0]['first_loss']:.4f} "
+            f"| {name} | **{med:.0f}** ({per}) | {min(r['step_s'] for r in ok) * 1e3:.0f} | {cpu:.0f} | {peak} "
+            f"| {grow} | {ok[0]['first_loss']:.4f} "
             f"| {ok[0]['note']} |"
         )
     return "\n".join(rows)
