@@ -226,6 +226,7 @@ def zeroshard_system(spec, rank: int):
         loss = engine.train_batch(data_iter=iter(mbs))
         return float(loss) if rank == spec["stages"] - 1 else None
 
+    step.close = engine.destroy
     return step, f"zeroshard pipeline engine, schedule {schedule}"
 
 
@@ -274,6 +275,8 @@ def worker(spec_path: str, rank: int) -> None:
     out["maxrss_kib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     with open(os.path.join(here, f"result{rank}.json"), "w") as f:
         json.dump(out, f)
+    if out["status"] == "ok" and hasattr(step, "close"):
+        step.close()
     dist.destroy_process_group()
 
 
@@ -312,7 +315,9 @@ def run_once(spec: dict, python: str, timeout: float) -> dict:
         ranks = []
         for r, p in enumerate(procs):
             res = os.path.join(tmp, f"result{r}.json")
-            if p.returncode != 0 or not os.path.exists(res):
+            if p.returncode != 0 and os.path.exists(res):  # died after its results: say so
+                print(f"{spec['system']}: rank {r} exit {p.returncode} after writing its results")
+            if not os.path.exists(res):
                 with open(os.path.join(tmp, f"log{r}.txt")) as f:
                     tail = f.read().strip().splitlines()[-6:]
                 return {

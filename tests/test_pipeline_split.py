@@ -31,12 +31,19 @@ def tiny_llama(tied: bool = False, attn: str = "sdpa"):
     return transformers.LlamaForCausalLM(cfg).eval()
 
 
-def tiny_gpt2(attn: str = "sdpa"):
+def tiny_gpt2(attn: str = "sdpa", dropout: float = 0.1):
     torch.manual_seed(0)
     cfg = transformers.GPT2Config(
-        vocab_size=64, n_embd=32, n_layer=3, n_head=4, n_positions=32, attn_implementation=attn
-    )
+        vocab_size=64, n_embd=32, n_layer=3, n_head=4, n_positions=32, attn_implementation=attn,
+        resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout,
+    )  # fmt: skip
     return transformers.GPT2LMHeadModel(cfg).eval()
+
+
+def _parity_model(case: dict):
+    if case["model"] == "gpt2":
+        return tiny_gpt2(dropout=0.0).train()
+    return tiny_llama(tied=case["tied"]).train()
 
 
 def _batch(padded: bool):
@@ -206,7 +213,7 @@ def _parity_batches(step: int, padded: bool):
 
 
 def _parity_reference(case: dict) -> tuple[list[float], dict]:
-    model = tiny_llama(tied=case["tied"]).train()
+    model = _parity_model(case)
     opt = torch.optim.AdamW(model.parameters(), **{**ADAMW, "betas": tuple(ADAMW["betas"])})
     losses = []
     for step in range(PARITY_STEPS):
@@ -227,7 +234,7 @@ def _parity_rank(rank: int, world: int, cases: list[dict]) -> list:
 
     results = []
     for case in cases:
-        model = tiny_llama(tied=case["tied"]).train()
+        model = _parity_model(case)
         config = {
             "train_micro_batch_size_per_gpu": ROWS,
             "gradient_accumulation_steps": MICRO,
@@ -249,14 +256,16 @@ def _parity_rank(rank: int, world: int, cases: list[dict]) -> list:
 
 
 PARITY_CASES = [
-    {"tied": False, "padded": False, "schedule": "1f1b"},
-    {"tied": True, "padded": True, "schedule": "zb_h1"},
+    {"model": "llama", "tied": False, "padded": False, "schedule": "1f1b"},
+    {"model": "llama", "tied": True, "padded": True, "schedule": "zb_h1"},
+    {"model": "gpt2", "tied": True, "padded": True, "schedule": "gpipe"},
 ]
 
 
-def test_two_stage_llama_matches_single_process():
-    """`"pipeline": {"stages": 2}` on an unmodified transformers Llama: losses and every
-    parameter after 3 AdamW steps equal the single-process model's (<= 2e-5)."""
+def test_two_stage_hf_models_match_single_process():
+    """`"pipeline": {"stages": 2}` on unmodified transformers Llama (untied; tied with a
+    padding mask) and GPT-2 (tied wte across the stages): losses and every parameter after
+    3 AdamW steps equal the single-process model's (<= 2e-5)."""
     from multirank import run
 
     ranks = run(_parity_rank, 2, PARITY_CASES, timeout=240)
