@@ -206,9 +206,8 @@ def test_real_hf_transformers_zero3() -> None:
     assert zero.stage3_gather_16bit_weights_on_model_save is True  # via the fp16 alias
     assert zero.offload_param.device == zero.offload_optimizer.device == "cpu"
     assert zero.offload_param.buffer_count == 5 and zero.offload_optimizer.buffer_count == 4
-    assert (
-        inert_keys(cfg) == []
-    )  # the gather key is wired: engine.zero_gather_16bit_weights_on_model_save()
+    # the gather key is wired: engine.zero_gather_16bit_weights_on_model_save()
+    assert inert_keys(cfg) == []
 
 
 @pytest.mark.parametrize("world", [1, 2])

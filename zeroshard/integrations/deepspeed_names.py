@@ -97,6 +97,8 @@ MODULES = {
     "deepspeed.accelerator": "zeroshard.accelerator",
     "deepspeed.ops": "zeroshard.ops",
     "deepspeed.ops.adam": "zeroshard.ops.adam",
+    "deepspeed.pipe": "zeroshard.pipe",  # user code: PipelineModule, LayerSpec
+    "deepspeed.checkpointing": "zeroshard.checkpointing",  # activation checkpointing
     "deepspeed.runtime": lambda: {},
     "deepspeed.runtime.engine": _engine_names,
     "deepspeed.runtime.zero": _zero_names,
