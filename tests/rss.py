@@ -11,18 +11,29 @@ import resource
 import torch
 
 
-def current_mib() -> float:
-    """Resident set now, MiB."""
+def _status_mib(field: str) -> float:
     with open("/proc/self/status") as f:
         for line in f:
-            if line.startswith("VmRSS:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) / 1024
-    raise RuntimeError("VmRSS missing from /proc/self/status")
+    raise RuntimeError(f"{field} missing from /proc/self/status")
+
+
+def current_mib() -> float:
+    """Resident set now, MiB."""
+    return _status_mib("VmRSS")
 
 
 def peak_mib() -> float:
-    """Peak resident set so far, MiB."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    """Peak resident set of this process's own memory since it started, MiB.
+
+    ``VmHWM``, not ``ru_maxrss``: a spawned rank is forked from the test process and then
+    exec'd, and Linux carries the forked copy's high-water mark (the whole pytest
+    process, hundreds of MiB late in a run) into ``ru_maxrss`` across the exec."""
+    try:
+        return _status_mib("VmHWM")
+    except (OSError, RuntimeError):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def train_gpt(cfg, zero_optimization: dict, *, partitioned: bool):
