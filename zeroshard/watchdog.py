@@ -23,6 +23,7 @@ Communication: none through collectives; small ``set``/``get`` calls on the stor
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import sys
@@ -117,8 +118,11 @@ class Watchdog:
         print("\n".join(lines), file=sys.stderr, flush=True)
         os._exit(3)
 
-    def stop(self) -> None:
+    def stop(self, wait: float = 0.0) -> None:
+        """End the thread; with ``wait``, up to that many seconds for it to finish."""
         self._stop.set()
+        if wait and self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(wait)
 
 
 def describe(rank: int, state: dict) -> str:
@@ -164,11 +168,20 @@ def start(timeout: float | None = None) -> Watchdog | None:
     except Exception:  # no store to publish to: no watchdog
         return None
     _CURRENT = Watchdog(dist.get_rank(), dist.get_world_size(), store, timeout)
+    atexit.register(_stop_at_exit)
     return _CURRENT
 
 
-def stop() -> None:
+def stop(wait: float = 0.0) -> None:
+    """Stop this process's watchdog (``wait``: seconds to let its thread finish)."""
     global _CURRENT
     if _CURRENT is not None:
-        _CURRENT.stop()
+        _CURRENT.stop(wait)
         _CURRENT = None
+
+
+def _stop_at_exit() -> None:
+    # a daemon thread still inside a store call when the interpreter finalizes is ended
+    # by pthread_exit while the call restores the GIL, which aborts the process
+    # ("terminate called without an active exception", SIGABRT after a clean run)
+    stop(wait=5.0)
