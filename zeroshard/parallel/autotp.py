@@ -34,7 +34,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
@@ -267,11 +266,4 @@ def sync_partial_grads(model: nn.Module, comm: Comm) -> None:
         if has_partial_grad(p) and p.grad is not None and id(p) not in seen:
             seen.add(id(p))
             grads.append(p.grad)
-    if not grads or comm.world_size == 1:
-        return
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    comm.all_reduce(flat)
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset : offset + g.numel()].view_as(g))
-        offset += g.numel()
+    comm.all_reduce_many(grads)

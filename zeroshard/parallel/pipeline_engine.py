@@ -292,13 +292,7 @@ class PipelineEngine(Engine):
                         comm.all_reduce(chunk)
             return
         for comm, indices in self._ties:
-            grads = [self.reducer.local_grad(pi) for pi in indices]
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            comm.all_reduce(flat)
-            offset = 0
-            for g in grads:
-                g.copy_(flat[offset : offset + g.numel()].view_as(g))
-                offset += g.numel()
+            comm.all_reduce_many([self.reducer.local_grad(pi) for pi in indices])
         self.reducer.begin(True)
         self.reducer.finish()
 
