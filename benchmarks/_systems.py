@@ -10,7 +10,8 @@ The systems (all fp32, AdamW lr 3e-4 / betas 0.9, 0.95 / eps 1e-8 / wd 0.1):
 - ``zeroshard-sN``: ``zeroshard.initialize`` with ``zero_optimization.stage`` N,
   ``overlap_comm``, reduce/all-gather buckets of ``--bucket`` elements (default:
   zeroshard's own, 25 MiB of gradients); its AdamW is torch's fused one.
-  ``zeroshard-sN-offload`` adds ``offload_optimizer: {"device": "cpu"}``.
+  ``zeroshard-sN-offload`` adds ``offload_optimizer: {"device": "cpu"}``,
+  ``zeroshard-sN-lap`` (stages 1-2) ``overlap_param_gather: true``.
 - ``ddp``: ``DistributedDataParallel(gradient_as_bucket_view=True)`` + torch AdamW
   ``fused=True`` (the fair match for zeroshard's fused AdamW; there is no row with the
   default for-each AdamW).
@@ -175,7 +176,7 @@ def tracked_bytes(module: nn.Module, optimizer) -> tuple[dict[str, int], list]:
 
 # -- the systems ----------------------------------------------------------------------------
 class Zeroshard:
-    def __init__(self, spec, stage: int, offload: bool = False) -> None:
+    def __init__(self, spec, stage: int, offload: bool = False, overlap: bool = False) -> None:
         import zeroshard
         from zeroshard.config import ConfigError
 
@@ -185,6 +186,8 @@ class Zeroshard:
             zero.update(reduce_bucket_size=int(bucket), allgather_bucket_size=int(bucket))
         if offload:
             zero["offload_optimizer"] = {"device": "cpu"}
+        if overlap:
+            zero["overlap_param_gather"] = True
         config = {
             "train_micro_batch_size_per_gpu": spec["micro_batch"],
             "gradient_accumulation_steps": 1,
@@ -206,7 +209,9 @@ class Zeroshard:
             raise
         inner = getattr(self.engine.optimizer, "inner", None)
         fused = ", fused" if inner is not None and inner.defaults.get("fused") else ""
-        where = ", optimizer on CPU" if offload else ""
+        where = (", optimizer on CPU" if offload else "") + (
+            ", gather overlapped" if overlap else ""
+        )
         size = "default bucket" if bucket is None else f"bucket {bucket:.0e}"
         self.note = f"{type(inner).__name__} (torch{fused}){where}, {size}"
 
@@ -349,7 +354,10 @@ class DeepSpeed:
 def make_system(spec):
     name = spec["system"]
     if name.startswith("zeroshard-s"):
-        return Zeroshard(spec, int(name[len("zeroshard-s")]), offload=name.endswith("-offload"))
+        stage = int(name[len("zeroshard-s")])
+        return Zeroshard(
+            spec, stage, offload=name.endswith("-offload"), overlap=name.endswith("-lap")
+        )
     if name.startswith("deepspeed-s"):
         return DeepSpeed(spec, int(name[-1]))
     if name in ("ddp", "zero-redundancy", "fsdp2"):

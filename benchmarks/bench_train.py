@@ -56,7 +56,11 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 WORKER = os.path.join(HERE, "_systems.py")
 
-ZEROSHARD = [f"zeroshard-s{s}" for s in range(4)] + [f"zeroshard-s{s}-offload" for s in (1, 2, 3)]
+ZEROSHARD = (
+    [f"zeroshard-s{s}" for s in range(4)]
+    + [f"zeroshard-s{s}-lap" for s in (1, 2)]
+    + [f"zeroshard-s{s}-offload" for s in (1, 2, 3)]
+)
 TORCH = ["ddp", "zero-redundancy", "fsdp2"]
 DEEPSPEED = [f"deepspeed-s{s}" for s in range(4)]
 ALL_SYSTEMS = ZEROSHARD + TORCH + DEEPSPEED

@@ -51,6 +51,12 @@ def _cases() -> list[dict]:
     for stage in (1, 2, 3):
         zero = {"reduce_scatter": False, "stage3_param_persistence_threshold": 0}
         cases.append({"stage": stage, "gas": 2, "clip": 0.8, "extra": {z3: zero}})
+    # stages 1-2 with the parameter all-gather overlapped with the next forward, small
+    # buckets so that several segments are in flight at once; one with unused parameters
+    for stage in (1, 2):
+        lap = {z3: {"overlap_param_gather": True}}
+        cases.append({"stage": stage, "gas": 2, "clip": 0.8, "bucket": 2000, "extra": lap})
+        cases.append({"stage": stage, "gas": 1, "unused": True, "bucket": 2000, "extra": lap})
     # Stage 3 with every parameter partitioned, with and without prefetch, with a
     # live-parameter cap, and with small parameters persistent.
     cases += [

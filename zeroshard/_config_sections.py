@@ -294,6 +294,7 @@ class ZeroConfig(Section):
     allgather_partitions: bool = key(True, INERT("updated parameters are always all-gathered"), doc="All-gather, not broadcast.")
     allgather_bucket_size: int | None = key(None, doc="Elements per all-gather bucket (buckets: the smaller size); not given: as reduce_bucket_size.", min=1)
     overlap_comm: bool | None = key(None, doc="Overlap gradient reduction with backward; null = at stage 3.")
+    overlap_param_gather: bool = key(False, doc="zeroshard (Megatron's name): stages 1-2 start the all-gather of updated parameters at the end of step() and each module's forward waits only for its own parameters; code reading parameters outside the engine before the next forward calls engine.wait_param_gather().")
     load_from_fp32_weights: bool = key(True, NOT_BUILT("loading the fp32 masters from the 16-bit weights"), doc="Masters from fp32 on load.")
     elastic_checkpoint: bool = key(False, INERT("checkpoints always load at any world size"), doc="Legacy elastic checkpoints.")
     offload_param: OffloadParamConfig = key(doc="Parameter offload (stage 3).", factory=OffloadParamConfig, nullable=True)
@@ -336,6 +337,7 @@ class ZeroConfig(Section):
         if self.overlap_comm is None:
             object.__setattr__(self, "overlap_comm", self.stage == 3)
         stage, opt = self.stage, self.offload_optimizer
+        check(not self.overlap_param_gather or stage in (1, 2), "overlap_param_gather", f"overlaps the all-gather of stages 1-2 (stage is {stage}; stage 3 gathers in forward with prefetch already)")  # fmt: skip
         check(not self.offload_param.enabled or stage == 3, "offload_param.device", f"parameter offload needs ZeRO stage 3 (stage is {stage})")  # fmt: skip
         check(not opt.enabled or stage >= 1, "offload_optimizer.device", "optimizer offload needs ZeRO stage 1, 2 or 3 (stage is 0)")  # fmt: skip
         if opt.device == "nvme":

@@ -142,7 +142,14 @@ class Engine(EngineBuild, DeepSpeedEngineCompat, nn.Module):
                 check_every_pass=zc.enable_sanity_checks,
             )
         else:
-            self.params = WholeParams(self.flat, shard_comm, replicas)
+            if zc.overlap_param_gather and mesh.size("pp") > 1:
+                raise ValueError(
+                    "zero_optimization.overlap_param_gather with pipeline stages is not "
+                    "built yet; leave it out with a pipeline section"
+                )
+            self.params = WholeParams(
+                self.flat, shard_comm, replicas, module, overlap=zc.overlap_param_gather
+            )
         registration = {id(p): i for i, p in enumerate(module.parameters())}
         # as DeepSpeed: prescaling divides by the world size first, else by the factor
         predivide = config.gradient_predivide_factor
@@ -252,6 +259,14 @@ class Engine(EngineBuild, DeepSpeedEngineCompat, nn.Module):
             )
         if self._watchdog is not None:
             self._watchdog.enter(phase, self.global_steps)
+        if phase != "forward":  # overlap_param_gather: forward waits layer by layer
+            self.params.settle()
+
+    def wait_param_gather(self) -> None:
+        """With ``zero_optimization.overlap_param_gather``: wait until the parameters
+        updated by the last ``step()`` are whole (before reading them outside the engine;
+        the next forward and every engine call do it themselves)."""
+        self._enter("wait_param_gather")
 
     # -- the training loop --------------------------------------------------------------
     def forward(self, *args, **kwargs):

@@ -48,6 +48,7 @@ class DeepSpeedEngineCompat:
         require gradients (buffers stay)."""
         from zeroshard.zero import GatheredParameters
 
+        self.params.settle()  # overlap_param_gather: the last step's gathers have landed
         module = self.module
         named = dict(module.named_parameters(remove_duplicate=False))
         state = module.state_dict(keep_vars=True)

@@ -246,6 +246,7 @@ def load(
             if n in buffers and n in names:
                 buffers[n].copy_(reader.whole(n))
     engine.params.after_step()  # stages 0-2: re-assemble whole parameters
+    engine.params.settle()  # whole before load_checkpoint returns (overlap_param_gather)
     if not module_only:
         _load_training_state(engine, reader, manifest, access, with_opt, scheduler_states)
     engine.comm.barrier()

@@ -393,6 +393,9 @@ class ParamGatherer:
             self._bwd_order = self._recording_bwd
         self.free_all()
 
+    def settle(self) -> None:
+        """Nothing is gathered across calls here (stage 3 gathers within forward)."""
+
     def after_step(self) -> None:
         self.refresh_persistent()
 

@@ -4,6 +4,14 @@ Communication: when optimizer state is sharded (stages 1-2), each rank's updated
 are all-gathered after the step over the ZeRO shard group, one all-gather per segment
 (the full parameter bytes, Ψ); ``GatheredParameters(..., modifier_rank=r)`` broadcasts
 each given parameter over the ``replicas`` group when it closes.
+
+With ``zero_optimization.overlap_param_gather`` (Megatron's name for the same idea) the
+all-gathers are started at the end of ``step()`` and not waited for there: a forward
+pre-hook on each module waits only for the segments holding that module's parameters,
+so the gathers of later layers run while earlier layers compute. Every other engine call
+(backward, step, checkpoints, ``GatheredParameters``, ``destroy``) waits for all of them
+first; code that reads parameters outside the engine in between must call
+``engine.wait_param_gather()``.
 """
 
 from __future__ import annotations
@@ -27,9 +35,48 @@ class WholeParams:
     in it); ``replicas`` spans every rank holding these parameters (``GatheredParameters``
     broadcasts a modifier's values over it, ``modifier_rank`` being a rank in it)."""
 
-    def __init__(self, flat: FlatParams, comm: Comm, replicas: Comm) -> None:
+    def __init__(
+        self,
+        flat: FlatParams,
+        comm: Comm,
+        replicas: Comm,
+        module: torch.nn.Module | None = None,
+        overlap: bool = False,
+    ) -> None:
         self.flat, self.comm, self.replicas = flat, comm, replicas
+        self._pending: dict[int, object] = {}  # segment -> all-gather in flight
+        self._hooks = []
+        if overlap and module is not None and flat.partitioned:
+            index = {id(p): pi for pi, p in enumerate(flat.params)}
+            for m in module.modules():
+                segs = sorted(
+                    {
+                        flat.layout.param_segment[index[id(p)]]
+                        for p in m.parameters(recurse=False)
+                        if id(p) in index
+                    }
+                )
+                if segs:
+                    self._hooks.append(m.register_forward_pre_hook(self._forward_hook(segs)))
         self.mark_clean()
+
+    def _forward_hook(self, segments: list[int]):
+        def wait_for_mine(module, args) -> None:
+            if self._pending:
+                for seg in segments:
+                    handle = self._pending.pop(seg, None)
+                    if handle is not None:
+                        handle.wait()
+
+        return wait_for_mine
+
+    def settle(self) -> None:
+        """Wait for every all-gather still in flight (overlap_param_gather)."""
+        if self._pending:
+            pending, self._pending = self._pending, {}
+            for handle in pending.values():
+                handle.wait()
+            self.mark_clean()
 
     def _fingerprint(self) -> int:
         # in-place edits bump the version counter of the parameter edited (``p.clamp_()``)
@@ -43,6 +90,7 @@ class WholeParams:
     def edited(self) -> bool:
         """Whether a parameter was changed in place since :meth:`mark_clean` (e.g. a
         ``clamp_()`` after ``step()``): the masters must take the new values."""
+        self.settle()
         return self._fingerprint() != self._clean
 
     def after_step(self) -> None:
@@ -51,30 +99,40 @@ class WholeParams:
         if not flat.partitioned:
             self.mark_clean()
             return
-        handles = [
-            self.comm.all_gather(
+        self.settle()
+        handles = {
+            seg.index: self.comm.all_gather(
                 flat.segment_view(seg.index), flat.chunks[seg.index], async_op=True
             )
             for seg in flat.layout.segments
-        ]
-        for h in handles:
+        }
+        if self._hooks:  # overlap_param_gather: the next forward waits, layer by layer
+            self._pending = handles
+            return
+        for h in handles.values():
             h.wait()
         self.mark_clean()
 
     def begin_backward(self) -> None:
-        pass
+        self.settle()  # parameters the forward did not use
 
     def end_backward(self) -> None:
         pass
 
     def remove(self) -> None:
-        """Nothing installed; the parameters stay views of the full buffer."""
+        """Waits for gathers in flight and removes the forward hooks; the parameters stay
+        views of the full buffer."""
+        self.settle()
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
 
     def free_if_idle(self, segment: int) -> None:
         pass
 
     def open(self, params: list[torch.Tensor]) -> None:
-        """Parameters are whole already."""
+        """Parameters are whole already (once gathers in flight have landed)."""
+        self.settle()
 
     def close(self, params: list[torch.Tensor], modifier_rank: int | None) -> list[int]:
         """Broadcast modified parameters; returns the segments whose chunks changed."""
