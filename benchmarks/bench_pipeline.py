@@ -48,6 +48,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_train import wait_all
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 SYSTEMS = [
@@ -303,15 +306,7 @@ def run_once(spec: dict, python: str, timeout: float) -> dict:
                 )
                 for r in range(spec["stages"])
             ]
-            deadline = time.monotonic() + timeout
-            while any(p.poll() is None for p in procs):
-                if time.monotonic() > deadline or any(p.returncode not in (None, 0) for p in procs):
-                    for p in procs:
-                        if p.poll() is None:
-                            p.kill()
-                            p.wait()
-                    break
-                time.sleep(0.2)
+            wait_all(procs, timeout)  # kills the others on a failed rank or the timeout
         ranks = []
         for r, p in enumerate(procs):
             res = os.path.join(tmp, f"result{r}.json")

@@ -123,7 +123,7 @@ def machine(ds: str | None) -> dict:
 
 
 # -- one run: a fresh process per rank ------------------------------------------------------
-def _wait_all(procs: list[subprocess.Popen], timeout: float) -> str | None:
+def wait_all(procs: list[subprocess.Popen], timeout: float) -> str | None:
     """Wait for every rank; on a failed rank or the timeout, kill the others. Says why."""
     deadline = time.monotonic() + timeout
     while any(p.poll() is None for p in procs):
@@ -165,7 +165,7 @@ def run_once(spec: dict, python: str, timeout: float) -> dict:
                 )
                 for rank in range(spec["world"])
             ]
-            failed = _wait_all(procs, timeout)
+            failed = wait_all(procs, timeout)
         results = []
         # a rank that raised explains more than one killed because of it
         for rank in sorted(range(len(procs)), key=lambda r: procs[r].returncode <= 0):
