@@ -380,7 +380,7 @@ class ActivationCheckpointingConfig(Section):
     DeepSpeed's section configures its checkpoint function."""
 
     # fmt: off
-    partition_activations: bool = key(False, INERT("without model parallelism no rank holds a copy of another's activations"), doc="Split inputs over model-parallel ranks.")
+    partition_activations: bool = key(False, INERT("no rank holds a copy of another's activations without an mpu's model parallelism; with AutoTP, tensor_parallel.sequence_parallel splits them"), doc="Split inputs over model-parallel ranks.")
     cpu_checkpointing: bool = key(False, doc="Keep checkpoint() inputs in CPU memory.")
     contiguous_memory_optimization: bool = key(False, INERT("DeepSpeed's buffer for partitioned activations"), doc="One preallocated buffer.")
     number_checkpoints: int | None = key(None, INERT("it only sizes DeepSpeed's contiguous buffer"), doc="Checkpoints, to size it.", min=1)

@@ -276,13 +276,15 @@ def configure(
     if new.partition_activations:
         if mpu_ is not None and _mp_world_size(mpu_) > 1:
             raise NotImplementedError(
-                "partition_activations across model-parallel ranks needs tensor "
-                "parallelism, which zeroshard does not build"
+                "partition_activations across model-parallel ranks is not built yet; "
+                "with zeroshard's tensor parallelism, tensor_parallel.sequence_parallel "
+                "(Megatron-SP) splits activations across the tensor-parallel ranks"
             )
         log.warning(
             "zeroshard: activation_checkpointing.partition_activations has no effect: "
-            "without model parallelism no rank holds a copy of another's activations, "
-            "so partitioning them would not reduce any rank's memory"
+            "without an mpu's model parallelism no rank holds a copy of another's "
+            "activations; with tensor_parallel.autotp_size, tensor_parallel."
+            "sequence_parallel (Megatron-SP) is what splits them"
         )
     _settings = new
 
