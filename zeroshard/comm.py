@@ -15,7 +15,8 @@ all-gather the full gathered output, broadcast / all-to-all / send / recv the bu
 With world size 1 every collective is a local copy (or nothing) and nothing is recorded:
 no bytes leave the process.
 
-Observers (``Ledger.observers``, e.g. the comms logger) get an :class:`OpEvent` when a
+The ledger's bookkeeping lives in ``ledger.py`` (re-exported here). Observers
+(``Ledger.observers``, e.g. the comms logger) get an :class:`OpEvent` when a
 collective completes: its bytes, blocked seconds, group size and the calling function.
 With no observer the ledger costs what it did; ``log_summary()`` is DeepSpeed's
 ``deepspeed.comm.log_summary`` (the comms logger's table).
@@ -28,86 +29,16 @@ from __future__ import annotations
 
 import sys
 import time
-from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from zeroshard import watchdog
+from zeroshard.ledger import Ledger, OpEvent, OpStats, Stats  # noqa: F401  (re-exported)
 
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-
-@dataclass
-class OpStats:
-    """Totals for one collective op on one rank."""
-
-    calls: int = 0
-    bytes: int = 0
-    seconds: float = 0.0
-
-
-Stats = dict[str, dict[str, float | int]]
-
-
-@dataclass(frozen=True)
-class OpEvent:
-    """One completed collective, as ledger observers see it."""
-
-    axis: str
-    op: str
-    nbytes: int  # the ledger's count (see the byte convention above)
-    seconds: float  # blocked: issue plus wait
-    group_size: int
-    caller: str  # the function that called the Comm
-
-
-class Ledger:
-    """Per-(axis, op) call, byte and blocked-time totals for this rank, and the
-    ``observers`` told of each completed collective."""
-
-    def __init__(self) -> None:
-        self._ops: dict[tuple[str, str], OpStats] = defaultdict(OpStats)
-        self.observers: list[Callable[[OpEvent], None]] = []
-
-    def record(self, op: str, nbytes: int, seconds: float, axis: str = "world") -> None:
-        s = self._ops[axis, op]
-        s.calls += 1
-        s.bytes += int(nbytes)
-        s.seconds += seconds
-
-    def add_seconds(self, op: str, seconds: float, axis: str = "world") -> None:
-        self._ops[axis, op].seconds += seconds
-
-    @staticmethod
-    def _totals(items) -> Stats:
-        out: Stats = {}
-        for op, s in items:
-            t = out.setdefault(op, {"calls": 0, "bytes": 0, "seconds": 0.0})
-            t["calls"] += s.calls
-            t["bytes"] += s.bytes
-            t["seconds"] += s.seconds
-        return dict(sorted(out.items()))
-
-    def snapshot(self) -> Stats:
-        """``{op: {"calls", "bytes", "seconds"}}``, summed over axes."""
-        return self._totals((op, s) for (_, op), s in self._ops.items())
-
-    def by_axis(self) -> dict[str, Stats]:
-        """``{axis: {op: {"calls", "bytes", "seconds"}}}``."""
-        axes = sorted({axis for axis, _ in self._ops})
-        return {
-            a: self._totals((op, s) for (ax, op), s in self._ops.items() if ax == a) for a in axes
-        }
-
-    def total_bytes(self) -> int:
-        return sum(s.bytes for s in self._ops.values())
-
-    def reset(self) -> None:
-        self._ops.clear()
 
 
 class Handle:
