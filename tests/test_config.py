@@ -265,7 +265,6 @@ def test_real_zero_infinity_config_has_a_typo() -> None:
     assert cfg.aio.queue_depth == 16 and cfg.aio.intra_op_parallelism == 2  # legacy thread_count
     assert inert_keys(cfg) == [
         "zero_optimization.offload_param.max_in_cpu",
-        "zero_optimization.stage3_max_reuse_distance",
         "aio.thread_count",
     ]
     assert cfg.zero_optimization.offload_param.max_in_cpu == 1

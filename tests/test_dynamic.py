@@ -401,11 +401,13 @@ def _generate(rank, world):
 
 
 def _ledger_lora(rank, world, build=LoRANet, offloads=(False, True)):
-    """One step of a LoRA model at stage 3: every unit all-gathered twice, only the
-    trainable units reduce-scattered; no gradient storage for frozen weights."""
+    """One step of a LoRA model at stage 3: every unit all-gathered twice (reuse distance
+    0: freed after its forward), only the trainable units reduce-scattered; no gradient
+    storage for frozen weights."""
     out = {}
     for offload in offloads:
         zc = {"offload_optimizer": {"device": "cpu"}} if offload else {}
+        zc["stage3_max_reuse_distance"] = 0
         diff, engine = _fit(build, rank, world, **zc)
         engine.reset_comm_stats()
         x, y = _data(50, MICRO * world)

@@ -77,6 +77,9 @@ def _worker(rank: int, world: int, cases: list[dict], ckpt: str) -> dict:
     for case in cases[:4]:
         # untied: a tied embedding is gathered once more, for the head's forward
         one = {**case, "gas": 1, "clip": 0.0, "steps": 1, "tied": False}
+        if case["stage"] == 3:  # reuse distance 0: gathered again for backward
+            zo = {**one["extra"]["zero_optimization"], "stage3_max_reuse_distance": 0}
+            one["extra"] = {**one["extra"], "zero_optimization": zo}
         _, engine = parity.train(one, rank, world)
         engine.reset_comm_stats()
         x, y = parity.batch(99, 2 * world)

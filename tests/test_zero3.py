@@ -1,6 +1,7 @@
 """ZeRO-3 on 2 ranks: Hugging Face models, partitioned construction, real-model quirks,
-the 3 x 4Psi ledger, memory_stats, GatheredParameters, generation (one spawn runs all);
-prefetching, the persistence threshold and the live-parameter cap (a second spawn)."""
+the 3 x 4Psi ledger (2 x 4Psi with reuse), memory_stats, GatheredParameters, generation
+(one spawn runs all); prefetching, the persistence threshold, the live-parameter cap and
+the reuse distance (a second spawn)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from torch import nn
 TOL = 2e-5
 HF_TOL = 5e-5
 Z3 = {"stage3_param_persistence_threshold": 0}  # partition everything, even tiny tensors
+NO_REUSE = {"stage3_max_reuse_distance": 0}  # free every unit after its forward
 
 
 def _config(stage: int, micro: int = 2, **zero) -> dict:
@@ -222,14 +224,14 @@ def _init_exact(rank, world):
     }
 
 
-def _ledger_memory(rank, world):
+def _ledger_memory(rank, world, **zero):
     import zeroshard
 
     torch.manual_seed(0)
     model = _gpt_untied()
     psi = sum(p.numel() for p in model.parameters())
     engine, *_ = zeroshard.initialize(
-        model=model, model_parameters=model.parameters(), config=_config(3, **Z3)
+        model=model, model_parameters=model.parameters(), config=_config(3, **Z3, **zero)
     )
     ids = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(rank))
     for _ in range(2):  # the second step runs with the recorded prefetch order
@@ -296,7 +298,8 @@ def _all(rank, world):
         "hf": _hf_cases(rank, world),
         "quirky": _quirky_cases(rank, world),
         "init": _init_exact(rank, world),
-        "ledger": _ledger_memory(rank, world),
+        "ledger": _ledger_memory(rank, world, **NO_REUSE),
+        "ledger_reuse": _ledger_memory(rank, world),
         "modify": _gathered_modify(rank, world),
         "generate": _generate(rank, world),
     }
@@ -342,6 +345,17 @@ def test_ledger_three_psi(results):
         scattered = stats["reduce_scatter"]["bytes"]
         assert abs(gathered - 2 * 4 * psi) <= 0.03 * 2 * 4 * psi, (gathered, psi)
         assert abs(scattered - 4 * psi) <= 0.03 * 4 * psi, (scattered, psi)
+
+
+def test_ledger_reuse_gathers_once(results):
+    """With DeepSpeed's default stage3_max_reuse_distance (1e9) the units stay gathered
+    from their forward through their backward: 4Psi gathered, not 2 x 4Psi."""
+    for r in results:
+        led = r["ledger_reuse"]
+        stats, psi = led["stats"], led["psi"]
+        gathered = stats["all_gather"]["bytes"]
+        assert abs(gathered - 4 * psi) <= 0.03 * 4 * psi, (gathered, psi)
+        assert stats["reduce_scatter"]["bytes"] == r["ledger"]["stats"]["reduce_scatter"]["bytes"]
 
 
 def test_memory_stats_one_nth(results):
@@ -442,14 +456,24 @@ def _chain_run(rank, world, *, swap=False, threshold=0, **zero):
             )
             whole["others_freed_between_steps"] &= freed
 
+    losses = []
+
+    def forward(model, ids):
+        loss = _quirky_loss(model, ids)
+        if not isinstance(model, Chain):  # the engine's, not the reference's
+            losses.append(loss.item())
+        return loss
+
     zero = {"stage3_param_persistence_threshold": threshold, **zero}
     diff, loss_diff, engine, _, _ = _train_both(
-        lambda: Chain(swap), _quirky_loss, 3, rank, world, probe=probe, **zero
+        lambda: Chain(swap), forward, 3, rank, world, probe=probe, **zero
     )
     layout, persistent = engine.flat.layout, engine.params.persistent
     return {
         "diff": diff,
         "loss_diff": loss_diff,
+        "losses": losses,
+        "params": _digest(engine),
         "steps": steps,
         "whole": whole,
         "small_numel": sum(full[n] for n in small),
@@ -458,6 +482,66 @@ def _chain_run(rank, world, *, swap=False, threshold=0, **zero):
         "shard_numel": layout.shard_numel,
         "memory_params": engine.memory_stats()["params"],
     }
+
+
+def _digest(engine) -> str:
+    """A hash of every parameter's bytes (gathered): equal digests, bitwise-equal models."""
+    import hashlib
+
+    from zeroshard.zero import GatheredParameters
+
+    params = list(engine.module.parameters())
+    with GatheredParameters(params):
+        flat = torch.cat([p.detach().reshape(-1).float() for p in params])
+    return hashlib.sha256(flat.numpy().tobytes()).hexdigest()
+
+
+def _reuse_off_path(rank, world, **zero):
+    """Chain with the default reuse distance off the training path: an eval forward
+    under no_grad, a grad-enabled forward with no backward (then another eval), and a
+    step after a forward with no backward (the shards change while units are kept).
+    Returns the losses, the gatherer's counters after each probe, and a digest."""
+    import zeroshard
+
+    torch.manual_seed(0)
+    model = Chain()
+    cfg = _config(3, stage3_param_persistence_threshold=0, stage3_prefetch_bucket_size=0, **zero)
+    engine, *_ = zeroshard.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    g = engine.params
+
+    def batch(step):
+        ids = torch.randint(0, 64, (2 * world, 16), generator=torch.Generator().manual_seed(step))
+        return ids[2 * rank : 2 * rank + 2]
+
+    losses, probes = [], {}
+
+    def probe(name):
+        probes[name] = {**g.stats(), "kept_now": len(g._kept)}
+        g.reset_stats()
+
+    def train(step):
+        loss = _quirky_loss(engine, batch(step))
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+
+    for step in range(2):  # the first step records the orders
+        train(step)
+    g.reset_stats()
+    with torch.no_grad():
+        losses.append(_quirky_loss(engine, batch(10)).item())
+    probe("eval")
+    losses.append(_quirky_loss(engine, batch(11)).item())  # grad enabled, no backward
+    probe("forward_only")
+    with torch.no_grad():
+        losses.append(_quirky_loss(engine, batch(12)).item())
+    probe("eval_after_forward")
+    losses.append(_quirky_loss(engine, batch(13)).item())  # kept, then a step
+    engine.step()  # Adam moves the parameters even with zero gradients
+    probe("step_after_forward")
+    for step in range(3, 5):
+        train(step)
+    return {"losses": losses, "probes": probes, "params": _digest(engine)}
 
 
 def _threshold_boundary(rank, world):
@@ -484,15 +568,16 @@ def _gather_cases(rank, world):
     torch.set_num_threads(1)
     big = 10**9
     return {
-        "prefetch0": _chain_run(rank, world, stage3_prefetch_bucket_size=0),
-        "prefetch": _chain_run(rank, world, stage3_prefetch_bucket_size=10**6),
-        "persist": _chain_run(rank, world, threshold=33, stage3_prefetch_bucket_size=0),
+        "prefetch0": _chain_run(rank, world, stage3_prefetch_bucket_size=0, **NO_REUSE),
+        "prefetch": _chain_run(rank, world, stage3_prefetch_bucket_size=10**6, **NO_REUSE),
+        "persist": _chain_run(rank, world, threshold=33, stage3_prefetch_bucket_size=0, **NO_REUSE),
         "capped": _chain_run(
             rank,
             world,
             swap=True,
             stage3_prefetch_bucket_size=10**6,
             stage3_max_live_parameters=1500,
+            **NO_REUSE,
         ),
         "uncapped": _chain_run(
             rank,
@@ -500,8 +585,22 @@ def _gather_cases(rank, world):
             swap=True,
             stage3_prefetch_bucket_size=10**6,
             stage3_max_live_parameters=big,
+            **NO_REUSE,
         ),
         "boundary": _threshold_boundary(rank, world),
+        # reuse: DeepSpeed's default distance, a small one, and one under a cap
+        "reuse": _chain_run(rank, world, stage3_prefetch_bucket_size=10**6),
+        "reuse_prefetch0": _chain_run(rank, world, stage3_prefetch_bucket_size=0),
+        "reuse_near": _chain_run(
+            rank, world, stage3_prefetch_bucket_size=0, stage3_max_reuse_distance=5000
+        ),
+        "reuse_capped": _chain_run(
+            rank, world, stage3_prefetch_bucket_size=0, stage3_max_live_parameters=6300
+        ),
+        "reuse_swap": _chain_run(rank, world, swap=True, stage3_prefetch_bucket_size=10**6),
+        "swap0": _chain_run(rank, world, swap=True, stage3_prefetch_bucket_size=10**6, **NO_REUSE),
+        "off_path": _reuse_off_path(rank, world),
+        "off_path0": _reuse_off_path(rank, world, **NO_REUSE),
     }
 
 
@@ -579,3 +678,91 @@ def test_max_live_parameters_caps_gathered_numel(gather_results):
         # without a cap, prefetching holds several units at once
         assert _counter(free, max, "peak_live_numel") > largest
         assert _counter(free, sum, "evicted") == 0
+
+
+# -- stage3_max_reuse_distance ---------------------------------------------------------
+# Chain's trace (forward order, then backward order; numel): emb 2048, a 1056, norm 64,
+# wide 4096, head 2112 | head, wide, norm, a, emb. After its forward, a unit is kept if
+# the units between now and its next use hold fewer elements than the distance: head 0,
+# wide 2 x 2112 = 4224, norm 4096 + 2 x 2112 + 4096 = 12416, a 16896, emb 21056.
+def _same(run, base):
+    """Bitwise the same training: every loss and every final parameter."""
+    assert run["losses"] == base["losses"], (run["losses"], base["losses"])
+    assert run["params"] == base["params"]
+
+
+def _after_recording(run):
+    return run["steps"][1:]  # the first step records the orders: nothing is kept then
+
+
+def test_reuse_default_skips_the_backward_gather(gather_results):
+    for r in gather_results:
+        n = 5
+        for key, base in (("reuse", "prefetch"), ("reuse_prefetch0", "prefetch0")):
+            run = r[key]
+            _parity(run)
+            _same(run, r[base])
+            first = run["steps"][0]
+            assert first["forward"]["kept"] == 0 and first["backward"]["gathers"] == n
+            for st in _after_recording(run):
+                assert st["forward"]["gathers"] == n and st["forward"]["kept"] == n, st
+                assert st["backward"]["gathers"] == 0 and st["backward"]["reused"] == n, st
+                assert st["backward"]["prefetched"] == 0
+                assert st["all_gather_bytes"] == 4 * sum(run["units"])
+            assert run["whole"]["others_freed_between_steps"]  # freed when backward ends
+
+
+def test_reuse_distance_keeps_only_units_near_the_turn(gather_results):
+    for r in gather_results:
+        run = r["reuse_near"]  # distance 5000: head and wide kept, not norm (12416)
+        _parity(run)
+        _same(run, r["prefetch0"])
+        units = {"emb": 2048, "a": 1056, "norm": 64, "wide": 4096, "head": 2112}
+        for st in _after_recording(run):
+            assert st["forward"]["kept"] == 2 and st["forward"]["gathers"] == 5, st
+            assert st["backward"]["reused"] == 2 and st["backward"]["gathers"] == 3, st
+            kept = units["head"] + units["wide"]
+            assert st["all_gather_bytes"] == 4 * (2 * sum(units.values()) - kept)
+
+
+def test_live_cap_evicts_kept_units(gather_results):
+    for r in gather_results:
+        run, cap = r["reuse_capped"], 6300
+        _parity(run)
+        _same(run, r["prefetch0"])
+        for st in _after_recording(run):
+            # forward: wide (4096) evicts emb, whose next use is furthest; head (2112)
+            # evicts a; norm, wide and head (6272) are left for the backward
+            assert st["forward"]["kept"] == 5 and st["forward"]["evicted"] == 2, st
+            assert st["backward"]["reused"] == 3 and st["backward"]["gathers"] == 2, st
+            for phase in ("forward", "backward"):
+                assert st[phase]["peak_live_numel"] <= cap, st
+
+
+def test_reuse_with_a_mispredicted_order(gather_results):
+    for r in gather_results:
+        run = r["reuse_swap"]
+        _parity(run)
+        _same(run, r["swap0"])
+        for st in _after_recording(run):
+            assert st["backward"]["gathers"] == 0, st  # every unit kept, whatever the order
+
+
+def test_reuse_off_the_training_path(gather_results):
+    for r in gather_results:
+        run, base = r["off_path"], r["off_path0"]
+        _same(run, base)  # nothing stale after a step, whatever was kept before it
+        p = run["probes"]
+        # an eval forward under no_grad keeps nothing
+        assert p["eval"]["kept"] == 0 and p["eval"]["kept_now"] == 0
+        assert p["eval"]["gathers"] == 5 and p["eval"]["live_numel"] == 0
+        # a grad-enabled forward keeps every unit until a backward or a step ...
+        assert p["forward_only"]["kept_now"] == 5 and p["forward_only"]["live_numel"] > 0
+        # ... an eval forward uses them without gathering, and frees them
+        assert p["eval_after_forward"]["reused"] == 5
+        assert p["eval_after_forward"]["gathers"] == 0
+        assert p["eval_after_forward"]["live_numel"] == 0
+        # ... and a step frees them: the shards changed
+        assert p["step_after_forward"]["kept_now"] == 0
+        assert p["step_after_forward"]["live_numel"] == 0
+        assert base["probes"]["forward_only"]["kept_now"] == 0

@@ -138,6 +138,7 @@ class Engine(EngineBuild, DeepSpeedEngineCompat, nn.Module):
                 persistent=persistent,
                 prefetch_numel=int(zc.stage3_prefetch_bucket_size),
                 max_live_numel=int(zc.stage3_max_live_parameters),
+                max_reuse_numel=int(zc.stage3_max_reuse_distance),
                 leaves=find_leaves(module, zc.leaf_module),
                 check_every_pass=zc.enable_sanity_checks,
             )
