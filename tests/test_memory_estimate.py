@@ -22,7 +22,22 @@ def test_paper_formulas_7b_on_4_ranks(stage: int) -> None:
     assert e.model_states == paper_bytes(7 * 10**9, 4, stage, **(STAGE3 if stage == 3 else {}))
     assert e.model_states == [112 * GB, 49 * GB, 38.5 * GB, 24.5 * GB][stage]
     assert paper_bytes(7 * 10**9, 4, 3) == 28 * GB  # the paper's stage 3
-    assert e.comm_bytes_per_step == (3 if stage == 3 else 2) * 2 * 7 * 10**9
+    # stage 3 with DeepSpeed's stage3_max_reuse_distance (1e9): the 5e8 parameters
+    # nearest the turn from forward to backward stay gathered, not gathered again
+    gathers = 3 * 7 * 10**9 - 5 * 10**8 if stage == 3 else 2 * 7 * 10**9
+    assert e.comm_bytes_per_step == 2 * gathers
+    assert e.gathered == (2 * 5 * 10**8 if stage == 3 else 0)
+
+
+def test_stage3_reuse_distance_and_live_cap() -> None:
+    psi = 10**8
+    none = estimate(psi, 4, stage=3, precision="bf16", reuse_numel=0)
+    assert none.gathered == 0 and none.comm_bytes_per_step == 3 * 2 * psi  # the paper's
+    whole = estimate(psi, 4, stage=3, precision="bf16")  # under 5e8: kept whole
+    assert whole.gathered == 2 * psi and whole.comm_bytes_per_step == 2 * 2 * psi
+    assert whole.device == none.device + 2 * psi
+    capped = estimate(psi, 4, stage=3, precision="bf16", max_live_numel=psi // 4)
+    assert capped.gathered == 2 * psi // 4
 
 
 def test_seed_004_table_and_why_it_differs() -> None:

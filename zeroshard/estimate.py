@@ -219,6 +219,8 @@ def main(args: argparse.Namespace) -> int:
     print(
         "states: the ZeRO paper's model-state bytes; +buffers: zeroshard's gradient staging "
         "(stages 2-3) and always-gathered small parameters; device: what stays on the "
-        "device, buffers and activations included"
+        "device, buffers and activations included, and at stage 3 the parameters kept "
+        "gathered from forward to backward (DeepSpeed's default stage3_max_reuse_distance "
+        "and stage3_max_live_parameters, 1e9: min(params, 5e8) elements)"
     )
     return 0

@@ -11,6 +11,12 @@ precision. Offload moves the optimizer side (masters, moments and,
 from stage 2, the gradient shard) to CPU memory or NVMe files, and at stage 3 the
 parameter shard too. zeroshard's own buffers are included: the gradient staging
 buckets (stages 2-3) and the gathered always-resident small parameters (stage 3).
+Stage 3 also holds gathered parameters between a unit's forward and its backward
+(``stage3_max_reuse_distance``: a unit is kept when its next use comes within that many
+gathered elements, about 2x its distance from the turn of forward to backward, so
+min(Ψ, distance / 2, ``stage3_max_live_parameters``) elements in the compute dtype,
+``Estimate.gathered``; DeepSpeed's defaults, 1e9 each, keep a model under 5e8
+parameters whole), and each kept element is one the backward does not all-gather again.
 
 Activations (``activation_bytes``), per micro-batch of the built-in GPT (pre-LN blocks,
 fused attention that keeps no s×s scores, dropout off), in elements of the activation
@@ -68,6 +74,7 @@ class Estimate:
     grads: int
     optimizer_states: int
     buffers: int = 0  # zeroshard's working buffers: gradient staging, persistent small params
+    gathered: int = 0  # stage 3: parameters kept gathered from forward to backward
     by_location: dict[str, int] = field(default_factory=dict)
     activations: int = 0
     comm_bytes_per_step: int = 0
@@ -78,8 +85,9 @@ class Estimate:
 
     @property
     def device(self) -> int:
-        """Device bytes: model states left there, buffers and activations."""
-        return self.by_location.get("device", 0) + self.activations
+        """Device bytes: model states left there, buffers, parameters kept gathered from
+        forward to backward (stage 3) and activations."""
+        return self.by_location.get("device", 0) + self.gathered + self.activations
 
 
 def estimate(
@@ -98,6 +106,8 @@ def estimate(
     tp: int = 1,
     sp: int = 1,
     tp_activation_numel: int = 0,
+    reuse_numel: int = 10**9,
+    max_live_numel: int = 10**9,
 ) -> Estimate:
     """Per-rank bytes for ``params`` parameters on ``nproc * nnodes`` ranks, ``tp``
     tensor-parallel and ``sp`` sequence-parallel ranks among them (ZeRO shards over the
@@ -109,7 +119,10 @@ def estimate(
     parameters stage 3 keeps whole. Tensor parallelism divides every parameter by ``tp``
     (the few replicated ones, norms and biases, are counted split too); its traffic per
     step is 4 all-reduces (8 buffers' bytes) of ``tp_activation_numel`` = b·s·h per
-    layer, times the layers, in the compute dtype.
+    layer, times the layers, in the compute dtype. ``reuse_numel`` and ``max_live_numel``
+    are stage 3's ``stage3_max_reuse_distance`` and ``stage3_max_live_parameters``
+    (DeepSpeed's defaults): the parameters kept gathered from forward to backward, and
+    so not all-gathered again in backward (see the module docstring).
     """
     if stage not in (0, 1, 2, 3) or offload not in OFFLOADS or precision not in PRECISIONS:
         raise ValueError(f"stage/offload/precision: got {stage}, {offload!r}, {precision!r}")
@@ -152,7 +165,9 @@ def estimate(
         loc["device"] -= param_bytes
         where = "nvme" if offload == "nvme" else "cpu"
         loc[where] = loc.get(where, 0) + param_bytes
-    comm = (3 if stage == 3 else 2) * compute_b * psi if n > 1 else 0
+    kept = min(psi, reuse_numel // 2, max_live_numel) if stage == 3 and reuse_numel else 0
+    # stage 3: all-gather in forward, again in backward but for the kept, reduce-scatter
+    comm = ((3 * psi - kept) if stage == 3 else 2 * psi) * compute_b if n > 1 else 0
     if tp > 1:
         comm += 8 * compute_b * tp_activation_numel
     return Estimate(
@@ -163,6 +178,7 @@ def estimate(
         grads=grad_bytes,
         optimizer_states=opt_bytes,
         buffers=buffers,
+        gathered=compute_b * kept,
         by_location={k: v for k, v in loc.items() if v},
         activations=activations,
         comm_bytes_per_step=comm,
