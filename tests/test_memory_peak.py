@@ -27,6 +27,7 @@ def _train(rank: int, world: int, stage: int) -> dict:
         "reduce_bucket_size": 2**22,
         "allgather_bucket_size": 2**22,
         "stage3_prefetch_bucket_size": 2**21,
+        "stage3_max_reuse_distance": 0,  # each unit freed after its forward
     }
     engine, delta = rss.train_gpt(cfg, zc, partitioned=stage == 3)
     return {"delta_mib": delta, "params": cfg.num_params(), "memory": engine.memory_stats()}
