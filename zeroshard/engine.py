@@ -168,7 +168,11 @@ class Engine(EngineBuild, DeepSpeedEngineCompat, nn.Module):
             on_bucket_ready=self.params.free_if_idle,
             accum_device=self.placement.optimizer if self.placement.offload_optimizer else None,
             reduce_scatter_via=(
-                None if zc.reduce_scatter is None else "native" if zc.reduce_scatter else "all_reduce"
+                None
+                if zc.reduce_scatter is None
+                else "native"
+                if zc.reduce_scatter
+                else "all_reduce"
             ),
         )
         self.loss_scaler = LossScaler.from_config(config.fp16)

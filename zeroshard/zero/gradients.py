@@ -45,6 +45,7 @@ class _Bucket:
     launched: bool = False
     staging: torch.Tensor | None = None
     scratch: torch.Tensor | None = None  # the all-to-all reduce-scatter's receive buffer
+    direct: bool = False  # reduced straight into the owned gradient shard
     filled: set[int] = field(default_factory=set)
 
 
@@ -166,6 +167,14 @@ class GradReducer:
         self._buckets.sort(key=lambda b: (-b.order_key, b.segment))
         self._next = 0
         self._zero_copy = not sharded and all(p.dtype == dtype for p in flat.params)
+        # the owned shard can take a reduction's output: same device and dtype, no replicas
+        self._direct_ok = (
+            sharded
+            and self._stager is None
+            and self.replicate is None
+            and self.grad_shard is not None
+            and self.grad_shard.dtype == dtype
+        )
         for pi, p in enumerate(flat.params):
             if flat.group_of[pi] < 0:  # frozen (stage 3 keeps them in the layout)
                 continue
@@ -263,8 +272,12 @@ class GradReducer:
         if g.partitioned:
             if self._rs_via == "all_to_all" and self.comm.world_size > 1:
                 b.scratch = self._scratch()
+            # the window's first reduction of a sharded bucket lands in the owned shard
+            # itself (no copy out of the staging bucket afterwards)
+            b.direct = self.sharded and self._direct_ok and not self._accumulated
+            out = self.grad_chunks[b.segment] if b.direct else self._own(b, src)
             handle = self.comm.reduce_scatter(
-                self._own(b, src), src, async_op=True, via=self._rs_via, scratch=b.scratch
+                out, src, async_op=True, via=self._rs_via, scratch=b.scratch
             )
         else:
             handle = self.comm.all_reduce(src, async_op=True)
@@ -304,10 +317,12 @@ class GradReducer:
         post = self._contributors / self.predivide
         chunk = self.grad_chunks[b.segment]
         if self.sharded:
-            reduced = self._own(b, b.staging)
+            reduced = chunk if b.direct else self._own(b, b.staging)
             if post != 1.0:
                 reduced.div_(post)
-            if self._stager is not None:
+            if b.direct:  # already in place
+                reduced = chunk
+            elif self._stager is not None:
                 event = self._stager.submit(reduced, chunk, accumulate=self._accumulated)
                 if event is not None:
                     self._staging_events[id(b.staging)] = event
