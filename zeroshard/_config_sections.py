@@ -246,7 +246,13 @@ class OffloadOptimizerConfig(OffloadConfig):
     ratio: float = key(1.0, NOT_BUILT("partial optimizer offload (ratio < 1)"), doc="Share of the step on the CPU.", min=0, max=1)
     super_offload: bool = key(False, NOT_BUILT("SuperOffload"), doc="DeepSpeed's SuperOffload.")
     cpuadam_cores_perc: float = key(0.8, INERT("a SuperOffload setting"), doc="CPU cores for SuperOffload.", min=0, max=1)
+    delayed_update: bool = key(False, doc="zeroshard (DeepSpeed has no such key): ZeRO-Offload's one-step delayed parameter update (DPU), device cpu only. step() hands the reduced gradients to the CPU optimizer in a background thread and returns; the next step's forward and backward run on the parameters from before that update, which land at the next step boundary (or before any checkpoint, GatheredParameters, eval forward or engine.wait_param_gather()). Faster (the CPU step overlaps compute) but not the same training: each gradient is taken one update late, as in the ZeRO-Offload paper, which found it converges alike after a few dozen exact steps (delayed_update_after); off, training is unchanged.")
+    delayed_update_after: int = key(40, doc="zeroshard: with delayed_update, the first this many optimizer steps (global_steps) are exact; the ZeRO-Offload paper turns DPU on after a few dozen, as early gradients change fast.", min=0)
     # fmt: on
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check(not self.delayed_update or self.device == "cpu", "delayed_update", f'the delayed update overlaps the CPU optimizer step with compute: it needs device "cpu" (device is "{self.device}"; NVMe offload is not built with it)')  # fmt: skip
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -288,11 +294,11 @@ class ZeroConfig(Section):
     # fmt: off
     stage: int = key(0, doc="0 data parallel, 1 shard optimizer states, 2 + gradients, 3 + parameters.", choices=(0, 1, 2, 3))
     contiguous_gradients: bool = key(True, INERT("gradients always go into flat, contiguous buffers"), doc="Contiguous gradients.")
-    reduce_scatter: bool | None = key(None, doc="Reduce sharded gradients with the backend's reduce-scatter (true) or with an all-reduce keeping this rank's part (false); not given: the fastest per backend, an all-to-all plus a local sum on gloo (whose own reduce-scatter is slower than its all-reduce), the reduce-scatter elsewhere.")
-    reduce_bucket_size: int | None = key(None, doc="Elements per gradient bucket; 0 = each gradient alone; not given: 25 MiB of gradients, as DDP's buckets, so reductions overlap backward (DeepSpeed's 5e8 puts a model under 500M parameters in one bucket); \"auto\": the same.", min=0, auto=True)
+    reduce_scatter: bool | None = key(None, doc="Reduce sharded gradients with reduce-scatter (true) or with an all-reduce keeping this rank's part (false); not given: all-reduce on gloo, whose reduce-scatter is the slower of the two, reduce-scatter elsewhere.")
+    reduce_bucket_size: int | None = key(None, doc="Elements per gradient bucket; 0 = each gradient alone; not given: 25 MiB of gradients, as DDP's buckets, so reductions overlap backward (DeepSpeed's 5e8 puts a model under 500M parameters in one bucket).", min=0)
     use_multi_rank_bucket_allreduce: bool = key(True, INERT("a detail of DeepSpeed's stage-1/2 all-reduce"), doc="Multi-rank buckets.")
     allgather_partitions: bool = key(True, INERT("updated parameters are always all-gathered"), doc="All-gather, not broadcast.")
-    allgather_bucket_size: int | None = key(None, doc="Elements per all-gather bucket (buckets: the smaller size); not given or \"auto\": as reduce_bucket_size.", min=1, auto=True)
+    allgather_bucket_size: int | None = key(None, doc="Elements per all-gather bucket (buckets: the smaller size); not given: as reduce_bucket_size.", min=1)
     overlap_comm: bool | None = key(None, doc="Overlap gradient reduction with backward; null = at stage 3.")
     overlap_param_gather: bool = key(False, doc="zeroshard (Megatron's name): stages 1-2 start the all-gather of updated parameters at the end of step() and each module's forward waits only for its own parameters; code reading parameters outside the engine before the next forward calls engine.wait_param_gather().")
     load_from_fp32_weights: bool = key(True, NOT_BUILT("loading the fp32 masters from the 16-bit weights"), doc="Masters from fp32 on load.")
@@ -340,6 +346,9 @@ class ZeroConfig(Section):
         check(not self.overlap_param_gather or stage in (1, 2), "overlap_param_gather", f"overlaps the all-gather of stages 1-2 (stage is {stage}; stage 3 gathers in forward with prefetch already)")  # fmt: skip
         check(not self.offload_param.enabled or stage == 3, "offload_param.device", f"parameter offload needs ZeRO stage 3 (stage is {stage})")  # fmt: skip
         check(not opt.enabled or stage >= 1, "offload_optimizer.device", "optimizer offload needs ZeRO stage 1, 2 or 3 (stage is 0)")  # fmt: skip
+        if opt.delayed_update:
+            check(self.offload_param.device != "nvme", "offload_optimizer.delayed_update", "is not built with parameters in NVMe swap files (offload_param.device nvme); use offload_param cpu or none")  # fmt: skip
+            check(not self.overlap_param_gather, "offload_optimizer.delayed_update", "is not built with overlap_param_gather; leave one out")  # fmt: skip
         if opt.device == "nvme":
             check(stage == 3, "offload_optimizer.device", f"NVMe optimizer offload needs ZeRO stage 3 (stage is {stage})")  # fmt: skip
             # a sub-group in flight holds its master and both moments (the gradient stays

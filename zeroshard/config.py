@@ -245,6 +245,14 @@ class Config(Section):
         object.__setattr__(self, "inert", tuple(self.inert))
         object.__setattr__(self, "not_built", tuple(self.not_built))
         both = self.fp16.enabled and self.bf16.enabled
+        check(
+            not (
+                self.zero_optimization.offload_optimizer.delayed_update and self.pipeline_stages > 1
+            ),
+            "zero_optimization.offload_optimizer.delayed_update",
+            "is not built with pipeline parallelism (a pipeline engine steps inside "
+            "train_batch()); leave it out with pipeline stages",
+        )
         check(not both, "bf16.enabled", "fp16 and bf16 cannot both be enabled; choose one")
 
     @classmethod

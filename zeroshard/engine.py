@@ -167,12 +167,8 @@ class Engine(EngineBuild, DeepSpeedEngineCompat, nn.Module):
             predivide=predivide,
             on_bucket_ready=self.params.free_if_idle,
             accum_device=self.placement.optimizer if self.placement.offload_optimizer else None,
-            reduce_scatter_via=(
-                None
-                if zc.reduce_scatter is None
-                else "native"
-                if zc.reduce_scatter
-                else "all_reduce"
+            reduce_scatter_via_all_reduce=(
+                shard_comm.backend == "gloo" if zc.reduce_scatter is None else not zc.reduce_scatter
             ),
         )
         self.loss_scaler = LossScaler.from_config(config.fp16)
@@ -187,6 +183,8 @@ class Engine(EngineBuild, DeepSpeedEngineCompat, nn.Module):
             clip=config.gradient_clipping,
             nonfinite=nonfinite_policy(config),
         )
+        #: offload_optimizer.delayed_update: the store stepping one step late, else None
+        self._delayed = self.optimizer.states if zc.offload_optimizer.delayed_update else None
         register_owner(module.parameters(), self)
         # parameters frozen now: unfreezing one later needs a new initialize()
         laid_out = {
@@ -238,6 +236,7 @@ class Engine(EngineBuild, DeepSpeedEngineCompat, nn.Module):
         again. The engine is unusable afterwards."""
         if self.destroyed:
             return
+        self._land_delayed()
         self.reducer.remove_hooks()
         self.params.remove()
         self._parallel.remove()
@@ -253,7 +252,7 @@ class Engine(EngineBuild, DeepSpeedEngineCompat, nn.Module):
         if self.module in _ENGINES and _ENGINES[self.module]() is self:
             del _ENGINES[self.module]
         # drop the buffers (the parameters at stages 0-2 keep their views of the flat one)
-        self.reducer = self.optimizer = self.flat = self.params = None
+        self.reducer = self.optimizer = self.flat = self.params = self._delayed = None
 
     def _enter(self, phase: str) -> None:
         """Refuse a destroyed engine; tell the watchdog which call this rank is in."""
@@ -266,6 +265,24 @@ class Engine(EngineBuild, DeepSpeedEngineCompat, nn.Module):
             self._watchdog.enter(phase, self.global_steps)
         if phase != "forward":  # overlap_param_gather: forward waits layer by layer
             self.params.settle()
+        if phase not in ("forward", "backward", "step"):  # step lands at its boundary
+            self._land_delayed()
+
+    def _land_delayed(self) -> None:
+        """offload_optimizer.delayed_update: wait for the optimizer step in flight, write
+        its masters into the parameters and re-assemble them (stages 1-2: all-gather)."""
+        d = getattr(self, "_delayed", None)
+        if d is None or not d.in_flight:
+            return
+        if self.params.edited():
+            log.warning(
+                "zeroshard: parameters were changed in place while a delayed optimizer "
+                "step was in flight (offload_optimizer.delayed_update); the step's values "
+                "overwrite the change (use GatheredParameters(..., modifier_rank=...))"
+            )
+        d.wait()
+        self.params.after_step()
+        d.in_flight = False
 
     def wait_param_gather(self) -> None:
         """With ``zero_optimization.overlap_param_gather``: wait until the parameters
@@ -276,6 +293,8 @@ class Engine(EngineBuild, DeepSpeedEngineCompat, nn.Module):
     # -- the training loop --------------------------------------------------------------
     def forward(self, *args, **kwargs):
         self._enter("forward")
+        if not (torch.is_grad_enabled() and self.module.training):
+            self._land_delayed()  # evaluation sees the latest update
         self.monitor.forward_start(self, args, kwargs)
         out = self.module(*args, **kwargs)
         self.monitor.forward_end()
@@ -330,13 +349,17 @@ class Engine(EngineBuild, DeepSpeedEngineCompat, nn.Module):
         self._step_applied = False
         boundary = self.is_gradient_accumulation_boundary()
         if boundary:
+            self._land_delayed()
+            if self._delayed is not None:
+                self._delayed.armed = self.global_steps >= self._delayed.after
             if self.params.edited():  # e.g. p.clamp_() after the last step: keep it
                 self.optimizer.refresh_masters(list(range(len(self.flat.layout.segments))))
             loss_finite = self._loss_finite is None or bool(self._loss_finite)
             self._loss_finite = None
             self._step_applied = self.optimizer.apply_step(loss_finite)
             if self._step_applied:
-                self.params.after_step()
+                if self._delayed is None or not self._delayed.in_flight:
+                    self.params.after_step()
                 if self.lr_scheduler is not None:
                     self.lr_scheduler.step(**(lr_kwargs or {}))
             else:
@@ -428,6 +451,7 @@ class Engine(EngineBuild, DeepSpeedEngineCompat, nn.Module):
 
     # -- zero.GatheredParameters support ----------------------------------------------
     def open_gathered(self, params: list[torch.Tensor]) -> None:
+        self._land_delayed()
         self.params.open(params)
 
     def close_gathered(self, params: list[torch.Tensor], modifier_rank: int | None) -> None:

@@ -111,9 +111,26 @@ class EngineBuild:
             return self._swaps.swapped_adam(self.flat, self.placement.optimizer_nvme)
         cfg = self._config.optimizer
         factory = optimizer_factory(cfg, self.device) if cfg is not None else None
-        return build_memory_states(
-            self.flat, self.policy, self.placement, client=client, factory=factory
+        offload = self._config.zero_optimization.offload_optimizer
+        if offload.delayed_update and not isinstance(client, (torch.optim.Optimizer, type(None))):
+            raise ValueError(
+                "zero_optimization.offload_optimizer.delayed_update steps a twin of a "
+                "torch.optim.Optimizer in a thread; "
+                f"{type(client).__name__} is not one"
+            )
+        states = build_memory_states(
+            self.flat,
+            self.policy,
+            self.placement,
+            client=client,
+            factory=factory,
+            copy_masters=offload.delayed_update,
         )
+        if offload.delayed_update:
+            from zeroshard.offload.delayed import DelayedUpdate
+
+            return DelayedUpdate(states, after=offload.delayed_update_after)
+        return states
 
     def _flatten(self, param_groups: list[dict]) -> tuple[FlatParams, list[int]]:
         """Lay parameters out flat: gradient buckets (stages 0-2) or module units (stage 3)."""

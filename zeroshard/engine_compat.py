@@ -49,6 +49,7 @@ class DeepSpeedEngineCompat:
         from zeroshard.zero import GatheredParameters
 
         self.params.settle()  # overlap_param_gather: the last step's gathers have landed
+        self._land_delayed()  # offload_optimizer.delayed_update: the step in flight too
         module = self.module
         named = dict(module.named_parameters(remove_duplicate=False))
         state = module.state_dict(keep_vars=True)

@@ -138,20 +138,7 @@ class MemoryStates:
                 m.grad = None
 
     def _fold_scale(self, device: torch.device, factor: float) -> bool:
-        """Let torch's fused kernel scale the gradients (unscale and clip) inside its one
-        pass over memory, as AMP's GradScaler does, instead of a separate multiply that
-        reads and writes every gradient once more. Fused Adam/AdamW/SGD only."""
-        if type(self.inner) not in _ELEMENTWISE:
-            return False
-        if not all(g.get("fused") for g in self.inner.param_groups):
-            return False  # a non-fused group refuses grad_scale
-        # the kernel divides by grad_scale (within an ulp of multiplying by factor); a
-        # zero factor (an infinite norm) or one whose inverse overflows fp32 is applied
-        # as a plain multiply
-        if not factor > 0.0 or 1.0 / factor > torch.finfo(torch.float32).max:
-            return False
-        self.inner.grad_scale = torch.tensor(1.0 / factor, dtype=torch.float32, device=device)
-        return True
+        return fold_scale(self.inner, device, factor)
 
     def _step_and_write_back_by_segment(self) -> None:
         """Offload to a separate host: step one segment's masters, then start its
@@ -257,6 +244,24 @@ class MemoryStates:
         return 0
 
 
+def fold_scale(optimizer: torch.optim.Optimizer, device: torch.device, factor: float) -> bool:
+    """Let torch's fused kernel scale the gradients (unscale and clip) inside its one
+    pass over memory, as AMP's GradScaler does, instead of a separate multiply that
+    reads and writes every gradient once more. Fused Adam/AdamW/SGD only: sets
+    ``optimizer.grad_scale`` (the caller deletes it after the step) and returns True."""
+    if type(optimizer) not in _ELEMENTWISE:
+        return False
+    if not all(g.get("fused") for g in optimizer.param_groups):
+        return False  # a non-fused group refuses grad_scale
+    # the kernel divides by grad_scale (within an ulp of multiplying by factor); a
+    # zero factor (an infinite norm) or one whose inverse overflows fp32 is applied
+    # as a plain multiply
+    if not factor > 0.0 or 1.0 / factor > torch.finfo(torch.float32).max:
+        return False
+    optimizer.grad_scale = torch.tensor(1.0 / factor, dtype=torch.float32, device=device)
+    return True
+
+
 def build_memory_states(
     flat: FlatParams,
     policy: DtypePolicy,
@@ -264,16 +269,20 @@ def build_memory_states(
     *,
     client: torch.optim.Optimizer | None = None,
     factory=None,
+    copy_masters: bool = False,
 ) -> MemoryStates:
     """Make this rank's master chunks (one per segment) and the torch optimizer that
     steps them, one param group per ``flat`` group holding that group's master views.
 
     ``client``: a user's optimizer instance, re-pointed at the masters in place (so an
     lr scheduler already bound to it keeps working). ``factory(param_groups)``: builds
-    a new one."""
+    a new one. ``copy_masters``: masters apart from the parameters even where they could
+    be views of them (the delayed update steps them while the parameters are in use)."""
     store = flat.store
-    views = flat.chunks is not None and (
-        store.dtype == policy.master and placement.same_place_for_masters()
+    views = (
+        not copy_masters
+        and flat.chunks is not None
+        and (store.dtype == policy.master and placement.same_place_for_masters())
     )
     if views:
         masters = [c.detach() for c in flat.chunks]

@@ -1,0 +1,234 @@
+"""ZeRO-Offload's one-step delayed parameter update (offload_optimizer.delayed_update).
+
+Against a hand-written single-process reference of the rule zeroshard builds (masters
+``m``, the parameters ``w_t`` step t's gradient is taken at, warm-up ``W``)::
+
+    m_{t+1} = AdamW step of m_t with g_t = grad(w_t)  (clipped on g_t)
+    w_t = m_t for t <= W,  w_t = m_{t-1} for t > W
+
+at stages 1-3 on 2 ranks, accumulation 1 and 2, on the CPU path and the GPU code path on
+CPU (``staged``); a checkpoint saved right after a delayed step holds the step applied
+and resumes identically; combinations not built are refused naming the key. The default
+(off) is covered, unchanged, by tests/test_offload.py.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import multirank
+import parity
+import pytest
+import torch
+
+from zeroshard.config import ConfigError, load_config
+
+AFTER = 2  # exact warm-up steps in these tests
+STEPS = 6
+SCHED = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 2e-3, "warmup_num_steps": 4, "warmup_type": "linear"}}  # fmt: skip
+
+
+def _offload(**extra) -> dict:
+    off = {"device": "cpu", "delayed_update": True, "delayed_update_after": AFTER}
+    return {"zero_optimization": {"offload_optimizer": off, **extra}}
+
+
+def _cases() -> list[dict]:
+    cases = []
+    for stage in (1, 2, 3):
+        for gas in (1, 2):
+            case = {"stage": stage, "gas": gas, "micro": 1, "clip": 1.0, "steps": STEPS}
+            cases.append({**case, "extra": _offload(), "staged": gas == 2})
+    # an lr schedule: step t must use the lr of step t, not the one set after it
+    sched = {"stage": 2, "gas": 1, "micro": 2, "steps": STEPS, "staged": True}
+    cases.append({**sched, "extra": {**_offload(), "scheduler": SCHED}})
+    param = {"offload_param": {"device": "cpu"}, "stage3_param_persistence_threshold": 0}
+    cases.append({"stage": 3, "gas": 2, "micro": 1, "steps": STEPS, "extra": _offload(**param)})
+    return cases
+
+
+def delayed_reference(
+    case: dict, world: int, after: int = AFTER
+) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Single-process fp32 AdamW on the whole global batch, under the delayed rule.
+    Returns per-step losses and the final masters (every step applied); ``after``
+    large: the exact (undelayed) run."""
+    from zeroshard.schedulers import build_scheduler
+
+    work, master = parity.build_model(case), parity.build_model(case)
+    lr = case.get("lr", parity.LR)
+    groups = [g for g in parity.param_groups(master, lr=lr) if g["params"]]
+    opt = torch.optim.AdamW(groups, lr=lr)
+    sched = case["extra"].get("scheduler")
+    if sched is not None:
+        sched = build_scheduler(sched["type"], sched["params"], opt)
+    mp, wp = list(master.parameters()), list(work.parameters())
+    rows = case.get("micro", 2) * case.get("gas", 1) * world
+    losses = []
+    for step in range(case["steps"]):
+        x, y = parity.batch(step, rows)
+        loss = work(x, y)
+        loss.backward()
+        for m, w in zip(mp, wp, strict=True):
+            m.grad = None if w.grad is None else w.grad.clone()
+            w.grad = None
+        trainable = [p for p in mp if p.requires_grad]
+        if case.get("clip", 0.0) > 0:
+            torch.nn.utils.clip_grad_norm_(trainable, case["clip"])
+        before = [m.detach().clone() for m in mp]  # m_t
+        opt.step()
+        opt.zero_grad()
+        if sched is not None:
+            sched.step()
+        nxt = step + 1  # w_{t+1}: m_{t+1} during the warm-up, else m_t
+        with torch.no_grad():
+            for w, m, b in zip(wp, mp, before, strict=True):
+                w.copy_(m if nxt <= after else b)
+        losses.append(loss.item())
+    return losses, {n: p.detach().clone() for n, p in master.named_parameters()}
+
+
+def _parity(rank, world, cases):
+    out = []
+    for case in cases:
+        losses, engine = parity.train(case, rank, world)
+        assert engine._delayed is not None and engine._delayed.in_flight  # step 5 in flight
+        got = parity.full_params(engine)  # GatheredParameters: lands the last step
+        ref_losses, ref = delayed_reference(case, world)
+        exact_losses, _ = delayed_reference(case, world, after=10**9)
+        out.append(
+            {
+                "losses": losses,
+                "ref_losses": ref_losses,
+                "exact_losses": exact_losses,
+                "param_diff": parity.max_param_diff(got, ref),
+                "movement": parity.max_param_diff(ref, parity.initial_params(case)),
+            }
+        )
+        engine.destroy()
+    return out
+
+
+def test_delayed_update_follows_the_delayed_rule() -> None:
+    cases = _cases()
+    results = multirank.run(_parity, 2, cases, timeout=600)
+    failures = []
+    for i, case in enumerate(cases):
+        per_rank = [r[i] for r in results]
+        losses = [sum(r["losses"][s] for r in per_rank) / 2 for s in range(STEPS)]
+        r0 = per_rank[0]
+        loss_diff = max(abs(a - b) for a, b in zip(losses, r0["ref_losses"], strict=True))
+        param_diff = max(r["param_diff"] for r in per_rank)
+        # the warm-up is exact; after it the delay changes the losses (a real delay)
+        diffs = [abs(a - b) for a, b in zip(losses, r0["exact_losses"], strict=True)]
+        exact, early = max(diffs), max(diffs[: AFTER + 1])
+        ok = loss_diff <= parity.TOL and param_diff <= parity.TOL and r0["movement"] > 1e-3
+        if not (ok and early <= parity.TOL and exact > 50 * parity.TOL):
+            failures.append(
+                f"{case}: loss {loss_diff:.3g} param {param_diff:.3g} vs exact {exact:.3g} "
+                f"(first {AFTER + 1} steps {early:.3g})"
+            )
+    assert not failures, "\n".join(failures)
+
+
+def _checkpoint(rank, world, root):
+    """Save right after a delayed step; the checkpoint holds it applied, and a fresh
+    engine loading it trains on exactly as the saving engine does."""
+    case = {"stage": 2, "gas": 1, "micro": 1, "clip": 1.0, "steps": AFTER + 2}
+    case |= {"extra": _offload(), "staged": True}
+    _, engine = parity.train(case, rank, world)
+    assert engine._delayed.in_flight
+    engine.save_checkpoint(root, tag="t")
+    assert not engine._delayed.in_flight
+    saved = parity.full_params(engine)
+    _, ref = delayed_reference(case, world)
+    more = {**case, "steps": 3}
+    # the reference's masters after AFTER + 2 steps: every step applied
+    out = {"saved_vs_ref": parity.max_param_diff(saved, ref)}
+    first = _continue(engine, more, rank, world, start=case["steps"])
+    fresh = {**case, "steps": 0}
+    _, loaded = parity.train(fresh, rank, world)
+    loaded.load_checkpoint(root, tag="t")
+    out["loaded_vs_saved"] = parity.max_param_diff(parity.full_params(loaded), saved)
+    second = _continue(loaded, more, rank, world, start=case["steps"])
+    out["same_losses"] = first[0] == second[0]
+    out["continued_diff"] = parity.max_param_diff(first[1], second[1])
+    return out
+
+
+def _continue(engine, case, rank, world, start):
+    losses = []
+    for step in range(start, start + case["steps"]):
+        x, y = parity.batch(step, world)
+        loss = engine(x[rank : rank + 1], y[rank : rank + 1])
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    params = parity.full_params(engine)
+    engine.destroy()
+    return losses, params
+
+
+def test_checkpoint_after_a_delayed_step_holds_it_and_resumes_identically() -> None:
+    with tempfile.TemporaryDirectory() as root:
+        for r in multirank.run(_checkpoint, 2, os.path.join(root, "ck"), timeout=300):
+            assert r["saved_vs_ref"] <= parity.TOL, r["saved_vs_ref"]
+            assert r["loaded_vs_saved"] == 0.0, r["loaded_vs_saved"]
+            assert r["same_losses"] and r["continued_diff"] == 0.0, r
+
+
+def _cfg(zero: dict, **top) -> dict:
+    return {"train_micro_batch_size_per_gpu": 1, "zero_optimization": zero, **top}
+
+
+@pytest.mark.parametrize(
+    "zero,top,match",
+    [
+        ({"stage": 2, "offload_optimizer": {"delayed_update": True}}, {}, 'needs device "cpu"'),
+        (
+            {
+                "stage": 3,
+                "offload_optimizer": {
+                    "device": "nvme",
+                    "nvme_path": "/tmp",
+                    "delayed_update": True,
+                },
+            },
+            {},
+            'needs device "cpu"',
+        ),
+        (
+            {
+                "stage": 3,
+                "offload_optimizer": {"device": "cpu", "delayed_update": True},
+                "offload_param": {"device": "nvme", "nvme_path": "/tmp"},
+            },
+            {},
+            "NVMe swap files",
+        ),
+        (
+            {
+                "stage": 2,
+                "overlap_param_gather": True,
+                "offload_optimizer": {"device": "cpu", "delayed_update": True},
+            },
+            {},
+            "overlap_param_gather",
+        ),
+        (
+            {"stage": 1, "offload_optimizer": {"device": "cpu", "delayed_update": True}},
+            {"pipeline": {"stages": 2}},
+            "pipeline parallelism",
+        ),
+    ],
+)
+def test_refused_combinations_name_the_key(zero, top, match) -> None:
+    with pytest.raises(ConfigError, match=r"offload_optimizer\.delayed_update: ") as info:
+        load_config(_cfg(zero, **top))
+    assert match in str(info.value)
+
+
+def test_delayed_update_is_off_by_default() -> None:
+    off = load_config(_cfg({"stage": 2, "offload_optimizer": {"device": "cpu"}}))
+    assert off.zero_optimization.offload_optimizer.delayed_update is False

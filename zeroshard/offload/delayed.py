@@ -1,0 +1,192 @@
+"""ZeRO-Offload's one-step delayed parameter update (DPU): the CPU optimizer step of
+step *t* runs in a background thread while the device computes step *t+1*'s forward and
+backward. No communication: the thread only steps host tensors; every collective (the
+all-gather of the updated parameters) stays on the engine's thread.
+
+``zero_optimization.offload_optimizer.delayed_update`` (a zeroshard key). With masters
+``m`` (fp32, host) and ``w_t`` the parameters step *t*'s gradient ``g_t`` is taken at::
+
+    m_{t+1} = m_t + U_t(g_t)               (the optimizer's update, applied in order)
+    w_t     = m_t       for t <= W         (W = delayed_update_after: exact warm-up)
+    w_t     = m_{t-1}   for t >  W         (one update late)
+
+At step *t* > W-1 (``global_steps`` counts), the engine takes every decision on ``g_t``
+first (clipping norm, non-finite check, fp16 loss-scale skip: a skipped step is never
+launched), then :meth:`DelayedUpdate.step` copies ``g_t`` (this rank's reduced shard,
+already in host memory) into a buffer of its own, so the next backward may overwrite
+the reducer's, and starts the step of the masters in a thread. The parameters are left
+as they are (``m_t``). At the next step boundary, or before anything reads or writes the
+parameters, masters or optimizer states (checkpoints, ``GatheredParameters``, an eval
+forward, ``engine.wait_param_gather()``, ``destroy()``), the engine calls
+:meth:`DelayedUpdate.wait` (join, then write the masters into the parameter store) and
+re-assembles the parameters (``after_step``: the stage 1-2 all-gather). A landing
+before the next boundary (a checkpoint, an eval forward) makes the next step exact:
+``w_{t+1} = m_{t+1}``. Parameters changed in place between steps (outside
+``GatheredParameters``) are overwritten when the step lands (a warning says so).
+
+The thread steps a shallow twin of the torch optimizer whose param groups are copies
+taken at launch: it shares the tensors and the state, but the learning-rate scheduler
+stepping right after the launch changes the live groups, not the ones the thread reads.
+So step *t* uses the lr of step *t*, as without the delay.
+
+Memory: the masters are always apart from the parameters (on a CPU-only run too), plus
+one fp32 host copy of this rank's gradient shard.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from zeroshard.zero.states import MemoryStates, fold_scale
+
+
+class DelayedUpdate:
+    """The memory store of ``zero/states.py`` with its step run one step late.
+
+    Answers the same protocol (``step``, ``read``/``write``, ``kinds``, ...); every call
+    that touches masters or states waits for the step in flight first (the engine does
+    so earlier, at its own synchronization points; these waits are a safety net).
+    ``armed``: set by the engine before each step, whether this step may be delayed
+    (False during the warm-up: the step is the exact one of the wrapped store)."""
+
+    def __init__(self, states: MemoryStates, *, after: int) -> None:
+        if not states.separate:
+            raise ValueError("internal: the delayed update needs masters apart from parameters")
+        self.states, self.after = states, after
+        self.armed = False
+        #: a step was launched whose values the engine has not re-assembled yet
+        self.in_flight = False
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._written = True  # the masters are in the parameter store
+        self._grads: list[torch.Tensor] | None = None
+
+    # -- the step -----------------------------------------------------------------------
+    def step(self, reducer, factor: float, unused: set[int] = frozenset()) -> None:
+        """Exact step (not armed), or copy the gradients and start the step in a thread."""
+        self.wait()
+        if not self.armed:
+            self.states.step(reducer, factor, unused)
+            return
+        st = self.states
+        if st._uploaded is not None:  # the device still reads the masters (GPU)
+            st._uploaded.synchronize()
+            st._uploaded = None
+        if self._grads is None:  # (a segment of frozen parameters has no gradient)
+            self._grads = [
+                torch.empty(g.shape, dtype=m.dtype, device=m.device)
+                for m, g in zip(st.masters, reducer.grad_chunks, strict=True)
+            ]
+        for dst, src in zip(self._grads, reducer.grad_chunks, strict=True):
+            dst.copy_(src)  # to the masters' dtype and place, as the exact step does
+        twin = object.__new__(type(st.inner))
+        twin.__dict__.update(st.inner.__dict__)
+        twin.param_groups = [dict(g) for g in st.inner.param_groups]
+        self._error = None
+        self._written = False
+        self.in_flight = True
+        self._thread = threading.Thread(
+            target=self._run,
+            args=(twin, self._grads, factor, frozenset(unused)),
+            name="zeroshard-delayed-update",
+        )
+        self._thread.start()
+
+    def _run(self, twin, chunks: list[torch.Tensor], factor: float, unused) -> None:
+        try:
+            st = self.states
+            grads = []
+            for gi, group in enumerate(twin.param_groups):
+                for m, g in zip(group["params"], st.flat.group_views(chunks, gi), strict=True):
+                    m.grad = g
+            if unused:
+                for *_, view, pi in st._views:
+                    if pi in unused:
+                        view.grad = None
+            grads = [v.grad for *_, v, _ in st._views if v.grad is not None]
+            folded = factor != 1.0 and bool(grads) and fold_scale(twin, grads[0].device, factor)
+            if factor != 1.0 and grads and not folded:
+                torch._foreach_mul_(grads, factor)
+            twin.step()
+            for group in twin.param_groups:
+                for m in group["params"]:
+                    m.grad = None
+        except BaseException as e:  # re-raised on the engine's thread by wait()
+            self._error = e
+
+    def wait(self) -> bool:
+        """Wait for the step in flight and write its masters into the parameter store;
+        True if it wrote them now. Re-raises an error of the step."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            self._written = True
+            raise RuntimeError("zeroshard: the delayed optimizer step failed") from error
+        if self._written:
+            return False
+        st = self.states
+        for s, master in enumerate(st.masters):
+            st.flat.store.write_chunk(s, master)
+        if st._uploads:  # non-blocking uploads: the next step waits before it rewrites
+            dev = st.flat.device
+            st._uploaded = getattr(torch, dev.type).current_stream(dev).record_event()
+        self._written = True
+        return True
+
+    # -- the store protocol (waits first) ---------------------------------------------------
+    @property
+    def inner(self):
+        return self.states.inner
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.states.param_groups
+
+    @property
+    def state(self):
+        self.wait()
+        return self.states.state
+
+    @property
+    def kinds(self) -> list[str]:
+        self.wait()
+        return self.states.kinds
+
+    def init_state(self, zero_grads: list[torch.Tensor]) -> None:
+        self.states.init_state(zero_grads)
+
+    def read(self, kind: str, a: int, b: int) -> torch.Tensor:
+        self.wait()
+        return self.states.read(kind, a, b)
+
+    def write(self, kind: str, a: int, values: torch.Tensor) -> None:
+        self.wait()
+        self.states.write(kind, a, values)
+
+    def refresh(self, segments: list[int]) -> None:
+        self.wait()
+        self.states.refresh(segments)
+
+    def group_steps(self) -> list[float]:
+        self.wait()
+        return self.states.group_steps()
+
+    def set_group_steps(self, steps: list[float]) -> None:
+        self.wait()
+        self.states.set_group_steps(steps)
+
+    def buffers(self) -> list[torch.Tensor]:
+        """The wrapped store's, plus the gradient copy (once made)."""
+        return self.states.buffers() + list(self._grads or [])
+
+    def disk_bytes(self) -> int:
+        return 0
+
+    def __getattr__(self, name: str):  # masters, separate, pipelined, ... (read-only use)
+        if name == "states":
+            raise AttributeError(name)
+        return getattr(self.states, name)
