@@ -1,5 +1,6 @@
 """Gloo's collectives on one buffer, 2 ranks: reduce-scatter and all-gather against
-all-reduce, and each emulated by an all-reduce (how zeroshard's reducer chooses on gloo).
+all-reduce, each also emulated by an all-reduce, and zeroshard's gloo defaults
+(``Comm``: reduce-scatter as an all-to-all plus a local sum, all-gather point to point).
 
     .venv/bin/python benchmarks/bench_gloo_collectives.py
 """
@@ -9,33 +10,44 @@ from __future__ import annotations
 import statistics
 import tempfile
 import time
+import warnings
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+warnings.filterwarnings("ignore", category=FutureWarning)  # *_into_tensor renamed in 2.13
+
 SIZES = (250_000, 6_553_600, 25_000_000)  # fp32 elements: ~1 MiB, 25 MiB, 95 MiB
 
 
 def _ops(n: int, rank: int, world: int) -> dict:
-    x, out, full = torch.randn(n), torch.empty(n // world), torch.empty(n)
+    from zeroshard.comm import Comm
+
+    comm = Comm()
+    x, out, full, scratch = torch.randn(n), torch.empty(n // world), torch.empty(n), torch.empty(n)
     mine = slice(rank * (n // world), (rank + 1) * (n // world))
     return {
         "all_reduce": lambda: dist.all_reduce(x),
         "reduce_scatter": lambda: dist.reduce_scatter_tensor(out, x),
         "rs via ar": lambda: (dist.all_reduce(x), out.copy_(x[mine])),
+        "rs via a2a (zeroshard)": lambda: comm.reduce_scatter(
+            out, x, via="all_to_all", scratch=scratch
+        ),
         "all_gather": lambda: dist.all_gather_into_tensor(full, out),
         "all_gather (list)": lambda: dist.all_gather(list(full.chunk(world)), out),
         "ag via ar": lambda: (full.zero_(), full[mine].copy_(out), dist.all_reduce(full)),
+        "ag send/recv (zeroshard)": lambda: comm.all_gather(full, out, via="send_recv"),
     }
 
 
 def _run(rank: int, world: int, tmp: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.FileStore(tmp + "/s", world), rank=rank, world_size=world)  # fmt: skip
-    print("| buffer | all_reduce | reduce_scatter | rs via ar | all_gather | all_gather (list) | ag via ar |") if rank == 0 else None  # fmt: skip
-    for n in SIZES:
+    for i, n in enumerate(SIZES):
         ops = _ops(n, rank, world)
+        if rank == 0 and i == 0:
+            print("| buffer | " + " | ".join(ops) + " |\n" + "|---" * (len(ops) + 1) + "|")
         times: dict[str, list[float]] = {k: [] for k in ops}
         for _ in range(6):  # interleaved; the first round is a warm-up
             for k, op in ops.items():

@@ -810,7 +810,7 @@ AUTO_KEYS = {  # where "auto" used to become a silent default (issue 12)
     "optimizer.params.betas": _adam(betas="auto"),
     "gradient_clipping": _with(gradient_clipping="auto"),
     "fp16.enabled": _with(fp16={"enabled": "auto"}),
-    "zero_optimization.reduce_bucket_size": _zero(reduce_bucket_size="auto"),
+    "zero_optimization.stage3_prefetch_bucket_size": _zero(stage3_prefetch_bucket_size="auto"),
     "zero_optimization.stage": _with(zero_optimization={"stage": "auto"}),
     "scheduler.params.warmup_max_lr": _with(
         scheduler={"type": "WarmupLR", "params": {"warmup_max_lr": "auto"}}
@@ -1382,3 +1382,15 @@ def test_every_refused_or_inert_switch_does_what_its_status_says() -> None:
             assert dict(load_config(config).inert)[info.path] == info.status.text, info.path
         checked += 1
     assert checked > 40
+
+
+def test_auto_bucket_sizes_mean_the_default() -> None:
+    # zeroshard chooses the gradient / all-gather buckets when they say "auto" (as when
+    # they are left out); "auto" elsewhere stays an error naming its key.
+    base = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 2}}
+    for k in ("reduce_bucket_size", "allgather_bucket_size"):
+        cfg = load_config({**base, "zero_optimization": {"stage": 2, k: "auto"}})
+        assert getattr(cfg.zero_optimization, k) is None
+    bad = {**base, "zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": "auto"}}
+    with pytest.raises(ConfigError, match="stage3_prefetch_bucket_size: 'auto'"):
+        load_config(bad)

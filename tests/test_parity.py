@@ -46,11 +46,14 @@ def _cases() -> list[dict]:
             {"stage": stage, "gas": 2, "clip": 0.8, "opt": "Adam-L2", "extra": part},
             {"stage": stage, "gas": 2, "clip": 0.8, "opt": "SGD", "lr": 0.1, "extra": part},
         ]
-    # gradients reduced by an all-reduce keeping each rank's part (gloo's default; the
-    # other cases ask for reduce-scatter explicitly)
-    for stage in (1, 2, 3):
-        zero = {"reduce_scatter": False, "stage3_param_persistence_threshold": 0}
-        cases.append({"stage": stage, "gas": 2, "clip": 0.8, "extra": {z3: zero}})
+    # gradients reduced by an all-reduce keeping each rank's part (false), and by the
+    # backend's choice (not given: on gloo an all-to-all plus a local sum in rank order);
+    # the other cases ask for the backend's reduce-scatter explicitly
+    for how in (False, None):
+        for stage in (1, 2, 3):
+            zero = {"reduce_scatter": how, "stage3_param_persistence_threshold": 0}
+            cases.append({"stage": stage, "gas": 2, "clip": 0.8, "extra": {z3: zero}})
+    cases.append({"stage": 2, "gas": 1, "bucket": 2000, "extra": {z3: {"reduce_scatter": None}}})
     # stages 1-2 with the parameter all-gather overlapped with the next forward, small
     # buckets so that several segments are in flight at once; one with unused parameters
     for stage in (1, 2):

@@ -11,7 +11,8 @@ a JSON object into a section, recursively; :func:`schema_keys` lists every key. 
   strings; choices match case-insensitively and come back in their canonical spelling;
 * ``null`` is taken where the field is optional (``X | None``), or ``nullable`` (null
   then means the default); two names of one setting (key and alias) is an error;
-* ``"auto"`` is an error: only the Hugging Face integration fills it in, before reading.
+* ``"auto"`` is an error: only the Hugging Face integration fills it in, before reading
+  (except at keys marked ``auto``, where it means the default: zeroshard chooses).
 
 Every key has a status: wired (the code uses it), :func:`NOT_BUILT` (refused when set) or
 :func:`INERT` (means nothing here, for the reason given; reported at start-up).
@@ -142,6 +143,7 @@ class Key:
     only: tuple[str, ...] | None = None  # exists only for these values of the section's type
     check: Callable[[Any, str], None] | None = None  # extra check of the raw JSON value
     infinity: Any = _NO  # what +Infinity stands for (default: not accepted)
+    auto: bool = False  # "auto" means the default (zeroshard chooses), not an error
 
     @property
     def canonical_choices(self) -> tuple[Any, ...]:
@@ -273,6 +275,8 @@ def read_section(cls: type, data: Any, path: str, reading: Reading | None = None
 
 def _value(s: Spec, value: Any, at: str, reading: Reading) -> Any:
     if isinstance(value, str) and value == AUTO:
+        if s.key.auto:
+            return s.default
         raise ConfigError(at, "'auto' is filled in only by the Hugging Face integration; give a value here (or pass one as load_config(..., auto_values={...}))")  # fmt: skip
     if value is None:
         check(s.optional or s.key.nullable, at, "expected a value, got null")

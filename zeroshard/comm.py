@@ -84,8 +84,32 @@ class Handle:
         self._work = self._then = self._event = None  # no reference into backend threads
 
 
+# tags of the point-to-point all-gather, apart from the pipeline's small ones
+_P2P_TAG_START, _P2P_TAG_END = 1 << 20, 1 << 30
+
+
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
+
+
+def _sum_chunks(recv: torch.Tensor, world: int, output: torch.Tensor) -> None:
+    """``output`` = the sum of ``recv``'s ``world`` equal chunks, in chunk (rank) order,
+    accumulated in at least fp32 and rounded once to ``output``'s dtype."""
+    n = recv.numel() // world
+    parts, out = recv[: n * world].view(world, n), output.view(-1)
+    if world == 2:  # one addition: computed exactly, rounded once
+        torch.add(parts[0], parts[1], out=out)
+        return
+    acc = (
+        out
+        if recv.dtype in (torch.float32, torch.float64)
+        else torch.empty_like(parts[0], dtype=torch.float32)
+    )
+    acc.copy_(parts[0])
+    for r in range(1, world):
+        acc.add_(parts[r])
+    if acc is not out:
+        out.copy_(acc)
 
 
 class Comm:
@@ -112,6 +136,12 @@ class Comm:
         #: the process group's backend ("gloo", "nccl", ...; "local" for one process)
         self.backend = dist.get_backend(group) if initialized else "local"
         self._avg_native = self.backend == "nccl"
+        #: how :meth:`reduce_scatter` reduces by default: gloo's own reduce-scatter is
+        #: slower than its all-reduce, an all-to-all plus a local sum beats both
+        self.reduce_scatter_via = "all_to_all" if self.backend == "gloo" else "native"
+        #: how :meth:`all_gather` gathers by default (gloo: point to point, no staging)
+        self.all_gather_via = "send_recv" if self.backend == "gloo" else "native"
+        self._p2p_tag = _P2P_TAG_START
 
     # -- helpers --------------------------------------------------------------------
     def _run(
@@ -183,17 +213,27 @@ class Comm:
         output: torch.Tensor,
         input: torch.Tensor,
         async_op: bool = False,
-        via_all_reduce: bool = False,
+        via: str | None = None,
+        scratch: torch.Tensor | None = None,
     ) -> Handle | None:
         """Sum ``input`` (world_size equal chunks) across ranks; this rank's chunk to ``output``.
 
-        ``via_all_reduce``: all-reduce ``input`` in place and keep this rank's chunk
-        (recorded as the all-reduce it is). Gloo's reduce-scatter is slower than its
-        all-reduce of the same buffer at every size measured (``benchmarks/RESULTS.md``),
-        although it moves half the bytes."""
+        ``via`` (None: :attr:`reduce_scatter_via`, chosen per backend):
+
+        * ``"native"``: the backend's reduce-scatter (bucket bytes on the ledger);
+        * ``"all_reduce"``: all-reduce ``input`` in place and keep this rank's chunk
+          (filed as the all-reduce it is: 2x the bytes);
+        * ``"all_to_all"``: one all-to-all sends chunk j to rank j (into ``scratch``, a
+          buffer of at least ``input``'s size, allocated when None), then this rank sums
+          the chunks it received, in rank order. It moves what a reduce-scatter moves.
+          On gloo it takes 0.6x the time of the all-reduce and 0.45x that of gloo's own
+          reduce-scatter (``benchmarks/RESULTS.md``, "gloo collectives"), so gloo
+          defaults to it. ``input`` is read, not changed, until the sum is written.
+        """
         if self.world_size == 1:
             return self._local(lambda: output.copy_(input.view_as(output)), async_op)
-        if via_all_reduce:
+        via = via or self.reduce_scatter_via
+        if via == "all_reduce":
             n = input.numel() // self.world_size
             mine = input[self.rank * n : (self.rank + 1) * n]
             same = output.data_ptr() == mine.data_ptr()
@@ -205,6 +245,20 @@ class Comm:
                 async_op,
                 then,
             )
+        if via == "all_to_all":
+            flat = input.reshape(-1)
+            recv = torch.empty_like(flat) if scratch is None else scratch.view(-1)[: flat.numel()]
+            return self._run(
+                "reduce_scatter",
+                _nbytes(input),
+                lambda: dist.all_to_all_single(recv, flat, group=self.group, async_op=async_op),
+                async_op,
+                lambda: _sum_chunks(recv, self.world_size, output),
+            )
+        if via != "native":
+            raise ValueError(
+                f"Comm.reduce_scatter: via={via!r} is not native, all_reduce or all_to_all"
+            )
         return self._run(
             "reduce_scatter",
             _nbytes(input),
@@ -213,19 +267,53 @@ class Comm:
         )
 
     def all_gather(
-        self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        async_op: bool = False,
+        via: str | None = None,
     ) -> Handle | None:
-        """Concatenate every rank's ``input`` into ``output`` (rank order)."""
+        """Concatenate every rank's ``input`` into ``output`` (rank order).
+
+        ``via`` (None: :attr:`all_gather_via`): ``"native"``, the backend's all-gather;
+        ``"send_recv"``, ``input`` sent to every other rank and each rank's part received
+        straight into ``output`` (no staging copy), point to point under a tag unique
+        to this call. On gloo the second is the faster (``benchmarks/RESULTS.md``)."""
         if self.world_size == 1:
             if output.data_ptr() == input.data_ptr():
                 return self._local(None, async_op)
             return self._local(lambda: output.copy_(input.view_as(output)), async_op)
+        via = via or self.all_gather_via
+        if via == "send_recv":
+            return self._run(
+                "all_gather", _nbytes(output), lambda: self._p2p_gather(output, input), async_op
+            )
+        if via != "native":
+            raise ValueError(f"Comm.all_gather: via={via!r} is not native or send_recv")
         return self._run(
             "all_gather",
             _nbytes(output),
             lambda: _all_gather_flat(output, input, group=self.group, async_op=async_op),
             async_op,
         )
+
+    def _p2p_gather(self, output: torch.Tensor, input: torch.Tensor) -> _Works:
+        # every rank issues its gathers in the same order, so the counter agrees
+        self._p2p_tag = self._p2p_tag + 1 if self._p2p_tag < _P2P_TAG_END else _P2P_TAG_START
+        n, flat, tag = input.numel(), input.reshape(-1), self._p2p_tag
+        out = output.view(-1)
+        works = []
+        for r in range(self.world_size):
+            if r == self.rank:
+                continue
+            works.append(dist.isend(flat, self._peer(r), group=self.group, tag=tag))
+            works.append(
+                dist.irecv(out[r * n : (r + 1) * n], self._peer(r), group=self.group, tag=tag)
+            )
+        mine = out[self.rank * n : (self.rank + 1) * n]
+        if mine.data_ptr() != flat.data_ptr():
+            mine.copy_(flat)
+        return _Works(works)
 
     def broadcast(
         self, tensor: torch.Tensor, src: int = 0, async_op: bool = False

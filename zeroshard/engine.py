@@ -167,8 +167,12 @@ class Engine(EngineBuild, DeepSpeedEngineCompat, nn.Module):
             predivide=predivide,
             on_bucket_ready=self.params.free_if_idle,
             accum_device=self.placement.optimizer if self.placement.offload_optimizer else None,
-            reduce_scatter_via_all_reduce=(
-                shard_comm.backend == "gloo" if zc.reduce_scatter is None else not zc.reduce_scatter
+            reduce_scatter_via=(
+                None
+                if zc.reduce_scatter is None
+                else "native"
+                if zc.reduce_scatter
+                else "all_reduce"
             ),
         )
         self.loss_scaler = LossScaler.from_config(config.fp16)

@@ -44,6 +44,8 @@ class _Bucket:
     ready: set[int] = field(default_factory=set)
     launched: bool = False
     staging: torch.Tensor | None = None
+    scratch: torch.Tensor | None = None  # the all-to-all reduce-scatter's receive buffer
+    direct: bool = False  # reduced straight into the owned gradient shard
     filled: set[int] = field(default_factory=set)
 
 
@@ -72,9 +74,11 @@ class GradReducer:
             there every micro-step; stages 0, 1: copied there at the boundary). Each
             bucket's chunk is moved through a double-buffered :class:`HostStager` as
             soon as its reduction completes, while backward goes on. None: no offload.
-        reduce_scatter_via_all_reduce: reduce a bucket with an all-reduce and keep this
-            rank's chunk (zero_optimization.reduce_scatter false; by default on gloo,
-            whose reduce-scatter is slower than its all-reduce).
+        reduce_scatter_via: how sharded buckets are reduced (``Comm.reduce_scatter``'s
+            ``via``): "native" (zero_optimization.reduce_scatter true), "all_reduce"
+            (false) or None, the group's per-backend choice (an all-to-all plus a local
+            sum on gloo). The all-to-all receives into scratch buffers of one bucket each,
+            at most two in flight (the oldest reduction is waited for first).
     """
 
     def __init__(
@@ -90,10 +94,12 @@ class GradReducer:
         predivide: float = 1.0,
         on_bucket_ready=None,
         accum_device: torch.device | None = None,
-        reduce_scatter_via_all_reduce: bool = False,
+        reduce_scatter_via: str | None = None,
     ) -> None:
         self.flat, self.comm, self.dtype = flat, comm, dtype
-        self._rs_via_ar = reduce_scatter_via_all_reduce
+        self._rs_via = reduce_scatter_via or comm.reduce_scatter_via
+        self._free_scratch: list[torch.Tensor] = []
+        self._scratch_made = 0
         self.replicate = replicate if replicate is not None and replicate.world_size > 1 else None
         if self.replicate is not None and not flat.partitioned:
             raise ValueError("internal: replicated reduction needs a sharded layout")
@@ -161,6 +167,14 @@ class GradReducer:
         self._buckets.sort(key=lambda b: (-b.order_key, b.segment))
         self._next = 0
         self._zero_copy = not sharded and all(p.dtype == dtype for p in flat.params)
+        # the owned shard can take a reduction's output: same device and dtype, no replicas
+        self._direct_ok = (
+            sharded
+            and self._stager is None
+            and self.replicate is None
+            and self.grad_shard is not None
+            and self.grad_shard.dtype == dtype
+        )
         for pi, p in enumerate(flat.params):
             if flat.group_of[pi] < 0:  # frozen (stage 3 keeps them in the layout)
                 continue
@@ -256,8 +270,14 @@ class GradReducer:
         if self.predivide != 1.0:
             src.div_(self.predivide)
         if g.partitioned:
+            if self._rs_via == "all_to_all" and self.comm.world_size > 1:
+                b.scratch = self._scratch()
+            # the window's first reduction of a sharded bucket lands in the owned shard
+            # itself (no copy out of the staging bucket afterwards)
+            b.direct = self.sharded and self._direct_ok and not self._accumulated
+            out = self.grad_chunks[b.segment] if b.direct else self._own(b, src)
             handle = self.comm.reduce_scatter(
-                self._own(b, src), src, async_op=True, via_all_reduce=self._rs_via_ar
+                out, src, async_op=True, via=self._rs_via, scratch=b.scratch
             )
         else:
             handle = self.comm.all_reduce(src, async_op=True)
@@ -271,9 +291,22 @@ class GradReducer:
         chunk = self.flat.layout.segments[b.segment].chunk
         return src[self.flat.rank * chunk : (self.flat.rank + 1) * chunk]
 
+    def _scratch(self) -> torch.Tensor:
+        """A receive buffer for an all-to-all reduction: at most two exist; with both in
+        flight, the oldest pending reduction is completed first (bounded memory)."""
+        while not self._free_scratch and self._scratch_made >= 2 and self._pending:
+            self._complete_oldest()
+        if self._free_scratch:
+            return self._free_scratch.pop()
+        self._scratch_made += 1
+        return torch.empty(self._staging_numel, dtype=self.dtype, device=self.flat.device)
+
     def _complete_oldest(self) -> None:
         b, handle, phase = self._pending.pop(0)
         handle.wait()
+        if b.scratch is not None:
+            self._free_scratch.append(b.scratch)
+            b.scratch = None
         g = self.flat
         seg = g.layout.segments[b.segment]
         if phase == "reduce" and self.replicate is not None:
@@ -284,10 +317,12 @@ class GradReducer:
         post = self._contributors / self.predivide
         chunk = self.grad_chunks[b.segment]
         if self.sharded:
-            reduced = self._own(b, b.staging)
+            reduced = chunk if b.direct else self._own(b, b.staging)
             if post != 1.0:
                 reduced.div_(post)
-            if self._stager is not None:
+            if b.direct:  # already in place
+                reduced = chunk
+            elif self._stager is not None:
                 event = self._stager.submit(reduced, chunk, accumulate=self._accumulated)
                 if event is not None:
                     self._staging_events[id(b.staging)] = event
@@ -414,7 +449,8 @@ class GradReducer:
     def buffers(self) -> list[torch.Tensor]:
         """Persistent gradient buffers: the full buffer or the shard, plus the staging pool."""
         bufs = [b for b in (self.grad_full, self.grad_shard) if b is not None]
-        bufs += self._free_staging
+        bufs += self._free_staging + self._free_scratch
+        bufs += [b.scratch for b in self._buckets if b.scratch is not None]
         bufs += [b.staging for b in self._buckets if b.staging is not None]
         if self._stager is not None:
             bufs += self._stager.buffers()

@@ -1,0 +1,78 @@
+"""Comm's reduce-scatter algorithms agree: the backend's own, an all-reduce keeping this
+rank's chunk, and an all-to-all plus a local sum in rank order (gloo's default)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests import multirank
+from zeroshard.comm import Comm
+
+
+def _inputs(rank: int, n: int, dtype: torch.dtype) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 + rank)
+    return torch.randn(n, generator=g).to(dtype)
+
+
+def _worker(rank: int, world: int) -> dict:
+    out: dict = {}
+    pair = dist.new_group([0, 1])  # every rank creates it; ranks 0-1 use it
+    comms = {world: Comm()}
+    if rank < 2:
+        comms[2] = Comm(pair)
+    for size, comm in comms.items():
+        assert comm.reduce_scatter_via == "all_to_all"  # gloo
+        for dtype in (torch.float32, torch.bfloat16):
+            n = 6 * 1001
+            chunk = n // size
+            everyone = [_inputs(r, n, dtype) for r in range(size)]
+            mine = slice(comm.rank * chunk, (comm.rank + 1) * chunk)
+            # rank-order sum of this rank's chunk in fp32, rounded once to the dtype
+            expect = everyone[0][mine].to(torch.float32, copy=True)
+            for r in range(1, size):
+                expect += everyone[r][mine]
+            expect = expect.to(dtype)
+            got = {}
+            for via in ("native", "all_reduce", "all_to_all"):
+                x = everyone[comm.rank].clone()
+                res = torch.empty(chunk, dtype=dtype)
+                comm.reduce_scatter(res, x, via=via)
+                got[via] = res
+            # asynchronous, into a view of the input (how the gradient reducer calls it),
+            # with a scratch buffer larger than needed
+            x = everyone[comm.rank].clone()
+            own = x[mine]
+            scratch = torch.full((n + 7,), float("nan"), dtype=dtype)
+            handle = comm.reduce_scatter(own, x, async_op=True, via="all_to_all", scratch=scratch)
+            handle.wait()
+            got["async"] = own.clone()
+            key = f"{size}-{dtype}"
+            out[key] = {
+                via: {
+                    "exact": bool(torch.equal(v, expect)),
+                    "err": float((v.double() - expect.double()).abs().max()),
+                }
+                for via, v in got.items()
+            }
+            out[key]["scale"] = float(expect.double().abs().max())
+    with pytest.raises(ValueError, match="via='bogus'"):
+        comms[world].reduce_scatter(torch.empty(1), torch.empty(world), via="bogus")
+    return out
+
+
+def test_reduce_scatter_algorithms_agree() -> None:
+    results = multirank.run(_worker, 3, timeout=120)
+    for rank, res in enumerate(results):
+        for key, per in res.items():
+            size = int(key.split("-")[0])
+            # the all-to-all sums in rank order, exactly as the reference does
+            assert per["all_to_all"]["exact"] and per["async"]["exact"], (rank, key, per)
+            if size == 2:  # a + b: one rounding whatever the algorithm
+                assert all(v["exact"] for k, v in per.items() if k != "scale"), (rank, key, per)
+            else:  # other algorithms may add in another order: round-off of the dtype
+                eps = 1e-6 if "float32" in key else 1e-2
+                for via in ("native", "all_reduce"):
+                    assert per[via]["err"] <= 4 * eps * per["scale"], (rank, key, per)
+        assert len(res) == (4 if rank < 2 else 2)
