@@ -94,7 +94,8 @@ def config(case: dict) -> dict:
         cfg["zero_optimization"]["stage3_model_persistence_threshold"] = 0
         cfg["zero_optimization"]["reduce_bucket_size"] = 64
         cfg["zero_optimization"]["stage3_prefetch_bucket_size"] = 64
-        cfg["zero_optimization"]["stage3_max_reuse_distance"] = 0  # and after each forward
+    if "reuse" in case:  # stage3_max_reuse_distance (0: freed after each forward too)
+        cfg["zero_optimization"]["stage3_max_reuse_distance"] = case["reuse"]
     if case.get("cfg_ckpt"):  # the config's interval overrides the module's
         cfg["pipeline"]["activation_checkpoint_interval"] = case["cfg_ckpt"]
     if case.get("tp", 1) > 1:

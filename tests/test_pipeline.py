@@ -119,11 +119,12 @@ def test_dp2_pp2_zero1_and_zero2() -> None:
 @pytest.mark.slow
 def test_dp2_pp2_zero3() -> None:
     """dp2 x pp2 at ZeRO-3 (DeepSpeed refuses it) matches the reference with 1F1B and
-    ZB-H1 (tied embedding, clipping); its price: each step all-gathers the stage's parameters 2m times
+    ZB-H1 (tied embedding, clipping; DeepSpeed's default reuse distance); its price with
+    stage3_max_reuse_distance 0: each step all-gathers the stage's parameters 2m times
     (every micro-batch's forward and backward), ZeRO-1 once (its step's all-gather)."""
     m = 4
     cases = [
-        {"stages": 2, "dp": 2, "zero": 3, "tied": False, "gas": m, "steps": 2},
+        {"stages": 2, "dp": 2, "zero": 3, "tied": False, "gas": m, "steps": 2, "reuse": 0},
         {"stages": 2, "dp": 2, "zero": 3, "gas": m, "steps": 2, "schedule": "zb_h1", "clip": 0.5},
         {"stages": 2, "dp": 2, "zero": 1, "tied": False, "gas": m, "steps": 2},
     ]
