@@ -12,13 +12,18 @@ Systems, each in a fresh process, interleaved round by round:
   cast back into the bf16 parameters overlapping the next segment's step;
 * ``offload-serial``: the same with the per-segment pipeline turned off (step every
   segment, then upload every segment): what the overlap saves;
+* ``offload-dpu``: ``offload`` with ``delayed_update`` (ZeRO-Offload's one-step delayed
+  parameter update, ``delayed_update_after: 0`` so every timed step is delayed): the
+  CPU step of step t runs in a thread during step t+1's forward and backward. Not the
+  same update rule: its losses differ from the others' after the first step;
 * ``naive``: a hand-written CPU-AdamW hybrid (seeds/004 without ZeRO): after backward,
   the bf16 gradients go to the CPU (``.float().cpu()``), torch's fused AdamW steps fp32
   masters there, and the result is copied back into the parameters.
 
 Reported: median step time (forward + backward + step, synchronized), tokens/s, the
-GPU memory peak, and the losses of the first and last step (all four run the same
-data and the same update rule, so the losses must agree to bf16 noise).
+GPU memory peak, and the losses of the first and last step (all systems run the same
+data and the same update rule, except ``offload-dpu``, so those losses must agree to
+bf16 noise).
 """
 
 from __future__ import annotations
@@ -38,7 +43,7 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-SYSTEMS = ("gpu", "offload", "offload-serial", "naive")
+SYSTEMS = ("gpu", "offload", "offload-dpu", "offload-serial", "naive")
 PHASES = {"fwd+bwd": 0.0, "step": 0.0, "norm": 0.0}  # seconds summed over timed steps
 
 
@@ -59,6 +64,8 @@ def _zeroshard_step_fn(model, system: str, args):
     zero = {"stage": 2, "reduce_bucket_size": args.bucket, "allgather_bucket_size": args.bucket}
     if system != "gpu":
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    if system == "offload-dpu":
+        zero["offload_optimizer"] |= {"delayed_update": True, "delayed_update_after": 0}
     cfg = {
         "train_micro_batch_size_per_gpu": args.micro,
         "gradient_clipping": 1.0,

@@ -332,6 +332,8 @@ class Engine(EngineBuild, DeepSpeedEngineCompat, nn.Module):
         if self.loss_scaler.scale != 1.0:
             scaled = scaled * self.loss_scaler.scale
         self.monitor.backward_start(loss, gas)
+        if self._delayed is not None:  # the step in flight has copied the last gradients
+            self._delayed.release_gradients()
         self.reducer.begin(self.is_gradient_accumulation_boundary())
         self.params.begin_backward()
         try:

@@ -12,9 +12,10 @@ all-gather of the updated parameters) stays on the engine's thread.
 
 At step *t* > W-1 (``global_steps`` counts), the engine takes every decision on ``g_t``
 first (clipping norm, non-finite check, fp16 loss-scale skip: a skipped step is never
-launched), then :meth:`DelayedUpdate.step` copies ``g_t`` (this rank's reduced shard,
-already in host memory) into a buffer of its own, so the next backward may overwrite
-the reducer's, and starts the step of the masters in a thread. The parameters are left
+launched), then :meth:`DelayedUpdate.step` starts a thread that copies ``g_t`` (this
+rank's reduced shard, already in host memory) into a buffer of its own and steps the
+masters; the next backward waits for the copy (:meth:`release_gradients`, hidden behind
+the forward) before it writes the reducer's shard again. The parameters are left
 as they are (``m_t``). At the next step boundary, or before anything reads or writes the
 parameters, masters or optimizer states (checkpoints, ``GatheredParameters``, an eval
 forward, ``engine.wait_param_gather()``, ``destroy()``), the engine calls
@@ -62,6 +63,8 @@ class DelayedUpdate:
         self._error: BaseException | None = None
         self._written = True  # the masters are in the parameter store
         self._grads: list[torch.Tensor] | None = None
+        self._copied = threading.Event()  # the thread holds its copy of the gradients
+        self._copied.set()
 
     # -- the step -----------------------------------------------------------------------
     def step(self, reducer, factor: float, unused: set[int] = frozenset()) -> None:
@@ -79,8 +82,7 @@ class DelayedUpdate:
                 torch.empty(g.shape, dtype=m.dtype, device=m.device)
                 for m, g in zip(st.masters, reducer.grad_chunks, strict=True)
             ]
-        for dst, src in zip(self._grads, reducer.grad_chunks, strict=True):
-            dst.copy_(src)  # to the masters' dtype and place, as the exact step does
+        self._copied.clear()
         twin = object.__new__(type(st.inner))
         twin.__dict__.update(st.inner.__dict__)
         twin.param_groups = [dict(g) for g in st.inner.param_groups]
@@ -89,15 +91,20 @@ class DelayedUpdate:
         self.in_flight = True
         self._thread = threading.Thread(
             target=self._run,
-            args=(twin, self._grads, factor, frozenset(unused)),
+            args=(twin, list(reducer.grad_chunks), factor, frozenset(unused)),
             name="zeroshard-delayed-update",
         )
         self._thread.start()
 
-    def _run(self, twin, chunks: list[torch.Tensor], factor: float, unused) -> None:
+    def _run(self, twin, reduced: list[torch.Tensor], factor: float, unused) -> None:
         try:
+            chunks = self._grads
+            try:  # to the masters' dtype and place, as the exact step does
+                for dst, src in zip(chunks, reduced, strict=True):
+                    dst.copy_(src)
+            finally:
+                self._copied.set()  # the next backward may write the reducer's shard
             st = self.states
-            grads = []
             for gi, group in enumerate(twin.param_groups):
                 for m, g in zip(group["params"], st.flat.group_views(chunks, gi), strict=True):
                     m.grad = g
@@ -115,6 +122,11 @@ class DelayedUpdate:
                     m.grad = None
         except BaseException as e:  # re-raised on the engine's thread by wait()
             self._error = e
+
+    def release_gradients(self) -> None:
+        """Wait until the step in flight has copied the reduced gradients (the engine
+        calls it before a backward writes the reducer's gradient shard again)."""
+        self._copied.wait()
 
     def wait(self) -> bool:
         """Wait for the step in flight and write its masters into the parameter store;
