@@ -49,11 +49,12 @@ def _cases() -> list[dict]:
 
 
 def delayed_reference(
-    case: dict, world: int, after: int = AFTER
+    case: dict, world: int, after: int = AFTER, skip=(), landed=()
 ) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Single-process fp32 AdamW on the whole global batch, under the delayed rule.
     Returns per-step losses and the final masters (every step applied); ``after``
-    large: the exact (undelayed) run."""
+    large: the exact (undelayed) run. Steps in ``skip`` are skipped (inf/nan); after
+    steps in ``landed`` a sync point (an eval forward) lands the step in flight."""
     from zeroshard.schedulers import build_scheduler
 
     work, master = parity.build_model(case), parity.build_model(case)
@@ -65,27 +66,34 @@ def delayed_reference(
         sched = build_scheduler(sched["type"], sched["params"], opt)
     mp, wp = list(master.parameters()), list(work.parameters())
     rows = case.get("micro", 2) * case.get("gas", 1) * world
+
+    def land() -> None:  # the parameters take the masters' values
+        with torch.no_grad():
+            for w, m in zip(wp, mp, strict=True):
+                w.copy_(m)
+
     losses = []
     for step in range(case["steps"]):
         x, y = parity.batch(step, rows)
-        loss = work(x, y)
+        loss = work(x, y)  # at w_t
         loss.backward()
+        losses.append(loss.item())
         for m, w in zip(mp, wp, strict=True):
             m.grad = None if w.grad is None else w.grad.clone()
             w.grad = None
+        land()  # the boundary: the step in flight lands first
+        if step in skip:
+            opt.zero_grad()
+            continue
         trainable = [p for p in mp if p.requires_grad]
         if case.get("clip", 0.0) > 0:
             torch.nn.utils.clip_grad_norm_(trainable, case["clip"])
-        before = [m.detach().clone() for m in mp]  # m_t
-        opt.step()
+        opt.step()  # m_{t+1}
         opt.zero_grad()
         if sched is not None:
             sched.step()
-        nxt = step + 1  # w_{t+1}: m_{t+1} during the warm-up, else m_t
-        with torch.no_grad():
-            for w, m, b in zip(wp, mp, before, strict=True):
-                w.copy_(m if nxt <= after else b)
-        losses.append(loss.item())
+        if step < after or step in landed:  # exact: w_{t+1} = m_{t+1}; else it stays m_t
+            land()
     return losses, {n: p.detach().clone() for n, p in master.named_parameters()}
 
 
@@ -130,6 +138,53 @@ def test_delayed_update_follows_the_delayed_rule() -> None:
                 f"(first {AFTER + 1} steps {early:.3g})"
             )
     assert not failures, "\n".join(failures)
+
+
+SKIP, EVAL = AFTER + 2, AFTER + 3
+
+
+def _skip_and_eval(rank, world):
+    """A non-finite loss on one rank at a delayed step: the step in flight lands, the
+    bad one is skipped on every rank and never applied later; an eval forward after a
+    delayed step lands it (the next step is exact)."""
+    case = {"stage": 2, "gas": 1, "micro": 1, "clip": 1.0, "steps": 0, "staged": True}
+    case["extra"] = _offload()
+    _, engine = parity.train(case, rank, world)
+    losses, in_flight = [], []
+    for step in range(AFTER + 6):
+        x, y = parity.batch(step, world)
+        loss = engine(x[rank : rank + 1], y[rank : rank + 1])
+        if step == SKIP and rank == 0:
+            loss = loss * float("nan")
+        engine.backward(loss)
+        engine.step()
+        in_flight.append(engine._delayed.in_flight)
+        if step == EVAL:
+            engine.eval()
+            with torch.no_grad():
+                engine(x[:1], y[:1])
+            engine.train()
+            in_flight[-1] = engine._delayed.in_flight
+        losses.append(loss.item())
+    case = {**case, "steps": len(losses)}
+    ref_losses, ref = delayed_reference(case, world, skip={SKIP}, landed={EVAL})
+    out = {"losses": losses, "ref_losses": ref_losses, "in_flight": in_flight}
+    out["param_diff"] = parity.max_param_diff(parity.full_params(engine), ref)
+    out["skipped"] = engine.skipped_steps
+    return out
+
+
+def test_skipped_step_is_never_applied_late_and_eval_lands() -> None:
+    results = multirank.run(_skip_and_eval, 2, timeout=300)
+    steps = len(results[0]["losses"])
+    want = [AFTER <= s != SKIP and s != EVAL for s in range(steps)]
+    for r in results:
+        assert r["skipped"] == 1 and r["in_flight"] == want, r
+        assert r["param_diff"] <= parity.TOL, r["param_diff"]
+    for s in range(steps):
+        if s != SKIP:
+            mean = sum(r["losses"][s] for r in results) / 2
+            assert abs(mean - results[0]["ref_losses"][s]) <= parity.TOL, (s, mean)
 
 
 def _checkpoint(rank, world, root):
