@@ -10,7 +10,7 @@ all-gather of the updated parameters) stays on the engine's thread.
     w_t     = m_t       for t <= W         (W = delayed_update_after: exact warm-up)
     w_t     = m_{t-1}   for t >  W         (one update late)
 
-At step *t* > W-1 (``global_steps`` counts), the engine takes every decision on ``g_t``
+At step *t* >= W (``global_steps`` counts), the engine takes every decision on ``g_t``
 first (clipping norm, non-finite check, fp16 loss-scale skip: a skipped step is never
 launched), then :meth:`DelayedUpdate.step` starts a thread that copies ``g_t`` (this
 rank's reduced shard, already in host memory) into a buffer of its own and steps the
@@ -29,6 +29,12 @@ The thread steps a shallow twin of the torch optimizer whose param groups are co
 taken at launch: it shares the tensors and the state, but the learning-rate scheduler
 stepping right after the launch changes the live groups, not the ones the thread reads.
 So step *t* uses the lr of step *t*, as without the delay.
+
+On a GPU the landing uploads every master (non-blocking, from pinned memory) at the
+boundary, so the next forward waits on the device for the upload: unlike the exact
+offloaded step, the upload does not overlap a segment's step. The thread of the next
+step waits for those uploads (an event) before it rewrites the masters; the host does
+not.
 
 Memory: the masters are always apart from the parameters (on a CPU-only run too), plus
 one fp32 host copy of this rank's gradient shard.
@@ -74,9 +80,9 @@ class DelayedUpdate:
             self.states.step(reducer, factor, unused)
             return
         st = self.states
-        if st._uploaded is not None:  # the device still reads the masters (GPU)
-            st._uploaded.synchronize()
-            st._uploaded = None
+        # GPU: the uploads of the last landed masters may still be running; the thread
+        # waits for them before it rewrites the masters (the host goes on at once)
+        uploading, st._uploaded = st._uploaded, None
         if self._grads is None:  # (a segment of frozen parameters has no gradient)
             self._grads = [
                 torch.empty(g.shape, dtype=m.dtype, device=m.device)
@@ -91,12 +97,12 @@ class DelayedUpdate:
         self.in_flight = True
         self._thread = threading.Thread(
             target=self._run,
-            args=(twin, list(reducer.grad_chunks), factor, frozenset(unused)),
+            args=(twin, list(reducer.grad_chunks), factor, frozenset(unused), uploading),
             name="zeroshard-delayed-update",
         )
         self._thread.start()
 
-    def _run(self, twin, reduced: list[torch.Tensor], factor: float, unused) -> None:
+    def _run(self, twin, reduced: list[torch.Tensor], factor: float, unused, uploading) -> None:
         try:
             chunks = self._grads
             try:  # to the masters' dtype and place, as the exact step does
@@ -104,6 +110,8 @@ class DelayedUpdate:
                     dst.copy_(src)
             finally:
                 self._copied.set()  # the next backward may write the reducer's shard
+            if uploading is not None:
+                uploading.synchronize()
             st = self.states
             for gi, group in enumerate(twin.param_groups):
                 for m, g in zip(group["params"], st.flat.group_views(chunks, gi), strict=True):
