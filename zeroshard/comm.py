@@ -136,10 +136,11 @@ class Comm:
         #: the process group's backend ("gloo", "nccl", ...; "local" for one process)
         self.backend = dist.get_backend(group) if initialized else "local"
         self._avg_native = self.backend == "nccl"
-        #: how :meth:`reduce_scatter` reduces by default: gloo's own reduce-scatter is
-        #: slower than its all-reduce, an all-to-all plus a local sum beats both
+        #: how :meth:`reduce_scatter` reduces host tensors by default: gloo's own
+        #: reduce-scatter is slower than its all-reduce, an all-to-all plus a local sum
+        #: beats both
         self.reduce_scatter_via = "all_to_all" if self.backend == "gloo" else "native"
-        #: how :meth:`all_gather` gathers by default (gloo: point to point, no staging)
+        #: how :meth:`all_gather` gathers host tensors by default (gloo: point to point)
         self.all_gather_via = "send_recv" if self.backend == "gloo" else "native"
         self._p2p_tag = _P2P_TAG_START
 
@@ -232,7 +233,7 @@ class Comm:
         """
         if self.world_size == 1:
             return self._local(lambda: output.copy_(input.view_as(output)), async_op)
-        via = via or self.reduce_scatter_via
+        via = via or self.reduce_scatter_path(input.device)
         if via == "all_reduce":
             n = input.numel() // self.world_size
             mine = input[self.rank * n : (self.rank + 1) * n]
@@ -266,6 +267,14 @@ class Comm:
             async_op,
         )
 
+    def reduce_scatter_path(self, device: torch.device) -> str:
+        """The ``via`` :meth:`reduce_scatter` takes when given none, for tensors on
+        ``device``: gloo's faster paths are for host memory; on CUDA tensors (ranks
+        sharing a GPU) gloo keeps the all-reduce it was measured with."""
+        if device.type == "cpu" or self.backend != "gloo":
+            return self.reduce_scatter_via
+        return "all_reduce"
+
     def all_gather(
         self,
         output: torch.Tensor,
@@ -283,7 +292,9 @@ class Comm:
             if output.data_ptr() == input.data_ptr():
                 return self._local(None, async_op)
             return self._local(lambda: output.copy_(input.view_as(output)), async_op)
-        via = via or self.all_gather_via
+        if via is None:
+            cpu = input.device.type == "cpu"
+            via = self.all_gather_via if cpu else "native"
         if via == "send_recv":
             return self._run(
                 "all_gather", _nbytes(output), lambda: self._p2p_gather(output, input), async_op

@@ -97,7 +97,7 @@ class GradReducer:
         reduce_scatter_via: str | None = None,
     ) -> None:
         self.flat, self.comm, self.dtype = flat, comm, dtype
-        self._rs_via = reduce_scatter_via or comm.reduce_scatter_via
+        self._rs_via = reduce_scatter_via or comm.reduce_scatter_path(flat.device)
         self._free_scratch: list[torch.Tensor] = []
         self._scratch_made = 0
         self.replicate = replicate if replicate is not None and replicate.world_size > 1 else None
