@@ -64,6 +64,8 @@ def delayed_reference(
     sched = case["extra"].get("scheduler")
     if sched is not None:
         sched = build_scheduler(sched["type"], sched["params"], opt)
+    if case.get("torch_sched"):
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, _ramp)
     mp, wp = list(master.parameters()), list(work.parameters())
     rows = case.get("micro", 2) * case.get("gas", 1) * world
 
@@ -138,6 +140,48 @@ def test_delayed_update_follows_the_delayed_rule() -> None:
                 f"(first {AFTER + 1} steps {early:.3g})"
             )
     assert not failures, "\n".join(failures)
+
+
+def _ramp(step: int) -> float:
+    return (step + 1) / 3
+
+
+def _torch_scheduler(rank, world):
+    """A client torch LR scheduler (it wraps ``optimizer.step`` on the instance): the
+    thread still steps with the lr of its own step."""
+    import zeroshard
+    from zeroshard.offload.staging import STAGE_ON_CPU_ENV
+
+    case = {"stage": 2, "gas": 1, "micro": 1, "clip": 1.0, "steps": STEPS, "torch_sched": True}
+    case["extra"] = _offload()
+    model = parity.build_model(case)
+    os.environ[STAGE_ON_CPU_ENV] = "1"
+    engine, *_ = zeroshard.initialize(
+        model=model,
+        config=parity.ds_config(case),
+        model_parameters=parity.param_groups(model),
+        lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, _ramp),
+    )
+    os.environ.pop(STAGE_ON_CPU_ENV)
+    losses = []
+    for step in range(STEPS):
+        x, y = parity.batch(step, world)
+        loss = engine(x[rank : rank + 1], y[rank : rank + 1])
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    ref_losses, ref = delayed_reference(case, world)
+    diff = parity.max_param_diff(parity.full_params(engine), ref)
+    return {"losses": losses, "ref_losses": ref_losses, "param_diff": diff}
+
+
+def test_a_client_torch_scheduler_applies_to_its_own_step() -> None:
+    results = multirank.run(_torch_scheduler, 2, timeout=300)
+    for r in results:
+        assert r["param_diff"] <= parity.TOL, r["param_diff"]
+    for s in range(STEPS):
+        mean = sum(r["losses"][s] for r in results) / 2
+        assert abs(mean - results[0]["ref_losses"][s]) <= parity.TOL, (s, mean)
 
 
 SKIP, EVAL = AFTER + 2, AFTER + 3

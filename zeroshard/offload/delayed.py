@@ -91,6 +91,8 @@ class DelayedUpdate:
         self._copied.clear()
         twin = object.__new__(type(st.inner))
         twin.__dict__.update(st.inner.__dict__)
+        # a torch LR scheduler wraps ``step`` on the instance, bound to the live optimizer
+        twin.__dict__.pop("step", None)
         twin.param_groups = [dict(g) for g in st.inner.param_groups]
         self._error = None
         self._written = False
