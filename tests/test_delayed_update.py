@@ -215,7 +215,40 @@ def _skip_and_eval(rank, world):
     out = {"losses": losses, "ref_losses": ref_losses, "in_flight": in_flight}
     out["param_diff"] = parity.max_param_diff(parity.full_params(engine), ref)
     out["skipped"] = engine.skipped_steps
+    engine.destroy()
+    out["fp16"] = _fp16_overflows(rank, world)
     return out
+
+
+def _fp16_overflows(rank, world) -> dict:
+    """fp16 from a loss scale that overflows at first: each overflowing step is skipped
+    (and lowers the scale) before anything is launched; only applied steps are in
+    flight, and the losses match those of the exact engine until the first delayed
+    step changes the parameters they see."""
+    runs = {}
+    for delayed in (True, False):
+        case = {"stage": 2, "micro": 1, "steps": 9, "dtype": "fp16", "staged": True}
+        case["extra"] = {"fp16": {"initial_scale_power": 22}}
+        if delayed:
+            case["extra"] |= _offload()
+            case["extra"]["zero_optimization"]["offload_optimizer"]["delayed_update_after"] = 0
+        else:
+            case["extra"] |= {"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}
+        _, engine = parity.train({**case, "steps": 0}, rank, world)
+        losses, flight, applied, scales = [], [], [], []
+        for step in range(case["steps"]):
+            x, y = parity.batch(step, world)
+            loss = engine(x[rank : rank + 1], y[rank : rank + 1])
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+            applied.append(engine.was_step_applied())
+            flight.append(engine._delayed is not None and engine._delayed.in_flight)
+            scales.append(engine.cur_scale)
+        runs[delayed] = {"losses": losses, "applied": applied, "in_flight": flight}
+        runs[delayed] |= {"scales": scales, "skipped": engine.skipped_steps}
+        engine.destroy()
+    return {"delayed": runs[True], "exact": runs[False]}
 
 
 def test_skipped_step_is_never_applied_late_and_eval_lands() -> None:
@@ -229,6 +262,16 @@ def test_skipped_step_is_never_applied_late_and_eval_lands() -> None:
         if s != SKIP:
             mean = sum(r["losses"][s] for r in results) / 2
             assert abs(mean - results[0]["ref_losses"][s]) <= parity.TOL, (s, mean)
+    for r in results:
+        d, e = r["fp16"]["delayed"], r["fp16"]["exact"]
+        assert d["skipped"] > 0 and d["in_flight"] == d["applied"], d
+        first = d["applied"].index(True)  # the first (delayed) step the scale allowed
+        assert d["applied"][: first + 1] == e["applied"][: first + 1], (d, e)
+        assert d["scales"][: first + 1] == e["scales"][: first + 1], (d, e)
+        # up to the first applied step every step saw the initial parameters; the next
+        # one still does with the delay (the first update is in flight), not without
+        assert d["losses"][: first + 1] == e["losses"][: first + 1], (d, e)
+        assert d["losses"][first + 1] != e["losses"][first + 1], (d, e)
 
 
 def _checkpoint(rank, world, root):
