@@ -43,6 +43,10 @@ def _cases() -> list[dict]:
     # an lr schedule: step t must use the lr of step t, not the one set after it
     sched = {"stage": 2, "gas": 1, "micro": 2, "steps": STEPS, "staged": True}
     cases.append({**sched, "extra": {**_offload(), "scheduler": SCHED}})
+    # a client torch optimizer (the twin is made of it)
+    cases.append(
+        {"stage": 1, "gas": 1, "micro": 2, "steps": STEPS, "client": True, "extra": _offload()}
+    )
     param = {"offload_param": {"device": "cpu"}, "stage3_param_persistence_threshold": 0}
     cases.append({"stage": 3, "gas": 2, "micro": 1, "steps": STEPS, "extra": _offload(**param)})
     return cases
