@@ -17,7 +17,9 @@ Communication it issues itself: at construction, one broadcast per parameter and
 buffer over the ``replicas`` group (its first rank's initial values; see
 ``engine_build.py``). Everything else
 comes from the reducer (backward) and the sharded optimizer (step); see their module
-docstrings.
+docstrings. With ``offload_optimizer.delayed_update`` the all-gather of the updated
+parameters (stages 1-2) moves from the end of ``step()`` to the next step boundary, or
+to the first earlier call that needs the parameters (``offload/delayed.py``).
 """
 
 from __future__ import annotations
