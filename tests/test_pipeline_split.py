@@ -15,7 +15,7 @@ from zeroshard.parallel.pipeline_split import (
 transformers = pytest.importorskip("transformers")
 
 
-def tiny_llama(tied: bool = False, attn: str = "sdpa"):
+def tiny_llama(tied: bool = False, attn: str = "sdpa", kv_heads: int = 2):
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(
         vocab_size=64,
@@ -23,7 +23,7 @@ def tiny_llama(tied: bool = False, attn: str = "sdpa"):
         intermediate_size=64,
         num_hidden_layers=3,
         num_attention_heads=4,
-        num_key_value_heads=2,
+        num_key_value_heads=kv_heads,
         max_position_embeddings=32,
         tie_word_embeddings=tied,
         attn_implementation=attn,
@@ -62,12 +62,23 @@ def _grads(model):
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
+def _no_cache(model):
+    model.config.use_cache = False
+    return model
+
+
+# The eager cases without grouped KV heads (GPT-2, Llama with kv_heads == heads) check that each
+# block runs its layer through the empty cache the model makes (use_cache): the cache hands
+# attention contiguous keys and values, and on some CPUs matmul's backward rounds differently
+# on the transposed views a layer gets without it.
 CASES = [
     ("llama", lambda: tiny_llama(), False),
     ("llama-padded", lambda: tiny_llama(), True),
     ("llama-tied-eager", lambda: tiny_llama(tied=True, attn="eager"), True),
+    ("llama-mha-eager", lambda: tiny_llama(attn="eager", kv_heads=4), True),
     ("gpt2", lambda: tiny_gpt2(), False),
     ("gpt2-padded-eager", lambda: tiny_gpt2(attn="eager"), True),
+    ("gpt2-eager-no-cache", lambda: _no_cache(tiny_gpt2(attn="eager")), False),
 ]
 
 

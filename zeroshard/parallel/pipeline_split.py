@@ -18,6 +18,14 @@ position ids (``arange``, the model's default), the 4-D causal mask (the model's
 see unsplit) and, for Llama, the rotary ``(cos, sin)`` from the model's ``rotary_emb`` (a few
 ``seq x head_dim`` elementwise ops per block).
 
+Each block also makes the empty ``DynamicCache`` the model makes for itself when
+``config.use_cache`` is on (the default, in training too), builds the mask with it and runs its
+layer with it, then drops it. The cache is not for decoding here: its ``update`` concatenates
+the layer's keys and values onto an empty tensor, so attention gets contiguous copies where a
+layer run without a cache gets the transposed views. Same values, but ``matmul``'s backward
+rounds differently on the two layouts on some CPUs (MKL on AMD EPYC: the query gradient of
+``q @ k^T``), so without it GPT-2 with eager attention misses the model's gradients by an ulp.
+
 Tied input/output embeddings (GPT-2 always, Llama with ``tie_word_embeddings``) become two
 ``TiedLayer`` entries with the same key: the embedding module, used once as a lookup and once
 as the output projection. A pipeline keeps one copy per stage that holds the key and sums the
@@ -39,6 +47,7 @@ No collectives: this module only rearranges modules.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -104,8 +113,22 @@ def _positions(hidden: torch.Tensor) -> torch.Tensor:
     return torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
 
 
+def _cache_kwarg(fn: Callable) -> str:
+    """The name ``fn`` takes the KV cache under: ``cache`` (transformers >= 5.24) or ``past_key_values``."""
+    return "cache" if "cache" in inspect.signature(fn).parameters else "past_key_values"
+
+
+def _model_cache(config: Any):
+    """The empty cache the model's own forward would make (``config.use_cache``), else None."""
+    if not getattr(config, "use_cache", False):
+        return None
+    from transformers.cache_utils import DynamicCache
+
+    return DynamicCache(config=config)
+
+
 def _causal_mask(
-    config: Any, hidden: torch.Tensor, mask: torch.Tensor | None, positions: torch.Tensor
+    config: Any, hidden: torch.Tensor, mask: torch.Tensor | None, positions: torch.Tensor, cache
 ):
     try:
         from transformers.masking_utils import create_causal_mask
@@ -117,8 +140,8 @@ def _causal_mask(
         config=config,
         inputs_embeds=hidden,
         attention_mask=mask,
-        past_key_values=None,
         position_ids=positions,
+        **{_cache_kwarg(create_causal_mask): cache},
     )
 
 
@@ -170,13 +193,22 @@ class LlamaBlock(nn.Module):
         self.layer = layer
         self.rotary_emb = rotary_emb
         self.config = config
+        self._cache_kw = _cache_kwarg(layer.forward)
 
     def forward(self, x: Any) -> Any:
         h, mask = _unpack(x)
         positions = _positions(h)
-        causal = _causal_mask(self.config, h, mask, positions)
+        cache = _model_cache(self.config)
+        causal = _causal_mask(self.config, h, mask, positions, cache)
         rotary = self.rotary_emb(h, position_ids=positions)
-        h = self.layer(h, attention_mask=causal, position_embeddings=rotary, position_ids=positions)
+        h = self.layer(
+            h,
+            attention_mask=causal,
+            position_embeddings=rotary,
+            position_ids=positions,
+            use_cache=cache is not None,
+            **{self._cache_kw: cache},
+        )
         return _pack(h, mask)
 
 
@@ -187,12 +219,20 @@ class GPT2Block(nn.Module):
         super().__init__()
         self.block = block
         self.config = config
+        self._cache_kw = _cache_kwarg(block.forward)
 
     def forward(self, x: Any) -> Any:
         h, mask = _unpack(x)
         positions = _positions(h)
-        causal = _causal_mask(self.config, h, mask, positions)
-        h = self.block(h, attention_mask=causal, use_cache=False, position_ids=positions)
+        cache = _model_cache(self.config)
+        causal = _causal_mask(self.config, h, mask, positions, cache)
+        h = self.block(
+            h,
+            attention_mask=causal,
+            use_cache=cache is not None,
+            position_ids=positions,
+            **{self._cache_kw: cache},
+        )
         return _pack(h, mask)
 
 
