@@ -1,5 +1,6 @@
 """Comm's reduce-scatter algorithms agree: the backend's own, an all-reduce keeping this
-rank's chunk, and an all-to-all plus a local sum in rank order (gloo's default)."""
+rank's chunk, and point-to-point sends (gloo's default) or an all-to-all plus a local sum
+in rank order. The all-gather's two paths agree too."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ def _worker(rank: int, world: int) -> dict:
     if rank < 2:
         comms[2] = Comm(pair)
     for size, comm in comms.items():
-        assert comm.reduce_scatter_via == "all_to_all"  # gloo
+        assert comm.reduce_scatter_via == "send_recv"  # gloo
         for dtype in (torch.float32, torch.bfloat16):
             n = 6 * 1001
             chunk = n // size
@@ -35,19 +36,34 @@ def _worker(rank: int, world: int) -> dict:
                 expect += everyone[r][mine]
             expect = expect.to(dtype)
             got = {}
-            for via in ("native", "all_reduce", "all_to_all"):
+            for via in ("native", "all_reduce", "all_to_all", "send_recv"):
                 x = everyone[comm.rank].clone()
                 res = torch.empty(chunk, dtype=dtype)
                 comm.reduce_scatter(res, x, via=via)
                 got[via] = res
             # asynchronous, into a view of the input (how the gradient reducer calls it),
             # with a scratch buffer larger than needed
-            x = everyone[comm.rank].clone()
-            own = x[mine]
             scratch = torch.full((n + 7,), float("nan"), dtype=dtype)
-            handle = comm.reduce_scatter(own, x, async_op=True, via="all_to_all", scratch=scratch)
-            handle.wait()
-            got["async"] = own.clone()
+            for via in ("all_to_all", "send_recv"):
+                x = everyone[comm.rank].clone()
+                own = x[mine]
+                handle = comm.reduce_scatter(own, x, async_op=True, via=via, scratch=scratch)
+                handle.wait()
+                got[f"async {via}"] = own.clone()
+            # all-gather: point to point (gloo's default) and the backend's, into views
+            # of one buffer with this rank's part already in place or not
+            gathered = {}
+            for via in ("native", "send_recv"):
+                full = torch.full((n,), float("nan"), dtype=dtype)
+                comm.all_gather(full, everyone[comm.rank][mine].clone(), via=via)
+                gathered[via] = full
+                full2 = torch.full((n,), float("nan"), dtype=dtype)
+                full2[mine] = everyone[comm.rank][mine]
+                h = comm.all_gather(full2, full2[mine], async_op=True, via=via)
+                h.wait()
+                gathered[via + " in place"] = full2
+            whole = torch.cat([everyone[r][r * chunk : (r + 1) * chunk] for r in range(size)])
+            assert all(torch.equal(v, whole) for v in gathered.values()), (size, dtype)
             key = f"{size}-{dtype}"
             out[key] = {
                 via: {
@@ -67,8 +83,9 @@ def test_reduce_scatter_algorithms_agree() -> None:
     for rank, res in enumerate(results):
         for key, per in res.items():
             size = int(key.split("-")[0])
-            # the all-to-all sums in rank order, exactly as the reference does
-            assert per["all_to_all"]["exact"] and per["async"]["exact"], (rank, key, per)
+            # sends and the all-to-all sum in rank order, exactly as the reference does
+            for via in ("all_to_all", "send_recv", "async all_to_all", "async send_recv"):
+                assert per[via]["exact"], (rank, key, via, per)
             if size == 2:  # a + b: one rounding whatever the algorithm
                 assert all(v["exact"] for k, v in per.items() if k != "scale"), (rank, key, per)
             else:  # other algorithms may add in another order: round-off of the dtype

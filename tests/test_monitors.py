@@ -90,7 +90,7 @@ def test_every_monitor_on_two_ranks(tmp_path) -> None:
     stdout = run.stdout
 
     # the step line, every steps_per_print (2) steps, rank 0 only, with no logging setup;
-    # on gloo the reduce-scatter is an all-to-all plus a sum, filed as a reduce-scatter
+    # on gloo the reduce-scatter is point-to-point sends plus a sum, filed as a reduce-scatter
     steps = re.findall(r"^step=(\d+), skipped=0, loss=[\d.]+, lr=\[[\d.e-]+\], grad_norm=[\d.]+, samples/s=[\d.]+, tokens/s=\d+, memory: cpu [\d.]+ [KMG]?B, rss [\d.]+ [KMG]B, comm: all_gather [\d.]+ [KMG]?B, all_reduce [\d.]+ [KMG]?B, reduce_scatter [\d.]+ [KMG]?B$", stdout, re.M)  # fmt: skip
     assert steps == ["2", "4"], stdout[-3000:]
     # wall clock: a micro-step line per engine.step(), a step line per optimizer step

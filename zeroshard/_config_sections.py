@@ -294,7 +294,7 @@ class ZeroConfig(Section):
     # fmt: off
     stage: int = key(0, doc="0 data parallel, 1 shard optimizer states, 2 + gradients, 3 + parameters.", choices=(0, 1, 2, 3))
     contiguous_gradients: bool = key(True, INERT("gradients always go into flat, contiguous buffers"), doc="Contiguous gradients.")
-    reduce_scatter: bool | None = key(None, doc="Reduce sharded gradients with the backend's reduce-scatter (true) or with an all-reduce keeping this rank's part (false); not given: the fastest per backend, an all-to-all plus a local sum on gloo (whose own reduce-scatter is slower than its all-reduce), the reduce-scatter elsewhere.")
+    reduce_scatter: bool | None = key(None, doc="Reduce sharded gradients with the backend's reduce-scatter (true) or with an all-reduce keeping this rank's part (false); not given: the fastest per backend, point-to-point sends plus a local sum on gloo (whose own reduce-scatter is slower than its all-reduce), the reduce-scatter elsewhere.")
     reduce_bucket_size: int | None = key(None, doc="Elements per gradient bucket; 0 = each gradient alone; not given: 25 MiB of gradients, as DDP's buckets, so reductions overlap backward (DeepSpeed's 5e8 puts a model under 500M parameters in one bucket); \"auto\": the same.", min=0, auto=True)
     use_multi_rank_bucket_allreduce: bool = key(True, INERT("a detail of DeepSpeed's stage-1/2 all-reduce"), doc="Multi-rank buckets.")
     allgather_partitions: bool = key(True, INERT("updated parameters are always all-gathered"), doc="All-gather, not broadcast.")

@@ -92,22 +92,25 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def _sum_chunks(recv: torch.Tensor, world: int, output: torch.Tensor) -> None:
-    """``output`` = the sum of ``recv``'s ``world`` equal chunks, in chunk (rank) order,
-    accumulated in at least fp32 and rounded once to ``output``'s dtype."""
-    n = recv.numel() // world
-    parts, out = recv[: n * world].view(world, n), output.view(-1)
-    if world == 2:  # one addition: computed exactly, rounded once
+def _sum_parts(parts: list[torch.Tensor], output: torch.Tensor) -> None:
+    """``output`` = the sum of ``parts`` (one per rank, in rank order), accumulated in at
+    least fp32 and rounded once to ``output``'s dtype."""
+    out = output.view(-1)
+    if len(parts) == 2:  # one addition: computed exactly, rounded once
         torch.add(parts[0], parts[1], out=out)
         return
+    # accumulate in place only if ``output`` is none of the parts (it may be this
+    # rank's own chunk of the input) and is wide enough
+    wide = parts[0].dtype in (torch.float32, torch.float64)
+    alias = any(p.data_ptr() == out.data_ptr() for p in parts)
     acc = (
         out
-        if recv.dtype in (torch.float32, torch.float64)
-        else torch.empty_like(parts[0], dtype=torch.float32)
+        if wide and not alias
+        else torch.empty_like(out, dtype=torch.float32 if not wide else out.dtype)
     )
     acc.copy_(parts[0])
-    for r in range(1, world):
-        acc.add_(parts[r])
+    for p in parts[1:]:
+        acc.add_(p)
     if acc is not out:
         out.copy_(acc)
 
@@ -137,9 +140,8 @@ class Comm:
         self.backend = dist.get_backend(group) if initialized else "local"
         self._avg_native = self.backend == "nccl"
         #: how :meth:`reduce_scatter` reduces host tensors by default: gloo's own
-        #: reduce-scatter is slower than its all-reduce, an all-to-all plus a local sum
-        #: beats both
-        self.reduce_scatter_via = "all_to_all" if self.backend == "gloo" else "native"
+        #: reduce-scatter is slower than its all-reduce, sends plus a local sum beat both
+        self.reduce_scatter_via = "send_recv" if self.backend == "gloo" else "native"
         #: how :meth:`all_gather` gathers host tensors by default (gloo: point to point)
         self.all_gather_via = "send_recv" if self.backend == "gloo" else "native"
         self._p2p_tag = _P2P_TAG_START
@@ -224,12 +226,18 @@ class Comm:
         * ``"native"``: the backend's reduce-scatter (bucket bytes on the ledger);
         * ``"all_reduce"``: all-reduce ``input`` in place and keep this rank's chunk
           (filed as the all-reduce it is: 2x the bytes);
-        * ``"all_to_all"``: one all-to-all sends chunk j to rank j (into ``scratch``, a
-          buffer of at least ``input``'s size, allocated when None), then this rank sums
-          the chunks it received, in rank order. It moves what a reduce-scatter moves.
-          On gloo it takes 0.6x the time of the all-reduce and 0.45x that of gloo's own
-          reduce-scatter (``benchmarks/RESULTS.md``, "gloo collectives"), so gloo
-          defaults to it. ``input`` is read, not changed, until the sum is written.
+        * ``"send_recv"``: chunk j sent to rank j point to point, the other ranks'
+          chunks of this rank's part received into ``scratch`` (at least (world - 1) /
+          world of ``input``'s size; allocated when None), then summed with this rank's
+          own chunk in rank order (in at least fp32, rounded once);
+        * ``"all_to_all"``: the same exchange as one all-to-all (``scratch`` at least
+          ``input``'s size: it also receives this rank's own chunk).
+
+        The last two move what a reduce-scatter moves. On gloo, point to point takes
+        about 0.45x the time of its all-reduce of the buffer, and gloo's own
+        reduce-scatter is slower than that all-reduce (``benchmarks/RESULTS.md``, "gloo
+        collectives"), so gloo defaults to it. ``input`` is read, not changed, until the
+        sum is written (``output`` may be a view of it).
         """
         if self.world_size == 1:
             return self._local(lambda: output.copy_(input.view_as(output)), async_op)
@@ -246,19 +254,29 @@ class Comm:
                 async_op,
                 then,
             )
-        if via == "all_to_all":
-            flat = input.reshape(-1)
-            recv = torch.empty_like(flat) if scratch is None else scratch.view(-1)[: flat.numel()]
-            return self._run(
-                "reduce_scatter",
-                _nbytes(input),
-                lambda: dist.all_to_all_single(recv, flat, group=self.group, async_op=async_op),
-                async_op,
-                lambda: _sum_chunks(recv, self.world_size, output),
-            )
+        if via in ("all_to_all", "send_recv"):
+            flat, world = input.reshape(-1), self.world_size
+            n = flat.numel() // world
+            need = flat.numel() if via == "all_to_all" else n * (world - 1)
+            if scratch is None:
+                recv = torch.empty(need, dtype=flat.dtype, device=flat.device)
+            else:
+                recv = scratch.view(-1)[:need]
+            a2a = via == "all_to_all"
+
+            def start() -> dist.Work | _Works | None:
+                if a2a:
+                    return dist.all_to_all_single(recv, flat, group=self.group, async_op=async_op)
+                return self._p2p_scatter(recv, flat)
+
+            def then() -> None:
+                parts = list(recv.view(world, n)) if a2a else self._with_own(recv, flat)
+                _sum_parts(parts, output)
+
+            return self._run("reduce_scatter", _nbytes(input), start, async_op, then)
         if via != "native":
             raise ValueError(
-                f"Comm.reduce_scatter: via={via!r} is not native, all_reduce or all_to_all"
+                f"Comm.reduce_scatter: via={via!r} is not native, all_reduce, send_recv or all_to_all"
             )
         return self._run(
             "reduce_scatter",
@@ -308,10 +326,36 @@ class Comm:
             async_op,
         )
 
-    def _p2p_gather(self, output: torch.Tensor, input: torch.Tensor) -> _Works:
-        # every rank issues its gathers in the same order, so the counter agrees
+    def _next_tag(self) -> int:
+        # every rank issues its collectives in the same order, so the counter agrees
         self._p2p_tag = self._p2p_tag + 1 if self._p2p_tag < _P2P_TAG_END else _P2P_TAG_START
-        n, flat, tag = input.numel(), input.reshape(-1), self._p2p_tag
+        return self._p2p_tag
+
+    def _p2p_scatter(self, recv: torch.Tensor, flat: torch.Tensor) -> _Works:
+        """Send chunk r of ``flat`` to each rank r; receive the other ranks' chunks of
+        this rank's part into ``recv`` (in rank order, this rank's own skipped)."""
+        n, tag, works, k = flat.numel() // self.world_size, self._next_tag(), [], 0
+        for r in range(self.world_size):
+            if r == self.rank:
+                continue
+            peer = self._peer(r)
+            works.append(dist.isend(flat[r * n : (r + 1) * n], peer, group=self.group, tag=tag))
+            works.append(dist.irecv(recv[k * n : (k + 1) * n], peer, group=self.group, tag=tag))
+            k += 1
+        return _Works(works)
+
+    def _with_own(self, recv: torch.Tensor, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's chunk of this rank's part, in rank order (own chunk from ``flat``)."""
+        n = flat.numel() // self.world_size
+        others = list(recv.view(self.world_size - 1, n))
+        return [
+            *others[: self.rank],
+            flat[self.rank * n : (self.rank + 1) * n],
+            *others[self.rank :],
+        ]
+
+    def _p2p_gather(self, output: torch.Tensor, input: torch.Tensor) -> _Works:
+        n, flat, tag = input.numel(), input.reshape(-1), self._next_tag()
         out = output.view(-1)
         works = []
         for r in range(self.world_size):

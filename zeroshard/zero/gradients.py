@@ -34,6 +34,10 @@ from zeroshard.comm import Comm, Handle
 from zeroshard.offload.staging import HostStager, stage_on_cpu
 from zeroshard.zero.flat import FlatParams
 
+# reductions in flight at once, at most: each holds a staging bucket (stages 2-3) and a
+# receive buffer (point-to-point reduce-scatter); more wait for the oldest
+_IN_FLIGHT = 2
+
 
 @dataclass(eq=False)
 class _Bucket:
@@ -76,9 +80,9 @@ class GradReducer:
             soon as its reduction completes, while backward goes on. None: no offload.
         reduce_scatter_via: how sharded buckets are reduced (``Comm.reduce_scatter``'s
             ``via``): "native" (zero_optimization.reduce_scatter true), "all_reduce"
-            (false) or None, the group's per-backend choice (an all-to-all plus a local
-            sum on gloo). The all-to-all receives into scratch buffers of one bucket each,
-            at most two in flight (the oldest reduction is waited for first).
+            (false) or None, the group's per-backend choice (sends plus a local sum
+            on gloo). Point to point it receives into buffers of (N - 1) / N of a
+            bucket, at most two in flight (then the oldest reduction is waited for).
     """
 
     def __init__(
@@ -99,7 +103,7 @@ class GradReducer:
         self.flat, self.comm, self.dtype = flat, comm, dtype
         self._rs_via = reduce_scatter_via or comm.reduce_scatter_path(flat.device)
         self._free_scratch: list[torch.Tensor] = []
-        self._scratch_made = 0
+        self._scratch_made = self._staging_made = 0
         self.replicate = replicate if replicate is not None and replicate.world_size > 1 else None
         if self.replicate is not None and not flat.partitioned:
             raise ValueError("internal: replicated reduction needs a sharded layout")
@@ -270,7 +274,7 @@ class GradReducer:
         if self.predivide != 1.0:
             src.div_(self.predivide)
         if g.partitioned:
-            if self._rs_via == "all_to_all" and self.comm.world_size > 1:
+            if self._rs_via in ("all_to_all", "send_recv") and self.comm.world_size > 1:
                 b.scratch = self._scratch()
             # the window's first reduction of a sharded bucket lands in the owned shard
             # itself (no copy out of the staging bucket afterwards)
@@ -292,14 +296,21 @@ class GradReducer:
         return src[self.flat.rank * chunk : (self.flat.rank + 1) * chunk]
 
     def _scratch(self) -> torch.Tensor:
-        """A receive buffer for an all-to-all reduction: at most two exist; with both in
-        flight, the oldest pending reduction is completed first (bounded memory)."""
-        while not self._free_scratch and self._scratch_made >= 2 and self._pending:
+        """A receive buffer for a point-to-point (or all-to-all) reduction: at most
+        :data:`_IN_FLIGHT` exist; with all in flight, the oldest pending reduction is
+        completed first (bounded memory)."""
+        while not self._free_scratch and self._scratch_made >= _IN_FLIGHT and self._pending:
             self._complete_oldest()
         if self._free_scratch:
             return self._free_scratch.pop()
         self._scratch_made += 1
-        return torch.empty(self._staging_numel, dtype=self.dtype, device=self.flat.device)
+        w = self.comm.world_size
+        numel = (
+            self._staging_numel
+            if self._rs_via == "all_to_all"
+            else self._staging_numel // w * (w - 1)
+        )
+        return torch.empty(numel, dtype=self.dtype, device=self.flat.device)
 
     def _complete_oldest(self) -> None:
         b, handle, phase = self._pending.pop(0)
@@ -342,7 +353,9 @@ class GradReducer:
 
     def _staging_for(self, b: _Bucket) -> torch.Tensor:
         if b.staging is None:
-            while not self._free_staging and self._pending:
+            # double-buffered: a bucket fills while the previous one's reduction is in
+            # flight; a third waits for the oldest reduction
+            while not self._free_staging and self._staging_made >= _IN_FLIGHT and self._pending:
                 self._complete_oldest()
             if self._free_staging:
                 b.staging = self._free_staging.pop()
@@ -351,6 +364,7 @@ class GradReducer:
                     dev = self.flat.device
                     getattr(torch, dev.type).current_stream(dev).wait_event(event)
             else:
+                self._staging_made += 1
                 b.staging = torch.empty(
                     self._staging_numel, dtype=self.dtype, device=self.flat.device
                 )
