@@ -363,7 +363,8 @@ def test_memory_stats_one_nth(results):
         m, psi = r["ledger"]["memory"], r["ledger"]["psi"]
         pad = 4 * 2 * 16 * 40  # per-unit alignment padding (40 units at most)
         assert m["params"] <= 4 * psi / 2 + pad
-        assert m["grads"] <= 4 * psi / 2 + pad + 4 * r["ledger"]["largest_unit"]  # + staging
+        # + the staging pool: two buckets (one filling, one whose reduction is in flight)
+        assert m["grads"] <= 4 * psi / 2 + pad + 2 * 4 * r["ledger"]["largest_unit"]
         assert m["optimizer_states"] <= 8 * psi / 2 + pad + 64
 
 
