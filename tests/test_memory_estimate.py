@@ -98,6 +98,7 @@ def _measure(rank: int, world: int, stage: int) -> dict:
         bucket_numel=bucket,
         largest_unit=own if stage == 3 else 0,
         persistent_numel=persistent if stage == 3 else 0,
+        p2p_reduce=True,  # gloo
     )
     return {
         "measured": m["params"] + m["grads"] + m["optimizer_states"],
@@ -200,14 +201,20 @@ def test_cli_plan_picks_least_communication_that_fits(capsys) -> None:
     assert code == 0, out
     lines = out.splitlines()
     assert lines[0].startswith("activations: not included")
-    # stage 0/1 need 112 / 49 GB; stage 2 needs 38.5 GB + a 1 GB reduce bucket and
-    # exchanges 2 x 2Ψ bytes per step, stage 3 3 x 2Ψ
+    # stage 0/1 need 112 / 49 GB; stage 2 needs 38.5 GB + two 25 MiB staging buckets
+    # (zeroshard's default bucket) and exchanges 2 x 2Ψ bytes per step, stage 3 3 x 2Ψ
     assert lines[1] == (
-        "plan: stage 2, offload none: 36.79 GiB on the device of 37.25 (35.86 model states, "
+        "plan: stage 2, offload none: 35.90 GiB on the device of 37.25 (35.86 model states, "
         "0.00 activations), 26.08 GiB exchanged per step"
     )
     assert lines[2].startswith("why: it fits, exchanges as few bytes as any layout that fits")
-    assert lines[3].startswith("runner-up: stage 2, offload cpu: 13.97 GiB")
+    assert lines[3].startswith("runner-up: stage 2, offload cpu: 13.09 GiB")
+    # DeepSpeed's 5e8-element bucket, double-buffered: 2 GB more, and stage 2 no longer fits
+    code, out = _cli(
+        capsys, "plan", "--params", "7e9", "--nproc", "4", "--device-memory", "40GB",
+        "--precision", "bf16", "--bucket", "5e8",
+    )  # fmt: skip
+    assert code == 0 and out.splitlines()[1].startswith("plan: stage 2, offload cpu"), out
     code, out = _cli(
         capsys, "plan", "--params", "7e9", "--nproc", "4", "--device-memory", "10GB",
         "--precision", "bf16",

@@ -149,7 +149,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seq", type=int, default=0, help="sequence length (activations)")
     parser.add_argument("--micro-batch", type=int, default=1)
     parser.add_argument("--checkpointing", choices=POLICIES, default="none")
-    parser.add_argument("--bucket", type=float, default=5e8, help="reduce_bucket_size")
+    parser.add_argument(
+        "--bucket",
+        type=float,
+        default=None,
+        help="reduce_bucket_size (default: zeroshard's, 25 MiB of gradients)",
+    )
     add_parallel_arguments(parser)
 
 
@@ -203,7 +208,7 @@ def main(args: argparse.Namespace) -> int:
                     precision=prec,
                     offload=off,
                     offload_params=off != "none",
-                    bucket_numel=int(args.bucket),
+                    bucket_numel=bucket_numel(args.bucket, prec),
                     largest_unit=facts.get("largest_unit", 0),
                     activations=acts[prec],
                     tp=args.tp,
@@ -224,3 +229,11 @@ def main(args: argparse.Namespace) -> int:
         "and stage3_max_live_parameters, 1e9: min(params, 5e8) elements)"
     )
     return 0
+
+
+def bucket_numel(given: float | None, precision: str) -> int:
+    """Elements per gradient bucket: as given, else zeroshard's default (25 MiB of
+    gradients in ``precision``'s gradient dtype, ``engine_build.DEFAULT_BUCKET_BYTES``)."""
+    if given is not None:
+        return int(given)
+    return 25 * 2**20 // PRECISIONS[precision][1]

@@ -10,7 +10,8 @@ the optimizer states live too, so it is the master: 4 + 2 + 8 = 14Ψ/N in mixed
 precision. Offload moves the optimizer side (masters, moments and,
 from stage 2, the gradient shard) to CPU memory or NVMe files, and at stage 3 the
 parameter shard too. zeroshard's own buffers are included: the gradient staging
-buckets (stages 2-3) and the gathered always-resident small parameters (stage 3).
+buckets (stages 2-3, two at most), the receive buffers of gloo's point-to-point
+reduction (``p2p_reduce``) and the gathered always-resident small parameters (stage 3).
 Stage 3 also holds gathered parameters between a unit's forward and its backward
 (``stage3_max_reuse_distance``: a unit is kept when its next use comes within that many
 gathered elements, about 2x its distance from the turn of forward to backward, so
@@ -108,6 +109,7 @@ def estimate(
     tp_activation_numel: int = 0,
     reuse_numel: int = 10**9,
     max_live_numel: int = 10**9,
+    p2p_reduce: bool = False,
 ) -> Estimate:
     """Per-rank bytes for ``params`` parameters on ``nproc * nnodes`` ranks, ``tp``
     tensor-parallel and ``sp`` sequence-parallel ranks among them (ZeRO shards over the
@@ -122,7 +124,9 @@ def estimate(
     layer, times the layers, in the compute dtype. ``reuse_numel`` and ``max_live_numel``
     are stage 3's ``stage3_max_reuse_distance`` and ``stage3_max_live_parameters``
     (DeepSpeed's defaults): the parameters kept gathered from forward to backward, and
-    so not all-gathered again in backward (see the module docstring).
+    so not all-gathered again in backward (see the module docstring). ``p2p_reduce``:
+    gradients are reduce-scattered point to point (gloo's default), with receive
+    buffers of (n - 1) / n of a bucket, two at most, like the staging buckets.
     """
     if stage not in (0, 1, 2, 3) or offload not in OFFLOADS or precision not in PRECISIONS:
         raise ValueError(f"stage/offload/precision: got {stage}, {offload!r}, {precision!r}")
@@ -144,10 +148,16 @@ def estimate(
     grad_bytes = round(g_b * (shard if stage >= 2 else psi))
     opt_bytes = round((master_b + states_b) * (shard if stage >= 1 else psi))
     buffers = 0
+    # reductions in flight: two at most, each with a staging bucket (stages 2-3) and,
+    # with point-to-point reduction (gloo), a receive buffer of (n - 1) / n of one
+    bucket = min(bucket_numel or psi, psi) if stage < 3 else largest_unit
+    in_flight = 1 if stage < 3 and bucket >= psi else 2
     if stage == 2:
-        buffers = g_b * min(bucket_numel or psi, psi)
+        buffers = in_flight * g_b * bucket
     elif stage == 3:
-        buffers = g_b * largest_unit + compute_b * persistent_numel
+        buffers = in_flight * g_b * largest_unit + compute_b * persistent_numel
+    if p2p_reduce and stage >= 1 and n > 1:
+        buffers += round(in_flight * g_b * bucket * (n - 1) / n)
     loc = {"device": param_bytes + grad_bytes + opt_bytes + buffers}
     if offload != "none" and stage >= 1:
         loc["device"] -= opt_bytes

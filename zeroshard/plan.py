@@ -13,7 +13,13 @@ from __future__ import annotations
 import argparse
 
 from zeroshard.convert import parse_size
-from zeroshard.estimate import activations, add_parallel_arguments, facts_from_args, tp_numel
+from zeroshard.estimate import (
+    activations,
+    add_parallel_arguments,
+    bucket_numel,
+    facts_from_args,
+    tp_numel,
+)
 from zeroshard.memory import POLICIES, PRECISIONS, Estimate, estimate
 
 _OFFLOAD_RANK = {"none": 0, "cpu": 1, "nvme": 2}
@@ -92,7 +98,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seq", type=int, default=0)
     parser.add_argument("--micro-batch", type=int, default=1)
     parser.add_argument("--checkpointing", choices=POLICIES, default="none")
-    parser.add_argument("--bucket", type=float, default=5e8)
+    parser.add_argument(
+        "--bucket", type=float, default=None, help="reduce_bucket_size (default: zeroshard's)"
+    )
     add_parallel_arguments(parser)
 
 
@@ -106,7 +114,7 @@ def main(args: argparse.Namespace) -> int:
         args.nnodes,
         args.precision,
         act,
-        int(args.bucket),
+        bucket_numel(args.bucket, args.precision),
         tp=args.tp,
         sp=args.sp,
         tp_numel=tp_numel(facts, args),
