@@ -31,9 +31,10 @@ def _ops(n: int, rank: int, world: int) -> dict:
         "all_reduce": lambda: dist.all_reduce(x),
         "reduce_scatter": lambda: dist.reduce_scatter_tensor(out, x),
         "rs via ar": lambda: (dist.all_reduce(x), out.copy_(x[mine])),
-        "rs via a2a (zeroshard)": lambda: comm.reduce_scatter(
-            out, x, via="all_to_all", scratch=scratch
+        "rs send/recv (zeroshard)": lambda: comm.reduce_scatter(
+            out, x, via="send_recv", scratch=scratch
         ),
+        "rs via a2a": lambda: comm.reduce_scatter(out, x, via="all_to_all", scratch=scratch),
         "all_gather": lambda: dist.all_gather_into_tensor(full, out),
         "all_gather (list)": lambda: dist.all_gather(list(full.chunk(world)), out),
         "ag via ar": lambda: (full.zero_(), full[mine].copy_(out), dist.all_reduce(full)),
