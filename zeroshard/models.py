@@ -19,6 +19,7 @@ _PRESETS = {
     # name: (n_layer, n_head, d_model)
     "tiny": (2, 2, 32),
     "small": (4, 4, 128),
+    "6x256": (6, 8, 256),  # the "small GPT" of issue 20's measurements (~4.8M at vocab 256)
     "25M": (8, 8, 512),  # ~25.3M parameters at vocab 256
     "100M": (14, 12, 768),  # ~99.5M parameters at vocab 256
     "350M": (24, 16, 1024),
