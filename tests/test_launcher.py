@@ -259,3 +259,22 @@ def test_usage_errors():
     assert res.returncode == 0 and res.stdout.startswith("zeroshard ")
     res = zeroshard("run", "--help", timeout=60)
     assert res.returncode == 0 and "every node" in res.stdout
+
+
+def test_c10d_rendezvous_is_hosted_by_node_zero():
+    # with node ranks known, node 0's launcher hosts the c10d store whatever the start
+    # order of the launchers (two "nodes" on one machine would otherwise race for it)
+    from zeroshard.launcher import torchrun_argv
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    for rank, host in ((0, "true"), (1, "false")):
+        argv = ["--nnodes", "2", "--node-rank", str(rank), "--master-addr", "127.0.0.1"]
+        argv += ["--master-port", "29500", "--rdzv-backend", "c10d", "train.py"]
+        args = parser.parse_args(argv)
+        out = torchrun_argv(args, plan_layout(args, device_count=0))
+        i = out.index("--rdzv-conf")
+        assert out[i + 1] == f"is_host={host}", out
+    argv = ["--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", "29500", "t.py"]
+    args = parser.parse_args(argv)
+    assert "--rdzv-conf" not in torchrun_argv(args, plan_layout(args, device_count=0))

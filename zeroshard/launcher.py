@@ -155,6 +155,12 @@ def torchrun_argv(args: argparse.Namespace, layout: Layout) -> list[str]:
         host = f"[{layout.master_addr}]" if ":" in layout.master_addr else layout.master_addr
         argv += ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"{host}:{layout.master_port}"]
         argv += ["--rdzv-id", args.rdzv_id]
+        if layout.node_rank is not None:
+            # node 0's launcher hosts the rendezvous store, even when several nodes'
+            # launchers run on the host that the endpoint names (else the first to bind
+            # it does, and losing that node loses the store before its rank's failure
+            # is reported)
+            argv += ["--rdzv-conf", f"is_host={str(layout.node_rank == 0).lower()}"]
     if args.log_dir:
         argv += ["--log-dir", args.log_dir, "--tee", "3"]
     if "--shutdown-timeout" in torchrun.get_args_parser()._option_string_actions:
