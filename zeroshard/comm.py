@@ -256,8 +256,7 @@ class Comm:
             )
         if via in ("all_to_all", "send_recv"):
             flat, world = input.reshape(-1), self.world_size
-            n = flat.numel() // world
-            need = flat.numel() if via == "all_to_all" else n * (world - 1)
+            n, need = flat.numel() // world, self.reduce_scatter_scratch(flat.numel(), via)
             if scratch is None:
                 recv = torch.empty(need, dtype=flat.dtype, device=flat.device)
             else:
@@ -331,18 +330,31 @@ class Comm:
         self._p2p_tag = self._p2p_tag + 1 if self._p2p_tag < _P2P_TAG_END else _P2P_TAG_START
         return self._p2p_tag
 
+    def _p2p(
+        self,
+        send_to: Callable[[int], torch.Tensor],
+        recv_into: Callable[[int], torch.Tensor],
+    ) -> _Works:
+        """One isend of ``send_to(r)`` and one irecv into ``recv_into(r)`` per other rank
+        r, under a tag unique to this call."""
+        tag, works = self._next_tag(), []
+        for r in range(self.world_size):
+            if r != self.rank:
+                peer = self._peer(r)
+                works.append(dist.isend(send_to(r), peer, group=self.group, tag=tag))
+                works.append(dist.irecv(recv_into(r), peer, group=self.group, tag=tag))
+        return _Works(works)
+
     def _p2p_scatter(self, recv: torch.Tensor, flat: torch.Tensor) -> _Works:
         """Send chunk r of ``flat`` to each rank r; receive the other ranks' chunks of
         this rank's part into ``recv`` (in rank order, this rank's own skipped)."""
-        n, tag, works, k = flat.numel() // self.world_size, self._next_tag(), [], 0
-        for r in range(self.world_size):
-            if r == self.rank:
-                continue
-            peer = self._peer(r)
-            works.append(dist.isend(flat[r * n : (r + 1) * n], peer, group=self.group, tag=tag))
-            works.append(dist.irecv(recv[k * n : (k + 1) * n], peer, group=self.group, tag=tag))
-            k += 1
-        return _Works(works)
+        n = flat.numel() // self.world_size
+
+        def into(r: int) -> torch.Tensor:
+            k = r - (r > self.rank)  # recv holds no chunk of this rank's own
+            return recv[k * n : (k + 1) * n]
+
+        return self._p2p(lambda r: flat[r * n : (r + 1) * n], into)
 
     def _with_own(self, recv: torch.Tensor, flat: torch.Tensor) -> list[torch.Tensor]:
         """Every rank's chunk of this rank's part, in rank order (own chunk from ``flat``)."""
@@ -355,20 +367,21 @@ class Comm:
         ]
 
     def _p2p_gather(self, output: torch.Tensor, input: torch.Tensor) -> _Works:
-        n, flat, tag = input.numel(), input.reshape(-1), self._next_tag()
-        out = output.view(-1)
-        works = []
-        for r in range(self.world_size):
-            if r == self.rank:
-                continue
-            works.append(dist.isend(flat, self._peer(r), group=self.group, tag=tag))
-            works.append(
-                dist.irecv(out[r * n : (r + 1) * n], self._peer(r), group=self.group, tag=tag)
-            )
+        n, flat, out = input.numel(), input.reshape(-1), output.view(-1)
+        works = self._p2p(lambda r: flat, lambda r: out[r * n : (r + 1) * n])
         mine = out[self.rank * n : (self.rank + 1) * n]
         if mine.data_ptr() != flat.data_ptr():
             mine.copy_(flat)
-        return _Works(works)
+        return works
+
+    def reduce_scatter_scratch(self, numel: int, via: str) -> int:
+        """Elements of the receive buffer :meth:`reduce_scatter` needs for an input of
+        ``numel`` elements by ``via`` (0: none)."""
+        if via == "all_to_all":
+            return numel
+        if via == "send_recv":
+            return numel // self.world_size * (self.world_size - 1)
+        return 0
 
     def broadcast(
         self, tensor: torch.Tensor, src: int = 0, async_op: bool = False

@@ -169,13 +169,7 @@ class Engine(EngineBuild, DeepSpeedEngineCompat, nn.Module):
             predivide=predivide,
             on_bucket_ready=self.params.free_if_idle,
             accum_device=self.placement.optimizer if self.placement.offload_optimizer else None,
-            reduce_scatter_via=(
-                None
-                if zc.reduce_scatter is None
-                else "native"
-                if zc.reduce_scatter
-                else "all_reduce"
-            ),
+            reduce_scatter_via={None: None, True: "native", False: "all_reduce"}[zc.reduce_scatter],
         )
         self.loss_scaler = LossScaler.from_config(config.fp16)
         self.optimizer = ShardedOptimizer(

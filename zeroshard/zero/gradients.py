@@ -39,6 +39,24 @@ from zeroshard.zero.flat import FlatParams
 _IN_FLIGHT = 2
 
 
+class _Pool:
+    """Buffers of one size, at most :data:`_IN_FLIGHT` of them: with none free and all
+    made, ``take`` completes the oldest pending reduction (which gives its back)."""
+
+    def __init__(self, numel: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.numel, self.dtype, self.device = numel, dtype, device
+        self.free: list[torch.Tensor] = []
+        self.made = 0
+
+    def take(self, reducer: GradReducer) -> torch.Tensor:
+        while not self.free and self.made >= _IN_FLIGHT and reducer._pending:
+            reducer._complete_oldest()
+        if self.free:
+            return self.free.pop()
+        self.made += 1
+        return torch.empty(self.numel, dtype=self.dtype, device=self.device)
+
+
 @dataclass(eq=False)
 class _Bucket:
     segment: int
@@ -48,7 +66,7 @@ class _Bucket:
     ready: set[int] = field(default_factory=set)
     launched: bool = False
     staging: torch.Tensor | None = None
-    scratch: torch.Tensor | None = None  # the all-to-all reduce-scatter's receive buffer
+    scratch: torch.Tensor | None = None  # the reduce-scatter's receive buffer, if any
     direct: bool = False  # reduced straight into the owned gradient shard
     filled: set[int] = field(default_factory=set)
 
@@ -102,8 +120,6 @@ class GradReducer:
     ) -> None:
         self.flat, self.comm, self.dtype = flat, comm, dtype
         self._rs_via = reduce_scatter_via or comm.reduce_scatter_path(flat.device)
-        self._free_scratch: list[torch.Tensor] = []
-        self._scratch_made = self._staging_made = 0
         self.replicate = replicate if replicate is not None and replicate.world_size > 1 else None
         if self.replicate is not None and not flat.partitioned:
             raise ValueError("internal: replicated reduction needs a sharded layout")
@@ -116,12 +132,16 @@ class GradReducer:
         self._hooks = []
         # (bucket, handle, phase): "reduce" over ``comm``, then "replicate" (hybrid only)
         self._pending: list[tuple[_Bucket, Handle | None, str]] = []
-        self._free_staging: list[torch.Tensor] = []
         layout = flat.layout
         # segments with a trainable parameter: the only ones reduced and stored (stage 3
         # keeps frozen parameters in segments of their own)
         reduced = [seg for seg in layout.segments if any(flat.group_of[p] >= 0 for p in seg.params)]
-        self._staging_numel = max((seg.numel for seg in reduced), default=0)
+        staging_numel = max((seg.numel for seg in reduced), default=0)
+        self._staging = _Pool(staging_numel, dtype, flat.device)
+        # receive buffers of a point-to-point (or all-to-all) reduce-scatter
+        self._scratch = _Pool(
+            comm.reduce_scatter_scratch(staging_numel, self._rs_via), dtype, flat.device
+        )
         self._accumulated = False  # whether grad_shard already holds a micro-step
         self._any_grad = False  # whether any gradient arrived in this accumulation window
         self._window_filled: set[int] = set()  # params that got a gradient in this window
@@ -274,8 +294,8 @@ class GradReducer:
         if self.predivide != 1.0:
             src.div_(self.predivide)
         if g.partitioned:
-            if self._rs_via in ("all_to_all", "send_recv") and self.comm.world_size > 1:
-                b.scratch = self._scratch()
+            if self._scratch.numel and self.comm.world_size > 1:
+                b.scratch = self._scratch.take(self)
             # the window's first reduction of a sharded bucket lands in the owned shard
             # itself (no copy out of the staging bucket afterwards)
             b.direct = self.sharded and self._direct_ok and not self._accumulated
@@ -295,28 +315,11 @@ class GradReducer:
         chunk = self.flat.layout.segments[b.segment].chunk
         return src[self.flat.rank * chunk : (self.flat.rank + 1) * chunk]
 
-    def _scratch(self) -> torch.Tensor:
-        """A receive buffer for a point-to-point (or all-to-all) reduction: at most
-        :data:`_IN_FLIGHT` exist; with all in flight, the oldest pending reduction is
-        completed first (bounded memory)."""
-        while not self._free_scratch and self._scratch_made >= _IN_FLIGHT and self._pending:
-            self._complete_oldest()
-        if self._free_scratch:
-            return self._free_scratch.pop()
-        self._scratch_made += 1
-        w = self.comm.world_size
-        numel = (
-            self._staging_numel
-            if self._rs_via == "all_to_all"
-            else self._staging_numel // w * (w - 1)
-        )
-        return torch.empty(numel, dtype=self.dtype, device=self.flat.device)
-
     def _complete_oldest(self) -> None:
         b, handle, phase = self._pending.pop(0)
         handle.wait()
         if b.scratch is not None:
-            self._free_scratch.append(b.scratch)
+            self._scratch.free.append(b.scratch)
             b.scratch = None
         g = self.flat
         seg = g.layout.segments[b.segment]
@@ -332,7 +335,7 @@ class GradReducer:
             if post != 1.0:
                 reduced.div_(post)
             if b.direct:  # already in place
-                reduced = chunk
+                pass
             elif self._stager is not None:
                 event = self._stager.submit(reduced, chunk, accumulate=self._accumulated)
                 if event is not None:
@@ -341,7 +344,7 @@ class GradReducer:
                 chunk.add_(reduced)
             else:
                 chunk.copy_(reduced)
-            self._free_staging.append(b.staging)
+            self._staging.free.append(b.staging)
             b.staging = None
             b.filled.clear()
             return
@@ -355,19 +358,11 @@ class GradReducer:
         if b.staging is None:
             # double-buffered: a bucket fills while the previous one's reduction is in
             # flight; a third waits for the oldest reduction
-            while not self._free_staging and self._staging_made >= _IN_FLIGHT and self._pending:
-                self._complete_oldest()
-            if self._free_staging:
-                b.staging = self._free_staging.pop()
-                event = self._staging_events.pop(id(b.staging), None)
-                if event is not None:  # its last chunk may still be on its way to the host
-                    dev = self.flat.device
-                    getattr(torch, dev.type).current_stream(dev).wait_event(event)
-            else:
-                self._staging_made += 1
-                b.staging = torch.empty(
-                    self._staging_numel, dtype=self.dtype, device=self.flat.device
-                )
+            b.staging = self._staging.take(self)
+            event = self._staging_events.pop(id(b.staging), None)
+            if event is not None:  # its last chunk may still be on its way to the host
+                dev = self.flat.device
+                getattr(torch, dev.type).current_stream(dev).wait_event(event)
         return b.staging
 
     def finish(self) -> None:
@@ -463,7 +458,7 @@ class GradReducer:
     def buffers(self) -> list[torch.Tensor]:
         """Persistent gradient buffers: the full buffer or the shard, plus the staging pool."""
         bufs = [b for b in (self.grad_full, self.grad_shard) if b is not None]
-        bufs += self._free_staging + self._free_scratch
+        bufs += self._staging.free + self._scratch.free
         bufs += [b.scratch for b in self._buckets if b.scratch is not None]
         bufs += [b.staging for b in self._buckets if b.staging is not None]
         if self._stager is not None:
