@@ -32,13 +32,12 @@ from zeroshard.zero.flat import FlatParams
 from zeroshard.zero.init import is_sealed, take_value
 from zeroshard.zero.optimizer import TensorParallelGrads
 from zeroshard.zero.partition import FlatLayout
-from zeroshard.zero.segments import bucket_segments, unit_segments
+from zeroshard.zero.segments import DEFAULT_BUCKET_BYTES, bucket_segments, unit_segments
 from zeroshard.zero.states import build_memory_states
 
 log = logging.getLogger("zeroshard")
 
 _ALIGN = 16  # chunk sizes are multiples of 16 elements (vector-friendly offsets)
-DEFAULT_BUCKET_BYTES = 25 * 2**20  # DDP's bucket_cap_mb
 _NVME_ALIGN = 2048  # 4 KiB disk blocks even for 16-bit parameters
 
 

@@ -49,6 +49,7 @@ from zeroshard.memory import (
     estimate,
     paper_bytes,
 )
+from zeroshard.zero.segments import DEFAULT_BUCKET_BYTES
 
 
 def _model_facts(spec: str, seq: int = 0) -> dict:
@@ -233,7 +234,7 @@ def main(args: argparse.Namespace) -> int:
 
 def bucket_numel(given: float | None, precision: str) -> int:
     """Elements per gradient bucket: as given, else zeroshard's default (25 MiB of
-    gradients in ``precision``'s gradient dtype, ``engine_build.DEFAULT_BUCKET_BYTES``)."""
+    gradients in ``precision``'s gradient dtype)."""
     if given is not None:
         return int(given)
-    return 25 * 2**20 // PRECISIONS[precision][1]
+    return DEFAULT_BUCKET_BYTES // PRECISIONS[precision][1]

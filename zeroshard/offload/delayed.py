@@ -46,7 +46,7 @@ import threading
 
 import torch
 
-from zeroshard.zero.states import MemoryStates, fold_scale
+from zeroshard.zero.states import MemoryStates
 
 
 class DelayedUpdate:
@@ -114,22 +114,9 @@ class DelayedUpdate:
                 self._copied.set()  # the next backward may write the reducer's shard
             if uploading is not None:
                 uploading.synchronize()
-            st = self.states
-            for gi, group in enumerate(twin.param_groups):
-                for m, g in zip(group["params"], st.flat.group_views(chunks, gi), strict=True):
-                    m.grad = g
-            if unused:
-                for *_, view, pi in st._views:
-                    if pi in unused:
-                        view.grad = None
-            grads = [v.grad for *_, v, _ in st._views if v.grad is not None]
-            folded = factor != 1.0 and bool(grads) and fold_scale(twin, grads[0].device, factor)
-            if factor != 1.0 and grads and not folded:
-                torch._foreach_mul_(grads, factor)
+            self.states.prepare_step(twin, chunks, factor, unused)  # grad_scale: twin's own
             twin.step()
-            for group in twin.param_groups:
-                for m in group["params"]:
-                    m.grad = None
+            self.states.clear_grads(twin)
         except BaseException as e:  # re-raised on the engine's thread by wait()
             self._error = e
 
@@ -150,12 +137,7 @@ class DelayedUpdate:
             raise RuntimeError("zeroshard: the delayed optimizer step failed") from error
         if self._written:
             return False
-        st = self.states
-        for s, master in enumerate(st.masters):
-            st.flat.store.write_chunk(s, master)
-        if st._uploads:  # non-blocking uploads: the next step waits before it rewrites
-            dev = st.flat.device
-            st._uploaded = getattr(torch, dev.type).current_stream(dev).record_event()
+        self.states.write_masters()  # the next step waits for their uploads (GPU)
         self._written = True
         return True
 

@@ -31,6 +31,10 @@ class SegmentPlan:
     persistent: list[int]  # segment indices that stay gathered (stage 3)
 
 
+#: gradient bucket when the config gives none: DDP's bucket_cap_mb, 25 MiB
+DEFAULT_BUCKET_BYTES = 25 * 2**20
+
+
 def _group_index(param_groups: list[dict]) -> dict[int, int]:
     return {
         id(p): gi if p.requires_grad else FROZEN

@@ -88,8 +88,11 @@ class MemoryStates:
                 self.inner.state[m]["step"].zero_()
 
     # -- the step -----------------------------------------------------------------------
-    def _attach_grads(self, chunks: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Point every master view's ``.grad`` at the reduced gradient (fp32)."""
+    def _attach_grads(
+        self, chunks: list[torch.Tensor], optimizer: torch.optim.Optimizer | None = None
+    ) -> list[torch.Tensor]:
+        """Point every master view's ``.grad`` (in ``optimizer``'s param groups, default
+        this store's) at the reduced gradient (fp32)."""
         if self.masters and (chunks[0].dtype, chunks[0].device) != (
             self.masters[0].dtype,
             self.masters[0].device,
@@ -97,48 +100,71 @@ class MemoryStates:
             where = self.masters[0].device
             chunks = [c.to(device=where, dtype=self.masters[0].dtype) for c in chunks]
         grads = []
-        for gi, group in enumerate(self.inner.param_groups):
+        for gi, group in enumerate((optimizer or self.inner).param_groups):
             for m, g in zip(group["params"], self.flat.group_views(chunks, gi), strict=True):
                 m.grad = g
                 grads.append(g)
         return grads
 
-    def step(self, reducer, factor: float, unused: set[int] = frozenset()) -> None:
-        """Step on ``reducer.grad_chunks`` scaled by ``factor``; write back if separate.
-        Parameters in ``unused`` (no gradient on any rank) are skipped, as torch skips a
-        parameter whose ``grad`` is None: no moment update, no weight decay."""
-        if self._uploaded is not None:  # never in practice: backward synced long ago
-            self._uploaded.synchronize()
-            self._uploaded = None
-        grads = self._attach_grads(reducer.grad_chunks)
+    def prepare_step(
+        self,
+        optimizer: torch.optim.Optimizer,
+        chunks: list[torch.Tensor],
+        factor: float,
+        unused: set[int] = frozenset(),
+    ) -> bool:
+        """Give ``optimizer``'s masters their gradients from ``chunks``, none to the
+        parameters in ``unused`` (no gradient on any rank: torch then skips them, no moment
+        update, no weight decay), scaled by ``factor`` (folded into a fused kernel where it
+        can be: then True, and the caller deletes ``optimizer.grad_scale`` after the step)."""
+        grads = self._attach_grads(chunks, optimizer)
         if unused:
             for *_, view, pi in self._views:
                 if pi in unused:
                     view.grad = None
             grads = [v.grad for *_, v, _ in self._views if v.grad is not None]
-        folded = factor != 1.0 and bool(grads) and self._fold_scale(grads[0].device, factor)
+        folded = factor != 1.0 and bool(grads) and fold_scale(optimizer, grads[0].device, factor)
         if factor != 1.0 and grads and not folded:
             torch._foreach_mul_(grads, factor)
-        try:
-            if self.pipelined:
-                self._step_and_write_back_by_segment()
-            else:
-                self.inner.step()
-                if self.separate:
-                    for s, master in enumerate(self.masters):
-                        self.flat.store.write_chunk(s, master)
-        finally:
-            if folded:
-                del self.inner.grad_scale
+        return folded
+
+    def write_masters(self) -> None:
+        """Write the (separate) masters into the parameter store; on a device, remember
+        the event after their non-blocking uploads (the next step waits on it)."""
+        for s, master in enumerate(self.masters):
+            self.flat.store.write_chunk(s, master)
+        self._record_uploads()
+
+    def _record_uploads(self) -> None:
         if self._uploads:  # the device reads the pinned masters after step() returns
             dev = self.flat.device
             self._uploaded = getattr(torch, dev.type).current_stream(dev).record_event()
-        for group in self.inner.param_groups:
+
+    @staticmethod
+    def clear_grads(optimizer: torch.optim.Optimizer) -> None:
+        for group in optimizer.param_groups:
             for m in group["params"]:
                 m.grad = None
 
-    def _fold_scale(self, device: torch.device, factor: float) -> bool:
-        return fold_scale(self.inner, device, factor)
+    def step(self, reducer, factor: float, unused: set[int] = frozenset()) -> None:
+        """Step on ``reducer.grad_chunks`` scaled by ``factor``; write back if separate.
+        Parameters in ``unused`` are skipped (:meth:`prepare_step`)."""
+        if self._uploaded is not None:  # never in practice: backward synced long ago
+            self._uploaded.synchronize()
+            self._uploaded = None
+        folded = self.prepare_step(self.inner, reducer.grad_chunks, factor, unused)
+        try:
+            if self.pipelined:
+                self._step_and_write_back_by_segment()
+                self._record_uploads()
+            else:
+                self.inner.step()
+                if self.separate:
+                    self.write_masters()
+        finally:
+            if folded:
+                del self.inner.grad_scale
+        self.clear_grads(self.inner)
 
     def _step_and_write_back_by_segment(self) -> None:
         """Offload to a separate host: step one segment's masters, then start its
