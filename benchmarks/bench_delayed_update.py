@@ -26,10 +26,8 @@ Results are printed and appended to ``benchmarks/RESULTS.md`` unless ``--no-reco
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import shlex
 import statistics
 import sys
@@ -37,6 +35,7 @@ import time
 
 import torch
 from _ranks import run_ranks
+from _record import append_section
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 LAYOUTS = ("none", "cpu", "cpu+dpu")
@@ -161,14 +160,8 @@ def main() -> None:
     )
     print(body)
     if not args.no_record:
-        stamp = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
-        head = (
-            f"## {stamp} bench_delayed_update: {os.cpu_count()} cores, torch "
-            f"{torch.__version__}, Python {platform.python_version()}"
-        )
         command = ".venv/bin/python benchmarks/bench_delayed_update.py " + shlex.join(sys.argv[1:])
-        with open(args.results, "a") as f:
-            f.write(f"\n{head}\n\n`{command}`\n\n{body}\n")
+        append_section(args.results, "bench_delayed_update", command, body)
 
 
 if __name__ == "__main__":

@@ -34,10 +34,8 @@ Results are printed and appended to ``benchmarks/RESULTS.md`` unless ``--no-reco
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import re
 import resource
 import shlex
@@ -49,6 +47,7 @@ import time
 
 import torch
 from _ranks import RanksFailed, run_ranks
+from _record import append_section
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -526,13 +525,7 @@ def part_largest(args) -> str:
 
 # -- driver -----------------------------------------------------------------------------
 def _record(path: str, title: str, command: str, body: str) -> None:
-    stamp = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
-    head = (
-        f"## {stamp} bench_offload {title}: {os.cpu_count()} cores, torch {torch.__version__}, "
-        f"Python {platform.python_version()}"
-    )
-    with open(path, "a") as f:
-        f.write(f"\n{head}\n\n`{command}`\n\n{body}\n")
+    append_section(path, f"bench_offload {title}", command, body)
 
 
 def main() -> None:

@@ -29,10 +29,8 @@ bf16 noise).
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import shlex
 import statistics
 import subprocess
@@ -40,6 +38,7 @@ import sys
 import time
 
 import torch
+from _record import append_section
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -240,14 +239,8 @@ def main() -> None:
     body = "\n".join(lines)
     print(body)
     if not args.no_record:
-        stamp = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
-        head = (
-            f"## {stamp} bench_offload_gpu: torch {torch.__version__}, "
-            f"Python {platform.python_version()}"
-        )
         command = "python3 benchmarks/bench_offload_gpu.py " + shlex.join(argv)
-        with open(args.results, "a") as f:
-            f.write(f"\n{head}\n\n`{command}`\n\n{body}\n")
+        append_section(args.results, "bench_offload_gpu", command, body, cores=False)
 
 
 if __name__ == "__main__":
