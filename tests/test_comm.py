@@ -73,6 +73,11 @@ def _worker(rank: int, world: int) -> dict:
                 for via, v in got.items()
             }
             out[key]["scale"] = float(expect.double().abs().max())
+    for via in ("send_recv", "all_to_all"):  # sizes that do not split: named, no hang
+        with pytest.raises(ValueError, match="not 3 ranks x 2"):
+            comms[world].reduce_scatter(torch.empty(2), torch.empty(7), via=via)
+    with pytest.raises(ValueError, match="not 3 ranks x 2"):
+        comms[world].all_gather(torch.empty(7), torch.empty(2), via="send_recv")
     with pytest.raises(ValueError, match="via='bogus'"):
         comms[world].reduce_scatter(torch.empty(1), torch.empty(world), via="bogus")
     return out

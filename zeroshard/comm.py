@@ -92,6 +92,14 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def _check_sizes(op: str, whole: int, part: int, world: int) -> None:
+    """The backends refuse a whole buffer that is not ``world`` parts; so do our paths."""
+    if whole != part * world:
+        raise ValueError(
+            f"Comm.{op}: {whole} elements are not {world} ranks x {part} (the part's size)"
+        )
+
+
 def _sum_parts(parts: list[torch.Tensor], output: torch.Tensor) -> None:
     """``output`` = the sum of ``parts`` (one per rank, in rank order), accumulated in at
     least fp32 and rounded once to ``output``'s dtype."""
@@ -256,6 +264,7 @@ class Comm:
             )
         if via in ("all_to_all", "send_recv"):
             flat, world = input.reshape(-1), self.world_size
+            _check_sizes("reduce_scatter", flat.numel(), output.numel(), world)
             n, need = flat.numel() // world, self.reduce_scatter_scratch(flat.numel(), via)
             if scratch is None:
                 recv = torch.empty(need, dtype=flat.dtype, device=flat.device)
@@ -313,6 +322,7 @@ class Comm:
             cpu = input.device.type == "cpu"
             via = self.all_gather_via if cpu else "native"
         if via == "send_recv":
+            _check_sizes("all_gather", output.numel(), input.numel(), self.world_size)
             return self._run(
                 "all_gather", _nbytes(output), lambda: self._p2p_gather(output, input), async_op
             )
