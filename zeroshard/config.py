@@ -158,7 +158,7 @@ class Config(Section):
     gradient_clipping: float = key(0.0, doc="Clip the global gradient norm to this; 0 = off.", min=0, nullable=True)
     nonfinite_gradients: str = key("skip", doc="zeroshard: a step whose gradients or loss hold inf/nan on any rank is 'skip'ped on every rank (logged and counted), or makes every rank 'raise'; 'apply' steps anyway (DeepSpeed's bf16 without check_grad_overflow). fp16 skips overflows and lowers its loss scale.", choices=("skip", "raise", "apply"))
     prescale_gradients: bool = key(False, doc="Divide gradients by the world size before the reduction.")
-    gradient_predivide_factor: float = key(1.0, doc="Divide gradients by this before the reduction, the rest after.", above=0)
+    gradient_predivide_factor: float = key(1.0, doc="Divide gradients by this before the reduction, the rest after. 1.0 (the default): the whole average is taken before, fused into each gradient's copy into its bucket (as DDP does; round-off apart, the same result).", above=0)
     communication_data_type: str | None = key(None, doc="Dtype of gradient communication; null = the gradients'.", choices=DTYPES)
     seq_parallel_communication_data_type: str = key("fp32", INERT("sequence-parallel all-to-alls move activations in their own dtype"), doc="Sequence-parallel dtype.", choices=DTYPES)
     gradient_allreduce_op: str = key("mean", NOT_BUILT("summed (not averaged) gradient reduction"), doc="mean or sum.", choices=("mean", "sum"))

@@ -88,7 +88,9 @@ class GradReducer:
             used to order buckets like backward produces them.
         predivide: divide gradients by this before communication and by
             ``ranks / predivide`` after, ``ranks`` being every rank whose gradients are
-            averaged (DeepSpeed's gradient_predivide_factor).
+            averaged (DeepSpeed's gradient_predivide_factor). 1.0: the whole average
+            is taken before, fused into the gradient's copy into its bucket (as DDP
+            does), so no pass over the reduced gradients follows.
         on_bucket_ready: called with a segment index once all its gradients are in (the
             stage-3 gatherer frees that unit's parameters then).
         accum_device: with optimizer offload, the host (CPU) where the reduced chunks
@@ -127,6 +129,9 @@ class GradReducer:
         self._contributors = comm.world_size * (self.replicate.world_size if self.replicate else 1)
         self._on_bucket_ready = on_bucket_ready
         self.sharded, self.overlap, self.predivide = sharded, overlap, predivide
+        # divided by ``_pre`` on the way into the bucket, by ``_post`` after the reduction
+        self._pre = predivide if predivide != 1.0 else float(self._contributors)
+        self._post = self._contributors / self._pre
         self._boundary = True
         self._in_backward = False  # between begin() and finish(): engine.backward runs
         self._hooks = []
@@ -143,8 +148,13 @@ class GradReducer:
             comm.reduce_scatter_scratch(staging_numel, self._rs_via), dtype, flat.device
         )
         self._accumulated = False  # whether grad_shard already holds a micro-step
+        self._reduced = False  # whether full gradients were reduced in this window
         self._any_grad = False  # whether any gradient arrived in this accumulation window
         self._window_filled: set[int] = set()  # params that got a gradient in this window
+        # full-gradient slots already divided by ``_pre`` (their window's only gradient
+        # arrived at the boundary and was divided while copied in), until their bucket
+        # launches; ``param.grad`` is pointed at the slot then
+        self._scaled: set[int] = set()
         own = flat.rank
         self.grad_full: torch.Tensor | None = None
         self.grad_shard: torch.Tensor | None = None
@@ -209,6 +219,19 @@ class GradReducer:
         """Called before each backward: whether this micro-step ends an accumulation."""
         self._boundary = boundary
         self._in_backward = True
+        if boundary and self._reduced and self.flat.partitioned and not self.sharded:
+            self._restate_owned()
+
+    def _restate_owned(self) -> None:
+        """Stage 1, a second backward after the boundary's reduction (two losses, one
+        step): the buffer holds this rank's averaged chunk and stale data elsewhere.
+        Rewritten so the next reduction adds the new average to it: the chunk times the
+        group's size (the next reduction sums it once and divides by that), zeros
+        elsewhere (other ranks own those)."""
+        owned = [c.mul(self.comm.world_size) for c in self._device_chunks]
+        self.grad_full.zero_()
+        for c, saved in zip(self._device_chunks, owned, strict=True):
+            c.copy_(saved)
 
     @property
     def communicates_now(self) -> bool:
@@ -241,11 +264,21 @@ class GradReducer:
         if not self.sharded:
             view = self._views[pi]
             if p.grad.data_ptr() != view.data_ptr():  # a fresh gradient tensor
-                if pi in self._window_filled:
+                if pi in self._scaled:  # a second gradient in this backward
+                    view.add_(p.grad.div(self._pre))
+                    p.grad = None  # the slot is divided: no in-place accumulation
+                elif pi in self._window_filled:
                     view.add_(p.grad)
+                    p.grad = view if self._zero_copy else None
+                elif self.communicates_now and p.grad.dtype == view.dtype:
+                    # the window's only gradient: divided on the way in (one pass);
+                    # param.grad points at the slot once its bucket is launched
+                    torch.div(p.grad, self._pre, out=view)
+                    self._scaled.add(pi)
+                    p.grad = None
                 else:  # first contribution of this accumulation window: overwrite
                     view.copy_(p.grad)
-                p.grad = view if self._zero_copy else None
+                    p.grad = view if self._zero_copy else None
             self._window_filled.add(pi)
         else:
             self._window_filled.add(pi)
@@ -253,9 +286,12 @@ class GradReducer:
             lo, hi = bucket.slots[pi]
             slot = staging[lo:hi].view_as(p.grad)
             if pi in bucket.filled:
-                slot.add_(p.grad)
+                slot.add_(p.grad.div(self._pre))
+            elif p.grad.dtype == slot.dtype:  # divided on the way in (one pass)
+                torch.div(p.grad, self._pre, out=slot)
+                bucket.filled.add(pi)
             else:
-                slot.copy_(p.grad)
+                slot.copy_(p.grad).div_(self._pre)
                 bucket.filled.add(pi)
             p.grad = None
         if not self.communicates_now:
@@ -288,11 +324,15 @@ class GradReducer:
             src[seg.used :].zero_()
         else:
             src = self.grad_full[seg.start : seg.start + seg.numel]
-            for pi, (lo, hi) in b.slots.items():  # stale values of parameters with no gradient
-                if pi not in self._window_filled:
+            for pi, (lo, hi) in b.slots.items():
+                if pi not in self._window_filled:  # stale values: no gradient this window
                     src[lo:hi].zero_()
-        if self.predivide != 1.0:
-            src.div_(self.predivide)
+                elif pi in self._scaled:  # once: a later backward adds raw gradients
+                    self._scaled.discard(pi)
+                    if self._zero_copy:
+                        self.flat.params[pi].grad = self._views[pi]
+                else:  # accumulated over micro-steps (or cast in): divided here
+                    src[lo:hi].div_(self._pre)
         if g.partitioned:
             if self._scratch.numel and self.comm.world_size > 1:
                 b.scratch = self._scratch.take(self)
@@ -328,7 +368,7 @@ class GradReducer:
             own = self._own(b, b.staging if self.sharded else self.grad_full[seg.start :])
             self._pending.insert(0, (b, self.replicate.all_reduce(own, async_op=True), "replicate"))
             return
-        post = self._contributors / self.predivide
+        post = self._post
         chunk = self.grad_chunks[b.segment]
         if self.sharded:
             reduced = chunk if b.direct else self._own(b, b.staging)
@@ -381,6 +421,8 @@ class GradReducer:
         self._next = 0
         if self.sharded:
             self._accumulated = True
+        else:
+            self._reduced = True
 
     # -- step boundary ------------------------------------------------------------------
     def zero_grad(self) -> None:
@@ -390,9 +432,10 @@ class GradReducer:
         slot (``param.grad`` is unset so autograd hands over a fresh tensor), slots of
         parameters that get no gradient are zeroed when their bucket is reduced, and the
         owned shard is overwritten by the window's first reduction."""
-        self._accumulated = False
+        self._accumulated = self._reduced = False
         self._any_grad = False
         self._window_filled.clear()
+        self._scaled.clear()
         for pi, p in enumerate(self.flat.params):
             if self.flat.group_of[pi] >= 0:
                 p.grad = None

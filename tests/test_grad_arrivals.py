@@ -1,0 +1,154 @@
+"""Gradients that do not arrive once per parameter per step, against single-process
+torch, at stages 0-3 on 2 and 3 gloo ranks (one spawn per world size):
+
+* two ``engine.backward`` calls before one ``engine.step`` (gradient accumulation 1):
+  the step applies the gradient of the sum of both losses;
+* a parameter whose gradient arrives twice in one backward (used inside a reentrant
+  checkpoint and outside it: autograd accumulates into ``.grad`` twice);
+* gradient accumulation over 3 micro-steps, with a parameter used only on the last.
+
+The reducer divides a gradient by the number of ranks while it copies it into its bucket
+(issue 20); these are the arrivals where that division must not be applied twice or
+skipped. At stage 0, ``param.grad`` after backward must be the averaged gradient.
+"""
+
+from __future__ import annotations
+
+import multirank
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+TOL = 2e-5
+MICRO = 2
+STEPS = 3
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(8, 16)
+        self.shared = nn.Linear(16, 16)
+        self.fc2 = nn.Linear(16, 4)
+        self.late = nn.Parameter(torch.randn(4) * 0.1)
+
+    def forward(self, x, y, *, reentrant: bool = False, late: bool = False):
+        h = torch.tanh(self.fc1(x))
+        if reentrant:  # ``shared`` inside a reentrant checkpoint and again outside it
+            h = checkpoint(lambda t: torch.tanh(self.shared(t)), h, use_reentrant=True)
+        h = torch.tanh(self.shared(h))
+        out = self.fc2(h)
+        if late:
+            out = out + self.late
+        return F.mse_loss(out, y)
+
+
+def _data(step: int, k: int, rows: int):
+    g = torch.Generator().manual_seed(1000 * step + k)
+    return torch.randn(rows, 8, generator=g), torch.randn(rows, 4, generator=g)
+
+
+def _losses(model, step: int, kind: str, rows: slice, world: int):
+    """The losses of one step, each with the batch of every rank (reference) or this
+    rank's rows; "twice": two backwards, "reentrant": one, "accum": three micro-steps."""
+    n = {"twice": 2, "reentrant": 1, "accum": 3}[kind]
+    out = []
+    for k in range(n):
+        x, y = _data(step, k, MICRO * world)
+        late = kind == "accum" and k == n - 1
+        out.append(model(x[rows], y[rows], reentrant=kind == "reentrant", late=late))
+    return out
+
+
+def _reference(world: int, kind: str):
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    grads = None
+    for step in range(STEPS):
+        losses = _losses(model, step, kind, slice(None), world)
+        scale = 1 / len(losses) if kind == "accum" else 1.0
+        sum(losses).mul(scale).backward()
+        if step == STEPS - 1:
+            grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return {n: p.detach().clone() for n, p in model.named_parameters()}, grads
+
+
+def _train(rank: int, world: int, stage: int, kind: str):
+    import zeroshard
+    from zeroshard.zero import GatheredParameters
+
+    torch.manual_seed(0)
+    model = Net()
+    config = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": 3 if kind == "accum" else 1,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}},
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+        "steps_per_print": 10**6,
+    }
+    engine, *_ = zeroshard.initialize(
+        model=model, model_parameters=model.parameters(), config=config
+    )
+    rows = slice(rank * MICRO, (rank + 1) * MICRO)
+    grads = {}
+    for step in range(STEPS):
+        losses = _losses(engine, step, kind, rows, world)
+        for k, loss in enumerate(losses):
+            engine.backward(loss)
+            last = k == len(losses) - 1
+            if last and step == STEPS - 1 and stage == 0:  # param.grad holds the average
+                grads = {
+                    n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None
+                }
+            if kind == "accum" or last:
+                engine.step()
+    with GatheredParameters(list(model.parameters())):
+        params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return params, grads
+
+
+def _worker(rank: int, world: int, cases: list) -> list[dict]:
+    out = []
+    for stage, kind in cases:
+        ref, ref_grads = _reference(world, kind)
+        got, grads = _train(rank, world, stage, kind)
+        diffs = {n: (got[n] - ref[n]).abs().max().item() for n in ref}
+        diffs |= {f"{n}.grad": (g - ref_grads[n]).abs().max().item() for n, g in grads.items()}
+        if stage == 0:
+            diffs["grads present"] = float(set(grads) != set(ref_grads))
+        out.append(diffs)
+    return out
+
+
+# stage 3 reduces ``shared``'s own unit once its first gradient is in, so a second one is
+# refused by name (the reducer's "received a gradient after its bucket was already
+# reduced"); at stages 0-2 this model is one bucket, reduced at the end of backward
+CASES = [
+    (stage, kind)
+    for stage in (0, 1, 2, 3)
+    for kind in ("twice", "reentrant", "accum")
+    if (stage, kind) != (3, "reentrant")
+]
+
+
+@pytest.fixture(scope="module", params=[2, 3])
+def results(request):
+    world = request.param
+    return world, multirank.run(_worker, world, CASES, timeout=600)
+
+
+def test_arrivals_match_torch(results):
+    """Parameters and (stage 0) the averaged ``param.grad`` match torch's."""
+    world, per_rank = results
+    failures = []
+    for rank, diffs_of in enumerate(per_rank):
+        for case, diffs in zip(CASES, diffs_of, strict=True):
+            worst = max(diffs.values())
+            if worst > TOL:
+                failures.append(f"world {world} rank {rank} {case}: {diffs}")
+    assert not failures, "\n".join(failures)
