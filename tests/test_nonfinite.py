@@ -1,4 +1,5 @@
-"""Non-finite steps (issue 15): a NaN or inf in the loss or the gradients on one rank
+"""Non-finite steps (issue 15): a NaN or inf in the loss or the gradients (one element
+of one parameter, the loss finite) on one rank
 skips the step on every rank (fp32, bf16; with or without clipping; every ZeRO stage),
 is counted and logged, and training goes on exactly as if that step had not happened;
 ``nonfinite_gradients: "raise"`` raises on every rank instead; fp16 overflowing at its
@@ -24,10 +25,24 @@ def _train(case: dict, rank: int, world: int) -> dict:
         model=model, model_parameters=parity.param_groups(model), config=parity.ds_config(case)
     )
     applied, errors = [], []
+    at = {"step": -1}
+    if "grad_poison" in case and rank == 1:  # one inf gradient element, the loss finite
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        target = trainable[case["grad_poison"]]
+
+        def poison(g):
+            if at["step"] != BAD_STEP:
+                return g
+            g = g.clone()
+            g.view(-1)[g.numel() // 2] = float("inf")
+            return g
+
+        target.register_hook(poison)
     for step in range(4):
+        at["step"] = step
         x, y = parity.batch(step, 2 * world)
         loss = engine(x[2 * rank : 2 * rank + 2], y[2 * rank : 2 * rank + 2])
-        if step == BAD_STEP and rank == 1:
+        if step == BAD_STEP and rank == 1 and "grad_poison" not in case:
             loss = loss * case.get("poison", float("nan"))
         engine.backward(loss)
         try:
@@ -88,6 +103,11 @@ def _fp16_stuck(rank: int, world: int) -> list[str]:
 CASES = [
     {"stage": stage, "clip": clip, "frozen": False} for stage in (0, 1, 2, 3) for clip in (0.0, 1.0)
 ] + [
+    # stage 0 checks 1/N of the all-reduced gradient per rank: the first and the last
+    # trainable parameter lie in different ranks' shares
+    {"stage": 0, "grad_poison": 0, "frozen": False},
+    {"stage": 0, "grad_poison": -1, "frozen": False, "clip": 1.0},
+    {"stage": 1, "grad_poison": -1, "frozen": False},
     {"stage": 2, "dtype": "bf16"},
     {"stage": 3, "dtype": "bf16", "clip": 1.0, "poison": float("inf")},
     {"stage": 2, "extra": {"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}},
