@@ -22,7 +22,9 @@ The systems (all fp32, AdamW lr 3e-4 / betas 0.9, 0.95 / eps 1e-8 / wd 0.1):
   ``--bucket``, bucket settings (else DeepSpeed's defaults) from its config (``"optimizer": {"type": "AdamW"}``: on CPU its JIT-built FusedAdam;
   if that fails, torch's fused AdamW via ``torch_adam``, and the setup column says so).
   With ``--bucket``, stage 3 sets ``stage3_param_persistence_threshold: 0`` so every
-  parameter is partitioned, as in zeroshard's stage 3.
+  parameter is partitioned, as in zeroshard's stage 3. ``gradient_clipping: 0``:
+  DeepSpeed 0.19 clips at 1.0 when the key is left out, which trained differently from
+  every other system here (its final loss differed in RESULTS before 2026-11-26 12:30).
 
 A system is a small object with ``fwd_bwd(x, y) -> loss``, ``opt_step()`` and
 ``tracked() -> {kind: bytes}`` (the model-state bytes it holds on this rank):
@@ -303,6 +305,8 @@ class DeepSpeed:
             "zero_optimization": zero,
             "steps_per_print": 10**9,
             "wall_clock_breakdown": False,
+            # DeepSpeed >= 0.19 clips at 1.0 unless told (#8068); nobody else here clips
+            "gradient_clipping": 0.0,
         }
         self.ds_version = deepspeed.__version__
         torch_adam = {**params, "torch_adam": True, "fused": True}  # torch's fused AdamW
