@@ -5,7 +5,9 @@ torch, at stages 0-3 on 2 and 3 gloo ranks (one spawn per world size):
   the step applies the gradient of the sum of both losses;
 * a parameter whose gradient arrives twice in one backward (used inside a reentrant
   checkpoint and outside it: autograd accumulates into ``.grad`` twice);
-* gradient accumulation over 3 micro-steps, with a parameter used only on the last.
+* gradient accumulation over 3 micro-steps, with a parameter used only on the last;
+* a rank whose backward reaches no parameter (an empty batch's constant loss): it still
+  takes part in the reduction and must step with the others' average, not zeros.
 
 The reducer divides a gradient by the number of ranks while it copies it into its bucket
 (issue 20); these are the arrivals where that division must not be applied twice or
@@ -53,7 +55,7 @@ def _data(step: int, k: int, rows: int):
 def _losses(model, step: int, kind: str, rows: slice, world: int):
     """The losses of one step, each with the batch of every rank (reference) or this
     rank's rows; "twice": two backwards, "reentrant": one, "accum": three micro-steps."""
-    n = {"twice": 2, "reentrant": 1, "accum": 3}[kind]
+    n = {"twice": 2, "reentrant": 1, "accum": 3, "idle": 1}[kind]
     out = []
     for k in range(n):
         x, y = _data(step, k, MICRO * world)
@@ -70,6 +72,9 @@ def _reference(world: int, kind: str):
     for step in range(STEPS):
         losses = _losses(model, step, kind, slice(None), world)
         scale = 1 / len(losses) if kind == "accum" else 1.0
+        if kind == "idle":  # only rank 0's rows contribute; the average is over every rank
+            x, y = _data(step, 0, MICRO * world)
+            losses, scale = [model(x[:MICRO], y[:MICRO])], 1 / world
         sum(losses).mul(scale).backward()
         if step == STEPS - 1:
             grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
@@ -98,6 +103,8 @@ def _train(rank: int, world: int, stage: int, kind: str):
     grads = {}
     for step in range(STEPS):
         losses = _losses(engine, step, kind, rows, world)
+        if kind == "idle" and rank > 0:  # no parameter gets a gradient on this rank
+            losses = [torch.zeros((), requires_grad=True)]
         for k, loss in enumerate(losses):
             engine.backward(loss)
             last = k == len(losses) - 1
@@ -119,7 +126,7 @@ def _worker(rank: int, world: int, cases: list) -> list[dict]:
         got, grads = _train(rank, world, stage, kind)
         diffs = {n: (got[n] - ref[n]).abs().max().item() for n in ref}
         diffs |= {f"{n}.grad": (g - ref_grads[n]).abs().max().item() for n, g in grads.items()}
-        if stage == 0:
+        if stage == 0 and not (kind == "idle" and rank > 0):  # idle: no .grad was set
             diffs["grads present"] = float(set(grads) != set(ref_grads))
         out.append(diffs)
     return out
@@ -127,12 +134,13 @@ def _worker(rank: int, world: int, cases: list) -> list[dict]:
 
 # stage 3 reduces ``shared``'s own unit once its first gradient is in, so a second one is
 # refused by name (the reducer's "received a gradient after its bucket was already
-# reduced"); at stages 0-2 this model is one bucket, reduced at the end of backward
+# reduced"); at stages 0-2 this model is one bucket, reduced at the end of backward.
+# An idle rank at stage 3 would skip the backward's parameter gathers the others run.
 CASES = [
     (stage, kind)
     for stage in (0, 1, 2, 3)
-    for kind in ("twice", "reentrant", "accum")
-    if (stage, kind) != (3, "reentrant")
+    for kind in ("twice", "reentrant", "accum", "idle")
+    if (stage, kind) not in ((3, "reentrant"), (3, "idle"))
 ]
 
 

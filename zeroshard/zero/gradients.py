@@ -149,7 +149,6 @@ class GradReducer:
         )
         self._accumulated = False  # whether grad_shard already holds a micro-step
         self._reduced = False  # whether full gradients were reduced in this window
-        self._any_grad = False  # whether any gradient arrived in this accumulation window
         self._window_filled: set[int] = set()  # params that got a gradient in this window
         # full-gradient slots already divided by ``_pre`` (their window's only gradient
         # arrived at the boundary and was divided while copied in), until their bucket
@@ -260,7 +259,6 @@ class GradReducer:
                 "backward; a parameter must receive its gradient once per backward "
                 "(reentrant checkpointing or a second backward through it?)"
             )
-        self._any_grad = True
         if not self.sharded:
             view = self._views[pi]
             if p.grad.data_ptr() != view.data_ptr():  # a fresh gradient tensor
@@ -433,7 +431,6 @@ class GradReducer:
         parameters that get no gradient are zeroed when their bucket is reduced, and the
         owned shard is overwritten by the window's first reduction."""
         self._accumulated = self._reduced = False
-        self._any_grad = False
         self._window_filled.clear()
         self._scaled.clear()
         for pi, p in enumerate(self.flat.params):
@@ -451,7 +448,6 @@ class GradReducer:
         if pi not in self._window_filled:
             view.zero_()
             self._window_filled.add(pi)
-            self._any_grad = True
         return view
 
     def grad_range(self, a: int, b: int) -> torch.Tensor:
@@ -487,8 +483,11 @@ class GradReducer:
         return {pi for pi, u in zip(trainable, used, strict=True) if not u}, bool(any_bad)
 
     def ensure_defined(self) -> None:
-        """Before a step: a window in which no gradient arrived means zero gradients."""
-        if not self._any_grad:
+        """Before a step: a window in which no reduction ran means zero gradients (the
+        buffers hold the last window's). Decided by the reductions, which every rank
+        runs together, not by this rank's arrivals: a rank whose backward reached no
+        parameter still holds the others' reduced gradients."""
+        if not (self._reduced or self._accumulated):
             for buf in (self.grad_full, self.grad_shard):
                 if buf is not None:
                     buf.zero_()
