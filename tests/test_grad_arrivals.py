@@ -7,7 +7,9 @@ torch, at stages 0-3 on 2 and 3 gloo ranks (one spawn per world size):
   checkpoint and outside it: autograd accumulates into ``.grad`` twice);
 * gradient accumulation over 3 micro-steps, with a parameter used only on the last;
 * a rank whose backward reaches no parameter (an empty batch's constant loss): it still
-  takes part in the reduction and must step with the others' average, not zeros.
+  takes part in the reduction and must step with the others' average, not zeros;
+* three backwards before one step with the boundary set, unset, set again
+  (``set_gradient_accumulation_boundary``, as accelerate calls it).
 
 The reducer divides a gradient by the number of ranks while it copies it into its bucket
 (issue 20); these are the arrivals where that division must not be applied twice or
@@ -54,8 +56,9 @@ def _data(step: int, k: int, rows: int):
 
 def _losses(model, step: int, kind: str, rows: slice, world: int):
     """The losses of one step, each with the batch of every rank (reference) or this
-    rank's rows; "twice": two backwards, "reentrant": one, "accum": three micro-steps."""
-    n = {"twice": 2, "reentrant": 1, "accum": 3, "idle": 1}[kind]
+    rank's rows; "twice": two backwards, "reentrant": one, "accum": three micro-steps,
+    "toggle": three backwards, the middle one with the boundary unset."""
+    n = {"twice": 2, "reentrant": 1, "accum": 3, "idle": 1, "toggle": 3}[kind]
     out = []
     for k in range(n):
         x, y = _data(step, k, MICRO * world)
@@ -106,6 +109,8 @@ def _train(rank: int, world: int, stage: int, kind: str):
         if kind == "idle" and rank > 0:  # no parameter gets a gradient on this rank
             losses = [torch.zeros((), requires_grad=True)]
         for k, loss in enumerate(losses):
+            if kind == "toggle":  # boundary, not, boundary (as accelerate could set it)
+                engine.set_gradient_accumulation_boundary(k != 1)
             engine.backward(loss)
             last = k == len(losses) - 1
             if last and step == STEPS - 1 and stage == 0:  # param.grad holds the average
@@ -139,7 +144,7 @@ def _worker(rank: int, world: int, cases: list) -> list[dict]:
 CASES = [
     (stage, kind)
     for stage in (0, 1, 2, 3)
-    for kind in ("twice", "reentrant", "accum", "idle")
+    for kind in ("twice", "reentrant", "accum", "idle", "toggle")
     if (stage, kind) not in ((3, "reentrant"), (3, "idle"))
 ]
 

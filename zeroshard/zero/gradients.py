@@ -218,19 +218,21 @@ class GradReducer:
         """Called before each backward: whether this micro-step ends an accumulation."""
         self._boundary = boundary
         self._in_backward = True
-        if boundary and self._reduced and self.flat.partitioned and not self.sharded:
+        if self._reduced and self.flat.partitioned and not self.sharded:
             self._restate_owned()
 
     def _restate_owned(self) -> None:
-        """Stage 1, a second backward after the boundary's reduction (two losses, one
-        step): the buffer holds this rank's averaged chunk and stale data elsewhere.
-        Rewritten so the next reduction adds the new average to it: the chunk times the
-        group's size (the next reduction sums it once and divides by that), zeros
-        elsewhere (other ranks own those)."""
+        """Stage 1, another backward after the boundary's reduction (two losses, one
+        step; or the boundary unset again before the step): the buffer holds this
+        rank's averaged chunk and stale data elsewhere. Rewritten so the next reduction
+        adds the new average to it: the chunk times the group's size (the next
+        reduction sums it once and divides by that), zeros elsewhere (other ranks own
+        those)."""
         owned = [c.mul(self.comm.world_size) for c in self._device_chunks]
         self.grad_full.zero_()
         for c, saved in zip(self._device_chunks, owned, strict=True):
             c.copy_(saved)
+        self._reduced = False  # raw again: gradients accumulate into it until reduced
 
     @property
     def communicates_now(self) -> bool:
