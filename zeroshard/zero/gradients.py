@@ -452,9 +452,10 @@ class GradReducer:
             self._window_filled.add(pi)
         return view
 
-    def grad_range(self, a: int, b: int) -> torch.Tensor:
-        """This rank's reduced gradient at shard positions ``[a, b)`` (zeros where a
-        segment holds only frozen parameters)."""
+    def grad_pieces(self, a: int, b: int) -> list[torch.Tensor]:
+        """This rank's reduced gradient at shard positions ``[a, b)``, one piece per
+        segment: views of the chunks (zeros where a segment holds only frozen
+        parameters)."""
         parts = []
         for seg in self.flat.layout.segments:
             lo, hi = max(a, seg.shard_start), min(b, seg.shard_start + seg.chunk)
@@ -464,6 +465,11 @@ class GradReducer:
                     parts.append(chunk[lo - seg.shard_start : hi - seg.shard_start])
                 else:
                     parts.append(torch.zeros(hi - lo, dtype=chunk.dtype, device=chunk.device))
+        return parts
+
+    def grad_range(self, a: int, b: int) -> torch.Tensor:
+        """:meth:`grad_pieces` as one tensor (a view when it lies in one segment)."""
+        parts = self.grad_pieces(a, b)
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def unused_everywhere(self, bad: bool = False, extra=None) -> tuple[set[int], bool]:

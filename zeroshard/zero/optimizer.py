@@ -162,16 +162,9 @@ class ShardedOptimizer:
         parameter counted once), on the device, fp32."""
         chunks = self.reducer.grad_chunks
         replicated = self._replicated_over()
-        if replicated is not None:  # this rank's share of the concatenated chunks
-            total = sum(c.numel() for c in chunks)
-            n, r = replicated.world_size, replicated.rank
-            lo, hi, start, share = total * r // n, total * (r + 1) // n, 0, []
-            for c in chunks:
-                a, b = max(lo, start), min(hi, start + c.numel())
-                if a < b:
-                    share.append(c[a - start : b - start])
-                start += c.numel()
-            chunks = share
+        if replicated is not None:  # this rank's share of the whole gradient
+            total, n, r = self.flat.layout.shard_numel, replicated.world_size, replicated.rank
+            chunks = self.reducer.grad_pieces(total * r // n, total * (r + 1) // n)
         if self.tp is not None:
             local = self.tp.local_sum_of_squares(chunks)
         elif chunks:
