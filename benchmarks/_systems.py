@@ -250,7 +250,7 @@ class TorchSystem:
             from torch.distributed.fsdp import fully_shard
 
             mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-            for block in model.blocks:
+            for block in model.blocks:  # type: ignore[union-attr]
                 fully_shard(block, mesh=mesh)
             fully_shard(model, mesh=mesh)
             self.model, self.opt = model, torch.optim.AdamW(model.parameters(), fused=True, **hp)

@@ -4,11 +4,11 @@ in rank order. The all-gather's two paths agree too."""
 
 from __future__ import annotations
 
+import multirank
 import pytest
 import torch
 import torch.distributed as dist
 
-from tests import multirank
 from zeroshard.comm import Comm
 
 

@@ -34,7 +34,7 @@ def test_config_keys(capsys) -> None:
     for dtype in (torch.bfloat16, "fp16"):  # compute dtypes, with quantized layers too
         eng = init_inference(_gpt(), dtype=dtype, quant={"enabled": True, "weight": {"num_bits": 4, "group_size": 32}})  # fmt: skip
         out = eng.generate([[1, 2, 3]], max_new_tokens=4)
-        assert out.shape == (1, 7) and eng.module.tok_emb.weight.dtype != torch.float32
+        assert out.shape == (1, 7) and eng.module.tok_emb.weight.dtype != torch.float32  # type: ignore[union-attr]
     cfg = zeroshard.inference.load_inference_config({"mp_size": 2})[0]
     assert cfg.tp_size == 2
     with pytest.raises(ConfigError, match="max_out_tokenz"):
@@ -84,7 +84,7 @@ def test_bad_group_size_names_layer() -> None:
     model = _gpt(d_model=96)  # in_features 96 and 384
     with pytest.raises(QuantizationError, match=r"blocks.0.attn.qkv: int4 group_size 64 does not divide in_features 96"):  # fmt: skip
         init_inference(model, quant={"enabled": True, "weight": {"num_bits": 4, "group_size": 64}})
-    assert isinstance(model.blocks[0].mlp.fc, torch.nn.Linear)  # nothing replaced
+    assert isinstance(model.blocks[0].mlp.fc, torch.nn.Linear)  # type: ignore[union-attr]  # nothing replaced
     assert quantize_model(model, bits=4, group_size=32)  # 32 divides both
 
 
@@ -199,7 +199,7 @@ def test_checkpoint_records_model_config(tmp_path) -> None:
     good = run(_save_gpt_checkpoint, 1, str(tmp_path / "a"), True, timeout=120)[0]
     model = model_from(good)
     assert model.cfg == _gpt(seq_len=32).cfg
-    assert torch.equal(model.tok_emb.weight, _gpt(seq_len=32).tok_emb.weight)  # no step taken
+    assert torch.equal(model.tok_emb.weight, _gpt(seq_len=32).tok_emb.weight)  # type: ignore[arg-type, union-attr]  # no step taken
     # quantized straight from the checkpoint, and from its safetensors export
     from zeroshard.checkpoint.export import export_checkpoint
 
@@ -209,7 +209,7 @@ def test_checkpoint_records_model_config(tmp_path) -> None:
     for source in (good, export):
         eng = init_inference(GPT(model.cfg), checkpoint=source, dtype=torch.int8)
         assert torch.equal(eng(ids), live(ids))
-        assert torch.equal(model_from(source).tok_emb.weight, model.tok_emb.weight)
+        assert torch.equal(model_from(source).tok_emb.weight, model.tok_emb.weight)  # type: ignore[arg-type, union-attr]
     bad = run(_save_gpt_checkpoint, 1, str(tmp_path / "b"), False, timeout=120)[0]
     with pytest.raises(ModelConfigError, match="no model config"):
         model_from(bad)

@@ -125,9 +125,15 @@ def test_layer_list_shape_and_ties():
     for layer in gpt2.layers:
         mod = layer.module if isinstance(layer, TiedLayer) else layer
         seen |= {id(p) for p in mod.parameters()}
-    assert seen == {id(p) for p in gpt2.layers[0].module.parameters()} | {
-        id(p) for layer in gpt2.layers[1:-1] for p in layer.parameters()
-    }
+    assert (
+        seen
+        == {id(p) for p in gpt2.layers[0].module.parameters()}
+        | {  # type: ignore[union-attr]
+            id(p)
+            for layer in gpt2.layers[1:-1]
+            for p in layer.parameters()  # type: ignore[union-attr]
+        }
+    )
     assert len(seen) == len(list(tiny_gpt2().parameters()))
 
 
@@ -192,14 +198,14 @@ def test_pipeline_module_stages_in_sequence_equal_model(tied):
     ids, labels, inputs = _batch(padded=True)
     out = model(ids, attention_mask=inputs[1], labels=labels)
     stages = [pipeline_module(model, 3, stage_id=s) for s in range(3)]
-    assert stages[0].chunk_ranges[0][0] == 0 and stages[-1].chunk_ranges[0][1] == 6
+    assert stages[0].chunk_ranges[0][0] == 0 and stages[-1].chunk_ranges[0][1] == 6  # type: ignore[index]
     if tied:
         assert stages[0].tied_stages == {"embed_tokens": [0, 2]}
     x = inputs
     for st in stages:
         x = st(x)
     assert torch.equal(x, out.logits)
-    assert torch.equal(stages[-1].loss_fn(x, labels), out.loss)
+    assert torch.equal(stages[-1].loss_fn(x, labels), out.loss)  # type: ignore[operator]
 
 
 # -- through the pipeline engine: 2 stages against the whole model in one process ----------

@@ -95,7 +95,8 @@ def is_number(value: Any) -> bool:
 def suggest(name: str, known: list[str]) -> str | None:
     """The known name closest to a misspelled ``name``, if any is close enough."""
     same = [k for k in known if k.lower() == name.lower()]
-    return (same or difflib.get_close_matches(name, known, n=1, cutoff=0.6) or [None])[0]
+    close = same or difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+    return close[0] if close else None
 
 
 # -- what a key is -----------------------------------------------------------------------
@@ -170,8 +171,13 @@ class Spec(NamedTuple):
     path: tuple[str, ...]  # JSON names from the section, e.g. ("params", "lr")
 
 
-@functools.cache
 def specs(cls: type) -> tuple[Spec, ...]:
+    """The keyed fields of section class ``cls`` (cached per class)."""
+    return _specs(cls)
+
+
+@functools.cache
+def _specs(cls: type) -> tuple[Spec, ...]:
     hints, out = typing.get_type_hints(cls), []
     for f in dataclasses.fields(cls):
         if "key" in f.metadata:
@@ -255,7 +261,9 @@ def read_section(cls: type, data: Any, path: str, reading: Reading | None = None
         read(kind_spec, data)
     kind = values.get("type")
     applies = [s for s in specs(cls) if s.key.only is None or kind in s.key.only]
-    objects = {(): data}  # JSON objects by their names from the section, e.g. ("params",)
+    objects: dict[tuple[str, ...], Any] = {
+        (): data
+    }  # JSON objects by their names, e.g. ("params",)
     for prefix in dict.fromkeys(s.path[:depth] for s in applies for depth in range(1, len(s.path))):  # fmt: skip
         sub = (objects[prefix[:-1]] or {}).get(prefix[-1])
         check(sub is None or isinstance(sub, Mapping), join(path, ".".join(prefix)), f"expected an object {{...}}, got {describe(sub)}")  # fmt: skip
@@ -291,7 +299,7 @@ def _value(s: Spec, value: Any, at: str, reading: Reading) -> Any:
 
 def _convert(tp: Any, value: Any, at: str, k: Key, reading: Reading) -> Any:
     origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if dataclasses.is_dataclass(tp):
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         return read_section(tp, value, at, reading)
     if k.choices is not None:
         return _choice(value, at, k)
@@ -382,7 +390,7 @@ def schema_keys(cls: type, prefix: str = "", inherited: Status = WIRED) -> Itera
         path = join(prefix, ".".join(s.path))
         status = s.key.status if s.key.status.kind != "wired" else inherited
         yield KeyInfo(path, s, status, cls)
-        if dataclasses.is_dataclass(s.type):
+        if isinstance(s.type, type) and dataclasses.is_dataclass(s.type):
             yield from schema_keys(s.type, path, status)
 
 

@@ -200,12 +200,13 @@ class _OffloadQueue:
             self._reap()
             self._queue_drain()
             self._start(e)
-            if e.stale or (e.from_src and e.dev._version != e.version):
+            out, event = e.dev, e.h2d
+            assert out is not None  # _start brought it back
+            if e.stale or (e.from_src and out._version != e.version):
                 raise RuntimeError(
                     "activation offload: a saved tensor was modified in place while it was "
                     "being copied to host memory (autograd would refuse it without offload)"
                 )
-            out, event = e.dev, e.h2d
             e.dev, e.h2d, e.from_src = None, None, False  # a second backward fetches again
             if not e.unpacked:
                 e.unpacked = True

@@ -345,7 +345,7 @@ def _wrap_forward(module: nn.Module, policy: str | None, offload: bool) -> bool:
             )
 
     module.forward = wrapped  # this instance only
-    module._zeroshard_activation = (policy, offload)
+    module._zeroshard_activation = (policy, offload)  # type: ignore[assignment]
     return True
 
 

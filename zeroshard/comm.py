@@ -29,13 +29,18 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
 
 from zeroshard import watchdog
 from zeroshard.ledger import Ledger, OpEvent, OpStats, Stats  # noqa: F401  (re-exported)
+
+# what a collective's ``then`` returns is dropped (in-place ops return their tensor)
+Then = Callable[[], object]
+_T = TypeVar("_T")
 
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -47,10 +52,10 @@ class Handle:
 
     def __init__(
         self,
-        work: dist.Work | None,
+        work: dist.Work | _Works | None,
         ledger: Ledger | None,
         op: str,
-        then: Callable[[], None] | None = None,
+        then: Then | None = None,
         axis: str = "world",
         nbytes: int = 0,
         event: tuple[int, float, int, str] | None = None,  # nbytes, issue s, group, caller
@@ -159,9 +164,9 @@ class Comm:
         self,
         op: str,
         nbytes: int,
-        fn: Callable[[], dist.Work | None],
+        fn: Callable[[], dist.Work | _Works | None],
         async_op: bool,
-        then: Callable[[], None] | None = None,
+        then: Then | None = None,
     ) -> Handle | None:
         t0 = time.perf_counter()
         wd = watchdog.current()
@@ -182,7 +187,7 @@ class Comm:
         return None
 
     @staticmethod
-    def _local(then: Callable[[], None] | None, async_op: bool) -> Handle | None:
+    def _local(then: Then | None, async_op: bool) -> Handle | None:
         if then is not None:
             then()
         return Handle(None, None, "") if async_op else None
@@ -194,7 +199,7 @@ class Comm:
         """In-place all-reduce; ``op`` is "sum", "avg" or "max". Counts 2x the buffer."""
         if self.world_size == 1:
             return self._local(None, async_op)
-        then = None
+        then: Then | None = None
         if op == "avg" and not self._avg_native:
             red, then = dist.ReduceOp.SUM, lambda: tensor.div_(self.world_size)
         else:
@@ -277,11 +282,11 @@ class Comm:
                     return dist.all_to_all_single(recv, flat, group=self.group, async_op=async_op)
                 return self._p2p_scatter(recv, flat)
 
-            def then() -> None:
+            def sum_parts() -> None:
                 parts = list(recv.view(world, n)) if a2a else self._with_own(recv, flat)
                 _sum_parts(parts, output)
 
-            return self._run("reduce_scatter", _nbytes(input), start, async_op, then)
+            return self._run("reduce_scatter", _nbytes(input), start, async_op, sum_parts)
         if via != "native":
             raise ValueError(
                 f"Comm.reduce_scatter: via={via!r} is not native, all_reduce, send_recv or all_to_all"
@@ -347,7 +352,7 @@ class Comm:
     ) -> _Works:
         """One isend of ``send_to(r)`` and one irecv into ``recv_into(r)`` per other rank
         r, under a tag unique to this call."""
-        tag, works = self._next_tag(), []
+        tag, works = self._next_tag(), list[dist.Work | None]()
         for r in range(self.world_size):
             if r != self.rank:
                 peer = self._peer(r)
@@ -434,11 +439,11 @@ class Comm:
         if self.world_size > 1:
             self._watched("barrier", lambda: dist.barrier(group=self.group))
 
-    def all_gather_object(self, obj: object) -> list[object]:
+    def all_gather_object(self, obj: _T) -> list[_T]:
         """Gather a small picklable object from every rank (used for consistency checks)."""
         if self.world_size == 1:
             return [obj]
-        out: list[object] = [None] * self.world_size
+        out: list = [None] * self.world_size
         self._watched(
             "all_gather_object", lambda: dist.all_gather_object(out, obj, group=self.group)
         )
@@ -480,12 +485,14 @@ class Comm:
         Filed as op ``"send"`` with the buffer's bytes."""
         if self.world_size == 1:
             raise RuntimeError("Comm.send: a group of one rank has no peer")
-        return self._run(
+        handle = self._run(
             "send",
             _nbytes(tensor),
             lambda: dist.isend(tensor, self._peer(dst), group=self.group, tag=tag),
             True,
         )
+        assert handle is not None  # async_op=True always hands one back
+        return handle
 
     def recv(
         self, tensor: torch.Tensor, src: int, tag: int = 0, async_op: bool = False
@@ -505,12 +512,13 @@ class Comm:
 class _Works:
     """Several in-flight works behind the one ``wait()`` a :class:`Handle` calls."""
 
-    def __init__(self, works: list[dist.Work]) -> None:
+    def __init__(self, works: Sequence[dist.Work | None]) -> None:
         self._works = works
 
     def wait(self) -> bool:
         for w in self._works:
-            w.wait()
+            if w is not None:  # torch types isend/irecv as Work | None
+                w.wait()
         return True
 
 

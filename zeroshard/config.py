@@ -227,12 +227,12 @@ class Config(Section):
         if self.world_size is not None:
             object.__setattr__(self, "dp_world_size", self._dp_of(self.world_size))
         check(self.dp_world_size >= 1, "dp_world_size", "must be >= 1")
-        given = [getattr(self, name) or None for name in _BATCH]  # 0 means "derive it"
-        train, micro, gas = given
+        train, micro, gas = (getattr(self, name) or None for name in _BATCH)  # 0: derive it
+        resolved: tuple[int | None, int | None, int]
         if self.micro_batch_from_data and train is None and micro is None and gas is not None:
             resolved = (None, None, gas)  # zeroshard/first_batch.py fills them in
         else:
-            resolved = resolve_batch_sizes(*given, self.dp_world_size)
+            resolved = resolve_batch_sizes(train, micro, gas, self.dp_world_size)
         for name, value in zip(_BATCH, resolved, strict=True):
             object.__setattr__(self, name, value)
         mb = self.pipeline.micro_batches
@@ -377,6 +377,7 @@ def read_config(
 
 def _fill_auto(raw: dict[str, Any], auto_values: Mapping[str, Any]) -> None:
     """Put ``auto_values`` where ``raw`` says "auto" (a key may be spelled by an alias)."""
+    node: Any  # the JSON object holding the key, None where the path has none
     for path, value in auto_values.items():
         cls, node, rest = Config, raw, tuple(path.split("."))
         while True:
@@ -424,27 +425,30 @@ def resolve_batch_sizes(
             "train_micro_batch_size_per_gpu or train_batch_size too",
         )
     if train is None:
+        assert micro is not None  # train and micro both None raised above
         gas = 1 if gas is None else gas
         return micro * gas * world, micro, gas
-    if micro is None and gas is None:
-        gas = 1
-    if micro is None or gas is None:
-        known = micro if micro is not None else gas
-        if train % (known * world):
-            raise ConfigError(
-                "train_batch_size",
-                f"{_batch_rule(train, micro, gas, world)}, but {train} is not a multiple of "
-                f"{known} x {world} = {known * world}",
-            )
-        if micro is None:
-            micro = train // (gas * world)
-        else:
-            gas = train // (micro * world)
+    if micro is None:
+        gas = 1 if gas is None else gas
+        _check_multiple(train, micro, gas, gas, world)
+        micro = train // (gas * world)
+    elif gas is None:
+        _check_multiple(train, micro, gas, micro, world)
+        gas = train // (micro * world)
     if train != micro * gas * world:
         raise ConfigError(
             "train_batch_size", f"{_batch_rule(train, micro, gas, world)} = {micro * gas * world}"
         )
     return train, micro, gas
+
+
+def _check_multiple(train: int, micro: int | None, gas: int | None, known: int, world: int) -> None:
+    if train % (known * world):
+        raise ConfigError(
+            "train_batch_size",
+            f"{_batch_rule(train, micro, gas, world)}, but {train} is not a multiple of "
+            f"{known} x {world} = {known * world}",
+        )
 
 
 def _batch_rule(train: int, micro: int | None, gas: int | None, world: int) -> str:

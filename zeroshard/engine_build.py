@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -34,6 +35,14 @@ from zeroshard.zero.optimizer import TensorParallelGrads
 from zeroshard.zero.partition import FlatLayout
 from zeroshard.zero.segments import DEFAULT_BUCKET_BYTES, bucket_segments, unit_segments
 from zeroshard.zero.states import build_memory_states
+
+if TYPE_CHECKING:
+    from zeroshard.comm import Comm
+    from zeroshard.offload.placement import Placement
+    from zeroshard.offload.swaps import EngineSwaps
+    from zeroshard.parallel.mesh import Mesh
+    from zeroshard.precision import DtypePolicy
+    from zeroshard.zero.optimizer import ShardedOptimizer
 
 log = logging.getLogger("zeroshard")
 
@@ -94,6 +103,19 @@ def move_module(module: nn.Module, device: torch.device, dtype: torch.dtype) -> 
 
 class EngineBuild:
     """The engine's construction steps; ``Engine.__init__`` calls them in order."""
+
+    # set by Engine.__init__ before the steps that read them
+    module: nn.Module
+    _config: Any
+    mesh: Mesh
+    comm: Comm
+    device: torch.device
+    policy: DtypePolicy
+    placement: Placement
+    sharding: Sharding
+    flat: FlatParams
+    optimizer: ShardedOptimizer
+    _swaps: EngineSwaps
 
     def _check_agreement(self, module: nn.Module, config) -> None:
         """Every rank describes the same model and config (``agreement.py``)."""

@@ -16,14 +16,32 @@ Communication: ``_zero3_consolidated_16bit_state_dict`` gathers each parameter i
 from __future__ import annotations
 
 from collections import OrderedDict
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from zeroshard.comm import Comm
+    from zeroshard.engine_build import Sharding
+    from zeroshard.zero.parameters import ParamGatherer
+    from zeroshard.zero.whole import WholeParams
 
 
 class DeepSpeedEngineCompat:
     """Methods of DeepSpeed's engine that integrations call; mixed into ``Engine``."""
 
     _boundary_override: bool | None = None
+    # set by Engine
+    module: torch.nn.Module
+    _config: Any
+    comm: Comm
+    sharding: Sharding
+    params: ParamGatherer | WholeParams
+
+    if TYPE_CHECKING:
+
+        def _land_delayed(self) -> None: ...  # Engine's
+
     _is_compiled: bool = False
 
     # -- gradient accumulation driven from outside ----------------------------------

@@ -14,10 +14,12 @@ takes the same size or every rank raises.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from zeroshard.comm import Comm
 from zeroshard.config import ConfigError
@@ -34,6 +36,7 @@ def rows_of(args, kwargs) -> int | None:
 def _rows(obj) -> int | None:
     if torch.is_tensor(obj):
         return obj.shape[0] if obj.dim() >= 1 else None
+    items: Iterable[Any]
     if isinstance(obj, (tuple, list)):
         items = obj
     elif isinstance(obj, dict):
@@ -55,7 +58,9 @@ class FirstBatchSize:
         self, module: nn.Module, comm: Comm, device: torch.device, learned: Callable[[int], None]
     ) -> None:
         self.comm, self.device, self.learned = comm, device, learned
-        self._hook = module.register_forward_pre_hook(self._on_forward, with_kwargs=True)
+        self._hook: RemovableHandle | None = module.register_forward_pre_hook(
+            self._on_forward, with_kwargs=True
+        )
 
     def _on_forward(self, module, args, kwargs):
         self.remove()

@@ -76,7 +76,9 @@ def _is_local(host: str) -> bool:
     if host in names or host.startswith("127.") or host == "::1":
         return True
     try:
-        addrs = {info[4][0] for info in socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)}
+        addrs = {
+            str(info[4][0]) for info in socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
+        }
     except (OSError, UnicodeError):
         return False
     for addr in addrs:
@@ -127,8 +129,9 @@ def plan_layout(args: argparse.Namespace, device_count: int) -> Layout:
         if len(selected) > 1:
             raise LaunchError(f"{flag} names several hosts; that needs a --hostfile")
         host = next(iter(selected), "localhost")
-        if args.include and selected[host] and not device_count:
-            n = max(selected[host]) + 1  # CPU: the include list itself sets the count
+        included = selected[host]
+        if args.include and included and not device_count:
+            n = max(included) + 1  # CPU: the include list itself sets the count
         where, pool = {host: "this node"}, {host: list(range(n))}
     for host, ids in selected.items():
         if host not in pool:

@@ -116,7 +116,7 @@ class StreamWriter:
             raise ValueError(
                 f"{self.path}: tensor {name!r} has {data.nbytes} bytes, expected {nbytes}"
             )
-        view = memoryview(data)
+        view = data.data  # a memoryview of the bytes
         if self._crcs is not None:
             self._crcs[name] = f"{zlib.crc32(view):08x}"
         self._f.write(view)

@@ -52,6 +52,9 @@ class _Schedule:
                 group["lr"] = lr
         self._last_lr = [float(lr) for lr in lrs]
 
+    def get_lr(self) -> list[float]:
+        raise NotImplementedError  # each schedule's own
+
     def _apply(self) -> None:
         self._write_lrs(self.get_lr())
 
@@ -284,8 +287,8 @@ class WarmupLR(_Warmup):
     def __init__(
         self,
         optimizer,
-        warmup_min_lr: float = 0.0,
-        warmup_max_lr: float | None = None,
+        warmup_min_lr: float | list[float] = 0.0,
+        warmup_max_lr: float | list[float] | None = None,
         warmup_num_steps: int = 1000,
         warmup_type: str = WARMUP_LOG,
         last_batch_iteration: int = -1,

@@ -45,7 +45,7 @@ class Watchdog:
         self._blocked: tuple[str, str, int, float] | None = None  # op, axis, bytes, since
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self._published = None
+        self._published: tuple[object, object, bool] | None = None
         self._thread = threading.Thread(target=self._run, name="zeroshard-watchdog", daemon=True)
         self._thread.start()
 

@@ -132,10 +132,10 @@ t1.save_model(os.path.join(OUT, "saved"))
 dist.barrier()  # rank 0 wrote it
 from zeroshard.zero import GatheredParameters  # noqa: E402
 
-engine.module.eval()
-with torch.no_grad(), GatheredParameters(list(engine.module.parameters())):
-    trained = engine.module(probe).logits.float()
-engine.destroy()
+engine.module.eval()  # type: ignore[union-attr]
+with torch.no_grad(), GatheredParameters(list(engine.module.parameters())):  # type: ignore[union-attr]
+    trained = engine.module(probe).logits.float()  # type: ignore[operator]
+engine.destroy()  # type: ignore[operator]
 from transformers.integrations.deepspeed import unset_hf_deepspeed_config  # noqa: E402
 
 del t1, targs
@@ -178,7 +178,7 @@ t2.train(resume_from_checkpoint=os.path.join(OUT, "run1", "checkpoint-2"))
 result["loss_resumed"] = [loss for loss, _ in t2.seen]
 result["lr_resumed"] = lr_now(t2)
 result["lrs_resumed"] = [h["learning_rate"] for h in t2.state.log_history if "learning_rate" in h]
-t2.model_wrapped.destroy()
+t2.model_wrapped.destroy()  # type: ignore[operator]
 del t2, targs
 
 # (5) a LoRA model made with peft, trained under the Trainer
@@ -193,7 +193,7 @@ if WITH_PEFT:
     result["lora_losses"] = [loss for loss, _ in t3.seen]
     result["lora_trainable"] = sum(p.numel() for p in lora.parameters() if p.requires_grad)
     result["lora_steps"] = t3.state.global_step
-    t3.model_wrapped.destroy()
+    t3.model_wrapped.destroy()  # type: ignore[operator]
 
 if RANK == 0:
     with open(os.path.join(OUT, "result.json"), "w") as f:

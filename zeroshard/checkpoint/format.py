@@ -32,7 +32,7 @@ def piece_key(kind: str, name: str, lo: int) -> str:
 
 def parameter_names(engine) -> list[str]:
     """The name of each flat parameter (the first name a tied parameter has)."""
-    names = {}
+    names: dict[int, str] = {}
     for name, p in engine.module.named_parameters():
         names.setdefault(id(p), name)
     return [names[id(p)] for p in engine.flat.params]

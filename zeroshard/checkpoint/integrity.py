@@ -81,7 +81,7 @@ def scan_file(
                 if floating:
                     count += _count_nonfinite(chunk, dtype)
                 left -= n
-            if check_crc and crc != recorded.get(name):
+            if recorded is not None and crc != recorded.get(name):
                 bad_crc.append(name)
             if count:
                 nonfinite.append(f"{name!r} ({count} of {header[name]['shape']})")

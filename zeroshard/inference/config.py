@@ -164,8 +164,9 @@ def load_inference_config(
     if isinstance(config, str):
         from zeroshard._config_json import read_config_file
 
-        config = read_config_file(config)
-    data = dict(config or {})
+        data = dict(read_config_file(config))
+    else:
+        data = dict(config or {})
     data.update(kwargs)
     for section in ("tensor_parallel", "tp"):  # objects, not JSON: refused before reading
         for name in ("mpu", "tp_group"):

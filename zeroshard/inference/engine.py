@@ -272,7 +272,7 @@ class InferenceEngine:
             args["pad_token_id"] = pad_id
         args.update(kwargs)
         with torch.no_grad():
-            return self.module.generate(**{k: v for k, v in args.items() if v is not None})
+            return self.module.generate(**{k: v for k, v in args.items() if v is not None})  # type: ignore[operator]
 
     def _agreed_seed(self) -> int:
         """A fresh seed drawn on the tensor-parallel group's rank 0 and broadcast."""

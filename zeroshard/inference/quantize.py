@@ -87,6 +87,10 @@ def _inner_k_tiles(k: int) -> int:
 class QuantLinear(nn.Module):
     """A Linear layer with int8 or int4 weights (see the module docstring)."""
 
+    qweight: torch.Tensor  # buffers (register_buffer)
+    scale: torch.Tensor
+    offset: torch.Tensor | None  # None: int8 symmetric
+
     def __init__(
         self,
         in_features: int,
@@ -180,6 +184,7 @@ class QuantLinear(nn.Module):
         """qweight, scale, offset (asymmetric), bias: what a safetensors file stores."""
         out = {"qweight": self._portable_qweight(), "scale": self.scale.contiguous()}
         if not self.symmetric:
+            assert self.offset is not None  # asymmetric layers always hold one
             out["offset"] = self.offset.contiguous()
         if self.bias is not None:
             out["bias"] = self.bias.detach()
@@ -266,7 +271,7 @@ def linear_weight_bias(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | 
     if type(module) is nn.Linear:
         return module.weight, module.bias
     if type(module).__name__ == "Conv1D" and hasattr(module, "nf"):
-        return module.weight.t(), module.bias
+        return module.weight.t(), module.bias  # type: ignore[operator, return-value]
     return None
 
 

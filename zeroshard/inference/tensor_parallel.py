@@ -158,24 +158,29 @@ def quantize_sharded(
             fnmatch.fnmatchcase(name, pat) for pat in skip
         ):
             continue
-        w = layer.weight.t() if layer.transposed else layer.weight  # [out, in] local
-        if bits == 4 and w.shape[1] % group_size:
-            t = layer.comm.world_size
-            whole = w.shape[1] * (t if isinstance(layer, RowParallelLinear) else 1)
+        w = layer.weight.t() if layer.transposed else layer.weight  # type: ignore[operator]  # [out, in] local
+        if bits == 4 and w.shape[1] % group_size:  # type: ignore[index]
+            t = layer.comm.world_size  # type: ignore[union-attr]
+            whole = w.shape[1] * (t if isinstance(layer, RowParallelLinear) else 1)  # type: ignore[index, operator]
             raise ValueError(
                 f"{name}: int4 group_size {group_size} does not divide this rank's "
-                f"{w.shape[1]} input features ({whole} split over tensor_parallel.tp_size "
-                f"{t}); choose a quant.weight.group_size that divides {w.shape[1]}, or leave "
+                f"{w.shape[1]} input features ({whole} split over tensor_parallel.tp_size "  # type: ignore[index]
+                f"{t}); choose a quant.weight.group_size that divides {w.shape[1]}, or leave "  # type: ignore[index]
                 "the layer unquantized (quant.skip)"
             )
         chosen.append((name, layer, w))
     for name, layer, w in chosen:
         q = QuantLinear.from_float(
-            w.detach(), None, bits=bits, group_size=group_size, symmetric=symmetric, name=name
+            w.detach(),
+            None,
+            bits=bits,
+            group_size=group_size,
+            symmetric=symmetric,
+            name=name,  # type: ignore[operator]
         )
         del layer.weight
         layer.weight_only = q  # a submodule: moves with .to(), counted by weight_bytes
-        layer._matmul = types.MethodType(_quantized_matmul, layer)
+        layer._matmul = types.MethodType(_quantized_matmul, layer)  # type: ignore[assignment]
     return [name for name, _, _ in chosen]
 
 

@@ -106,7 +106,7 @@ class CommsLogger:
         ms = e.seconds * 1e3
         record = self.comms[name].get(size)
         if record is None:
-            lists = [deque(maxlen=KEEP) for _ in range(3)]
+            lists: list[deque[float]] = [deque(maxlen=KEEP) for _ in range(3)]
             record = self.comms[name][size] = [0, 0.0, *lists, 0]
         record[0] += 1
         record[1] += ms

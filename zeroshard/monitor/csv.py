@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import csv
 import os
-from typing import TextIO
+from typing import Any, TextIO
 
 
 def file_name(tag: str) -> str:
@@ -25,7 +25,7 @@ class CSVWriter:
     def __init__(self, log_dir: str) -> None:
         self.log_dir = log_dir
         os.makedirs(log_dir, exist_ok=True)
-        self.files: dict[str, tuple[TextIO, csv.writer]] = {}
+        self.files: dict[str, tuple[TextIO, Any]] = {}  # (file, csv.writer)
 
     def _writer(self, tag: str):
         if tag not in self.files:

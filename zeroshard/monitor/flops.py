@@ -21,9 +21,13 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from torch.utils.flop_counter import FlopCounterMode
 
 
 def number(n: float, unit: str = "") -> str:
@@ -44,7 +48,7 @@ class FlopsProfiler:
     def __init__(self, cfg, rank: int, device: torch.device) -> None:
         self.cfg, self.rank, self.device = cfg, rank, device
         self.active = self.done = False
-        self._counter = None
+        self._counter: FlopCounterMode | None = None
         self._hooks: list = []
         self._names: dict[int, str] = {}
         self.latency: dict[str, float] = defaultdict(float)
@@ -91,6 +95,7 @@ class FlopsProfiler:
     def counts(self) -> dict[str, int]:
         """FLOPs so far per module name (``Root.child.grandchild``) and ``Global``."""
         out: dict[str, int] = defaultdict(int)
+        assert self._counter is not None, "FlopsProfiler.counts() before start()"
         for name, ops in self._counter.get_flop_counts().items():
             # FlopCounterMode's module tracker sees the engine's own hooks too: it names
             # the engine by its class and, from then on, the model "<Engine>.module"
@@ -111,6 +116,7 @@ class FlopsProfiler:
 
     def stop(self) -> None:
         self.total = self.counts()
+        assert self._counter is not None  # counts() checked it
         self._counter.__exit__(None, None, None)
         for h in self._hooks:
             h.remove()

@@ -51,15 +51,15 @@ class _Timer:
             self.started = time.perf_counter()
 
     def stop(self) -> None:
-        if self.started is None:  # not started (an exception skipped the start)
+        started, self.started = self.started, None
+        if started is None:  # not started (an exception skipped the start)
             return
-        if self.cuda:
+        if isinstance(started, float):
+            self.host_ms += (time.perf_counter() - started) * 1e3
+        else:
             end = torch.cuda.Event(enable_timing=True)
             end.record()
-            self.pairs.append((self.started, end))
-        else:
-            self.host_ms += (time.perf_counter() - self.started) * 1e3
-        self.started = None
+            self.pairs.append((started, end))
 
     def elapsed_ms(self, reset: bool = True) -> float:
         ms = self.host_ms

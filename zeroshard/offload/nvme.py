@@ -84,7 +84,7 @@ class BufferPool:
 
 
 def _as_bytes(t: torch.Tensor) -> memoryview:
-    return memoryview(t.view(torch.uint8).reshape(-1).numpy())
+    return t.view(torch.uint8).reshape(-1).numpy().data
 
 
 def _probe_direct(directory: str) -> bool:

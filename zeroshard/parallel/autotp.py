@@ -82,7 +82,7 @@ class TPSharding:
 
 def _convert(m: nn.Module, style: Style, comm: Comm, sp: bool, tp_input: TPInput) -> nn.Module:
     if style.kind == "embedding":
-        return VocabParallelEmbedding.from_embedding(m, comm, sequence_parallel=sp)
+        return VocabParallelEmbedding.from_embedding(m, comm, sequence_parallel=sp)  # type: ignore[arg-type]
     if style.kind == "column":
         parts = None if style.parts == 1 else planned_slices(m, style, comm)["weight"].parts
         return ColumnParallelLinear.from_linear(
@@ -199,9 +199,11 @@ def apply_tensor_parallel(
                 )
     for name, entry in list(mods.items()) + list(params.items()):
         if entry.style.partial_grad:
-            target = model.get_parameter(name) if name in params else model.get_submodule(name)
-            for p in [target] if name in params else target.parameters():
-                mark_partial_grad(p)
+            if name in params:
+                mark_partial_grad(model.get_parameter(name))
+            else:
+                for p in model.get_submodule(name).parameters():
+                    mark_partial_grad(p)
     if sequence_parallel:
         for p in model.parameters():
             if tp_slice_of(p) is None:
@@ -216,7 +218,7 @@ def _causal_lm_head(model: nn.Module) -> str:
         raise ValueError(
             f"loss_parallel: {type(model).__name__} does not compute its loss through "
             "transformers' causal-LM loss_function (the built-in GPT computes cross-entropy on "
-            "whole logits inside its forward); leave loss_parallel off for it"
+            "whole logits inside its forward); leave loss_parallel off for it"  # type: ignore[operator]
         )
     head = model.get_output_embeddings()
     return next(n for n, m in model.named_modules() if m is head)

@@ -165,12 +165,13 @@ def model_plan(model: nn.Module) -> tuple[dict, str]:
         plan = {f"{prefix}{k}": v for k, v in base.items()}
         plan.update(getattr(model, "_tp_plan", None) or {})
         return plan, "config.base_model_tp_plan (transformers)"
-    known = _HF_BUILTIN.get(getattr(config, "model_type", None))
+    model_type = getattr(config, "model_type", None)
+    known = _HF_BUILTIN.get(model_type) if isinstance(model_type, str) else None
     if known is not None:
         prefix = _hf_prefix(model)
         plan = {f"{prefix}{k}": v for k, v in known[0].items()}
         plan.update(known[1])
-        return plan, f"zeroshard's plan for {config.model_type}"
+        return plan, f"zeroshard's plan for {model_type}"
     return {}, "no plan"
 
 

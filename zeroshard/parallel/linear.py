@@ -17,6 +17,7 @@ so parameter names and layouts stay those of the unsplit model.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -44,7 +45,7 @@ def is_conv1d(module: nn.Module) -> bool:
     return (
         type(module).__name__ == "Conv1D"
         and hasattr(module, "nf")
-        and tuple(module.weight.shape) == (module.nx, module.nf)
+        and tuple(module.weight.shape) == (module.nx, module.nf)  # type: ignore[arg-type]
     )
 
 
@@ -56,7 +57,7 @@ def _linear_parts(layer: nn.Module) -> tuple[nn.Parameter, nn.Parameter | None, 
     if isinstance(layer, nn.Linear):
         return layer.weight, layer.bias, False
     if is_conv1d(layer):
-        return layer.weight, layer.bias, True
+        return layer.weight, layer.bias, True  # type: ignore[return-value]
     raise TypeError(f"expected nn.Linear or Conv1D, got {type(layer).__name__}")
 
 
@@ -70,9 +71,9 @@ class _ParallelLinear(nn.Module):
 
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.transposed:
-            y = torch.matmul(x, self.weight)
+            y = torch.matmul(x, self.weight)  # type: ignore[arg-type]
             return y if bias is None else y + bias
-        return F.linear(x, self.weight, bias)
+        return F.linear(x, self.weight, bias)  # type: ignore[arg-type]
 
 
 class ColumnParallelLinear(_ParallelLinear):
@@ -117,7 +118,7 @@ class ColumnParallelLinear(_ParallelLinear):
         self.in_features, self.out_features = in_features, out_features
         self.gather_output = gather_output
         bound = 1 / math.sqrt(in_features)  # nn.Linear's default init, on the whole fan-in
-        kw = {"device": device, "dtype": dtype}
+        kw: dict[str, Any] = {"device": device, "dtype": dtype}
         self.weight = nn.Parameter(torch.empty(spec.local_shape, **kw).uniform_(-bound, bound))
         mark_sharded(self.weight, spec)
         self.bias = None
@@ -182,7 +183,7 @@ class RowParallelLinear(_ParallelLinear):
         self.in_features, self.out_features = in_features, out_features
         self.input_is_parallel = input_is_parallel
         bound = 1 / math.sqrt(in_features)
-        kw = {"device": device, "dtype": dtype}
+        kw: dict[str, Any] = {"device": device, "dtype": dtype}
         self.weight = nn.Parameter(torch.empty(spec.local_shape, **kw).uniform_(-bound, bound))
         mark_sharded(self.weight, spec)
         self.bias = None

@@ -57,7 +57,9 @@ class PipelineEngine(Engine):
     """A pipeline stage's engine: ``train_batch`` / ``eval_batch`` (DeepSpeed's names).
     ``forward``, ``backward`` and ``step`` are refused, as in DeepSpeed."""
 
-    def __init__(self, module: nn.Module, config, mesh, **kwargs: Any) -> None:
+    module: PipelineModule
+
+    def __init__(self, module: PipelineModule, config, mesh, **kwargs: Any) -> None:
         check_config(module, config)
         ties = self._sync_ties(module, mesh)
         self._in_step = False

@@ -113,6 +113,11 @@ class StageRunner:
     def _virtual(self, chunk: int) -> int:
         return chunk * self.stages + self.stage
 
+    def _peer_link(self) -> StageLink:
+        if self.link is None:
+            raise RuntimeError("pipeline: a send/recv action on a stage without neighbours")
+        return self.link
+
     def run(
         self,
         actions: list[Action],
@@ -143,9 +148,15 @@ class StageRunner:
             key, vs = (a.microbatch, a.chunk), self._virtual(a.chunk)
             t0 = time.perf_counter()
             if a.kind == "RECV_F":
-                act_in[key] = self.link.recv_activation((vs - 1) % self.stages, a.microbatch, vs)
+                act_in[key] = self._peer_link().recv_activation(
+                    (vs - 1) % self.stages, a.microbatch, vs
+                )
             elif a.kind == "F":
-                x = act_in.get(key) if vs > 0 else inputs[a.microbatch]
+                if vs > 0:
+                    x = act_in.get(key)
+                else:
+                    assert inputs is not None  # the stage with the first chunk reads the batch
+                    x = inputs[a.microbatch]
                 if vs > 0 and isinstance(x, tuple) and len(x) == 1:
                     x = x[0]
                 with grad_mode, hooks:
@@ -164,17 +175,17 @@ class StageRunner:
                     act_out[key] = out
             elif a.kind == "SEND_F":
                 out = act_out[key] if train else act_out.pop(key)
-                self.link.send_activation(out, (vs + 1) % self.stages, a.microbatch, vs + 1)
+                self._peer_link().send_activation(out, (vs + 1) % self.stages, a.microbatch, vs + 1)
             elif a.kind == "RECV_B":
                 like = self._with_grad(act_out[key])
-                grads_out[key] = self.link.recv_gradients(
+                grads_out[key] = self._peer_link().recv_gradients(
                     like, (vs + 1) % self.stages, a.microbatch, vs + 1
                 )
             elif a.kind in ("B", "BI", "BW"):
                 done = self._backward(a.kind, key, vs == last, act_in, act_out, grads_out, grads_in, loss_scale)  # fmt: skip
                 inflight -= done
             elif a.kind == "SEND_B":
-                self.link.send_gradients(
+                self._peer_link().send_gradients(
                     grads_in.pop(key), (vs - 1) % self.stages, a.microbatch, vs
                 )
             self.trace.append(

@@ -323,7 +323,7 @@ class PipelineModule(nn.Module):
         module = self.tied_modules[key]
         out = []
         for attr in self.tied_weight_attrs[key]:
-            p = module
+            p: Any = module
             for part in attr.split("."):
                 p = getattr(p, part)
             out.append((f"tied_modules.{key}.{attr}", p))

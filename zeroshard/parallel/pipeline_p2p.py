@@ -148,6 +148,7 @@ class StageLink:
 
     def _slice(self, t: torch.Tensor) -> torch.Tensor:
         tp = self.tp
+        assert tp is not None  # split_act / split_grad need a tensor-parallel group
         flat = t.reshape(-1)
         n = -(-flat.numel() // tp.world_size)
         if flat.numel() % tp.world_size:
@@ -190,6 +191,7 @@ class StageLink:
             self.pp.recv(out, src, tag)
             return out
         tp = self.tp
+        assert tp is not None  # split_act / split_grad need a tensor-parallel group
         n = -(-numel // tp.world_size)
         part = torch.empty(n, dtype=dtype, device=self.device)
         self.pp.recv(part, src, tag)

@@ -154,7 +154,7 @@ def embed_tokens_forward(embedding: nn.Module, inputs: Any) -> Any:
 def tied_logits_forward(embedding: nn.Module, hidden: Any) -> torch.Tensor:
     """The output projection through the (tied) embedding matrix: hidden -> logits."""
     h, _ = _unpack(hidden)
-    return F.linear(h, embedding.weight)
+    return F.linear(h, embedding.weight)  # type: ignore[arg-type]
 
 
 class Embedding(nn.Module):
@@ -276,8 +276,8 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 
 def _tied(model: nn.Module) -> bool:
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None  # type: ignore[operator]
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None  # type: ignore[operator]
     return head is not None and emb is not None and head.weight is emb.weight
 
 
@@ -290,7 +290,7 @@ def _head_layers(model: nn.Module, embedding: nn.Module, key: str) -> tuple[list
         )
     if _tied(model):
         return [TiedLayer(key=key, module=embedding, forward_fn=tied_logits_forward)], (key,)
-    return [LMHead(head)], ()
+    return [LMHead(head)], ()  # type: ignore[arg-type]
 
 
 def _first_layer(embedding: nn.Module, key: str, tied: bool) -> nn.Module | TiedLayer:
@@ -301,11 +301,11 @@ def _first_layer(embedding: nn.Module, key: str, tied: bool) -> nn.Module | Tied
 
 def _split_llama(model: nn.Module) -> PipelineSplit:
     inner, config = model.model, model.config
-    layers: list = [_first_layer(inner.embed_tokens, "embed_tokens", _tied(model))]
-    for layer in inner.layers[: config.num_hidden_layers]:
-        layers.append(LlamaBlock(layer, inner.rotary_emb, config))
-    layers.append(FinalNorm(inner.norm))
-    head, keys = _head_layers(model, inner.embed_tokens, "embed_tokens")
+    layers: list = [_first_layer(inner.embed_tokens, "embed_tokens", _tied(model))]  # type: ignore[arg-type, union-attr]
+    for layer in inner.layers[: config.num_hidden_layers]:  # type: ignore[index, union-attr]
+        layers.append(LlamaBlock(layer, inner.rotary_emb, config))  # type: ignore[arg-type, union-attr]
+    layers.append(FinalNorm(inner.norm))  # type: ignore[arg-type]
+    head, keys = _head_layers(model, inner.embed_tokens, "embed_tokens")  # type: ignore[arg-type, union-attr]
     return PipelineSplit(
         layers=layers + head, loss_fn=causal_lm_loss, family="llama", tied_keys=keys
     )
@@ -318,12 +318,12 @@ def _split_gpt2(model: nn.Module) -> PipelineSplit:
             "GPT-2 with add_cross_attention=True has no pipeline splitter (encoder states per block)"
         )
     layers: list = [
-        _first_layer(inner.wte, "wte", _tied(model)),
-        GPT2Positions(inner.wpe, inner.drop),
+        _first_layer(inner.wte, "wte", _tied(model)),  # type: ignore[arg-type, union-attr]
+        GPT2Positions(inner.wpe, inner.drop),  # type: ignore[arg-type, union-attr]
     ]
-    layers += [GPT2Block(block, config) for block in inner.h]
-    layers.append(FinalNorm(inner.ln_f))
-    head, keys = _head_layers(model, inner.wte, "wte")
+    layers += [GPT2Block(block, config) for block in inner.h]  # type: ignore[union-attr]
+    layers.append(FinalNorm(inner.ln_f))  # type: ignore[arg-type, union-attr]
+    head, keys = _head_layers(model, inner.wte, "wte")  # type: ignore[arg-type, union-attr]
     return PipelineSplit(
         layers=layers + head, loss_fn=causal_lm_loss, family="gpt2", tied_keys=keys
     )

@@ -229,9 +229,9 @@ def _use_hf_attention(model: nn.Module, name: str, comm: Comm) -> None:
     for m in model.modules():
         _COMMS[m] = comm
     if hasattr(model, "set_attn_implementation"):
-        model.set_attn_implementation(name)
+        model.set_attn_implementation(name)  # type: ignore[operator]
     else:
-        model.config._attn_implementation = name
+        model.config._attn_implementation = name  # type: ignore[union-attr]
 
 
 def is_transformers_model(model: nn.Module) -> bool:

@@ -209,7 +209,12 @@ class TPInput:
         if out is not None:
             if out is x:
                 return x
-            if self._src() is x and self._key == (x._version, torch.is_grad_enabled()):
+            src = self._src
+            if (
+                src is not None
+                and src() is x
+                and self._key == (x._version, torch.is_grad_enabled())
+            ):
                 return out
         if self.sequence_parallel:
             out = gather_from_sequence(x, self.comm, self.seq_dim)

@@ -137,4 +137,6 @@ class FlatParams:
     def segment_view(self, segment: int) -> torch.Tensor:
         """The whole (padded) segment in the full buffer."""
         seg = self.layout.segments[segment]
+        if self.full is None:
+            raise RuntimeError("FlatParams.segment_view: sharded parameters keep no full buffer")
         return self.full[seg.start : seg.start + seg.numel]

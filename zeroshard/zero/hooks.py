@@ -192,7 +192,7 @@ def _alias(func, args, kwargs, base: torch.Tensor, name: str):
         was = storage.nbytes()
         full = (base.storage_offset() + base.numel()) * base.element_size()
         if was < full:
-            storage.resize_(full)
+            storage.resize_(int(full))
         try:
             out = func(*args, **kwargs)
         finally:

@@ -43,7 +43,7 @@ def set_z3_leaf_modules(
     if raise_if_not_found and not marked:
         raise ValueError(f"set_z3_leaf_modules: no module of {classes} in the model")
     for m in marked:
-        m._z3_leaf = True
+        m._z3_leaf = True  # type: ignore[assignment]
     return marked
 
 

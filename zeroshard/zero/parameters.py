@@ -206,7 +206,7 @@ class ParamGatherer:
         self._synced = comm.world_size > 1  # see the module docstring: synced generate()
         for m in module.modules():
             if self._synced and not hasattr(m, "_is_fsdp_managed_module"):
-                m._is_fsdp_managed_module = True
+                m._is_fsdp_managed_module = True  # type: ignore[assignment]
         names = {}
         for name, p in module.named_parameters():
             names.setdefault(id(p), name)

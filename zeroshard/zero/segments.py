@@ -46,7 +46,8 @@ def _group_index(param_groups: list[dict]) -> dict[int, int]:
 def _assemble(
     members: list[list[nn.Parameter]], group: dict[int, int], persistent_from: int
 ) -> SegmentPlan:
-    params, segments = [], []
+    params: list[nn.Parameter] = []
+    segments: list[list[int]] = []
     for seg in members:
         seg = sorted(seg, key=lambda p: group.get(id(p), FROZEN))  # stable: keeps order in a group
         segments.append(list(range(len(params), len(params) + len(seg))))
