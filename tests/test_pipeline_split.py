@@ -127,8 +127,8 @@ def test_layer_list_shape_and_ties():
         seen |= {id(p) for p in mod.parameters()}
     assert (
         seen
-        == {id(p) for p in gpt2.layers[0].module.parameters()}
-        | {  # type: ignore[union-attr]
+        == {id(p) for p in gpt2.layers[0].module.parameters()}  # type: ignore[union-attr]
+        | {
             id(p)
             for layer in gpt2.layers[1:-1]
             for p in layer.parameters()  # type: ignore[union-attr]

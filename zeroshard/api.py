@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import random
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -19,7 +20,7 @@ from zeroshard.engine import Engine
 from zeroshard.optim import hyperparams
 from zeroshard.parallel.mesh import Mesh, MeshShape
 from zeroshard.parallel.pipeline_engine import PipelineEngine
-from zeroshard.parallel.pipeline_module import PipelineError, PipelineModule
+from zeroshard.parallel.pipeline_module import PipelineModule
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -89,7 +90,7 @@ def _collect_groups(module: nn.Module, optimizer, model_parameters, opt_cfg):
         ]
     elif opt_cfg is not None:
         defaults = hyperparams(opt_cfg)
-        source = (
+        source: list[Any] = (
             list(model_parameters) if model_parameters is not None else list(module.parameters())
         )
         if source and isinstance(source[0], dict):
@@ -131,23 +132,11 @@ def _split(model: nn.Module, cfg) -> PipelineModule:
     """A model that is not a PipelineModule, cut by the Hugging Face decoder splitter
     (``parallel/pipeline_split.py``; it takes an ``nn.Sequential`` too)."""
     virtual = cfg.pipeline.virtual_stages or 1
-    try:
-        from zeroshard.parallel.pipeline_split import split_for_pipeline
-    except ImportError:
-        split_for_pipeline = None
-    if split_for_pipeline is not None:
-        split = split_for_pipeline(model)
-        layers, loss_fn = split.layers, split.loss_fn
-    elif isinstance(model, nn.Sequential):
-        layers, loss_fn = list(model), None
-    else:
-        raise PipelineError(
-            f"pipeline.stages: {cfg.pipeline_stages}, but the model ({type(model).__name__}) "
-            "is not a zeroshard.pipe.PipelineModule or an nn.Sequential, and no splitter "
-            "knows it; build PipelineModule(layers=[...], num_stages=...)"
-        )
+    from zeroshard.parallel.pipeline_split import split_for_pipeline
+
+    split = split_for_pipeline(model)  # an nn.Sequential or a known family, else ValueError
     return PipelineModule(
-        layers, num_stages=cfg.pipeline_stages, loss_fn=loss_fn, virtual_stages=virtual
+        split.layers, num_stages=cfg.pipeline_stages, loss_fn=split.loss_fn, virtual_stages=virtual
     )
 
 
@@ -218,7 +207,7 @@ def initialize(
     if cfg.seed is not None:
         random.seed(cfg.seed)
         torch.manual_seed(cfg.seed)
-    engine_class = Engine
+    engine_class: type[Engine] = Engine
     if cfg.pipeline_stages > 1 or module_stages is not None:
         engine_class = PipelineEngine
         if module_stages is None:

@@ -300,12 +300,10 @@ Selector = type | Iterable[type] | Callable[[str, nn.Module], bool]
 def _select(model: nn.Module, blocks: Selector) -> list[nn.Module]:
     """The modules ``blocks`` selects, outermost only (a selected module inside a
     selected module is left alone)."""
-    if isinstance(blocks, type):
-        blocks = (blocks,)
     if callable(blocks) and not isinstance(blocks, type):
         predicate = blocks
     else:
-        types = tuple(blocks)
+        types = (blocks,) if isinstance(blocks, type) else tuple(blocks)
         if not all(isinstance(t, type) for t in types):
             raise TypeError("block_types: expected module types or a (name, module) predicate")
 

@@ -133,8 +133,8 @@ class Comm:
 
     ``axis`` names the mesh axis (or axes, joined by ``"+"``) the group spans; the
     ledger files this Comm's bytes under it. ``async_op=True`` returns a
-    :class:`Handle`; otherwise the op completes before returning (and ``None`` is
-    returned).
+    :class:`Handle` in flight; otherwise the op completes before returning (and the
+    :class:`Handle` returned is done).
     """
 
     def __init__(
@@ -167,7 +167,7 @@ class Comm:
         fn: Callable[[], dist.Work | _Works | None],
         async_op: bool,
         then: Then | None = None,
-    ) -> Handle | None:
+    ) -> Handle:
         t0 = time.perf_counter()
         wd = watchdog.current()
         if wd is not None:  # a hang here becomes a report (watchdog.py)
@@ -181,21 +181,18 @@ class Comm:
         if self.ledger.observers:  # frames: 0 this, 1 the Comm method, 2 its caller
             event = (nbytes, issued, self.world_size, sys._getframe(2).f_code.co_name)
         handle = Handle(work, self.ledger, op, then, self.axis, nbytes, event)
-        if async_op:
-            return handle
-        handle.wait()
-        return None
+        if not async_op:
+            handle.wait()
+        return handle
 
     @staticmethod
-    def _local(then: Then | None, async_op: bool) -> Handle | None:
+    def _local(then: Then | None, async_op: bool) -> Handle:
         if then is not None:
             then()
-        return Handle(None, None, "") if async_op else None
+        return Handle(None, None, "")  # done
 
     # -- collectives ----------------------------------------------------------------
-    def all_reduce(
-        self, tensor: torch.Tensor, op: str = "sum", async_op: bool = False
-    ) -> Handle | None:
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum", async_op: bool = False) -> Handle:
         """In-place all-reduce; ``op`` is "sum", "avg" or "max". Counts 2x the buffer."""
         if self.world_size == 1:
             return self._local(None, async_op)
@@ -231,7 +228,7 @@ class Comm:
         async_op: bool = False,
         via: str | None = None,
         scratch: torch.Tensor | None = None,
-    ) -> Handle | None:
+    ) -> Handle:
         """Sum ``input`` (world_size equal chunks) across ranks; this rank's chunk to ``output``.
 
         ``via`` (None: :attr:`reduce_scatter_via`, chosen per backend):
@@ -312,7 +309,7 @@ class Comm:
         input: torch.Tensor,
         async_op: bool = False,
         via: str | None = None,
-    ) -> Handle | None:
+    ) -> Handle:
         """Concatenate every rank's ``input`` into ``output`` (rank order).
 
         ``via`` (None: :attr:`all_gather_via`): ``"native"``, the backend's all-gather;
@@ -398,9 +395,7 @@ class Comm:
             return numel // self.world_size * (self.world_size - 1)
         return 0
 
-    def broadcast(
-        self, tensor: torch.Tensor, src: int = 0, async_op: bool = False
-    ) -> Handle | None:
+    def broadcast(self, tensor: torch.Tensor, src: int = 0, async_op: bool = False) -> Handle:
         """Broadcast from group rank ``src`` (the global rank is looked up here)."""
         if self.world_size == 1:
             return self._local(None, async_op)
@@ -414,7 +409,7 @@ class Comm:
 
     def all_to_all(
         self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False
-    ) -> Handle | None:
+    ) -> Handle:
         """Equal-split all-to-all of flat buffers."""
         if self.world_size == 1:
             return self._local(lambda: output.copy_(input), async_op)
@@ -456,7 +451,7 @@ class Comm:
         recv: torch.Tensor,
         src: int,
         async_op: bool = False,
-    ) -> Handle | None:
+    ) -> Handle:
         """Send ``send`` to group rank ``dst`` while receiving ``recv`` from group rank
         ``src``, as one batch of point-to-point ops (a ring step). Filed as op
         ``"send_recv"`` with the bytes sent (send/recv count the buffer; in a ring every
@@ -485,18 +480,14 @@ class Comm:
         Filed as op ``"send"`` with the buffer's bytes."""
         if self.world_size == 1:
             raise RuntimeError("Comm.send: a group of one rank has no peer")
-        handle = self._run(
+        return self._run(
             "send",
             _nbytes(tensor),
             lambda: dist.isend(tensor, self._peer(dst), group=self.group, tag=tag),
             True,
         )
-        assert handle is not None  # async_op=True always hands one back
-        return handle
 
-    def recv(
-        self, tensor: torch.Tensor, src: int, tag: int = 0, async_op: bool = False
-    ) -> Handle | None:
+    def recv(self, tensor: torch.Tensor, src: int, tag: int = 0, async_op: bool = False) -> Handle:
         """Receive into ``tensor`` from group rank ``src`` (the sender's ``tag``). Filed
         as op ``"recv"`` with the buffer's bytes."""
         if self.world_size == 1:

@@ -30,6 +30,7 @@ from dataclasses import replace
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from zeroshard import watchdog
 from zeroshard.distributed import default_device, local_rank
@@ -118,7 +119,7 @@ class Engine(EngineBuild, DeepSpeedEngineCompat, nn.Module):
         self.destroyed = False
         self.preemption = None  # zeroshard.preemption.Preemption, set by enable()
         move_module(module, self.device, self.policy.compute)
-        self._installed = []
+        self._installed: list[RemovableHandle | FirstBatchSize] = []
         if self.policy.compute != torch.float32:
             cast = module.register_forward_pre_hook(self._cast_inputs, with_kwargs=True)
             self._installed.append(cast)
@@ -251,8 +252,11 @@ class Engine(EngineBuild, DeepSpeedEngineCompat, nn.Module):
         self.destroyed = True
         if self.module in _ENGINES and _ENGINES[self.module]() is self:
             del _ENGINES[self.module]
-        # drop the buffers (the parameters at stages 0-2 keep their views of the flat one)
-        self.reducer = self.optimizer = self.flat = self.params = self._delayed = None
+        # drop the buffers (the parameters at stages 0-2 keep their views of the flat one);
+        # the attributes stay typed as live: a destroyed engine refuses every call (_enter)
+        self._delayed = None
+        for name in ("reducer", "optimizer", "flat", "params"):
+            setattr(self, name, None)
 
     def _enter(self, phase: str) -> None:
         """Refuse a destroyed engine; tell the watchdog which call this rank is in."""
@@ -389,7 +393,14 @@ class Engine(EngineBuild, DeepSpeedEngineCompat, nn.Module):
         if self.preemption is not None and boundary:
             self.preemption.at_step_boundary(self)  # SIGTERM: save, exit 0
 
-    def zero_grad(self) -> None:
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Start a new accumulation window: every ``param.grad`` is unset (gradients
+        live in the engine's buffers); ``set_to_none=False`` (zeroed tensors) is refused."""
+        if not set_to_none:
+            raise ValueError(
+                "engine.zero_grad(set_to_none=False): the engine keeps gradients in its own "
+                "buffers and unsets param.grad; zeroed param.grad tensors are not built"
+            )
         self.reducer.zero_grad()
 
     # -- checkpoints ------------------------------------------------------------------

@@ -285,7 +285,7 @@ class EngineBuild:
         from torch.utils.data import DataLoader, DistributedSampler
 
         # ranks that share a tensor, sequence or pipeline group get the same samples
-        sampler = DistributedSampler(
+        sampler: DistributedSampler[Any] = DistributedSampler(
             data, num_replicas=self.mesh.size("dp"), rank=self.mesh.coord("dp")
         )
         return DataLoader(

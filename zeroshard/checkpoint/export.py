@@ -27,7 +27,9 @@ DTYPE_ARGS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float
 
 
 def _plan(entries, max_shard_bytes: int | None) -> list[list]:
-    shards, current, size = [], [], 0
+    shards: list[list] = []
+    current: list = []
+    size = 0
     for e in entries:
         nbytes = math.prod(e[2]) * dtype_size(e[1])
         if current and max_shard_bytes and size + nbytes > max_shard_bytes:
@@ -144,7 +146,8 @@ def open_checkpoint(
     )
     reader = PieceReader(path, manifest)
     kinds = set(manifest["kinds"])
-    entries, source = [], {}
+    entries: list = []
+    source: dict[str, tuple[str, str | None, str]] = {}
     for name, entry in manifest["params"].items():
         saved = DTYPES[entry["dtype"]]
         # trainable parameters come from the fp32 masters when the checkpoint has them
@@ -167,6 +170,7 @@ def open_checkpoint(
         if how == "whole":
             return reader.whole(real)
         shape = manifest["params"][real]["shape"]
+        assert kind is not None  # pieces name their kind
         return reader.get(kind, real, 0, math.prod(shape), torch.float32).view(shape)
 
     return entries, fetch, manifest

@@ -176,6 +176,7 @@ def load_checkpoint(
         )
     failed, _ = exchange(comm, engine.device, error)
     raise_if_failed(comm, failed, error, f"load_checkpoint({load_dir!r})", None)
+    assert path is not None and manifest is not None  # else raise_if_failed raised
     client = load(
         engine,
         path,

@@ -220,6 +220,7 @@ def save(
         part = None if manifest is None else (manifest["params"], manifest["whole"])
         parts = comm.all_gather_object(part)
         if rank == 0:
+            assert manifest is not None  # rank 0 is the first stage's first rank
             for got in parts:
                 if got is not None:
                     manifest["params"].update(got[0])
@@ -229,6 +230,7 @@ def save(
     # directory, fsync, then `latest`
     error = None
     if rank == 0:
+        assert manifest is not None  # rank 0 is the first stage's first rank
         try:
             manifest["save_id"] = f"{save_id:016x}"
             manifest["files"] = [
@@ -320,7 +322,9 @@ def _write_rank_file(
         writer.write(key, access.get(kind, piece.shard_lo, piece.shard_lo + n))
     for key, t in extra.items():
         writer.write(key, t)
-    return writer.close()
+    crc = writer.close()
+    assert crc is not None  # checksums=True
+    return crc
 
 
 def _publish(tmp: str, final: str) -> None:

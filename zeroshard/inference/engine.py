@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -24,6 +24,10 @@ from zeroshard._config_schema import ConfigError
 from zeroshard.inference.config import InferenceConfig, load_inference_config
 from zeroshard.inference.generate import Sampling, generate_tokens, pad_prompts
 from zeroshard.inference.quantize import QuantLinear, quantize_model, weight_bytes
+
+if TYPE_CHECKING:
+    from zeroshard.inference.streaming import StreamedWeights
+    from zeroshard.inference.tensor_parallel import TPInference
 
 
 def _is_hf(model: nn.Module) -> bool:
@@ -57,8 +61,8 @@ class InferenceEngine:
     def __init__(self, model: nn.Module, config: InferenceConfig) -> None:
         self.config = config
         self.module = model
-        self.tp = None  # what tensor_parallel.py did, when tp_size > 1
-        self.streaming = None  # what streaming.py did, when config.zero is set
+        self.tp: TPInference | None = None  # what tensor_parallel.py did, when tp_size > 1
+        self.streaming: StreamedWeights | None = None  # streaming.py's, when config.zero is set
         # a model built on meta with zero: its weights go from the checkpoint to the
         # stream store one layer at a time (never whole in memory)
         self._stream_from_file = config.zero is not None and any(
@@ -136,6 +140,7 @@ class InferenceEngine:
         init = None
         if self._stream_from_file:
             init = safetensors_init(self._checkpoint_path(), plan_units(self.module))
+        assert self.config.zero is not None  # called only with a zero section
         self.streaming = stream_weights(
             self.module, stream_config(self.config.zero), tag=tag, init=init
         )
@@ -143,6 +148,7 @@ class InferenceEngine:
     def _quantize(self) -> None:
         w = self.config.quant.weight
         bits = self.config.num_bits
+        assert bits is not None  # called only with quantization on
         self.quantized = quantize_model(
             self.module,
             bits=bits,
@@ -277,14 +283,15 @@ class InferenceEngine:
     def _agreed_seed(self) -> int:
         """A fresh seed drawn on the tensor-parallel group's rank 0 and broadcast."""
         seed = torch.randint(0, 2**62, (1,), device=self._device())
+        assert self.tp is not None  # called only under tensor parallelism
         self.tp.comm.broadcast(seed, src=0)
         return int(seed.item())
 
     def _device(self) -> torch.device:
         for t in self.module.parameters():
             return t.device
-        for t in self.module.buffers():
-            return t.device
+        for b in self.module.buffers():
+            return b.device
         return torch.device("cpu")
 
 

@@ -68,7 +68,7 @@ class _Loaded:
     future: Future | None
     users: int = 0
     compute: torch.Tensor | None = None  # the device copy, when computing off the host
-    uploaded: object = None  # CUDA event recorded after the upload from ``buf``
+    uploaded: torch.cuda.Event | None = None  # recorded after the upload from ``buf``
 
 
 @dataclass
@@ -91,7 +91,7 @@ class StreamedWeights:
         self._bufsize = max((u.nbytes for u in units), default=ALIGN)
         # free host buffers, each with the CUDA event its last upload must reach before
         # it is written again (None on the host)
-        self._pool: list[tuple[torch.Tensor, object]] = []
+        self._pool: list[tuple[torch.Tensor, torch.cuda.Event | None]] = []
         self._allocated = 0
         self._loaded: dict[int, _Loaded] = {}
         self._next = {i: (i + 1) % len(units) for i in range(len(units))}
@@ -312,8 +312,8 @@ def stream_weights(
     # every distinct parameter, kept alive here so ids stay unique while we lay out
     olds: dict[int, nn.Parameter] = {}
     for u in units:
-        for p in u.module.parameters():
-            olds.setdefault(id(p), p)
+        for param in u.module.parameters():
+            olds.setdefault(id(param), param)
     missing = [n for n, p in model.named_parameters() if id(p) not in olds]
     if missing:  # plan_units covers every parameter; a guard for future changes
         raise AssertionError(f"parameters outside every unit: {missing}")
@@ -347,6 +347,7 @@ def stream_weights(
             if p is not None and id(p) in new_of:
                 m._parameters[attr] = new_of[id(p)]
     if config.device == "nvme":
+        assert config.nvme_path is not None  # StreamConfig refuses nvme without it
         space = SwapSpace(os.fspath(config.nvme_path), f"infer-{tag}")
         source: SwapSource | MemorySource = SwapSource(space, total)
     else:
@@ -355,9 +356,10 @@ def stream_weights(
     for u in units:
         mine = {s.offset: values[s.offset] for s in u.slots}
         if on_meta:  # materialize this unit only, let init fill it, write it, drop it
+            assert init is not None  # on meta without init was refused above
             mine = {k: torch.empty(v.shape, dtype=v.dtype) for k, v in mine.items()}
             by_param = {id(s.param): mine[s.offset] for s in u.slots}
-            with_values(u.module, by_param, lambda mod=u.module, n=u.name: init(n, mod))
+            with_values(u.module, by_param, lambda mod=u.module, n=u.name, f=init: f(n, mod))
         at = 0
         for s in u.slots:
             v = mine[s.offset]

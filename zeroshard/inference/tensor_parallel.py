@@ -171,12 +171,12 @@ def quantize_sharded(
         chosen.append((name, layer, w))
     for name, layer, w in chosen:
         q = QuantLinear.from_float(
-            w.detach(),
+            w.detach(),  # type: ignore[operator]
             None,
             bits=bits,
             group_size=group_size,
             symmetric=symmetric,
-            name=name,  # type: ignore[operator]
+            name=name,
         )
         del layer.weight
         layer.weight_only = q  # a submodule: moves with .to(), counted by weight_bytes

@@ -103,7 +103,8 @@ def load_weights(model: nn.Module, path: str) -> None:
         entries, fetch, _ = open_checkpoint(path)
         state = {name: fetch(name) for name, _, _ in entries}
     else:
-        state, meta = {}, {}
+        state = {}
+        meta: dict[str, str] = {}
         for file in _safetensors_files(path):
             with safe_open(file, framework="pt") as f:
                 meta.update(f.metadata() or {})

@@ -9,6 +9,8 @@ a name not in it raises the usual ImportError / AttributeError.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -89,7 +91,7 @@ def _engine_names() -> dict:
 
 
 #: DeepSpeed module -> a zeroshard module (str) or a function giving its names (dict)
-MODULES = {
+MODULES: dict[str, str | Callable[[], dict[str, Any]]] = {
     "deepspeed": "zeroshard",
     "deepspeed.comm": "zeroshard.comm",
     "deepspeed.zero": "zeroshard.zero",

@@ -82,15 +82,15 @@ class EventWriters:
 
             self.csv_dir = log_dir(csv, rank)
             self.writers.append(CSVWriter(self.csv_dir))
-        name = None if rank == 0 else f"rank{rank}"
+        run_name = None if rank == 0 else f"rank{rank}"
         if mine(wb):
             from zeroshard.monitor.wandb import WandbWriter
 
-            self.writers.append(WandbWriter(wb.project, wb.group, wb.team, name))
+            self.writers.append(WandbWriter(wb.project, wb.group, wb.team, run_name))
         if mine(comet):
             from zeroshard.monitor.comet import CometWriter
 
-            self.writers.append(CometWriter(comet, name))
+            self.writers.append(CometWriter(comet, run_name))
 
     def write_events(self, events: list[tuple[str, float, int]]) -> None:
         for writer in self.writers:

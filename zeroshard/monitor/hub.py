@@ -23,6 +23,7 @@ import dataclasses
 import math
 import time
 import weakref
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -37,6 +38,9 @@ from zeroshard.monitor.steplog import (
 )
 from zeroshard.monitor.timers import EVENTS, ThroughputTimer, WallClock
 from zeroshard.monitor.usage import breakdown_line, device_counters, rss_bytes
+
+if TYPE_CHECKING:
+    from zeroshard.monitor.flops import FlopsProfiler
 
 # Monitor lines and events are held and written together at most this often (and at
 # every steps_per_print step): each write to stdout or to a writer's thread costs ~1-2 ms
@@ -118,15 +122,14 @@ class EngineMonitor:
         if training:
             self._tokens += _tokens(args, kwargs)
             if self.flops is not None:
-                self._profile_forward(engine)
+                self._profile_forward(engine, self.flops)
         self._memory("Engine before forward")
         if self.throughput is not None:
             self.throughput.start()
         if self.timers is not None:
             self.timers.start("fwd")
 
-    def _profile_forward(self, engine) -> None:
-        flops = self.flops
+    def _profile_forward(self, engine, flops: FlopsProfiler) -> None:
         if not flops.active and flops.wants(engine.global_steps):
             flat = engine.flat  # ZeRO-3 releases parameters: their sizes are the layout's
             sizes = {id(p): math.prod(s) for p, s in zip(flat.params, flat.shapes, strict=True)}
@@ -233,7 +236,7 @@ class EngineMonitor:
             self._lines.append(timer_line)
         if self.flops is not None and self.flops.active:
             self._say()
-            self._profile(engine, step_s)
+            self._profile(engine, self.flops, step_s)
         if show or gather or self.metrics is not None:
             record = self._record(engine, loss, step_s, fp16, memory=show or gather)
             if gather:
@@ -277,10 +280,10 @@ class EngineMonitor:
             memory=mem,
         )
 
-    def _profile(self, engine, step_s: float) -> None:
+    def _profile(self, engine, flops: FlopsProfiler, step_s: float) -> None:
         from zeroshard.report import peak_flops
 
-        self.flops.stop()
+        flops.stop()
         dtype = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(engine.policy.compute, "fp32")
         info = {
             "world_size": engine.world_size,
@@ -293,7 +296,7 @@ class EngineMonitor:
         latencies = dict(self.timers.last) if self.timers is not None else {}
         iter_s = self._last_step_s or step_s
         peak = peak_flops(str(self.device), dtype)
-        text = self.flops.report(step=engine.global_steps, info=info, latencies=latencies, iter_s=iter_s, peak=peak)  # fmt: skip
+        text = flops.report(step=engine.global_steps, info=info, latencies=latencies, iter_s=iter_s, peak=peak)  # fmt: skip
         path = self.config.flops_profiler.output_file
         if path:
             with open(path, "w") as f:

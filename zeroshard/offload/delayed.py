@@ -43,6 +43,7 @@ one fp32 host copy of this rank's gradient shard.
 from __future__ import annotations
 
 import threading
+from collections.abc import Set as AbstractSet
 
 import torch
 
@@ -73,7 +74,7 @@ class DelayedUpdate:
         self._copied.set()
 
     # -- the step -----------------------------------------------------------------------
-    def step(self, reducer, factor: float, unused: set[int] = frozenset()) -> None:
+    def step(self, reducer, factor: float, unused: AbstractSet[int] = frozenset()) -> None:
         """Exact step (not armed), or copy the gradients and start the step in a thread."""
         self.wait()
         if not self.armed:
@@ -107,6 +108,7 @@ class DelayedUpdate:
     def _run(self, twin, reduced: list[torch.Tensor], factor: float, unused, uploading) -> None:
         try:
             chunks = self._grads
+            assert chunks is not None  # step() allocated them before starting this thread
             try:  # to the masters' dtype and place, as the exact step does
                 for dst, src in zip(chunks, reduced, strict=True):
                     dst.copy_(src)

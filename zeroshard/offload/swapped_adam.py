@@ -18,6 +18,7 @@ and it quacks like a torch optimizer where schedulers need it to (``param_groups
 from __future__ import annotations
 
 from collections.abc import Callable
+from collections.abc import Set as AbstractSet
 from concurrent.futures import Future
 
 import torch
@@ -95,7 +96,7 @@ class SwappedAdam:
     def init_state(self, zero_grads) -> None:
         """The moments start as zeros in their files already."""
 
-    def step(self, reducer, factor: float, unused: set[int] = frozenset()) -> None:
+    def step(self, reducer, factor: float, unused: AbstractSet[int] = frozenset()) -> None:
         """Step on the reducer's gradient shard scaled by ``factor``, skipping the parameters
         in ``unused``; each sub-group's new masters go into the parameter store as soon
         as they are computed."""
@@ -130,7 +131,7 @@ class SwappedAdam:
         grads: Callable[[int, int], torch.Tensor],
         factor: float,
         on_updated: Callable[[int, int, torch.Tensor], None],
-        unused: set[int] = frozenset(),
+        unused: AbstractSet[int] = frozenset(),
     ) -> None:
         """Step every sub-group. ``grads(a, b)``: this rank's gradient at shard positions
         ``[a, b)`` (CPU);

@@ -82,9 +82,12 @@ class TPSharding:
 
 def _convert(m: nn.Module, style: Style, comm: Comm, sp: bool, tp_input: TPInput) -> nn.Module:
     if style.kind == "embedding":
-        return VocabParallelEmbedding.from_embedding(m, comm, sequence_parallel=sp)  # type: ignore[arg-type]
+        assert isinstance(m, nn.Embedding)  # check_plan refused any other module
+        return VocabParallelEmbedding.from_embedding(m, comm, sequence_parallel=sp)
     if style.kind == "column":
-        parts = None if style.parts == 1 else planned_slices(m, style, comm)["weight"].parts
+        weight = planned_slices(m, style, comm)["weight"]
+        assert weight is not None  # a column-split weight always has its slice
+        parts = None if style.parts == 1 else weight.parts
         return ColumnParallelLinear.from_linear(
             m,
             comm,
@@ -178,9 +181,10 @@ def apply_tensor_parallel(
         owner = model.get_submodule(owner_name) if owner_name else model
         old = getattr(owner, attr)
         spec = plans[id(old)][1]
-        new = sliced_parameter(old, spec)
-        new_of[id(old)] = (old, new)
-        setattr(owner, attr, new)
+        assert spec is not None  # column and row parameters are split
+        new_p = sliced_parameter(old, spec)
+        new_of[id(old)] = (old, new_p)
+        setattr(owner, attr, new_p)
     for m in model.modules():  # any other holder of a replaced parameter (ties)
         for attr, p in list(m._parameters.items()):
             if p is not None and id(p) in new_of and new_of[id(p)][0] is p:
@@ -218,9 +222,9 @@ def _causal_lm_head(model: nn.Module) -> str:
         raise ValueError(
             f"loss_parallel: {type(model).__name__} does not compute its loss through "
             "transformers' causal-LM loss_function (the built-in GPT computes cross-entropy on "
-            "whole logits inside its forward); leave loss_parallel off for it"  # type: ignore[operator]
+            "whole logits inside its forward); leave loss_parallel off for it"
         )
-    head = model.get_output_embeddings()
+    head = model.get_output_embeddings()  # type: ignore[operator]
     return next(n for n, m in model.named_modules() if m is head)
 
 

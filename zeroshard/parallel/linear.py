@@ -55,7 +55,7 @@ def _spec(shape, dim: int, parts, comm: Comm) -> TPSlice:
 
 def _linear_parts(layer: nn.Module) -> tuple[nn.Parameter, nn.Parameter | None, bool]:
     if isinstance(layer, nn.Linear):
-        return layer.weight, layer.bias, False
+        return layer.weight, layer.bias, False  # type: ignore[return-value]  # torch types Linear.bias as a Tensor
     if is_conv1d(layer):
         return layer.weight, layer.bias, True  # type: ignore[return-value]
     raise TypeError(f"expected nn.Linear or Conv1D, got {type(layer).__name__}")

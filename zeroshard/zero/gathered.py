@@ -15,10 +15,14 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import torch
 
-from zeroshard.zero.init import sealing_init
+from zeroshard.zero.init import Init, sealing_init
+
+if TYPE_CHECKING:
+    from zeroshard.engine import Engine
 
 # id(parameter) -> (weakref to it, weakref to the engine owning it). Set by the engine;
 # lets the DeepSpeed-style context manager find the shards from the parameters alone.
@@ -39,7 +43,7 @@ def unregister_owner(owner) -> None:
         del _OWNER[k]
 
 
-def owner_of(param: torch.Tensor):
+def owner_of(param: torch.Tensor) -> Engine | None:
     """The engine managing ``param``, or None."""
     entry = _OWNER.get(id(param))
     if entry is None or entry[0]() is not param:
@@ -72,8 +76,8 @@ class GatheredParameters:
     ):
         self.params = _as_list(params) if enabled else []
         self.modifier_rank = modifier_rank
-        self._by_owner: dict[int, tuple[object, list[torch.Tensor]]] = {}
-        self._sealed: list[tuple[object, torch.Tensor]] = []  # built under zero.Init
+        self._by_owner: dict[int, tuple[Engine, list[torch.Tensor]]] = {}
+        self._sealed: list[tuple[Init, torch.Tensor]] = []  # built under zero.Init
         for p in {id(p): p for p in self.params}.values():
             owner = owner_of(p)
             if owner is not None:

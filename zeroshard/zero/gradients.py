@@ -136,7 +136,7 @@ class GradReducer:
         self._in_backward = False  # between begin() and finish(): engine.backward runs
         self._hooks = []
         # (bucket, handle, phase): "reduce" over ``comm``, then "replicate" (hybrid only)
-        self._pending: list[tuple[_Bucket, Handle | None, str]] = []
+        self._pending: list[tuple[_Bucket, Handle, str]] = []
         layout = flat.layout
         # segments with a trainable parameter: the only ones reduced and stored (stage 3
         # keeps frozen parameters in segments of their own)
@@ -194,8 +194,8 @@ class GradReducer:
             trainable = sum(flat.group_of[p] >= 0 for p in seg.params)
             bucket = _Bucket(seg.index, key, slots, trainable)
             self._buckets.append(bucket)
-            for p in seg.params:
-                self._bucket_of[p] = bucket
+            for pi in seg.params:
+                self._bucket_of[pi] = bucket
         # Last layers first: a bucket is complete when its earliest parameter's grad lands.
         self._buckets.sort(key=lambda b: (-b.order_key, b.segment))
         self._next = 0
@@ -229,7 +229,7 @@ class GradReducer:
         reduction sums it once and divides by that), zeros elsewhere (other ranks own
         those)."""
         owned = [c.mul(self.comm.world_size) for c in self._device_chunks]
-        self.grad_full.zero_()
+        self._full_grads().zero_()
         for c, saved in zip(self._device_chunks, owned, strict=True):
             c.copy_(saved)
         self._reduced = False  # raw again: gradients accumulate into it until reduced
@@ -237,6 +237,15 @@ class GradReducer:
     @property
     def communicates_now(self) -> bool:
         return self.sharded or self._boundary
+
+    def _full_grads(self) -> torch.Tensor:
+        assert self.grad_full is not None  # full-gradient mode (stages 0-1, or accumulating)
+        return self.grad_full
+
+    @staticmethod
+    def _staged(b: _Bucket) -> torch.Tensor:
+        assert b.staging is not None  # sharded: a launched bucket holds its staging buffer
+        return b.staging
 
     def _make_hook(self, pi: int):
         def hook(p: torch.Tensor) -> None:
@@ -263,6 +272,7 @@ class GradReducer:
             )
         if not self.sharded:
             view = self._views[pi]
+            assert view is not None  # full gradients: every parameter has its slot
             if p.grad.data_ptr() != view.data_ptr():  # a fresh gradient tensor
                 if pi in self._scaled:  # a second gradient in this backward
                     view.add_(p.grad.div(self._pre))
@@ -323,7 +333,7 @@ class GradReducer:
                     src[lo:hi].zero_()
             src[seg.used :].zero_()
         else:
-            src = self.grad_full[seg.start : seg.start + seg.numel]
+            src = self._full_grads()[seg.start : seg.start + seg.numel]
             for pi, (lo, hi) in b.slots.items():
                 if pi not in self._window_filled:  # stale values: no gradient this window
                     src[lo:hi].zero_()
@@ -365,13 +375,13 @@ class GradReducer:
         seg = g.layout.segments[b.segment]
         if phase == "reduce" and self.replicate is not None:
             # hybrid sharding: the reduced chunk is summed across the replicas next
-            own = self._own(b, b.staging if self.sharded else self.grad_full[seg.start :])
+            own = self._own(b, self._staged(b) if self.sharded else self._full_grads()[seg.start :])
             self._pending.insert(0, (b, self.replicate.all_reduce(own, async_op=True), "replicate"))
             return
         post = self._post
         chunk = self.grad_chunks[b.segment]
         if self.sharded:
-            reduced = chunk if b.direct else self._own(b, b.staging)
+            reduced = chunk if b.direct else self._own(b, self._staged(b))
             if post != 1.0:
                 reduced.div_(post)
             if b.direct:  # already in place
@@ -384,12 +394,12 @@ class GradReducer:
                 chunk.add_(reduced)
             else:
                 chunk.copy_(reduced)
-            self._staging.free.append(b.staging)
+            self._staging.free.append(self._staged(b))
             b.staging = None
             b.filled.clear()
             return
         if post != 1.0:
-            src = self.grad_full[seg.start : seg.start + seg.numel]
+            src = self._full_grads()[seg.start : seg.start + seg.numel]
             (src if not g.partitioned else self._device_chunks[b.segment]).div_(post)
         if self._stager is not None:  # offload at stages 0, 1: the boundary's chunk to host
             self._stager.submit(self._device_chunks[b.segment], chunk, accumulate=False)
@@ -447,6 +457,7 @@ class GradReducer:
         if self.sharded:
             raise RuntimeError("internal: local_grad needs full (unsharded) gradients")
         view = self._views[pi]
+        assert view is not None  # full gradients: every parameter has its slot
         if pi not in self._window_filled:
             view.zero_()
             self._window_filled.add(pi)

@@ -277,7 +277,7 @@ def set_sealed(param: torch.Tensor, sealed: bool) -> None:
     param.__dict__["_zs_sealed"] = sealed
 
 
-def unguard(param: torch.nn.Parameter) -> None:
+def unguard(param: torch.Tensor) -> None:
     """Give ``param`` its own class back."""
     cls = type(param)
     if cls.__module__ == __name__ and cls.__name__.startswith("Partitioned"):

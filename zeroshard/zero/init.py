@@ -41,6 +41,7 @@ from torch.nn.modules.module import (
 )
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils.hooks import RemovableHandle
 
 from zeroshard.comm import Comm
 from zeroshard.distributed import default_device, init_distributed
@@ -87,7 +88,7 @@ class _PartitionMode(TorchFunctionMode):
             # the storage is large enough, so give it its size back for that moment: an
             # allocation nobody writes to, so no memory is touched.
             storages = {_storage_key(t): t.untyped_storage() for t in sealed}
-            entries = [self.init.lookup(t) for t in sealed]
+            entries = [self.init.entry(t) for t in sealed]
             for st, e in zip(storages.values(), entries, strict=False):
                 st.resize_(e.numel * e.shard.element_size())
             try:
@@ -164,8 +165,9 @@ class Init:
         self.group = data_parallel_group
         self._sealed: dict[int, Sealed] = {}  # storage id -> slice
         self._parent: dict[int, tuple[weakref.ref, str]] = {}  # id(module) -> its parent
-        self._mode = None
-        self._hook = self._module_hook = None
+        self._mode: _PartitionMode | None = None
+        self._hook: RemovableHandle | None = None
+        self._module_hook: RemovableHandle | None = None
 
     # -- context ------------------------------------------------------------------
     def __enter__(self) -> Init:
@@ -177,14 +179,15 @@ class Init:
         self._keep_on = torch.device("cpu") if self.remote_cpu else self.device
         self._hook = register_module_parameter_registration_hook(self._on_register)
         self._module_hook = register_module_module_registration_hook(self._on_module)
-        self._mode = _PartitionMode(self)
-        self._mode.__enter__()
+        self._mode = mode = _PartitionMode(self)
+        mode.__enter__()
         _ACTIVE.append(self)
         return self
 
     def __exit__(self, *exc) -> None:
         if not self.enabled:
             return
+        assert self._mode is not None and self._hook is not None and self._module_hook is not None
         self._mode.__exit__(*exc)
         self._hook.remove()
         self._module_hook.remove()
@@ -215,7 +218,7 @@ class Init:
             return None
         with torch._C.DisableTorchFunction():
             self._seal(param)
-        entry = self.lookup(param)
+        entry = self.entry(param)
         entry.owner, entry.local_name = weakref.ref(module), name
         guard(param, f"{name} (of a {type(module).__name__})")
         set_sealed(param, True)
@@ -252,6 +255,13 @@ class Init:
         entry = self._sealed.get(_storage_key(t))
         if entry is not None and entry.param() is None:
             return None
+        return entry
+
+    def entry(self, t: torch.Tensor) -> Sealed:
+        """``t``'s entry; ``t`` must be sealed by this ``zero.Init``."""
+        entry = self.lookup(t)
+        if entry is None:
+            raise RuntimeError("zero.Init: the tensor is not a parameter sealed by this context")
         return entry
 
     def hidden(self, t: torch.Tensor) -> Sealed | None:
@@ -309,7 +319,7 @@ class Init:
     def gather(self, param: torch.Tensor) -> None:
         """Give sealed ``param`` its whole value on this rank until :meth:`release`
         (collective: one all-gather, on the first of nested blocks)."""
-        entry = self.lookup(param)
+        entry = self.entry(param)
         entry.gathered += 1
         if entry.gathered > 1:
             return
@@ -322,7 +332,7 @@ class Init:
     def release(self, param: torch.Tensor, modifier_rank: int | None) -> None:
         """End a :meth:`gather`: with ``modifier_rank``, that rank's values become every
         rank's slice (one broadcast); the storage is freed when the last block ends."""
-        entry = self.lookup(param)
+        entry = self.entry(param)
         with torch._C.DisableTorchFunction(), torch.no_grad():
             if modifier_rank is not None:
                 self._keep_slice(_storage_key(param), param.detach(), src=modifier_rank)

@@ -204,7 +204,9 @@ class ShardedOptimizer:
         if self.tp is not None:
             self.tp.sum_partial(self.reducer.grad_chunks, self.flat.device)
         local = self._local_sum_of_squares() if self.clip > 0 or self.nonfinite != "apply" else None
-        bad = self.nonfinite != "apply" and not (loss_finite and bool(torch.isfinite(local)))
+        bad = self.nonfinite != "apply" and not (
+            loss_finite and local is not None and bool(torch.isfinite(local))
+        )
         if self.pipeline is not None and self.nonfinite != "apply":
             bad = self.pipeline.any_stage(bad, self.flat.device)  # an overflow anywhere
         # one all-reduce for both: which parameters got gradients, and whether any rank
@@ -220,11 +222,11 @@ class ShardedOptimizer:
                 )
             return False
         inv_scale = 1.0 / self.scaler.scale
-        if self.clip > 0:
-            self.global_grad_norm = self._global_norm(local) * inv_scale
         factor = inv_scale
         if self.clip > 0:
-            factor *= min(1.0, self.clip / (self.global_grad_norm + 1e-6))
+            assert local is not None  # computed above when clipping
+            norm = self.global_grad_norm = self._global_norm(local) * inv_scale
+            factor *= min(1.0, self.clip / (norm + 1e-6))
         self.states.step(self.reducer, factor, unused)
         self.scaler.update(overflow=False)
         return True

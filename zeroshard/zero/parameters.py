@@ -151,13 +151,12 @@ class ParamGatherer:
         self.unit_buffers = [
             torch.empty(seg.numel, dtype=flat.dtype, device=flat.device) for seg in layout.segments
         ]
-        self._views = [None] * len(flat.params)
+        self._views: list[torch.Tensor] = []
         for pi, p in enumerate(flat.params):
             lo, hi = layout.param_range(pi)
             seg = layout.segments[layout.param_segment[pi]]
-            self._views[pi] = self.unit_buffers[seg.index][lo - seg.start : hi - seg.start].view_as(
-                p
-            )
+            unit = self.unit_buffers[seg.index]
+            self._views.append(unit[lo - seg.start : hi - seg.start].view_as(p))
         self._handles: dict[int, Handle] = {}
         self._reads: dict[int, torch.Tensor] = {}  # NVMe: pool buffers under an all-gather
         self._gathered: set[int] = set()
@@ -207,7 +206,7 @@ class ParamGatherer:
         for m in module.modules():
             if self._synced and not hasattr(m, "_is_fsdp_managed_module"):
                 m._is_fsdp_managed_module = True  # type: ignore[assignment]
-        names = {}
+        names: dict[int, str] = {}
         for name, p in module.named_parameters():
             names.setdefault(id(p), name)
         for pi, p in enumerate(flat.params):
@@ -392,6 +391,7 @@ class ParamGatherer:
         from the furthest unit this forward has used); whether it was taken."""
         if s in self.persistent or self._users[s] or not self._is_live(s):
             return False
+        assert self._trace is not None  # only called when _keeping()
         nxt = self._trace.next_use(s, self._cursor)
         if nxt is None or nxt[1] >= self.max_reuse_numel:
             return False

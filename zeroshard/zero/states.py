@@ -20,6 +20,8 @@ kernels as ``grad_scale``, so it costs no pass of its own over the gradients.
 
 from __future__ import annotations
 
+from collections.abc import Set as AbstractSet
+
 import torch
 
 from zeroshard.offload.placement import Placement
@@ -111,7 +113,7 @@ class MemoryStates:
         optimizer: torch.optim.Optimizer,
         chunks: list[torch.Tensor],
         factor: float,
-        unused: set[int] = frozenset(),
+        unused: AbstractSet[int] = frozenset(),
     ) -> bool:
         """Give ``optimizer``'s masters their gradients from ``chunks``, none to the
         parameters in ``unused`` (no gradient on any rank: torch then skips them, no moment
@@ -146,7 +148,7 @@ class MemoryStates:
             for m in group["params"]:
                 m.grad = None
 
-    def step(self, reducer, factor: float, unused: set[int] = frozenset()) -> None:
+    def step(self, reducer, factor: float, unused: AbstractSet[int] = frozenset()) -> None:
         """Step on ``reducer.grad_chunks`` scaled by ``factor``; write back if separate.
         Parameters in ``unused`` are skipped (:meth:`prepare_step`)."""
         if self._uploaded is not None:  # never in practice: backward synced long ago
@@ -163,7 +165,7 @@ class MemoryStates:
                     self.write_masters()
         finally:
             if folded:
-                del self.inner.grad_scale
+                del self.inner.grad_scale  # type: ignore[attr-defined]  # torch's fused step reads it by getattr
         self.clear_grads(self.inner)
 
     def _step_and_write_back_by_segment(self) -> None:
@@ -284,7 +286,7 @@ def fold_scale(optimizer: torch.optim.Optimizer, device: torch.device, factor: f
     # as a plain multiply
     if not factor > 0.0 or 1.0 / factor > torch.finfo(torch.float32).max:
         return False
-    optimizer.grad_scale = torch.tensor(1.0 / factor, dtype=torch.float32, device=device)
+    optimizer.grad_scale = torch.tensor(1.0 / factor, dtype=torch.float32, device=device)  # type: ignore[attr-defined]  # read by getattr
     return True
 
 
@@ -310,7 +312,7 @@ def build_memory_states(
         and flat.chunks is not None
         and (store.dtype == policy.master and placement.same_place_for_masters())
     )
-    if views:
+    if views and flat.chunks is not None:
         masters = [c.detach() for c in flat.chunks]
     else:
         buf = placement.empty(flat.layout.shard_numel, policy.master, placement.optimizer)

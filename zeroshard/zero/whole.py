@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from zeroshard.comm import Comm
+from zeroshard.comm import Comm, Handle
 from zeroshard.zero.flat import FlatParams
 
 
@@ -44,7 +44,7 @@ class WholeParams:
         overlap: bool = False,
     ) -> None:
         self.flat, self.comm, self.replicas = flat, comm, replicas
-        self._pending: dict[int, object] = {}  # segment -> all-gather in flight
+        self._pending: dict[int, Handle] = {}  # segment -> all-gather in flight
         self._hooks = []
         if overlap and module is not None and flat.partitioned:
             index = {id(p): pi for pi, p in enumerate(flat.params)}
@@ -81,7 +81,12 @@ class WholeParams:
     def _fingerprint(self) -> int:
         # in-place edits bump the version counter of the parameter edited (``p.clamp_()``)
         # or of the flat buffer (``p.data.clamp_()``); both only ever grow
-        return self.flat.full._version + sum(p._version for p in self.flat.params)
+        return self._full()._version + sum(p._version for p in self.flat.params)
+
+    def _full(self) -> torch.Tensor:
+        full = self.flat.full
+        assert full is not None  # whole parameters (stages 0-2) keep the full buffer
+        return full
 
     def mark_clean(self) -> None:
         """The parameters and the masters agree now."""
@@ -100,9 +105,11 @@ class WholeParams:
             self.mark_clean()
             return
         self.settle()
+        chunks = flat.chunks
+        assert chunks is not None  # partitioned: every rank owns its chunks
         handles = {
             seg.index: self.comm.all_gather(
-                flat.segment_view(seg.index), flat.chunks[seg.index], async_op=True
+                flat.segment_view(seg.index), chunks[seg.index], async_op=True
             )
             for seg in flat.layout.segments
         }
@@ -143,4 +150,4 @@ class WholeParams:
         return segments_of(self.flat, params)
 
     def buffers(self) -> list[torch.Tensor]:
-        return [self.flat.full]
+        return [self._full()]
