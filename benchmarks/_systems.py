@@ -59,6 +59,7 @@ import sys
 import time
 import traceback
 from collections import deque
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -243,7 +244,8 @@ class TorchSystem:
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         model = build_model(spec)
-        hp = dict(lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
+        hp: dict[str, Any] = dict(lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
+        self.opt: torch.optim.Optimizer
         bucket_mb = spec["bucket"] * 4 / 2**20 if spec["bucket"] else 25  # DDP's default 25 MiB
         if kind == "fsdp2":
             from torch.distributed.device_mesh import init_device_mesh
@@ -384,7 +386,9 @@ def run_rank(spec, rank: int) -> dict:
     t0 = time.perf_counter()
     system = make_system(spec)
     setup_s = time.perf_counter() - t0
-    times, losses, out = [], [], {}
+    times: list[float] = []
+    losses: list[float] = []
+    out: dict[str, Any] = {}
     last = spec["warmup"] + spec["steps"] - 1
     for i in range(last + 1):
         if i == spec["warmup"] and hasattr(system, "reset_comm"):

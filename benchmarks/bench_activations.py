@@ -54,7 +54,7 @@ def run_one(policy: str, seq: int, steps: int) -> dict:
     opt.zero_grad(set_to_none=False)
     base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
-    refs = []
+    refs: list = []
 
     class Track(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):

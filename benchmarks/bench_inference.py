@@ -68,7 +68,7 @@ def to_hf_gpt2(model: GPT):
         for ours, theirs in names.items():
             m = block.get_submodule(ours)
             linear = isinstance(m, torch.nn.Linear)
-            sd[f"transformer.h.{i}.{theirs}.weight"] = m.weight.t() if linear else m.weight
+            sd[f"transformer.h.{i}.{theirs}.weight"] = m.weight.t() if linear else m.weight  # type: ignore[operator, assignment]
             sd[f"transformer.h.{i}.{theirs}.bias"] = m.bias  # type: ignore[assignment]
     missing, unexpected = hf.load_state_dict({k: v.detach().contiguous() for k, v in sd.items()}, strict=False)  # fmt: skip
     assert not unexpected and all("attn.bias" in k or "masked_bias" in k for k in missing), (missing, unexpected)  # fmt: skip

@@ -91,7 +91,7 @@ def rank_main(rounds: int, steps: int, warmup: int, services: bool, out: str) ->
     for engine in engines.values():
         for _ in range(warmup):
             step(engine)
-    times: dict[str, list[tuple[float, float]]] = {"off": [], "on": []}
+    times: dict[str, list[tuple[float, float, float]]] = {"off": [], "on": []}
     profiled = None
     for r in range(rounds):
         for _ in range(steps):

@@ -332,7 +332,7 @@ def _swap_rates(path: str, nbytes: int, block: int) -> tuple[float, float, bool]
 
         def run(op) -> float:
             t0 = time.perf_counter()
-            pending = []
+            pending: list = []
             for i, off in enumerate(offsets):
                 if len(pending) == len(bufs):
                     pending.pop(0).result()
@@ -464,7 +464,7 @@ def rank_main(argv: list[str]) -> None:
         json.dump(result, f)
 
 
-def _run_largest(args, layout: str, preset: str) -> dict | None:
+def _run_largest(args, layout: str, preset: str) -> dict:
     argv = ["--preset", preset, "--layout", layout, "--nvme-path", args.nvme_path, "--out"]
     t0 = time.perf_counter()
     try:

@@ -43,6 +43,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -229,7 +230,7 @@ def zeroshard_system(spec, rank: int):
         loss = engine.train_batch(data_iter=iter(mbs))
         return float(loss) if rank == spec["stages"] - 1 else None
 
-    step.close = engine.destroy
+    step.close = engine.destroy  # type: ignore[attr-defined]  # a function attribute the runner calls
     return step, f"zeroshard pipeline engine, schedule {schedule}"
 
 
@@ -259,7 +260,7 @@ def worker(spec_path: str, rank: int) -> None:
     try:
         step, note = build[spec["system"].split("-")[0]](spec, rank)
     except NotAvailable as e:
-        out = {"status": "not available", "reason": str(e)}
+        out: dict[str, Any] = {"status": "not available", "reason": str(e)}
     else:
         torch.set_num_threads(1)
         times, cpu, losses = [], [], []
@@ -413,7 +414,7 @@ def main(argv=None) -> int:
         for name in systems[rnd % len(systems) :] + systems[: rnd % len(systems)]:
             py = args.ds_python if name == "deepspeed" else sys.executable
             if name == "deepspeed" and not os.path.exists(py):
-                res = {
+                res: dict[str, Any] = {
                     "status": "not available",
                     "reason": f"no {py} (make .venv-bench/.installed-stamp)",
                 }

@@ -24,6 +24,7 @@ import shlex
 import statistics
 import sys
 import time
+from typing import Any
 
 import torch
 from _ranks import RanksFailed, run_ranks
@@ -39,7 +40,7 @@ def rank_main(system: str, steps: int, n_layer: int, out: str) -> None:
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPT2Config(n_layer=n_layer))
+    model: torch.nn.Module = GPT2LMHeadModel(GPT2Config(n_layer=n_layer))
     if system.startswith("fsdp"):
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
@@ -58,7 +59,7 @@ def rank_main(system: str, steps: int, n_layer: int, out: str) -> None:
         import zeroshard as deepspeed
 
         stage = int(system[len("zeroshard-s")])
-        cfg = {
+        cfg: dict[str, Any] = {
             "train_batch_size": 2,  # the seed's 8 is 4 micro-batches of 1 per rank on 2 ranks
             "train_micro_batch_size_per_gpu": 1,
             "zero_optimization": {"stage": stage},

@@ -51,6 +51,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -439,7 +440,7 @@ def main(argv=None) -> int:
     info = machine(ds)
     started = datetime.datetime.now()
     print(f"# {command}\n# {info}", flush=True)
-    runs = {shape: {name: [] for name in args.systems} for shape in shapes}
+    runs: dict[str, dict[str, list[dict]]] = {s: {n: [] for n in args.systems} for s in shapes}
     for rnd in range(args.rounds):
         k = rnd * len(args.systems) // args.rounds  # rotate by 1/rounds of the list
         order = args.systems[k:] + args.systems[:k]
@@ -447,7 +448,10 @@ def main(argv=None) -> int:
             base = shape_spec(args, shape)
             for name in order:
                 if name in DEEPSPEED and ds is None:
-                    res = {"status": "not installed", "reason": f"no deepspeed in {args.ds_python}"}
+                    res: dict[str, Any] = {
+                        "status": "not installed",
+                        "reason": f"no deepspeed in {args.ds_python}",
+                    }
                 else:
                     python = args.ds_python if name in DEEPSPEED else sys.executable
                     t0 = time.monotonic()
@@ -477,7 +481,12 @@ def main(argv=None) -> int:
         f"{args.rounds} round(s), {elapsed / 60:.1f} min in all.",
         "",
     ]
-    report = {"machine": info, "command": command, "started": started.isoformat(), "shapes": {}}
+    report: dict[str, Any] = {
+        "machine": info,
+        "command": command,
+        "started": started.isoformat(),
+        "shapes": {},
+    }
     for shape in shapes:
         spec = shape_spec(args, shape)
         summary = summarize(runs[shape])
