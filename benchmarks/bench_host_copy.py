@@ -34,7 +34,6 @@ def main() -> None:
     import rss
     import torch
 
-    import zeroshard
     from zeroshard.models import GPTConfig
 
     torch.set_num_threads(1)
@@ -46,18 +45,8 @@ def main() -> None:
         "offload_param": cpu,
         "stage3_param_persistence_threshold": 0,
     }
-    if args.dtype == "bf16":
-        # rss.train_gpt builds an fp32 config; bf16 goes through the same helper
-        import functools
-
-        orig = zeroshard.initialize
-
-        @functools.wraps(orig)
-        def with_bf16(*a, config, **k):
-            return orig(*a, config={**config, "bf16": {"enabled": True}}, **k)
-
-        zeroshard.initialize = with_bf16
-    engine, delta = rss.train_gpt(cfg, zc, partitioned=True)
+    extra = {"bf16": {"enabled": True}} if args.dtype == "bf16" else None
+    engine, delta = rss.train_gpt(cfg, zc, partitioned=True, extra=extra)
     shard = engine.flat.layout.shard_numel
     m = engine.memory_stats()
     per = {k: m[k] / shard for k in ("params", "grads", "optimizer_states")}

@@ -150,13 +150,13 @@ def _zeroshard(
     opt = engine.optimizer
 
     def step() -> None:
-        opt.step()
+        opt.apply_step()  # the engine's boundary step, on the gradients reduced above
         _sync()
 
     step()
     whole = _median_time(step, steps)
     inner = opt.inner
-    opt._attach_grads()
+    opt.states._attach_grads(opt.reducer.grad_chunks)
     inner_t = _median_time(inner.step, steps)
     return whole, inner_t
 

@@ -212,6 +212,7 @@ def deepspeed_system(spec, rank: int):
 
 def zeroshard_system(spec, rank: int):
     import zeroshard
+    from zeroshard.parallel.pipeline_engine import PipelineEngine
 
     try:
         from zeroshard.pipe import LayerSpec, PipelineModule
@@ -225,6 +226,7 @@ def zeroshard_system(spec, rank: int):
     engine, *_ = zeroshard.initialize(
         model=model, model_parameters=model.parameters(), config=_ds_config(spec, schedule)
     )
+    assert isinstance(engine, PipelineEngine)
 
     def step(mbs):
         loss = engine.train_batch(data_iter=iter(mbs))

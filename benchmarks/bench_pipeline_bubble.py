@@ -111,6 +111,7 @@ def worker(spec_path: str, rank: int) -> None:
     import torch.distributed as dist
 
     import zeroshard
+    from zeroshard.parallel.pipeline_engine import PipelineEngine
     from zeroshard.pipe import LayerSpec, PipelineModule
 
     with open(spec_path) as f:
@@ -141,6 +142,7 @@ def worker(spec_path: str, rank: int) -> None:
     engine, *_ = zeroshard.initialize(
         model=model, model_parameters=model.parameters(), config=config
     )
+    assert isinstance(engine, PipelineEngine)
     torch.set_num_threads(1)
     g = torch.Generator().manual_seed(0)
     traces, times = [], []

@@ -12,6 +12,8 @@ from __future__ import annotations
 import os
 import resource
 import sys
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -49,18 +51,20 @@ def _trace(rank: int, world: int, system: str) -> list:
         engine, *_ = zeroshard.initialize(
             model=model, model_parameters=model.parameters(), config=cfg
         )
-        forward, backward, step = engine, engine.backward, engine.step
+        forward: Callable[..., Any] = engine
+        backward: Callable[[torch.Tensor], Any] = engine.backward
+        step: Callable[[], Any] = engine.step
     else:
         from torch.nn.parallel import DistributedDataParallel
 
         ddp = DistributedDataParallel(model, gradient_as_bucket_view=True, bucket_cap_mb=25)
         opt = torch.optim.AdamW(ddp.parameters(), lr=1e-4, fused=True)
 
-        def step() -> None:
+        def ddp_step() -> None:
             opt.step()
             opt.zero_grad()
 
-        forward, backward = ddp, lambda loss: loss.backward()
+        forward, backward, step = ddp, lambda loss: loss.backward(), ddp_step
     out.append(("init", *_rss()))
     x = torch.randint(0, 256, (1, 33))
     for i in range(4):

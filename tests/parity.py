@@ -11,6 +11,7 @@ group's lr; the no-decay group gets twice it), opt (the config optimizer, a key 
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import torch
 import torch.nn.functional as F  # noqa: F401  (kept for case authors)
@@ -26,7 +27,7 @@ MOMENTUM = 0.9
 # config optimizer -> (DeepSpeed "optimizer" section without lr, the matching torch class
 # and its extra constructor arguments). DeepSpeed's "Adam" decouples weight decay unless
 # adam_w_mode is false, which makes it torch's Adam with L2 decay.
-OPTS = {
+OPTS: dict[str, Any] = {
     "AdamW": ({"type": "AdamW"}, torch.optim.AdamW, {}),
     "Adam": ({"type": "Adam"}, torch.optim.AdamW, {}),
     "Adam-L2": ({"type": "Adam", "params": {"adam_w_mode": False}}, torch.optim.Adam, {}),
@@ -75,7 +76,7 @@ def batch(step: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def ds_config(case: dict) -> dict:
-    cfg = {
+    cfg: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": case.get("micro", 2),
         "gradient_accumulation_steps": case.get("gas", 1),
         "gradient_clipping": case.get("clip", 0.0),
@@ -149,7 +150,7 @@ def train(case: dict, rank: int, world: int, norms: list | None = None, mpu=None
 
     model = build_model(case)
     lr = case.get("lr", LR)
-    kwargs = {}
+    kwargs: dict[str, Any] = {}
     if case.get("client"):
         kwargs["optimizer"] = torch.optim.AdamW(param_groups(model, lr=lr), lr=lr)
     else:

@@ -143,10 +143,12 @@ def train(rank: int, world: int, case: dict) -> dict:
     """One rank of the pipeline run; returns its losses and the max difference of its
     stage's parameters (gathered whole over tensor parallelism) to the reference."""
     import zeroshard
+    from zeroshard.parallel.pipeline_engine import PipelineEngine
 
     torch.manual_seed(0)
     model = build(case, case["stages"])
     engine, *_ = zeroshard.initialize(model=model, config=config(case))
+    assert isinstance(engine, PipelineEngine)
     dp = engine.mesh.coord("dp")
     gas = case.get("gas", 4)
     losses = []

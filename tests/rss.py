@@ -36,9 +36,10 @@ def peak_mib() -> float:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def train_gpt(cfg, zero_optimization: dict, *, partitioned: bool):
+def train_gpt(cfg, zero_optimization: dict, *, partitioned: bool, extra: dict | None = None):
     """Build ``GPT(cfg)`` (under ``zero.Init`` when ``partitioned``), train two steps with
-    fp32 AdamW; return ``(engine, peak RSS above the baseline in MiB)``.
+    AdamW (fp32 unless ``extra``, more top-level config keys, says otherwise); return
+    ``(engine, peak RSS above the baseline in MiB)``.
 
     The baseline is the resident set just before the model is built, not the peak so
     far: importing torch and starting the process group peak higher than where they
@@ -56,6 +57,7 @@ def train_gpt(cfg, zero_optimization: dict, *, partitioned: bool):
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
         "zero_optimization": zero_optimization,
         "steps_per_print": 10**6,
+        **(extra or {}),
     }
     torch.manual_seed(0)
     if partitioned:

@@ -210,6 +210,7 @@ class FakeMover:
     def __init__(self) -> None:
         self.calls: list[tuple[str, int]] = []
         self.d2h: list[FakeEvent] = []
+        self.index: dict[int, int] = {}  # id(host copy) -> its pack index
 
     def moves(self, t: torch.Tensor) -> bool:
         return True
@@ -217,14 +218,14 @@ class FakeMover:
     def to_host(self, t: torch.Tensor) -> tuple[torch.Tensor, FakeEvent]:
         n = len(self.d2h)
         host = t.detach().clone()
-        host.fake_n = n
+        self.index[id(host)] = n
         self.calls.append(("d2h", n))
         self.d2h.append(FakeEvent(n))
         return host, self.d2h[-1]
 
     def to_device(self, host: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, FakeEvent]:
-        self.calls.append(("h2d", host.fake_n))
-        event = FakeEvent(host.fake_n)
+        self.calls.append(("h2d", self.index[id(host)]))
+        event = FakeEvent(self.index[id(host)])
         event.done = True
         return host.clone(), event
 
@@ -265,10 +266,11 @@ class Recorder:
             return entry
 
         def recording_unpack(entry):
-            self.mover.calls.append(("unpack", entry.host.fake_n))
+            self.mover.calls.append(("unpack", self.mover.index[id(entry.host)]))
             return unpack(entry)
 
-        q.pack, q.unpack = recording_pack, recording_unpack
+        monkeypatch.setattr(q, "pack", recording_pack)
+        monkeypatch.setattr(q, "unpack", recording_unpack)
         monkeypatch.setattr(activation_offload, "_QUEUE", q)
 
     @property
@@ -628,7 +630,12 @@ def _engine_applies_section(rank: int, world: int) -> dict:
 
     packed = []
     to_host = activation_offload.to_host
-    activation_offload.to_host = lambda t: (packed.append(tuple(t.shape)), to_host(t))[1]
+
+    def recording_to_host(t):  # this rank's process only: nothing to restore
+        packed.append(tuple(t.shape))
+        return to_host(t)
+
+    activation_offload.to_host = recording_to_host
     weights = []
     for use in (False, True):
         torch.manual_seed(0)

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from typing import Any
 
 import multirank
 import parity
@@ -78,7 +79,7 @@ def _train(engine, rank: int, world: int, steps: range) -> list[float]:
     return losses
 
 
-RESUME_CASES = [
+RESUME_CASES: list[dict[str, Any]] = [
     {"stage": 0},
     {"stage": 1},
     {"stage": 2},
@@ -655,7 +656,7 @@ def _load_options(rank: int, world: int, root: str) -> dict:
     sched = src.lr_scheduler.state_dict()
     fresh_sched = _engine(case, world).lr_scheduler.state_dict()
     assert sched != fresh_sched
-    out = {}
+    out: dict[str, Any] = {}
 
     def check(key, engine, *, opt, sched_loaded, counters):
         st, sv = _opt_state(engine)

@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import multirank
 import parity
@@ -76,7 +77,7 @@ def _ranks(rank: int, world: int) -> dict:
     data = torch.utils.data.TensorDataset(torch.arange(10.0).view(10, 1))
     for drop in (False, True):
         model = torch.nn.Linear(1, 1)
-        cfg = {"train_micro_batch_size_per_gpu": 2, "dataloader_drop_last": drop}
+        cfg: dict[str, Any] = {"train_micro_batch_size_per_gpu": 2, "dataloader_drop_last": drop}
         cfg["optimizer"] = {"type": "SGD", "params": {"lr": 0.1}}
         _, _, loader, _ = zeroshard.initialize(model=model, training_data=data, config=cfg)
         out[f"drop_last_{drop}"] = [len(b[0]) for b in loader]

@@ -11,6 +11,8 @@ on one device), which still runs every stream and host copy of the offload path.
 
 from __future__ import annotations
 
+from typing import Any
+
 import multirank
 import parity
 import pytest
@@ -38,7 +40,9 @@ def _cases(tmp) -> list[dict]:
     acc = {"gas": 4, "micro": 1, "clip": 1.0}
     part = {"stage3_param_persistence_threshold": 0}
     nvme = {"device": "nvme", "nvme_path": str(tmp)}
-    cases = [{**acc, "stage": s, "extra": {Z: part if s == 3 else {}}} for s in (0, 1, 2, 3)]
+    cases: list[dict[str, Any]] = [
+        {**acc, "stage": s, "extra": {Z: part if s == 3 else {}}} for s in (0, 1, 2, 3)
+    ]
     cases += [{**acc, "stage": s, "extra": {Z: {"offload_optimizer": CPU}}} for s in (1, 2, 3)]
     cases += [
         {**acc, "stage": 3, "extra": {Z: {"offload_optimizer": CPU, "offload_param": CPU, **part}}},
@@ -81,7 +85,7 @@ def test_parity_on_cuda_one_rank(tmp_path) -> None:
 
 
 def test_parity_on_cuda_two_ranks_sharing_the_gpu(tmp_path) -> None:
-    cases = [c for c in _cases(tmp_path) if c["stage"] > 0]
+    cases: list[dict[str, Any]] = [c for c in _cases(tmp_path) if c["stage"] > 0]
     parity.assert_parity(cases, multirank.run(_worker, 2, cases, timeout=600), 2)
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+from typing import Any
 
 import multirank
 import parity
@@ -35,7 +36,7 @@ def _offload(**extra) -> dict:
 
 
 def _cases() -> list[dict]:
-    cases = []
+    cases: list[dict[str, Any]] = []
     for stage in (1, 2, 3):
         for gas in (1, 2):
             case = {"stage": stage, "gas": gas, "micro": 1, "clip": 1.0, "steps": STEPS}
@@ -156,7 +157,14 @@ def _torch_scheduler(rank, world):
     import zeroshard
     from zeroshard.offload.staging import STAGE_ON_CPU_ENV
 
-    case = {"stage": 2, "gas": 1, "micro": 1, "clip": 1.0, "steps": STEPS, "torch_sched": True}
+    case: dict[str, Any] = {
+        "stage": 2,
+        "gas": 1,
+        "micro": 1,
+        "clip": 1.0,
+        "steps": STEPS,
+        "torch_sched": True,
+    }
     case["extra"] = _offload()
     model = parity.build_model(case)
     os.environ[STAGE_ON_CPU_ENV] = "1"
@@ -195,7 +203,14 @@ def _skip_and_eval(rank, world):
     """A non-finite loss on one rank at a delayed step: the step in flight lands, the
     bad one is skipped on every rank and never applied later; an eval forward after a
     delayed step lands it (the next step is exact)."""
-    case = {"stage": 2, "gas": 1, "micro": 1, "clip": 1.0, "steps": 0, "staged": True}
+    case: dict[str, Any] = {
+        "stage": 2,
+        "gas": 1,
+        "micro": 1,
+        "clip": 1.0,
+        "steps": 0,
+        "staged": True,
+    }
     case["extra"] = _offload()
     _, engine = parity.train(case, rank, world)
     losses, in_flight = [], []
@@ -216,7 +231,7 @@ def _skip_and_eval(rank, world):
         losses.append(loss.item())
     case = {**case, "steps": len(losses)}
     ref_losses, ref = delayed_reference(case, world, skip={SKIP}, landed={EVAL})
-    out = {"losses": losses, "ref_losses": ref_losses, "in_flight": in_flight}
+    out: dict[str, Any] = {"losses": losses, "ref_losses": ref_losses, "in_flight": in_flight}
     out["param_diff"] = parity.max_param_diff(parity.full_params(engine), ref)
     out["skipped"] = engine.skipped_steps
     engine.destroy()
@@ -231,7 +246,7 @@ def _fp16_overflows(rank, world) -> dict:
     step changes the parameters they see."""
     runs = {}
     for delayed in (True, False):
-        case = {"stage": 2, "micro": 1, "steps": 9, "dtype": "fp16", "staged": True}
+        case: dict[str, Any] = {"stage": 2, "micro": 1, "steps": 9, "dtype": "fp16", "staged": True}
         case["extra"] = {"fp16": {"initial_scale_power": 22}}
         if delayed:
             case["extra"] |= _offload()

@@ -10,6 +10,8 @@ zeros from the others.
 
 from __future__ import annotations
 
+from typing import Any
+
 import multirank
 import pytest
 import torch
@@ -406,7 +408,7 @@ def _ledger_lora(rank, world, build=LoRANet, offloads=(False, True)):
     storage for frozen weights."""
     out = {}
     for offload in offloads:
-        zc = {"offload_optimizer": {"device": "cpu"}} if offload else {}
+        zc: dict[str, Any] = {"offload_optimizer": {"device": "cpu"}} if offload else {}
         zc["stage3_max_reuse_distance"] = 0
         diff, engine = _fit(build, rank, world, **zc)
         engine.reset_comm_stats()
@@ -508,7 +510,7 @@ def _second(rank: int, world: int) -> dict:
     torch.set_num_threads(1)
     import zeroshard
 
-    out = {}
+    out: dict[str, Any] = {}
     # a hand-written MoE: without a leaf, a clear error on every rank; as a leaf, parity
     out["moe_no_leaf"] = _errors(lambda: _fit(MoENet, rank, world, steps=2))
     for offload in (False, True):

@@ -62,7 +62,7 @@ CASES = [
 ]
 
 
-def _case_id(argv: list[str]) -> str:
+def _case_id(argv) -> str:  # a list of str, from a tuple or a pytest.param
     if "--as-deepspeed" in argv:
         return "method_a_trainer"
     return "method_a" if "--deepspeed" in argv else argv[-1]

@@ -6,6 +6,8 @@ gathered parameters; ``compile()``; checkpoint keyword arguments."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import multirank
 import parity
 import torch
@@ -40,7 +42,7 @@ def _exclude_frozen(rank: int, world: int, tmp: str) -> dict:
 
     from zeroshard.checkpoint.format import CheckpointError
 
-    out = {}
+    out: dict[str, Any] = {}
     for stage in (2, 3):
         case = {"stage": stage, "micro": 2, "steps": 2, "frozen": True}
         _, trained = parity.train(case, rank, world)

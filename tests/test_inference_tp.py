@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import types
+from typing import Any
 
 import multirank
 import pytest
@@ -104,7 +105,7 @@ def _engine_cases(rank, comm):
 
     import zeroshard
 
-    out = {}
+    out: dict[str, Any] = {}
     ids = _prompts(64)
     tp2 = {"tensor_parallel": {"tp_size": 2}}
     ref = zeroshard.init_inference(_gpt(), {})

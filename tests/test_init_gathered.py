@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import sys
 import types
+from typing import Any
 
 import multirank
 import pytest
@@ -102,7 +103,7 @@ def _plain(rank, world) -> dict:
     from zeroshard.zero.hooks import PartitionedParameterError
     from zeroshard.zero.init import sealing_init
 
-    out = {}
+    out: dict[str, Any] = {}
     eager = _gpt(5)
     torch.manual_seed(5)
     with zeroshard.zero.Init() as init:
@@ -250,7 +251,7 @@ def _hf(rank, world, path) -> dict:
     from zeroshard.zero.init import is_sealed
 
     _deepspeed_shim()
-    out = {}
+    out: dict[str, Any] = {}
     flag = _Zero3()
     hf_ds.set_hf_deepspeed_config(flag)
     try:

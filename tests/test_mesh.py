@@ -7,6 +7,8 @@ one step's ledger per mesh axis.
 
 from __future__ import annotations
 
+from typing import Any
+
 import multirank
 import parity
 import pytest
@@ -73,7 +75,7 @@ def _offload(z: dict) -> dict:
 def _worker(rank: int, world: int, cases: list[dict], ckpt: str) -> dict:
     from test_parity import _worker as parity_worker
 
-    out = {"parity": parity_worker(rank, world, cases), "ledger": {}}
+    out: dict[str, Any] = {"parity": parity_worker(rank, world, cases), "ledger": {}}
     for case in cases[:4]:
         # untied: a tied embedding is gathered once more, for the head's forward
         one = {**case, "gas": 1, "clip": 0.0, "steps": 1, "tied": False}

@@ -25,6 +25,7 @@ import os
 import re
 import subprocess
 import sys
+from typing import Any
 
 import multirank
 import numpy as np
@@ -199,7 +200,7 @@ def _bad_inputs(rank: int, world: int, tmp: str) -> dict:
         os.chmod(locked, 0o500)
         cases["csv_locked"] = {"csv_monitor": {"enabled": True, "output_path": locked}}
     real = iu.find_spec
-    out = {}
+    out: dict[str, Any] = {}
     for name, extra in cases.items():
         missing = {"wandb_missing": "wandb", "tensorboard_missing": "tensorboard"}.get(name)
         iu.find_spec = lambda pkg, *a, missing=missing: None if pkg == missing else real(pkg, *a)

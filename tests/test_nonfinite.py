@@ -7,6 +7,8 @@ minimum loss scale raises instead of skipping forever. One 2-rank spawn."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import multirank
 import parity
 import pytest
@@ -100,7 +102,7 @@ def _fp16_stuck(rank: int, world: int) -> list[str]:
     return []
 
 
-CASES = [
+CASES: list[dict[str, Any]] = [
     {"stage": stage, "clip": clip, "frozen": False} for stage in (0, 1, 2, 3) for clip in (0.0, 1.0)
 ] + [
     # stage 0 checks 1/N of the all-reduced gradient per rank: the first and the last

@@ -8,6 +8,8 @@ accumulation 4 and clipping, against single-process fp32 AdamW.
 
 from __future__ import annotations
 
+from typing import Any
+
 import multirank
 import parity
 import pytest
@@ -19,7 +21,9 @@ CPU = {"device": "cpu", "pin_memory": True}
 def _cases() -> list[dict]:
     base = {"gas": 4, "micro": 1, "clip": 1.0}
     z = "zero_optimization"
-    cases = [{**base, "stage": s, "extra": {z: {"offload_optimizer": CPU}}} for s in (1, 2, 3)]
+    cases: list[dict[str, Any]] = [
+        {**base, "stage": s, "extra": {z: {"offload_optimizer": CPU}}} for s in (1, 2, 3)
+    ]
     cases.append(
         {
             **base,
@@ -51,7 +55,7 @@ def _memory(rank, world):
     for stage in (1, 2):
         for staged in (False, True):
             offload = {"offload_optimizer": CPU}
-            case = {"stage": stage, "steps": 1, "staged": staged}
+            case: dict[str, Any] = {"stage": stage, "steps": 1, "staged": staged}
             case["extra"] = {"zero_optimization": offload}
             _, engine = parity.train(case, rank, world)
             stager = engine.reducer._stager
@@ -82,7 +86,13 @@ def _one_host_copy(rank, world):
             "offload_param": CPU,
             "stage3_param_persistence_threshold": 0,
         }
-        case = {"stage": 3, "steps": 1, "staged": True, "dtype": dtype, "frozen": False}
+        case: dict[str, Any] = {
+            "stage": 3,
+            "steps": 1,
+            "staged": True,
+            "dtype": dtype,
+            "frozen": False,
+        }
         case["extra"] = {"zero_optimization": zc}
         _, engine = parity.train(case, rank, world)
         shard = engine.flat.layout.shard_numel
@@ -120,7 +130,7 @@ def test_offload_parity_two_ranks() -> None:
 def test_hybrid_cpu_adamw_one_rank() -> None:
     """seeds/004's single-device recipe: CPU AdamW with gradients offloaded and
     accumulated on the CPU (stage 2 + offload_optimizer cpu on one rank)."""
-    cases = [
+    cases: list[dict[str, Any]] = [
         {
             "stage": 2,
             "gas": 4,

@@ -6,6 +6,8 @@ parameters end up equal to the blocking path's, and the refusals."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import multirank
 import pytest
 import torch
@@ -15,8 +17,9 @@ def _run(rank: int, world: int) -> dict:
     torch.set_num_threads(1)
     import zeroshard
     from zeroshard.models import GPT, GPTConfig
+    from zeroshard.zero.whole import WholeParams
 
-    out = {}
+    out: dict[str, Any] = {}
     for stage in (1, 2):
         finals = {}
         for overlap in (False, True):
@@ -38,10 +41,12 @@ def _run(rank: int, world: int) -> dict:
                 ids = torch.randint(0, 64, (2, 17), generator=g)
                 engine.backward(engine(ids[:, :-1], ids[:, 1:]))
                 engine.step()
+                assert isinstance(engine.params, WholeParams)
                 in_flight.append(len(engine.params._pending))
             if overlap:
                 out[f"in_flight_{stage}"] = in_flight
                 engine.wait_param_gather()
+                assert isinstance(engine.params, WholeParams)
                 out[f"after_wait_{stage}"] = len(engine.params._pending)
             finals[overlap] = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
             engine.destroy()

@@ -10,6 +10,8 @@ losses and global gradient norms with the reference.
 
 from __future__ import annotations
 
+from typing import Any
+
 import multirank
 import parity
 import pytest
@@ -29,7 +31,7 @@ def _cases() -> list[dict]:
     # so 0.05 clips every step, and 0.8 clips some steps and not others on 3 ranks (the
     # test checks that each clipping case does clip at least once).
     z3 = "zero_optimization"
-    cases = []
+    cases: list[dict[str, Any]] = []
     for stage in STAGES:
         # stage 3: partition every parameter (the tiny model is below the default
         # persistence threshold, which would keep all of it whole)

@@ -4,13 +4,15 @@ dp x tp x pp; activation memory per stage (1F1B holds at most p micro-batches, G
 
 from __future__ import annotations
 
+from typing import Any
+
 import pipeline_cases as pc
 import pytest
 from multirank import run
 
 from zeroshard.parallel.pipeline_p2p import HEADER_LEN
 
-SCHEDULES = [
+SCHEDULES: list[dict[str, Any]] = [
     {"schedule": "gpipe"},
     {"schedule": "1f1b"},
     {"schedule": "interleaved_1f1b", "virtual": 2},
@@ -35,7 +37,7 @@ def test_pp2_1f1b_tied_parity_and_memory() -> None:
     inf gradient on one stage skips the step on both; activation shapes are agreed once
     per sequence length."""
     m = 4
-    cases = [
+    cases: list[dict[str, Any]] = [
         {"stages": 2, "schedule": "1f1b", "clip": 0.5, "gas": m, "print": True},
         {"stages": 2, "schedule": "gpipe", "clip": 0.5, "gas": m, "steps": 1},
         {"stages": 2, "schedule": "1f1b", "gas": m, "steps": 1, "poison": True},
@@ -65,7 +67,7 @@ def test_pp2_1f1b_tied_parity_and_memory() -> None:
 def test_every_schedule_pp2() -> None:
     """Every schedule; activation checkpoints (the module's interval, and the config's
     pipeline.activation_checkpoint_interval), with 1F1B and with ZB-H1's split backward."""
-    cases = [{"stages": 2, "clip": 0.5, **s} for s in SCHEDULES]
+    cases: list[dict[str, Any]] = [{"stages": 2, "clip": 0.5, **s} for s in SCHEDULES]
     cases += [
         {"stages": 2, "steps": 2, "cfg_ckpt": 2},
         {"stages": 2, "steps": 2, "schedule": "zb_h1", "ckpt": 3},
@@ -79,7 +81,7 @@ def test_every_schedule_pp2() -> None:
 
 @pytest.mark.slow
 def test_every_schedule_pp4() -> None:
-    cases = [{"stages": 4, "clip": 0.5, "steps": 2, **s} for s in SCHEDULES]
+    cases: list[dict[str, Any]] = [{"stages": 4, "clip": 0.5, "steps": 2, **s} for s in SCHEDULES]
     results = run(pc.train_many, 4, cases, timeout=500)
     _check(results, cases)
     for stage, per_case in enumerate(results):
@@ -102,7 +104,7 @@ def test_dp2_pp2_zero1_and_zero2() -> None:
     of its own, so its chunks are summed over its stages); ZeRO-2 reduces every micro-batch's gradients: m times ZeRO-1's bytes (the reason
     DeepSpeed refuses it), measured on the ledger."""
     m = 4
-    cases = [
+    cases: list[dict[str, Any]] = [
         {"stages": 2, "dp": 2, "zero": 1, "clip": 0.5, "gas": m},
         {"stages": 2, "dp": 2, "zero": 1, "tied": False, "gas": m, "steps": 1},
         {"stages": 2, "dp": 2, "zero": 2, "tied": False, "gas": m, "steps": 1},
@@ -123,7 +125,7 @@ def test_dp2_pp2_zero3() -> None:
     stage3_max_reuse_distance 0: each step all-gathers the stage's parameters 2m times
     (every micro-batch's forward and backward), ZeRO-1 once (its step's all-gather)."""
     m = 4
-    cases = [
+    cases: list[dict[str, Any]] = [
         {"stages": 2, "dp": 2, "zero": 3, "tied": False, "gas": m, "steps": 2, "reuse": 0},
         {"stages": 2, "dp": 2, "zero": 3, "gas": m, "steps": 2, "schedule": "zb_h1", "clip": 0.5},
         {"stages": 2, "dp": 2, "zero": 1, "tied": False, "gas": m, "steps": 2},
@@ -140,7 +142,7 @@ def test_dp2_pp2_zero3() -> None:
 def test_tp2_pp2_partitioned_transfers() -> None:
     """tp2 x pp2 matches the reference with and without pipe_partitioned; partitioned,
     each tensor-parallel rank sends half of each activation and gradient."""
-    cases = [
+    cases: list[dict[str, Any]] = [
         {"stages": 2, "tp": 2, "clip": 0.5, "steps": 2},
         {"stages": 2, "tp": 2, "clip": 0.5, "steps": 2, "partitioned": False},
     ]
@@ -154,7 +156,9 @@ def test_tp2_pp2_partitioned_transfers() -> None:
 @pytest.mark.slow
 def test_dp2_tp2_pp2() -> None:
     """8 ranks on gloo: the smallest model with two layers per stage."""
-    cases = [{"stages": 2, "tp": 2, "dp": 2, "clip": 0.5, "steps": 2, "layers": 2}]
+    cases: list[dict[str, Any]] = [
+        {"stages": 2, "tp": 2, "dp": 2, "clip": 0.5, "steps": 2, "layers": 2}
+    ]
     _check(run(pc.train_many, 8, cases, timeout=600), cases)
 
 
@@ -176,7 +180,7 @@ def test_bf16_and_fp16_pipelines_track_the_fp32_reference() -> None:
     """Low precision through the stages (activations and gradients sent in bf16/fp16;
     fp16's loss scale and overflow check over both stages): losses within 0.5% of the
     fp32 reference, no step skipped."""
-    cases = [
+    cases: list[dict[str, Any]] = [
         {"stages": 2, "schedule": "zb_h1", "dtype": "bf16", "steps": 2},
         {"stages": 2, "schedule": "1f1b", "dtype": "fp16", "steps": 3},
     ]

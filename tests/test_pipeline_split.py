@@ -1,6 +1,8 @@
 """The pipeline splitter for Hugging Face decoders, in one process: the split layers run in
 sequence give the model's logits, loss and gradients exactly (no processes spawned here)."""
 
+from typing import Any
+
 import pytest
 import torch
 from torch import nn
@@ -215,7 +217,7 @@ PARITY_STEPS, MICRO, ROWS = 3, 2, 2
 # of rounding noise in practice; AdamW moves it by about lr * noise / eps, which at eps 1e-8 is
 # ~1e-5 of noise (2.2e-5 with a 1-thread reference, 1.5e-5 with 2: the tolerance measured the
 # thread count). At 1e-6 every case stays under 7e-7, whatever the threads.
-ADAMW = {"lr": 1e-2, "betas": [0.9, 0.95], "eps": 1e-6, "weight_decay": 0.1}
+ADAMW: dict[str, Any] = {"lr": 1e-2, "betas": [0.9, 0.95], "eps": 1e-6, "weight_decay": 0.1}
 
 
 def _parity_batches(step: int, padded: bool):
@@ -253,6 +255,7 @@ def _parity_reference(case: dict) -> tuple[list[float], dict]:
 
 def _parity_rank(rank: int, world: int, cases: list[dict]) -> list:
     import zeroshard
+    from zeroshard.parallel.pipeline_engine import PipelineEngine
 
     results = []
     for case in cases:
@@ -266,6 +269,7 @@ def _parity_rank(rank: int, world: int, cases: list[dict]) -> list:
         engine, *_ = zeroshard.initialize(
             model=model, model_parameters=model.parameters(), config=config
         )
+        assert isinstance(engine, PipelineEngine)
         losses = [
             float(engine.train_batch(iter(_parity_batches(s, case["padded"]))))
             for s in range(PARITY_STEPS)
@@ -277,7 +281,7 @@ def _parity_rank(rank: int, world: int, cases: list[dict]) -> list:
     return results
 
 
-PARITY_CASES = [
+PARITY_CASES: list[dict[str, Any]] = [
     {"model": "llama", "tied": False, "padded": False, "schedule": "1f1b"},
     {"model": "llama", "tied": True, "padded": True, "schedule": "zb_h1"},
     {"model": "gpt2", "tied": True, "padded": True, "schedule": "gpipe"},

@@ -10,6 +10,7 @@ the first optimizer step), point k the value after the k-th ``scheduler.step(...
 import json
 import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -100,7 +101,7 @@ def test_zero_warmup_steps_clamped_like_one(case):
     # DeepSpeed clamps warmup_num_steps to >= 2 (log warmup divides by log(n)); 0, which
     # "auto" resolves to, is clamped the same way (DeepSpeed 0.19 rejects 0 instead).
     opt = make_optimizer(case["optimizer"], case["group_lrs"])
-    sched = SCHEDULERS[case["type"]](opt, **{**case["params"], "warmup_num_steps": 0})
+    sched: Any = SCHEDULERS[case["type"]](opt, **{**case["params"], "warmup_num_steps": 0})
     assert sched.warmup_num_steps == 2
     for k in range(len(case["lr"])):
         if k:
@@ -120,14 +121,14 @@ def test_first_step_semantics():
     WarmupCosineLR(opt, total_num_steps=100, warmup_min_ratio=0.5)
     assert opt.param_groups[0]["lr"] == 0.0
     opt = make_optimizer()
-    sched = OneCycle(opt, cycle_min_lr=0.001, cycle_max_lr=0.01, cycle_first_step_size=10)
+    cycle = OneCycle(opt, cycle_min_lr=0.001, cycle_max_lr=0.01, cycle_first_step_size=10)
     assert opt.param_groups[0]["lr"] == 0.001
     assert opt.param_groups[0]["betas"] == (0.8, 0.99)
-    assert sched.get_last_lr() == [0.001]
+    assert cycle.get_last_lr() == [0.001]
 
 
 def test_onecycle_sgd_momentum_matches_adam_betas():
-    kw = dict(cycle_min_lr=1e-3, cycle_max_lr=1e-2, cycle_first_step_size=20)
+    kw: dict[str, Any] = dict(cycle_min_lr=1e-3, cycle_max_lr=1e-2, cycle_first_step_size=20)
     kw.update(decay_lr_rate=0.5, decay_step_size=4, decay_mom_rate=0.01)
     adam, sgd = make_optimizer("adam"), make_optimizer("sgd")
     a, s = OneCycle(adam, **kw), OneCycle(sgd, **kw)
@@ -163,7 +164,7 @@ def test_validation_errors():
     with pytest.raises(ValueError, match="warmup_num_steps"):
         WarmupLR(opt, warmup_num_steps=-1)
     with pytest.raises(ValueError, match="warmup_num_steps"):
-        WarmupCosineLR(opt, total_num_steps=10, warmup_num_steps=2.5)
+        WarmupCosineLR(opt, total_num_steps=10, warmup_num_steps=2.5)  # type: ignore[arg-type]  # a float on purpose
     with pytest.raises(ValueError, match="cycle_first_step_size"):
         OneCycle(opt, cycle_min_lr=0.1, cycle_max_lr=1.0, cycle_first_step_size=0)
     with pytest.raises(ValueError, match="expected 1 values for warmup_max_lr"):
@@ -196,7 +197,7 @@ def test_build_resolves_auto():
     assert params["warmup_max_lr"] == "auto"  # caller's dict untouched
 
     opt = make_optimizer(group_lrs=(0.03,))
-    sched = build_scheduler(
+    sched: Any = build_scheduler(
         "OneCycle",
         {"cycle_min_lr": 1e-4, "cycle_max_lr": "auto", "cycle_first_step_size": 5},
         opt,

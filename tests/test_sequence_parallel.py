@@ -9,6 +9,8 @@ per step.
 
 from __future__ import annotations
 
+from typing import Any
+
 import multirank
 import pytest
 import torch
@@ -70,7 +72,7 @@ def test_ulysses_refuses_indivisible_heads():
 def _ring_kernel_case(comm: Comm, vcomm: Comm) -> dict:
     """ring_attention against whole-sequence attention: out, dq, dk, dv (GQA, causal
     and not)."""
-    out = {}
+    out: dict[str, Any] = {}
     g = torch.Generator().manual_seed(3)
     q = torch.randn(2, 4, S, 8, generator=g, requires_grad=True)
     k = torch.randn(2, 2, S, 8, generator=g, requires_grad=True)

@@ -7,6 +7,8 @@ fp32 torch ends (2e-5), gradient norms included; one spawn runs them all.
 
 from __future__ import annotations
 
+from typing import Any
+
 import multirank
 import pytest
 import torch
@@ -201,7 +203,7 @@ def _checkpoint(rank: int, world: int, root: str) -> dict:
     saved = _whole(engine)
     _steps(engine, "gpt", 2, 2, 2)
     after = _whole(engine)
-    out = {}
+    out: dict[str, Any] = {}
     if rank == 0:
         from safetensors.torch import save_file
 

@@ -425,7 +425,8 @@ def _chain_run(rank, world, *, swap=False, threshold=0, **zero):
     ``threshold`` elements were whole with unchanged storage at every probe."""
     small = [n for n, p in Chain().named_parameters() if p.numel() < threshold]
     full = {n: p.numel() for n, p in Chain().named_parameters()}
-    steps, ptrs = [], {}
+    steps: list[dict] = []
+    ptrs: dict[str, int] = {}
     whole = {"small": True, "others_freed_between_steps": True}
 
     def check(engine):
@@ -503,12 +504,14 @@ def _reuse_off_path(rank, world, **zero):
     step after a forward with no backward (the shards change while units are kept).
     Returns the losses, the gatherer's counters after each probe, and a digest."""
     import zeroshard
+    from zeroshard.zero.parameters import ParamGatherer
 
     torch.manual_seed(0)
     model = Chain()
     cfg = _config(3, stage3_param_persistence_threshold=0, stage3_prefetch_bucket_size=0, **zero)
     engine, *_ = zeroshard.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     g = engine.params
+    assert isinstance(g, ParamGatherer)
 
     def batch(step):
         ids = torch.randint(0, 64, (2 * world, 16), generator=torch.Generator().manual_seed(step))
@@ -549,6 +552,7 @@ def _threshold_boundary(rank, world):
     """Which parameters a threshold equal to their size makes persistent (DeepSpeed:
     ``numel <= stage3_param_persistence_threshold``)."""
     import zeroshard
+    from zeroshard.zero.parameters import ParamGatherer
 
     torch.manual_seed(0)
     model = Chain()
@@ -557,6 +561,7 @@ def _threshold_boundary(rank, world):
         model_parameters=model.parameters(),
         config=_config(3, stage3_param_persistence_threshold=32),
     )
+    assert isinstance(engine.params, ParamGatherer)
     persistent = {
         id(engine.flat.params[pi])
         for s in engine.params.persistent

@@ -14,8 +14,18 @@ Names are imported on first use, so the command-line tools start quickly.
 from __future__ import annotations
 
 import importlib
+from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
+
+if TYPE_CHECKING:  # the type checker sees the real types of the lazily imported names
+    from zeroshard import accelerator, comm, ops, pipe, utils, zero
+    from zeroshard.api import add_config_arguments, initialize
+    from zeroshard.distributed import init_distributed
+    from zeroshard.engine import DeepSpeedEngine
+    from zeroshard.inference import init_inference
+    from zeroshard.integrations.deepspeed_names import tp_model_init
+    from zeroshard.restart import resume
 
 _LAZY = {
     "initialize": "zeroshard.api",

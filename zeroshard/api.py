@@ -21,6 +21,7 @@ from zeroshard.optim import hyperparams
 from zeroshard.parallel.mesh import Mesh, MeshShape
 from zeroshard.parallel.pipeline_engine import PipelineEngine
 from zeroshard.parallel.pipeline_module import PipelineModule
+from zeroshard.zero.optimizer import ShardedOptimizer
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -165,7 +166,7 @@ def initialize(
     config=None,
     mesh_param=None,
     config_params=None,
-):
+) -> tuple[Engine, ShardedOptimizer, Any, Any]:
     """Wrap ``model`` for sharded training; returns ``(engine, optimizer, loader, scheduler)``.
 
     Same signature and return value as ``deepspeed.initialize``. ``config`` is a dict or a
