@@ -12,11 +12,13 @@ import sys
 import textwrap
 import time
 from typing import Any
+from unittest import mock
 
 import multirank
 import parity
 import pytest
 import torch
+from logs import ListHandler
 
 ROWS = 6  # global batch: divisible by 1, 2 and 3 ranks
 CPU = {"device": "cpu"}
@@ -98,7 +100,7 @@ RESUME_CASES: list[dict[str, Any]] = [
 
 
 def _resume_phase(rank: int, world: int, phase: str, root: str) -> list:
-    out = []
+    out: list[dict | None] = []
     for i, case in enumerate(RESUME_CASES):
         ckpt = os.path.join(root, f"case{i}")
         engine = _engine(case, world)
@@ -171,7 +173,7 @@ _REF: dict = {}
 
 def _reshard(rank: int, world: int, jobs: list) -> list:
     """Each job: (zero section, "save" or "load", directory). Several per spawn."""
-    out = []
+    out: list[dict | None] = []
     for zero, action, where in jobs:
         case = {"stage": zero["stage"], "scheduler": False, "zero": zero}
         engine = _engine(case, world)
@@ -204,7 +206,7 @@ def test_reshard_across_world_sizes_and_stages(tmp_path) -> None:
     persist = {"stage": 3, "stage3_param_persistence_threshold": 200}
     multirank.run(_reshard, 3, [(s3, "save", a), (persist, "save", pers)], timeout=300)
     multirank.run(_reshard, 2, [(s2, "save", c), ({**s2, **offload}, "save", off)], timeout=300)
-    loads = {
+    loads: dict[int, list[tuple[dict, str]]] = {
         2: [(s1, a), ({**s2, **offload}, a), (persist, pers)],  # no offload -> offload
         1: [(s0, a), (s2, c), (s0, pers)],
         3: [(s3, c), (s1, off)],  # offload -> no offload
@@ -298,7 +300,7 @@ def test_sigkill_during_save_never_breaks_latest(tmp_path) -> None:
     save_script.write_text(SAVE_LOOP)
     verify_script.write_text(VERIFY_LOOP)
     root = tmp_path / "ckpt"
-    pipes = {"stdin": subprocess.PIPE, "stdout": subprocess.PIPE, "text": True}
+    pipes: dict[str, Any] = {"stdin": subprocess.PIPE, "stdout": subprocess.PIPE, "text": True}
     server = subprocess.Popen(
         [sys.executable, "-W", "ignore", str(save_script), str(root)], **pipes
     )
@@ -410,7 +412,7 @@ def test_export_round_trip(tmp_path) -> None:
     assert len(set(index["weight_map"].values())) > 1
     # the shards hold every tensor once, equal to the single-file export (and so to the
     # gathered parameters)
-    sharded = {}
+    sharded: dict[str, Any] = {}
     for fname in sorted(set(index["weight_map"].values())):
         part = load_file(str(tmp_path / "sharded" / fname))
         assert not set(part) & set(sharded), fname
@@ -484,7 +486,7 @@ def _bad_inputs(rank: int, world: int, root: str) -> dict:
     engine.save_checkpoint(good, tag="a")
     _train(engine, rank, world, range(2, 3))  # now the engine differs from the checkpoint
     before = parity.full_params(engine)  # snapshot BEFORE any failed load
-    errors = {}
+    errors: dict[str, Any] = {}
 
     def attempt(key, fn):
         try:
@@ -695,9 +697,8 @@ def _load_options(rank: int, world: int, root: str) -> dict:
     e = _gpt_engine(world, bias=False, unused=True)
     snap = parity.full_params(e)
     out["strict_error"], out["strict_untouched"] = _failed_load(e, root)
-    records = []
-    handler = logging.Handler()
-    handler.emit = records.append
+    records: list[logging.LogRecord] = []
+    handler = ListHandler(records)
     logging.getLogger("zeroshard").addHandler(handler)
     try:
         e.load_checkpoint(root, tag="s", load_module_strict=False)
@@ -758,14 +759,10 @@ def _save_failures(rank: int, world: int, root: str) -> dict:
     def disk_full(*args, **kwargs):
         raise OSError(28, "No space left on device")
 
-    if rank == 0:
-        save_mod.write_text_atomic = disk_full
-    attempt("publish_io", "d")
-    save_mod.write_text_atomic = real_write
-    if rank == 1:
-        save_mod.StreamWriter = disk_full
-    attempt("rank1_io", "e")
-    save_mod.StreamWriter = real_writer
+    with mock.patch.object(save_mod, "write_text_atomic", disk_full if rank == 0 else real_write):
+        attempt("publish_io", "d")
+    with mock.patch.object(save_mod, "StreamWriter", disk_full if rank == 1 else real_writer):
+        attempt("rank1_io", "e")
     with open(os.path.join(root, "latest")) as fh:
         out["latest_after_failures"] = fh.read()
 
@@ -781,7 +778,7 @@ def _save_failures(rank: int, world: int, root: str) -> dict:
     path, _ = engine.load_checkpoint(root)
     out["resolved_old"] = os.path.basename(path)
     # record the order of renames, directory fsyncs and writes of `latest` (rank 0)
-    events = []
+    events: list[tuple[str, ...]] = []
     real_rename, real_fsync = os.rename, save_mod.fsync_dir
 
     def rename(a, b):
@@ -796,15 +793,12 @@ def _save_failures(rank: int, world: int, root: str) -> dict:
         events.append(("write", os.path.basename(p)))
         real_write(p, text)
 
-    save_mod.os.rename, save_mod.fsync_dir, save_mod.write_text_atomic = rename, fsync, write
-    try:
+    with (
+        mock.patch.object(save_mod.os, "rename", rename),
+        mock.patch.object(save_mod, "fsync_dir", fsync),
+        mock.patch.object(save_mod, "write_text_atomic", write),
+    ):
         engine.save_checkpoint(root, tag="f")
-    finally:
-        save_mod.os.rename, save_mod.fsync_dir, save_mod.write_text_atomic = (
-            real_rename,
-            real_fsync,
-            real_write,
-        )
     out["events"] = events
     out["after_resave"] = sorted(
         n

@@ -19,6 +19,7 @@ import multirank
 import parity
 import test_parity
 import torch
+from logs import ListHandler
 
 WORLD = 2
 PARITY = [
@@ -34,8 +35,7 @@ PARITY = [
 def _logged(fn):
     """Run ``fn()``; return what it logged to the "zeroshard" logger (INFO and up)."""
     records: list[logging.LogRecord] = []
-    handler = logging.Handler(logging.INFO)
-    handler.emit = records.append  # type: ignore[method-assign]
+    handler = ListHandler(records, level=logging.INFO)
     logger = logging.getLogger("zeroshard")
     logger.addHandler(handler)
     level, logger.level = logger.level, logging.INFO
@@ -84,8 +84,11 @@ def _ranks(rank: int, world: int) -> dict:
     # steps_per_print: Infinity never logs; inert keys are logged at start-up by rank 0
     inert = {"contiguous_gradients": False, "round_robin_gradients": True}
     for every in (float("inf"), 1):
-        extra = {"steps_per_print": every, "zero_optimization": inert}
-        case = {"stage": 2, "steps": 2, "extra": extra}
+        case = {
+            "stage": 2,
+            "steps": 2,
+            "extra": {"steps_per_print": every, "zero_optimization": inert},
+        }
         out[f"log_{every}"] = _logged(lambda case=case: parity.train(case, rank, world))
     return out
 

@@ -92,7 +92,7 @@ def test_parity_on_cuda_two_ranks_sharing_the_gpu(tmp_path) -> None:
 def _offload_path(rank: int, world: int) -> list[dict]:
     out = []
     for stage in (1, 2, 3):
-        extra = {"offload_optimizer": CPU}
+        extra: dict[str, Any] = {"offload_optimizer": CPU}
         if stage == 3:
             extra.update(offload_param=CPU, stage3_param_persistence_threshold=0)
         case = {"stage": stage, "steps": 2, "gas": 2, "micro": 1, "extra": {Z: extra}}
@@ -166,19 +166,16 @@ def test_exact_resume_on_cuda(tmp_path, world: int) -> None:
         assert a["scale"] == b["scale"] and a["lr"] == b["lr"], case
 
 
-def test_write_back_casts_on_the_device(monkeypatch) -> None:
+def test_write_back_casts_on_the_device() -> None:
     """fp32 masters in pinned memory into bf16 parameters: uploaded as they are, piece
     by piece through one device buffer, cast there; exactly ``values.to(bf16)``."""
-    import types
+    from zeroshard.offload.store import upload_and_cast
 
-    from zeroshard.zero import flat
-
-    monkeypatch.setattr(flat, "_UPLOAD_NUMEL", 1000)  # several pieces, a ragged last one
     values = torch.randn(4567, pin_memory=True)
     dst = torch.zeros(5000, dtype=torch.bfloat16, device="cuda")
-    holder = types.SimpleNamespace(_upload=None)
-    flat.FlatParams._upload_and_cast(holder, dst[100 : 100 + values.numel()], values)
+    # 1000 elements a piece: several pieces, a ragged last one
+    buf = upload_and_cast(dst[100 : 100 + values.numel()], values, None, max_numel=1000)
     torch.cuda.synchronize()
     assert torch.equal(dst[100:4667].cpu(), values.to(torch.bfloat16))
     assert not dst[:100].any() and not dst[4667:].any()
-    assert holder._upload.numel() == 1000 and holder._upload.device.type == "cuda"
+    assert buf is not None and buf.numel() == 1000 and buf.device.type == "cuda"

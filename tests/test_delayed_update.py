@@ -296,7 +296,7 @@ def test_skipped_step_is_never_applied_late_and_eval_lands() -> None:
 def _checkpoint(rank, world, root):
     """Save right after a delayed step; the checkpoint holds it applied, and a fresh
     engine loading it trains on exactly as the saving engine does."""
-    case = {"stage": 2, "gas": 1, "micro": 1, "clip": 1.0, "steps": AFTER + 2}
+    case: dict[str, Any] = {"stage": 2, "gas": 1, "micro": 1, "clip": 1.0, "steps": AFTER + 2}
     case |= {"extra": _offload(), "staged": True}
     _, engine = parity.train(case, rank, world)
     assert engine._delayed.in_flight

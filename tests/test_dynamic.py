@@ -309,7 +309,7 @@ def _hf_moe(kind: str):
     if kind == "mixtral":
         from transformers import MixtralConfig, MixtralForCausalLM
 
-        cfg = MixtralConfig(
+        mixtral = MixtralConfig(
             vocab_size=64,
             hidden_size=16,
             intermediate_size=16,
@@ -320,7 +320,7 @@ def _hf_moe(kind: str):
             num_experts_per_tok=1,
             max_position_embeddings=32,
         )
-        return MixtralForCausalLM(cfg)
+        return MixtralForCausalLM(mixtral)
     from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
 
     cfg = Qwen2MoeConfig(
@@ -348,7 +348,7 @@ def _hf_moe_case(rank, world, kind, offload):
     opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
     torch.manual_seed(0)
     model = _hf_moe(kind)
-    zc = {"offload_optimizer": {"device": "cpu"}} if offload else {}
+    zc: dict[str, Any] = {"offload_optimizer": {"device": "cpu"}} if offload else {}
     cfg = {**_z3_config(**zc), "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
     engine, *_ = zeroshard.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     routed: set[int] = set()  # the experts this rank's tokens went to, in layer 0
@@ -397,7 +397,7 @@ def _generate(rank, world):
     )
     prompt = torch.tensor([[1, 2, 3]])
     new = 3 if rank == 0 else 7
-    ours = engine.module.generate(prompt, max_new_tokens=new, do_sample=False, pad_token_id=0)
+    ours = engine.module.generate(prompt, max_new_tokens=new, do_sample=False, pad_token_id=0)  # type: ignore[operator]
     theirs = ref.generate(prompt, max_new_tokens=new, do_sample=False, pad_token_id=0)
     return {"same": torch.equal(ours, theirs), "length": ours.shape[1]}
 
@@ -514,7 +514,7 @@ def _second(rank: int, world: int) -> dict:
     # a hand-written MoE: without a leaf, a clear error on every rank; as a leaf, parity
     out["moe_no_leaf"] = _errors(lambda: _fit(MoENet, rank, world, steps=2))
     for offload in (False, True):
-        zc = {"offload_optimizer": {"device": "cpu"}} if offload else {}
+        zc: dict[str, Any] = {"offload_optimizer": {"device": "cpu"}} if offload else {}
         leaf = lambda m: zeroshard.utils.set_z3_leaf_modules(m, [MoE])  # noqa: E731
         out[f"moe_leaf_{offload}"] = _fit(MoENet, rank, world, before_init=leaf, **zc)[0]
     out["moe_config_leaf"] = _fit(MoENet, rank, world, leaf_module={"classes": ["MoE"]})[0]

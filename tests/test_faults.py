@@ -17,6 +17,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
+from unittest import mock
 
 import multirank
 import parity
@@ -291,7 +293,7 @@ def _save16(rank: int, world: int, root: str) -> dict:
 
     engine = _engine(world, stage=3)
     _train(engine, rank, world, range(1))
-    out = {}
+    out: dict[str, Any] = {}
     blocker = os.path.join(root, "a_file")
     if rank == 0:
         open(blocker, "w").close()
@@ -302,22 +304,19 @@ def _save16(rank: int, world: int, root: str) -> dict:
         out["open"] = None
     except CheckpointSaveError as exc:
         out["open"] = str(exc)
-    real = export_mod.StreamWriter
 
-    class DiskFull(real):
+    class DiskFull(export_mod.StreamWriter):
         def write(self, name, tensor):
             if self._next == 3:
                 raise OSError(28, "No space left on device")
             super().write(name, tensor)
 
-    export_mod.StreamWriter = DiskFull
-    try:
-        engine.save_16bit_model(os.path.join(root, "w16"))
-        out["midway"] = None
-    except CheckpointSaveError as exc:
-        out["midway"] = str(exc)
-    finally:
-        export_mod.StreamWriter = real
+    with mock.patch.object(export_mod, "StreamWriter", DiskFull):
+        try:
+            engine.save_16bit_model(os.path.join(root, "w16"))
+            out["midway"] = None
+        except CheckpointSaveError as exc:
+            out["midway"] = str(exc)
     out["left"] = (
         sorted(os.listdir(os.path.join(root, "w16")))
         if os.path.isdir(os.path.join(root, "w16"))

@@ -10,6 +10,7 @@ import logging
 import multirank
 import pytest
 import torch
+from logs import ListHandler
 
 from zeroshard.config import ConfigError, load_config
 from zeroshard.first_batch import rows_of
@@ -59,8 +60,7 @@ def _ranks(rank: int, world: int) -> dict:
 
     out: dict = {}
     records: list[str] = []
-    handler = logging.Handler()
-    handler.emit = lambda r: records.append(r.getMessage())
+    handler = ListHandler(records, messages=True)
     logging.getLogger("zeroshard").addHandler(handler)
 
     torch.manual_seed(0)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+from typing import Any
 
 import pytest
 import torch
@@ -105,7 +106,9 @@ def test_cache_exact_and_padding() -> None:
 def test_sampling_and_stop_tokens() -> None:
     eng = init_inference(_gpt())
     ids = torch.tensor([[1, 2, 3]])
-    kw = dict(max_new_tokens=20, do_sample=True, temperature=0.9, top_k=20, top_p=0.9)
+    kw: dict[str, Any] = dict(
+        max_new_tokens=20, do_sample=True, temperature=0.9, top_k=20, top_p=0.9
+    )
     a, b = eng.generate(ids, seed=3, **kw), eng.generate(ids, seed=3, **kw)
     assert torch.equal(a, b) and not torch.equal(a, eng.generate(ids, seed=4, **kw))
     k1 = eng.generate(ids, seed=5, **{**kw, "top_k": 1})  # top-k 1 is greedy
@@ -207,7 +210,7 @@ def test_checkpoint_records_model_config(tmp_path) -> None:
     ids = torch.tensor([[1, 2, 3, 4]])
     live = init_inference(_gpt(seq_len=32), dtype=torch.int8)
     for source in (good, export):
-        eng = init_inference(GPT(model.cfg), checkpoint=source, dtype=torch.int8)
+        eng = init_inference(GPT(_gpt(seq_len=32).cfg), checkpoint=source, dtype=torch.int8)
         assert torch.equal(eng(ids), live(ids))
         assert torch.equal(model_from(source).tok_emb.weight, model.tok_emb.weight)  # type: ignore[arg-type, union-attr]
     bad = run(_save_gpt_checkpoint, 1, str(tmp_path / "b"), False, timeout=120)[0]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import os
 import zlib
+from typing import Any
 
 import multirank
 import pytest
@@ -26,7 +27,7 @@ NEW = 10
 
 def _gpt(**kw) -> GPT:
     torch.manual_seed(0)
-    cfg = dict(vocab_size=64, seq_len=32, n_layer=3, n_head=4, d_model=32)
+    cfg: dict[str, Any] = dict(vocab_size=64, seq_len=32, n_layer=3, n_head=4, d_model=32)
     cfg.update(kw)
     return GPT(GPTConfig(**cfg)).eval()
 
@@ -117,7 +118,7 @@ def _t5():
 
     torch.manual_seed(5)
     cfg = T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
-                   num_decoder_layers=2, decoder_start_token_id=0, pad_token_id=0,
+                   num_decoder_layers=2, decoder_start_token_id=0, pad_token_id=0,  # type: ignore[call-arg]
                    eos_token_id=1)  # fmt: skip
     return T5ForConditionalGeneration(cfg).eval()
 
@@ -126,7 +127,7 @@ def _t5():
 def test_streamed_hf_generate_equals_in_memory(tmp_path, build):
     ref = build()
     ids = _ids()
-    kw = dict(max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False)
+    kw: dict[str, Any] = dict(max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False)
     with torch.no_grad():
         want = ref.generate(ids, **kw)
     model = copy.deepcopy(ref)
@@ -328,7 +329,7 @@ def test_meta_model_streams_from_a_safetensors_export(tmp_path):
     # a transformers model saved by save_pretrained (its tied lm_head not in the file)
     gpt2 = _gpt2()
     gpt2.save_pretrained(tmp_path / "gpt2")
-    kw = dict(max_new_tokens=NEW, min_new_tokens=NEW)
+    kw: dict[str, Any] = dict(max_new_tokens=NEW, min_new_tokens=NEW)
     want = zeroshard.init_inference(gpt2, {}).generate(_ids(), **kw)
     with torch.device("meta"):
         meta = type(gpt2)(gpt2.config)

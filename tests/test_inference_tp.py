@@ -24,7 +24,7 @@ NEW = 12  # new tokens per prompt
 
 def _gpt(**kw) -> GPT:
     torch.manual_seed(0)
-    cfg = dict(vocab_size=64, seq_len=32, n_layer=2, n_head=4, d_model=32)
+    cfg: dict[str, Any] = dict(vocab_size=64, seq_len=32, n_layer=2, n_head=4, d_model=32)
     cfg.update(kw)
     return GPT(GPTConfig(**cfg)).eval()
 
@@ -66,7 +66,7 @@ def _bytes(model) -> int:
 
 
 def _tp_cases(rank, world):
-    comm, out = Comm(), {}
+    comm, out = Comm(), dict[str, Any]()
     builds = {
         "llama": (_llama, _hf_generate),
         "gpt2": (_gpt2, _hf_generate),
@@ -113,7 +113,7 @@ def _engine_cases(rank, comm):
     out["gpt_no_cache"] = torch.equal(want, _greedy_no_cache(_gpt(), ids, NEW))
     eng = zeroshard.init_inference(_gpt(), tp2)
     out["gpt_cache"] = torch.equal(eng.generate(ids, max_new_tokens=NEW), want)
-    out["gpt_cache_heads"] = eng.module.blocks[0].attn.n_head
+    out["gpt_cache_heads"] = eng.module.blocks[0].attn.n_head  # type: ignore[index, union-attr]
     torch.manual_seed(rank)  # ranks' own generators differ: sampling must still agree
     out["gpt_sampled"] = eng.generate(ids, max_new_tokens=NEW, do_sample=True).tolist()
     llama = zeroshard.init_inference(_llama(), tp2)

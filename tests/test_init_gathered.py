@@ -213,20 +213,20 @@ def _deepspeed_shim():
 
     import zeroshard
 
-    ds = types.ModuleType("deepspeed")
+    ds: Any = types.ModuleType("deepspeed")
     ds.zero = zeroshard.zero
     ds.comm = types.SimpleNamespace(get_rank=dist.get_rank)
-    acc = types.ModuleType("deepspeed.accelerator")
+    acc: Any = types.ModuleType("deepspeed.accelerator")
     acc.get_accelerator = lambda: types.SimpleNamespace(current_device_name=lambda: "cpu")
     ds.accelerator = acc
     # transformers' prevent_arange_dtype_change() swaps this hook (zero.Init here patches
     # no constructor, so there is nothing to wrap)
-    pp = types.ModuleType("deepspeed.runtime.zero.partition_parameters")
+    pp: Any = types.ModuleType("deepspeed.runtime.zero.partition_parameters")
     pp.zero_wrapper_for_fp_tensor_constructor = lambda fn, *args, **kwargs: fn
     pp._orig_torch_arange = torch.arange
-    zero_pkg = types.ModuleType("deepspeed.runtime.zero")
+    zero_pkg: Any = types.ModuleType("deepspeed.runtime.zero")
     zero_pkg.partition_parameters = pp
-    runtime = types.ModuleType("deepspeed.runtime")
+    runtime: Any = types.ModuleType("deepspeed.runtime")
     runtime.zero = zero_pkg
     ds.runtime = runtime
     for mod in (ds, acc, runtime, zero_pkg, pp):

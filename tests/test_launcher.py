@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -23,7 +24,7 @@ from zeroshard.launcher import LaunchError, add_arguments, parse_hostfile, plan_
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "tests" / "scripts"
 ZEROSHARD = [sys.executable, "-m", "zeroshard.cli"]
-PIPES = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE}
+PIPES: dict[str, Any] = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE}
 
 
 def _env(**extra: str) -> dict[str, str]:
@@ -230,7 +231,7 @@ def _alive(pid: int) -> bool:
 def test_sigterm_stops_all_ranks():
     argv = [*ZEROSHARD, "run", "--nproc", "2", "tests/scripts/hang.py"]
     proc = subprocess.Popen(argv, cwd=ROOT, env=_env(), text=True, **PIPES)
-    pids = []
+    pids: list[int] = []
     try:
         deadline = time.monotonic() + 45
         while len(pids) < 2 and time.monotonic() < deadline:

@@ -31,6 +31,7 @@ import multirank
 import numpy as np
 import pytest
 import torch
+from logs import ListHandler
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS, SAMPLES = 4, 8  # monitored.py: 4 steps of 2 ranks x micro 2 x accumulation 2
@@ -57,6 +58,7 @@ def _not_blank(path: str) -> None:
         img.load()
         gray = img.convert("L")
         lo, hi = gray.getextrema()
+        assert isinstance(lo, (int, float)) and isinstance(hi, (int, float))  # one band
         inked = int((np.asarray(gray) < 200).sum())
     assert img.size[0] > 100 and hi - lo > 100, (path, img.size, lo, hi)
     assert inked > 0.005 * img.size[0] * img.size[1], (path, inked)
@@ -170,8 +172,8 @@ def test_every_monitor_on_two_ranks(tmp_path) -> None:
     )
     assert plot.returncode == 0, plot.stdout + plot.stderr
     written = plot.stdout.split()
-    names = sorted(os.path.basename(p) for p in written)
-    assert names == ["comm.png", "loss.png", "lr.png", "memory.png", "throughput.png", "timers.png"]  # fmt: skip
+    pngs = sorted(os.path.basename(p) for p in written)
+    assert pngs == ["comm.png", "loss.png", "lr.png", "memory.png", "throughput.png", "timers.png"]  # fmt: skip
     for path in written:
         _not_blank(path)
 
@@ -188,7 +190,7 @@ def _bad_inputs(rank: int, world: int, tmp: str) -> dict:
     torch.distributed.barrier()
     base = {"train_batch_size": 4 * world, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
     under_file = {"enabled": True, "output_path": blocker, "job_name": "j"}
-    cases = {
+    cases: dict[str, dict[str, Any]] = {
         "tensorboard_under_file": {"tensorboard": {**under_file, "output_path": f"{blocker}/tb"}},
         "csv_under_file": {"csv_monitor": under_file},
         "wandb_missing": {"wandb": {"enabled": True}},
@@ -312,8 +314,7 @@ def test_step_line_handler(capsys, monkeypatch) -> None:
     assert capsys.readouterr().out == line + "\n"
     # a handler of the user's takes it instead; the default prints nothing
     seen: list[str] = []
-    handler = logging.Handler()
-    handler.emit = lambda r: seen.append(r.getMessage())  # type: ignore[method-assign]
+    handler = ListHandler(seen, messages=True)
     logging.getLogger("zeroshard").addHandler(handler)
     try:
         log_step(_record())

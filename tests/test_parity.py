@@ -104,7 +104,8 @@ def _cases() -> list[dict]:
 def _worker(rank: int, world: int, cases: list[dict]) -> list[dict]:
     out = []
     for case in cases:
-        ref_norms, norms = [], []
+        ref_norms: list[float] = []
+        norms: list[float] = []
         ref_losses, ref_params = parity.reference(case, world, ref_norms)
         losses, engine = parity.train(case, rank, world, norms)
         params, initial = parity.full_params(engine), parity.initial_params(case)

@@ -137,7 +137,7 @@ def test_stage_builds_only_its_layers_with_global_names() -> None:
         LayerSpec(nn.Linear, 4, 4),
         LayerSpec(nn.Linear, 4, 4),
         LayerSpec(nn.Linear, 4, 4),
-        TiedLayerSpec("embed", nn.Embedding, 10, 4, forward_fn=lambda m, x: x @ m.weight.t()),  # type: ignore[operator]
+        TiedLayerSpec("embed", nn.Embedding, 10, 4, forward_fn=lambda m, x: x @ m.weight.t()),
     ]
     stages = [
         PipelineModule(specs, num_stages=2, partition_method="uniform", stage_id=s)

@@ -222,7 +222,7 @@ ADAMW: dict[str, Any] = {"lr": 1e-2, "betas": [0.9, 0.95], "eps": 1e-6, "weight_
 
 def _parity_batches(step: int, padded: bool):
     g = torch.Generator().manual_seed(100 + step)
-    out = []
+    out: list[tuple[Any, torch.Tensor]] = []
     for _ in range(MICRO):
         ids = torch.randint(0, 64, (ROWS, 12), generator=g)
         labels = ids.clone()

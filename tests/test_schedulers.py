@@ -197,12 +197,12 @@ def test_build_resolves_auto():
     assert params["warmup_max_lr"] == "auto"  # caller's dict untouched
 
     opt = make_optimizer(group_lrs=(0.03,))
-    sched: Any = build_scheduler(
+    cycle: Any = build_scheduler(
         "OneCycle",
         {"cycle_min_lr": 1e-4, "cycle_max_lr": "auto", "cycle_first_step_size": 5},
         opt,
     )
-    assert sched.max_lrs == [0.03]
+    assert cycle.max_lrs == [0.03]
     assert opt.param_groups[0]["lr"] == 1e-4
 
     sched = build_scheduler(

@@ -57,7 +57,7 @@ def test_zigzag_positions_cover_the_sequence_once():
 def test_ulysses_refuses_indivisible_heads():
     import types
 
-    comm = types.SimpleNamespace(world_size=3, rank=0)
+    comm: Any = types.SimpleNamespace(world_size=3, rank=0)  # all apply_ulysses reads of a Comm
     with pytest.raises(ValueError, match="GPT's 4 heads do not divide by sequence_parallel_size 3"):
         apply_ulysses(_gpt(), comm)
     with pytest.raises(ValueError, match="num_key_value_heads = 2 does not divide"):

@@ -7,6 +7,7 @@ parameter bytes per rank are divided by the TP size; bad layouts are refused by 
 from __future__ import annotations
 
 import types
+from typing import Any
 
 import multirank
 import pytest
@@ -35,7 +36,7 @@ B, S = 2, 8
 
 def _gpt(**kw) -> GPT:
     torch.manual_seed(0)
-    cfg = dict(vocab_size=64, seq_len=16, n_layer=2, n_head=4, d_model=32)
+    cfg: dict[str, Any] = dict(vocab_size=64, seq_len=16, n_layer=2, n_head=4, d_model=32)
     cfg.update(kw)
     return GPT(GPTConfig(**cfg))
 

@@ -8,6 +8,7 @@ test counts only the model's collectives.
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import torch
 
@@ -79,7 +80,7 @@ def tiny_llama(**kw):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(7)
-    cfg = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+    cfg: dict[str, Any] = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                bos_token_id=0, eos_token_id=1, pad_token_id=None, use_cache=False)  # fmt: skip
     cfg.update(kw)

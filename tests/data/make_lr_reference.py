@@ -246,7 +246,7 @@ def make_optimizer(kind, group_lrs):
 
 
 def snapshot(optimizer, kind, type_name):
-    point = {"lr": [float(g["lr"]) for g in optimizer.param_groups]}
+    point: dict[str, list] = {"lr": [float(g["lr"]) for g in optimizer.param_groups]}
     if kind == "adam" and type_name == "OneCycle":  # only OneCycle touches betas
         point["betas"] = [[float(b) for b in g["betas"]] for g in optimizer.param_groups]
     return point

@@ -123,7 +123,7 @@ result["lr1"] = lr_now(t1)
 result["lrs1"] = [h["learning_rate"] for h in t1.state.log_history if "learning_rate" in h]
 result["loss1"] = [loss for loss, _ in t1.seen]
 seen1 = list(t1.seen)  # evaluate() below records too
-result["eval_loss"] = t1.evaluate(eval_dataset=DATA[:8])["eval_loss"]
+result["eval_loss"] = t1.evaluate(eval_dataset=DATA[:8])["eval_loss"]  # type: ignore[arg-type]  # a list is a map-style dataset
 config = copy.deepcopy(engine.config)
 
 # (4) save_model -> from_pretrained: the same logits as the trained engine's module
@@ -158,9 +158,9 @@ own, *_ = zeroshard.initialize(
     config=config,
 )
 own_losses = []
-for _, ids in seen1:
-    ids = torch.tensor(ids)
-    loss = own(input_ids=ids, labels=ids).loss
+for _loss, seen_ids in seen1:
+    ids_t = torch.tensor(seen_ids)
+    loss = own(input_ids=ids_t, labels=ids_t).loss
     own.backward(loss)
     own.step()
     own_losses.append(loss.item())

@@ -66,9 +66,12 @@ def main() -> None:
         engine.backward(loss)
         engine.step()
     comm = engine.comm_stats()
-    summary = zeroshard.comm.log_summary(return_dict=True)["summary"]
-    flops = engine.monitor.flops.summary if rank == 0 else None
-    table = engine.monitor.flops.table() if rank == 0 else None
+    logged = zeroshard.comm.log_summary(return_dict=True)
+    profiler = engine.monitor.flops
+    assert logged is not None and profiler is not None  # the config enables both
+    summary = logged["summary"]
+    flops = profiler.summary if rank == 0 else None
+    table = profiler.table() if rank == 0 else None
     engine.destroy()  # flushes and closes every writer
     if rank != 0:
         return

@@ -59,7 +59,7 @@ for line in sys.stdin:
             print(json.dumps({"ok": False, "digest": d, "error": str(exc)}), flush=True)
     else:
         try:
-            _, client = engine.load_checkpoint(root, tag="t")
+            _path, client = engine.load_checkpoint(root, tag="t")
             ok = client["digest"] == digest()
             print(json.dumps({"ok": ok, "digest": client["digest"]}), flush=True)
         except CheckpointError as exc:

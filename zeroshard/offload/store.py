@@ -100,23 +100,33 @@ class MemoryShard:
             dst.copy_(values, non_blocking=True)
 
     def _upload_and_cast(self, dst: torch.Tensor, values: torch.Tensor) -> None:
-        """Host ``values`` into a device chunk of another dtype (fp32 masters into bf16
-        parameters). ``copy_`` would cast on the host into a pageable temporary, whose
-        upload then blocks the host: instead the values go as they are (from pinned
-        memory: without blocking) into a device buffer of at most ``_UPLOAD_NUMEL``
-        elements, and the device casts. One buffer is enough: the copies and casts are
-        ordered on the current stream. The buffer is not in ``buffers()``."""
-        if values.numel() == 0:
-            return
-        n = min(values.numel(), _UPLOAD_NUMEL)
-        buf = self._upload
-        if buf is None or buf.numel() < n or buf.dtype != values.dtype:
-            buf = self._upload = torch.empty(n, dtype=values.dtype, device=dst.device)
-        for a in range(0, values.numel(), buf.numel()):
-            b = min(a + buf.numel(), values.numel())
-            part = buf[: b - a]
-            part.copy_(values[a:b], non_blocking=True)
-            dst[a:b].copy_(part)
+        # the buffer is kept for the next write; it is not in ``buffers()``
+        self._upload = upload_and_cast(dst, values, self._upload)
+
+
+def upload_and_cast(
+    dst: torch.Tensor,
+    values: torch.Tensor,
+    buf: torch.Tensor | None,
+    max_numel: int = _UPLOAD_NUMEL,
+) -> torch.Tensor | None:
+    """Host ``values`` into a device chunk of another dtype (fp32 masters into bf16
+    parameters). ``copy_`` would cast on the host into a pageable temporary, whose
+    upload then blocks the host: instead the values go as they are (from pinned
+    memory: without blocking) into a device buffer ``buf`` of at most ``max_numel``
+    elements (made, or remade larger, here), and the device casts. One buffer is enough:
+    the copies and casts are ordered on the current stream. Returns the buffer."""
+    if values.numel() == 0:
+        return buf
+    n = min(values.numel(), max_numel)
+    if buf is None or buf.numel() < n or buf.dtype != values.dtype:
+        buf = torch.empty(n, dtype=values.dtype, device=dst.device)
+    for a in range(0, values.numel(), buf.numel()):
+        b = min(a + buf.numel(), values.numel())
+        part = buf[: b - a]
+        part.copy_(values[a:b], non_blocking=True)
+        dst[a:b].copy_(part)
+    return buf
 
     # -- the protocol -------------------------------------------------------------------
     def read(self, kind: str, a: int, b: int) -> torch.Tensor:
