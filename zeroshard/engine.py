@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 import weakref
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -55,6 +56,9 @@ from zeroshard.zero.leaves import find_leaves
 from zeroshard.zero.optimizer import ShardedOptimizer
 from zeroshard.zero.parameters import ParamGatherer
 from zeroshard.zero.whole import WholeParams
+
+if TYPE_CHECKING:
+    from zeroshard.preemption import Preemption
 
 log = logging.getLogger("zeroshard")
 
@@ -117,7 +121,7 @@ class Engine(EngineBuild, DeepSpeedEngineCompat, nn.Module):
             previous.destroy()
         _ENGINES[module] = weakref.ref(self)
         self.destroyed = False
-        self.preemption = None  # zeroshard.preemption.Preemption, set by enable()
+        self.preemption: Preemption | None = None  # set by Preemption.enable()
         move_module(module, self.device, self.policy.compute)
         self._installed: list[RemovableHandle | FirstBatchSize] = []
         if self.policy.compute != torch.float32:

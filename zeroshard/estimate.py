@@ -60,7 +60,7 @@ def _model_facts(spec: str, seq: int = 0) -> dict:
     if spec in preset_names():
         cfg = GPTConfig.preset(spec, seq_len=max(seq, GPTConfig.seq_len))
         with torch.device("meta"):
-            model = GPT(cfg)
+            model: torch.nn.Module = GPT(cfg)
     else:
         if ":" not in spec:
             raise SystemExit(f"--model {spec!r}: expected a preset or module:function")

@@ -129,8 +129,8 @@ def plan_layout(args: argparse.Namespace, device_count: int) -> Layout:
         if len(selected) > 1:
             raise LaunchError(f"{flag} names several hosts; that needs a --hostfile")
         host = next(iter(selected), "localhost")
-        included = selected[host]
-        if args.include and included and not device_count:
+        included = selected[host] if args.include else None
+        if included and not device_count:
             n = max(included) + 1  # CPU: the include list itself sets the count
         where, pool = {host: "this node"}, {host: list(range(n))}
     for host, ids in selected.items():

@@ -51,6 +51,33 @@ def _write_ranges(store, a: int, values: torch.Tensor) -> None:
         store.write_chunk(s, values[lo + start - a : hi + start - a], lo)
 
 
+def upload_and_cast(
+    dst: torch.Tensor,
+    values: torch.Tensor,
+    buf: torch.Tensor | None,
+    max_numel: int = _UPLOAD_NUMEL,
+) -> torch.Tensor | None:
+    """Host ``values`` into a device chunk of another dtype (fp32 masters into bf16
+    parameters). ``copy_`` would cast on the host into a pageable temporary, whose
+    upload then blocks the host: instead the values go as they are (from pinned
+    memory: without blocking) into a device buffer ``buf`` of at most ``max_numel``
+    elements (made, or remade larger, here), and the device casts. One buffer is enough:
+    the copies and casts are ordered on the current stream. Returns the buffer."""
+    if values.numel() == 0:
+        return buf
+    n = min(values.numel(), max_numel)
+    if buf is None or buf.numel() < n or buf.dtype != values.dtype:
+        buf = torch.empty(n, dtype=values.dtype, device=dst.device)
+    for a in range(0, values.numel(), buf.numel()):
+        b = min(a + buf.numel(), values.numel())
+        part = buf[: b - a]
+        part.copy_(values[a:b], non_blocking=True)
+        dst[a:b].copy_(part)
+    return buf
+
+    # -- the protocol -------------------------------------------------------------------
+
+
 class MemoryShard:
     """A shard in one memory buffer; every chunk is a view of it.
 
@@ -103,32 +130,6 @@ class MemoryShard:
         # the buffer is kept for the next write; it is not in ``buffers()``
         self._upload = upload_and_cast(dst, values, self._upload)
 
-
-def upload_and_cast(
-    dst: torch.Tensor,
-    values: torch.Tensor,
-    buf: torch.Tensor | None,
-    max_numel: int = _UPLOAD_NUMEL,
-) -> torch.Tensor | None:
-    """Host ``values`` into a device chunk of another dtype (fp32 masters into bf16
-    parameters). ``copy_`` would cast on the host into a pageable temporary, whose
-    upload then blocks the host: instead the values go as they are (from pinned
-    memory: without blocking) into a device buffer ``buf`` of at most ``max_numel``
-    elements (made, or remade larger, here), and the device casts. One buffer is enough:
-    the copies and casts are ordered on the current stream. Returns the buffer."""
-    if values.numel() == 0:
-        return buf
-    n = min(values.numel(), max_numel)
-    if buf is None or buf.numel() < n or buf.dtype != values.dtype:
-        buf = torch.empty(n, dtype=values.dtype, device=dst.device)
-    for a in range(0, values.numel(), buf.numel()):
-        b = min(a + buf.numel(), values.numel())
-        part = buf[: b - a]
-        part.copy_(values[a:b], non_blocking=True)
-        dst[a:b].copy_(part)
-    return buf
-
-    # -- the protocol -------------------------------------------------------------------
     def read(self, kind: str, a: int, b: int) -> torch.Tensor:
         parts = [self.views[s][lo:hi] for s, lo, hi in _ranges(self.layout, a, b)]
         return torch.cat(parts) if parts else torch.empty(0, dtype=self.dtype)

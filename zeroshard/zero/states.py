@@ -56,7 +56,7 @@ class MemoryStates:
         # offload to a GPU: the event after the last non-blocking copies of the masters
         # to the device; the next step waits on it before it rewrites the masters
         self._uploads = separate and bool(masters) and host != flat.device
-        self._uploaded = None
+        self._uploaded: torch.cuda.Event | None = None
         self._by_segment: list[list[list[torch.Tensor]]] | None = None
         # (group, shard_lo, shard_hi, master view, parameter) of every optimizer tensor
         self._views: list[tuple[int, int, int, torch.Tensor, int]] = []
