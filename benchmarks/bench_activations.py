@@ -22,10 +22,12 @@ import statistics
 import subprocess
 import sys
 
+import _smoke
+
 POLICIES = ["none", "selective", "full", "full+offload"]
 
 
-def run_one(policy: str, seq: int, steps: int) -> dict:
+def run_one(policy: str, seq: int, steps: int, preset: str = "25M") -> dict:
     import resource
     import time
     import weakref
@@ -39,7 +41,7 @@ def run_one(policy: str, seq: int, steps: int) -> dict:
     from zeroshard.models import GPT, Block, GPTConfig
 
     torch.set_num_threads(1)
-    cfg = GPTConfig.preset("25M", seq_len=seq)
+    cfg = GPTConfig.preset(preset, seq_len=seq)
     torch.manual_seed(0)
     model = GPT(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
@@ -106,15 +108,22 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--worker", default=None)
     ap.add_argument("--no-record", action="store_true")
+    ap.add_argument("--preset", default="25M")
+    _smoke.add_flag(ap)
     args = ap.parse_args()
+    if args.smoke:
+        args.rounds, args.seq, args.steps, args.preset, args.no_record = 1, 32, 1, "tiny", True
     if args.worker:
-        print(json.dumps(run_one(args.worker, args.seq, args.steps)))
+        print(json.dumps(run_one(args.worker, args.seq, args.steps, args.preset)))
         return
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "1"}
     rows: dict[str, list[dict]] = {p: [] for p in POLICIES}
     for r in range(args.rounds):
         order = POLICIES[r % len(POLICIES) :] + POLICIES[: r % len(POLICIES)]
         for policy in order:
+            if args.smoke:  # in this process: the policies' code, without 4 interpreters
+                rows[policy].append(run_one(policy, args.seq, args.steps, args.preset))
+                continue
             out = subprocess.run(
                 [
                     sys.executable,
@@ -125,6 +134,8 @@ def main() -> None:
                     str(args.seq),
                     "--steps",
                     str(args.steps),
+                    "--preset",
+                    args.preset,
                 ],
                 capture_output=True,
                 text=True,
@@ -135,7 +146,7 @@ def main() -> None:
             print(f"round {r + 1} {policy:13} {rows[policy][-1]}", flush=True)
     base = rows["none"]
     lines = [
-        f"\n## {datetime.datetime.now():%Y-%m-%d %H:%M} activation checkpointing: GPT 25M, seq {args.seq}, micro-batch 1, fp32, 1 process",
+        f"\n## {datetime.datetime.now():%Y-%m-%d %H:%M} activation checkpointing: GPT {args.preset}, seq {args.seq}, micro-batch 1, fp32, 1 process",
         "",
         f"`.venv/bin/python benchmarks/bench_activations.py --rounds {args.rounds} --seq {args.seq}`",
         "",

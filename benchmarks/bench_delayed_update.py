@@ -33,6 +33,7 @@ import statistics
 import sys
 import time
 
+import _smoke
 import torch
 from _ranks import run_ranks
 from _record import append_section
@@ -123,7 +124,11 @@ def main() -> None:
     p.add_argument("--no-staged", dest="staged", action="store_false")
     p.add_argument("--results", default=os.path.join(HERE, "RESULTS.md"))
     p.add_argument("--no-record", action="store_true")
+    _smoke.add_flag(p)
     args = p.parse_args()
+    if args.smoke:  # the delayed layout against no offload: two 2-rank launches
+        args.preset, args.seq, args.micro, args.steps, args.warmup = "tiny", 16, 1, 2, 1
+        args.rounds, args.layouts, args.no_record = 1, "none,cpu+dpu", True
     layouts = args.layouts.split(",")
     env = {"ZEROSHARD_STAGE_ON_CPU": "1" if args.staged else "0"}
     got: dict[str, dict[str, list[float]]] = {

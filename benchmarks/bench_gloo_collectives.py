@@ -7,11 +7,13 @@ all-reduce, each also emulated by an all-reduce, and zeroshard's gloo defaults
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import tempfile
 import time
 import warnings
 
+import _smoke
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -42,10 +44,10 @@ def _ops(n: int, rank: int, world: int) -> dict:
     }
 
 
-def _run(rank: int, world: int, tmp: str) -> None:
+def _run(rank: int, world: int, tmp: str, sizes: tuple[int, ...] = SIZES) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.FileStore(tmp + "/s", world), rank=rank, world_size=world)  # fmt: skip
-    for i, n in enumerate(SIZES):
+    for i, n in enumerate(sizes):
         ops = _ops(n, rank, world)
         if rank == 0 and i == 0:
             print("| buffer | " + " | ".join(ops) + " |\n" + "|---" * (len(ops) + 1) + "|")
@@ -62,5 +64,13 @@ def _run(rank: int, world: int, tmp: str) -> None:
     dist.destroy_process_group()
 
 
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    _smoke.add_flag(ap)
+    args = ap.parse_args()
+    sizes = (2_048,) if args.smoke else SIZES  # (the store goes to a temporary directory)
+    mp.start_processes(_run, args=(2, tempfile.mkdtemp(), sizes), nprocs=2, start_method="spawn")
+
+
 if __name__ == "__main__":
-    mp.start_processes(_run, args=(2, tempfile.mkdtemp()), nprocs=2, start_method="spawn")
+    main()

@@ -105,7 +105,10 @@ def main() -> None:
     p.add_argument("--new", type=int, default=256)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--quality", action="store_true")
+    p.add_argument("--smoke", action="store_true", help="CI: GPT small, 8 tokens, 1 round")
     args = p.parse_args()
+    if args.smoke:  # (prints only; --quality, which trains a model, stays off)
+        args.preset, args.new, args.rounds, args.quality = "small", 8, 1, False
     torch.set_num_threads(1)
     cfg = GPTConfig.preset(args.preset, seq_len=32 + args.new)
     torch.manual_seed(0)
@@ -138,7 +141,7 @@ def main() -> None:
         for name, gen in arms.items():
             best[name] = max(best[name], decode_rate(gen, args.new))
     nocache = decode_rate(lambda n: engines["fp32"].generate(prompt, max_new_tokens=n, use_cache=False), args.new)  # fmt: skip
-    bw = triad_bandwidth()
+    bw = triad_bandwidth(16 if args.smoke else 256)
     wbytes = {k: e.weight_bytes()[0] for k, e in engines.items()}
     print(
         f"## {time.strftime('%Y-%m-%d %H:%M')} bench_inference: GPT {args.preset} ({sum(t.numel() for t in base.parameters()) / 1e6:.1f}M parameters), "

@@ -114,8 +114,13 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps per engine first")
     parser.add_argument("--no-services", action="store_true", help="'on' without wandb and Comet")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--smoke", action="store_true", help="CI: 1 round of 2 step pairs")
     args = parser.parse_args()
     from _ranks import run_ranks
+
+    if args.smoke:  # monitors write under a temporary directory either way
+        args.rounds, args.steps, args.warmup, args.no_services = 1, 2, 1, True
+        print("smoke: wandb and Comet skipped: their imports cost more than the run", flush=True)
 
     t0 = time.time()
     services = "0" if args.no_services else "1"

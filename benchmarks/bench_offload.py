@@ -45,6 +45,7 @@ import subprocess
 import sys
 import time
 
+import _smoke
 import torch
 from _ranks import RanksFailed, run_ranks
 from _record import append_section
@@ -551,7 +552,14 @@ def main() -> None:
     p.add_argument("--timeout", type=float, default=1800)
     p.add_argument("--results", default=os.path.join(HERE, "RESULTS.md"))
     p.add_argument("--no-record", action="store_true")
+    _smoke.add_flag(p)
     args = p.parse_args()
+    if args.smoke:  # every part, tiny: 4096 elements, a 16 MiB swap file, GPT tiny on NVMe
+        args.numel, args.steps, args.rounds, args.threads = 4096, 1, 1, 1
+        args.nvme_path, args.gib, args.block_mib = _smoke.scratch("offload"), 1 / 64, 1
+        args.layouts, args.models, args.timeout, args.no_record = "s3+nvme", "tiny", 600, True
+        if not os.path.exists(args.ds_python):
+            _smoke.skip("DeepSpeedCPUAdam rows", f"no {args.ds_python} (make .venv-bench)")
     command = ".venv/bin/python benchmarks/bench_offload.py " + shlex.join(sys.argv[1:])
     parts = ["adam", "nvme", "largest"] if args.part == "all" else [args.part]
     for part in parts:

@@ -104,10 +104,12 @@ def _zeroshard_step_fn(model, system: str, args):
 
 
 def _naive_step_fn(model, args):
-    dev = torch.device("cuda")
+    gpu = torch.cuda.is_available()  # (--smoke on a CPU host: the same code, nothing pinned)
+    dev = torch.device("cuda" if gpu else "cpu")
     model.to(dev, torch.bfloat16)
     params = [p for p in model.parameters() if p.requires_grad]
-    masters = [p.detach().float().cpu().pin_memory().requires_grad_(True) for p in params]
+    masters = [p.detach().float().cpu() for p in params]
+    masters = [(m.pin_memory() if gpu else m).requires_grad_(True) for m in masters]
     opt = torch.optim.AdamW(masters, lr=1e-4, weight_decay=0.1, fused=True)
 
     def step(x, y):
@@ -186,6 +188,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--systems", default=",".join(SYSTEMS))
     p.add_argument("--results", default=os.path.join(HERE, "RESULTS.md"))
     p.add_argument("--no-record", action="store_true")
+    p.add_argument(
+        "--smoke",
+        action="store_true",
+        help="CI, no GPU: GPT tiny, every system once in this process, the offload systems "
+        "on the GPU code path (ZEROSHARD_STAGE_ON_CPU=1); records nothing",
+    )
     return p
 
 
@@ -196,12 +204,18 @@ def main() -> None:
         return
     args = _parser().parse_args()
     argv = sys.argv[1:]
+    if args.smoke:
+        args.preset, args.vocab, args.seq, args.micro, args.bucket = "tiny", 256, 16, 2, 4096
+        args.steps, args.warmup, args.rounds, args.no_record = 1, 1, 1, True
+        if not torch.cuda.is_available():
+            os.environ["ZEROSHARD_STAGE_ON_CPU"] = "1"
     child_argv = [a for a in argv if a not in ("--no-record",)]
     systems = args.systems.split(",")
     runs: dict[str, list[dict]] = {s: [] for s in systems}
     for r in range(args.rounds):
         for s in systems if r % 2 == 0 else systems[::-1]:
-            res = _run_child(s, child_argv)
+            # smoke: in this process (one interpreter instead of one per system)
+            res = child(s, args) if args.smoke else _run_child(s, child_argv)
             if res is not None:
                 runs[s].append(res)
                 print(f"round {r} {s}: {res}", flush=True)
