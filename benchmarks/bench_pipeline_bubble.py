@@ -232,7 +232,17 @@ def main(argv=None) -> int:
     ap.add_argument("--png-dir", default=os.path.join(HERE, "pipeline_bubble"))
     ap.add_argument("--timeout", type=float, default=600)
     ap.add_argument("--no-record", action="store_true")
+    ap.add_argument(
+        "--smoke",
+        action="store_true",
+        help="CI: 2 stages, 4 micro-batches, interleaved 1F1B, 1 batch; PNGs to a temp dir",
+    )
     args = ap.parse_args(argv)
+    if args.smoke:
+        args.stages, args.microbatches, args.d, args.rows = 2, 4, 16, 4
+        args.rounds, args.steps, args.warmup = 1, 1, 1
+        args.schedules, args.no_record = "interleaved_1f1b", True
+        args.png_dir = tempfile.mkdtemp(prefix="zs-smoke-bubble-")
     chosen = [(s, v) for s, v in SCHEDULES if s in args.schedules.split(",")]
     p, m = args.stages, args.microbatches
     base = {

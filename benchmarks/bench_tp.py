@@ -196,6 +196,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--micro", type=int, default=4)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--smoke", action="store_true", help="CI: 1 layer x 64, seq 16, 2 steps")
     return p
 
 
@@ -203,6 +204,14 @@ def main() -> None:
     from _ranks import run_ranks
 
     args = _parser().parse_args()
+    if args.smoke:
+        args.rounds, args.layers, args.hidden, args.seq, args.micro = 1, 1, 64, 16, 1
+        args.warmup, args.steps = 1, 1
+        if args.ds_python and os.path.exists(args.ds_python):
+            print("smoke: deepspeed skipped: a smoke run leaves .venv-bench alone")
+        else:
+            print(f"smoke: deepspeed skipped: no {args.ds_python} (make .venv-bench)")
+        args.ds_python = ""
     base = [
         f"--layers={args.layers}", f"--hidden={args.hidden}", f"--seq={args.seq}",
         f"--micro={args.micro}", f"--warmup={args.warmup}", f"--steps={args.steps}",

@@ -65,7 +65,10 @@ def main() -> None:
     ap.add_argument("--preset", default="25M")
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--smoke", action="store_true", help="CI: GPT tiny, 4 new tokens")
     a = ap.parse_args()
+    if a.smoke:
+        a.preset, a.new = "tiny", 4
     args = [f"--preset={a.preset}", f"--new={a.new}", f"--batch={a.batch}"]
     env = {"OMP_NUM_THREADS": "1"}
     results = {n: run_ranks(__file__, args, nproc=n, env=env, timeout=1200) for n in (1, 2)}

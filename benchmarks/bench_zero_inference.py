@@ -20,6 +20,7 @@ import os
 import resource
 import subprocess
 import sys
+import tempfile
 import time
 import zlib
 
@@ -43,7 +44,7 @@ def init_unit(name, module) -> None:
             p.copy_(torch.randn(p.shape, generator=g) * 0.02)
 
 
-def arm(kind: str, batch: int, new: int, nvme: str, buffer_count: int) -> dict:
+def arm(kind: str, batch: int, new: int, nvme: str, buffer_count: int, layers: int = 32) -> dict:
     import torch
 
     torch.set_num_threads(1)
@@ -51,7 +52,7 @@ def arm(kind: str, batch: int, new: int, nvme: str, buffer_count: int) -> dict:
     from zeroshard.inference.streaming import StreamConfig, plan_units, stream_weights
     from zeroshard.models import GPT, GPTConfig
 
-    cfg = GPTConfig(vocab_size=256, seq_len=128, n_layer=32, n_head=8, d_model=512,
+    cfg = GPTConfig(vocab_size=256, seq_len=128, n_layer=layers, n_head=8, d_model=512,
                     tie_embeddings=False)  # fmt: skip
     with torch.device("meta"):  # load what building on meta imports before the baseline
         GPT(GPTConfig(n_layer=1))
@@ -122,19 +123,30 @@ def main() -> None:
                     help="also stream int8/int4 weights (quantized in memory first: their "
                     "peak RSS counts the whole fp32 model)")  # fmt: skip
     ap.add_argument("--_arm", nargs=2, help=argparse.SUPPRESS)
+    ap.add_argument("--layers", type=int, default=32, help="GPT blocks (d 512)")
+    ap.add_argument(
+        "--smoke", action="store_true", help="CI: 2 blocks, batch 1, 2 tokens, in this process"
+    )
     a = ap.parse_args()
+    if a.smoke:
+        a.batch, a.new, a.layers, a.quant = [1], 2, 2, ["int8"]
+        a.nvme = tempfile.mkdtemp(prefix="zs-smoke-zero-inference-")
     if a._arm:
         kind, batch = a._arm[0], int(a._arm[1])
-        print(json.dumps(arm(kind, batch, a.new, a.nvme, a.buffer_count)))
+        print(json.dumps(arm(kind, batch, a.new, a.nvme, a.buffer_count, a.layers)))
         return
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "1"}
     rows = []
     for batch in a.batch:
         for kind in ["memory", "nvme", *(f"nvme-{q}" for q in a.quant)]:
-            cmd = [sys.executable, __file__, "--_arm", kind, str(batch), "--new", str(a.new),
-                   "--nvme", a.nvme, "--buffer-count", str(a.buffer_count)]  # fmt: skip
-            line = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True)
-            rows.append(json.loads(line.stdout.strip().splitlines()[-1]))
+            if a.smoke:  # the arms' code in this process (one interpreter, not three)
+                rows.append(arm(kind, batch, a.new, a.nvme, a.buffer_count, a.layers))
+            else:
+                cmd = [sys.executable, __file__, "--_arm", kind, str(batch), "--new", str(a.new),
+                       "--nvme", a.nvme, "--buffer-count", str(a.buffer_count),
+                       "--layers", str(a.layers)]  # fmt: skip
+                line = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True)
+                rows.append(json.loads(line.stdout.strip().splitlines()[-1]))
             r = rows[-1]
             extra = ""
             if kind.startswith("nvme"):

@@ -30,11 +30,11 @@ def _rss() -> tuple[int, int]:
     return now // 1024, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024
 
 
-def _trace(rank: int, world: int, system: str) -> list:
+def _trace(rank: int, world: int, system: str, preset: str = "100M", steps: int = 4) -> list:
     from zeroshard.models import GPT, GPTConfig
 
     torch.manual_seed(0)
-    model = GPT(GPTConfig.preset("100M", seq_len=32))
+    model = GPT(GPTConfig.preset(preset, seq_len=32))
     out = [("built", *_rss())]
     if system == "zeroshard-s0":
         import zeroshard
@@ -67,7 +67,7 @@ def _trace(rank: int, world: int, system: str) -> list:
         forward, backward, step = ddp, lambda loss: loss.backward(), ddp_step
     out.append(("init", *_rss()))
     x = torch.randint(0, 256, (1, 33))
-    for i in range(4):
+    for i in range(steps):
         backward(forward(x[:, :-1], x[:, 1:]))
         out.append((f"backward {i}", *_rss()))
         step()
@@ -76,5 +76,6 @@ def _trace(rank: int, world: int, system: str) -> list:
 
 
 if __name__ == "__main__":
+    smoke = "--smoke" in sys.argv[1:]  # CI: GPT tiny, one step each
     for system in ("zeroshard-s0", "ddp"):
-        print(system, multirank.run(_trace, 2, system)[0])
+        print(system, multirank.run(_trace, 2, system, *(("tiny", 1) if smoke else ()))[0])

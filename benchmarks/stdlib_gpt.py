@@ -18,6 +18,7 @@ import hashlib
 import math
 import os
 import sysconfig
+import tempfile
 import time
 
 import torch
@@ -123,16 +124,23 @@ def trained_model(cache_dir: str, steps: int = 300, preset: str = "small"):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", required=True)
+    parser.add_argument("--out", default=None, help="checkpoint directory (required)")
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--preset", default="small")
+    parser.add_argument(
+        "--smoke", action="store_true", help="CI: GPT tiny, 2 steps, into a temp dir, 20 kB eval"
+    )
     args = parser.parse_args()
+    if args.smoke:
+        args.out, args.steps, args.preset = tempfile.mkdtemp(prefix="zs-smoke-stdlib-"), 2, "tiny"
+    if args.out is None:
+        parser.error("--out is required")
     torch.set_num_threads(1)
     path = train(args.out, args.steps, args.preset)
     from zeroshard.inference.weights import model_from
 
     model = model_from(path).eval()
-    loss = eval_loss(model, corpus("eval"), 128)
+    loss = eval_loss(model, corpus("eval", limit=20_000 if args.smoke else CORPUS_BYTES), 128)
     print(f"held-out loss {loss:.4f} nats/byte, perplexity {math.exp(loss):.3f}")
 
 
