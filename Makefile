@@ -50,5 +50,16 @@ bench: $(STAMP) .venv-bench/.installed-stamp
 	.venv-bench/bin/python -m pip install -q --disable-pip-version-check -e . --no-deps
 	touch $@
 
+# The CUDA path on one H100/H200 in under 8 minutes: tests/test_cuda.py, then the 1B GPT's
+# training rows (torch, stages 0-3, CPU offload exact/delayed at gas 1 and 8) and batch-1
+# decode (bf16, int8, int4, HF generate); one table, appended to benchmarks/RESULTS.md,
+# and benchmarks/GPU_LAST_GREEN.json when all passed. Needs a CUDA build of torch in
+# GPU_PYTHON; without a GPU it stops at once (exit 2). COMMIT names the checkout where
+# git cannot (a copy without .git).
+GPU_PYTHON ?= $(if $(wildcard $(BIN)/python),$(BIN)/python,$(PYTHON))
+COMMIT ?= $(shell git rev-parse HEAD 2>/dev/null)
+gpu-check:
+	PYTHONPATH=$(CURDIR) $(GPU_PYTHON) benchmarks/gpu_check.py $(if $(COMMIT),--commit $(COMMIT)) $(GPU_CHECK_ARGS)
+
 clean:
 	rm -rf $(VENV) .venv-bench build *.egg-info .pytest_cache .ruff_cache

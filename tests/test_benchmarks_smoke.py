@@ -11,6 +11,7 @@ CPU tensors) when there is none.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -67,3 +68,50 @@ def test_benchmark_smoke(script: str) -> None:
     after = _files()
     changed = sorted(p for p in before.keys() | after.keys() if before.get(p) != after.get(p))
     assert not changed, f"{script} --smoke wrote into the repository: {changed}"
+
+
+@pytest.mark.skipif(
+    __import__("torch").cuda.is_available(), reason="a GPU is here: gpu-check would run"
+)
+def test_gpu_check_fails_fast_without_a_gpu() -> None:
+    """``make gpu-check`` on a machine without CUDA: one line naming why, exit 2, at once
+    (the time is torch's import)."""
+    run = subprocess.run(
+        [sys.executable, os.path.join(BENCH, "gpu_check.py")],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": ROOT},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 2, run.stdout + run.stderr
+    assert run.stdout == "", run.stdout
+    lines = run.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("gpu-check: no CUDA device"), run.stderr
+
+
+def test_gpu_green_report(tmp_path) -> None:
+    """What CI prints: no record yet; a record and the device-touching files changed
+    since its commit; a record git cannot compare."""
+    sys.path.insert(0, BENCH)
+    import _gpu_green
+
+    missing = tmp_path / "none.json"
+    assert "no green run recorded" in _gpu_green.report(str(missing))
+    head = subprocess.run(["git", "rev-parse", "HEAD~1"], cwd=ROOT, capture_output=True, text=True)
+    if head.returncode != 0:
+        pytest.skip("no git history here")
+    rec = tmp_path / "green.json"
+    rec.write_text(json.dumps({"commit": head.stdout.strip(), "card": "H100", "torch": "x"}))
+    text = _gpu_green.report(str(rec))
+    assert text.startswith(f"gpu-check: last green {head.stdout.strip()[:12]} on H100")
+    diff = subprocess.run(["git", "diff", "--name-only", head.stdout.strip()], cwd=ROOT, capture_output=True, text=True)  # fmt: skip
+    touched = [p for p in diff.stdout.splitlines() if _gpu_green.device_touching(p)]
+    for p in touched:
+        assert f"  {p}" in text
+    assert ("no device-touching file changed since" in text) == (not touched)
+    rec.write_text(json.dumps({"commit": "0" * 40, "card": "H100"}))
+    assert "git cannot compare" in _gpu_green.report(str(rec))
+    assert _gpu_green.device_touching("tests/test_cuda.py")
+    assert _gpu_green.device_touching("zeroshard/offload/staging.py")
+    assert not _gpu_green.device_touching("README.md")

@@ -1,0 +1,410 @@
+"""``make gpu-check``: the CUDA path on one H100/H200, in under 8 minutes.
+
+    python benchmarks/gpu_check.py                # on a GPU host (make gpu-check)
+    python benchmarks/gpu_check.py --smoke        # CI, no GPU: every piece on CPU, tiny
+
+1. ``pytest tests/test_cuda.py`` (parity on one and two ranks sharing the GPU, the pinned
+   stream path, exact resume).
+2. Training rows, one fresh process each: the GPT ``--preset`` (1B), seq 1024,
+   micro-batch 8, bf16, AdamW, clip 1.0: plain torch (fp32 parameters, ``autocast``
+   bf16, fused AdamW) and zeroshard stages 0-3, with step time, tokens/s and MFU
+   (6 N + 12 L d s FLOPs per token against the card's dense bf16 peak); CPU optimizer
+   offload at stage 2, exact and with the delayed update, as ratios to the all-GPU
+   stage-2 step, at gradient accumulation 1 and 8.
+3. Batch-1 decode tokens/s of the same GPT: zeroshard bf16, int8, int4 and Hugging Face
+   ``generate()`` on the same weights (bf16; ``benchmarks/bench_inference.py``'s mapping).
+
+It prints one table (progress per row as it goes), appends it to ``benchmarks/RESULTS.md``
+with the card, torch/CUDA versions and commit, and, when every test and row passed,
+writes that commit and card to ``benchmarks/GPU_LAST_GREEN.json`` (CI prints it with the
+device-touching files changed since: ``benchmarks/_gpu_green.py``). ``--also-to DIR``
+copies both there too. Without a CUDA device it stops at once with one line, exit 2.
+Each row has a time budget (``ROW_BUDGET_S``) sized so the whole fits 8 minutes; a row
+over it is killed and reported as such (the run is then not green). The rows' processes
+talk to nobody but the GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+
+import _gpu_green  # noqa: E402
+
+TESTS_BUDGET_S = 210  # tests/test_cuda.py
+ROW_BUDGET_S = 40  # each training row's process (1B: ~15 s start + build, timed steps)
+DECODE_BUDGET_S = 60
+TOTAL_BUDGET_S = 480
+# dense bf16 tensor-core peaks (spec sheets); other cards: the measured matmul peak
+PEAK_BF16 = {"H100 80GB HBM3": 989e12, "H100 SXM": 989e12, "H200": 989e12, "H100 PCIe": 756e12}
+
+
+# -- the rows -------------------------------------------------------------------------------
+def rows(gas_big: int) -> list[dict[str, Any]]:
+    """Every training row: name, system, stage, offload, delayed, accumulation."""
+    out: list[dict[str, Any]] = [{"name": "torch (autocast + fused AdamW)", "system": "torch", "gas": 1}]  # fmt: skip
+    out += [{"name": f"zeroshard stage {s}", "system": "zeroshard", "stage": s, "gas": 1} for s in range(4)]  # fmt: skip
+    for gas in (1, gas_big):
+        if gas != 1:
+            out.append({"name": f"stage 2, gas {gas}", "system": "zeroshard", "stage": 2, "gas": gas})  # fmt: skip
+        out.append({"name": f"stage 2 + CPU offload, gas {gas}", "system": "zeroshard", "stage": 2, "offload": True, "gas": gas})  # fmt: skip
+        out.append({"name": f"stage 2 + CPU offload, delayed, gas {gas}", "system": "zeroshard", "stage": 2, "offload": True, "delayed": True, "gas": gas})  # fmt: skip
+    return out
+
+
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def _step_fn(row: dict, model, args, dev: torch.device):
+    """A function that runs one optimizer step (``gas`` micro-batches) and returns the
+    last micro-batch's loss."""
+    gas = row["gas"]
+    if row["system"] == "torch":
+        model.to(dev)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=True)
+
+        def torch_step(batches) -> torch.Tensor:
+            for x, y in batches:
+                with torch.autocast(device_type=dev.type, dtype=torch.bfloat16):
+                    loss = model(x, y)
+                (loss / gas).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return loss
+
+        return torch_step
+    import zeroshard
+
+    zero: dict[str, Any] = {
+        "stage": row["stage"],
+        "reduce_bucket_size": args.bucket,
+        "allgather_bucket_size": args.bucket,
+    }
+    if row.get("offload"):
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": dev.type == "cuda"}
+        if row.get("delayed"):
+            zero["offload_optimizer"] |= {"delayed_update": True, "delayed_update_after": 0}
+    cfg = {
+        "train_micro_batch_size_per_gpu": args.micro,
+        "gradient_accumulation_steps": gas,
+        "gradient_clipping": 1.0,
+        "bf16": {"enabled": True},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.1}},
+        "zero_optimization": zero,
+        "steps_per_print": 10**9,
+    }
+    engine, *_ = zeroshard.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+
+    def zeroshard_step(batches) -> torch.Tensor:
+        for x, y in batches:
+            loss = engine(x, y)
+            engine.backward(loss)
+            engine.step()  # steps at the accumulation boundary
+        return loss
+
+    return zeroshard_step
+
+
+def train_row(row: dict, args) -> dict:
+    """Time ``row`` (one process): median step seconds over the timed steps, and more."""
+    from bench_offload_gpu import _batch
+
+    from zeroshard.models import GPT, GPTConfig
+
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    torch.manual_seed(0)
+    cfg = GPTConfig.preset(args.preset, vocab_size=args.vocab, seq_len=args.seq)
+    t0 = time.perf_counter()
+    with torch.device(dev):  # built in place: no host copy of the weights
+        model = GPT(cfg)
+    step = _step_fn(row, model, args, dev)
+    setup = time.perf_counter() - t0
+    warmup, steps = (args.warmup, args.steps) if row["gas"] == 1 else (1, args.steps_big)
+    times, losses = [], []
+    for i in range(warmup + steps):
+        batches = [_batch(i * row["gas"] + j, args.micro, args.seq, args.vocab, dev) for j in range(row["gas"])]  # fmt: skip
+        _sync(dev)
+        t = time.perf_counter()
+        loss = step(batches)
+        _sync(dev)
+        if i >= warmup:
+            times.append(time.perf_counter() - t)
+        losses.append(float(loss.detach()))
+    n = cfg.num_params()
+    tokens = args.micro * args.seq * row["gas"]
+    sec = statistics.median(times)
+    flops = (6 * n + 12 * cfg.n_layer * cfg.d_model * args.seq) * tokens
+    return {
+        "step_s": sec,
+        "tokens_s": tokens / sec,
+        "flops_s": flops / sec,
+        "params": n,
+        "setup_s": setup,
+        "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else 0.0,
+        "losses": [losses[0], losses[-1]],
+    }
+
+
+def decode_rows(args) -> dict[str, float]:
+    """Batch-1 greedy decode tokens/s: zeroshard bf16, int8, int4, and HF generate()."""
+    from bench_inference import decode_rate, to_hf_gpt2
+
+    import zeroshard
+    from zeroshard.models import GPT, GPTConfig
+
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    cfg = GPTConfig.preset(args.decode_preset, vocab_size=args.vocab, seq_len=32 + args.new)
+    torch.manual_seed(0)
+    with torch.device(dev):
+        base = GPT(cfg).eval()
+        hf = to_hf_gpt2(base).to(torch.bfloat16)  # the same weights in GPT2LMHeadModel
+    prompt = torch.randint(0, cfg.vocab_size, (1, 32), generator=torch.Generator().manual_seed(0))
+    prompt = prompt.to(dev)
+    rates: dict[str, float] = {}
+    for name, bits in (("zeroshard bf16", None), ("zeroshard int8", 8), ("zeroshard int4", 4)):
+        with torch.device(dev):
+            model = GPT(cfg)
+        model.load_state_dict(base.state_dict())
+        quant = {"quant": {"enabled": True, "weight": {"num_bits": bits}}} if bits else {}
+        conf = {"dtype": "bf16", "max_out_tokens": 32 + args.new, **quant}
+        eng = zeroshard.init_inference(model, conf)
+        rates[name] = decode_rate(lambda n, e=eng: e.generate(prompt, max_new_tokens=n), args.new)
+        print(f"  decode {name}: {rates[name]:.1f} tokens/s", flush=True)
+        del eng, model
+    rates["Hugging Face generate(), bf16"] = decode_rate(
+        lambda n: hf.generate(
+            prompt, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0
+        ),
+        args.new,
+    )
+    print(f"  decode HF generate(): {rates['Hugging Face generate(), bf16']:.1f} tokens/s")
+    return rates
+
+
+# -- the driver -----------------------------------------------------------------------------
+def _child(kind: str, spec: dict, args, argv: list[str], budget: float) -> dict:
+    """Run ``kind`` (train / decode) in a fresh process (in this one with --smoke)."""
+    if args.smoke:
+        try:
+            res = train_row(spec, args) if kind == "train" else decode_rows(args)
+            return {"ok": True, "result": res}
+        except Exception as exc:  # a failed row is reported in the table, the run goes on
+            return {"ok": False, "why": f"{type(exc).__name__}: {exc}"}
+    cmd = [sys.executable, os.path.abspath(__file__), "_child", kind, json.dumps(spec), *argv]
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    try:
+        run = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=budget)
+    except subprocess.TimeoutExpired:
+        return {"ok": False, "why": f"over its {budget:.0f} s budget"}
+    for line in run.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return {"ok": True, "result": json.loads(line[7:])}
+    sys.stderr.write(run.stdout[-2000:] + run.stderr[-4000:])
+    last = (run.stderr.strip().splitlines() or ["no output"])[-1]
+    return {"ok": False, "why": f"exit {run.returncode}: {last[:200]}"}
+
+
+def run_tests(args) -> tuple[bool, str]:
+    """``pytest tests/test_cuda.py``: (passed, its summary line)."""
+    if args.skip_tests:
+        return False, "not run (--skip-tests)"
+    cmd = [sys.executable, "-m", "pytest", "tests/test_cuda.py", "-p", "no:cacheprovider"]
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    try:
+        run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=TESTS_BUDGET_S)  # fmt: skip
+    except subprocess.TimeoutExpired:
+        return False, f"over its {TESTS_BUDGET_S} s budget"
+    lines = [ln for ln in run.stdout.strip().splitlines() if ln.strip()]
+    summary = lines[-1].strip("= ") if lines else f"exit {run.returncode}, no output"
+    if run.returncode != 0:
+        sys.stderr.write(run.stdout[-6000:] + run.stderr[-2000:])
+    # on a CPU-only host (--smoke) every test skips: that is not a GPU pass
+    passed = run.returncode == 0 and "passed" in summary and "skipped" not in summary
+    return passed, summary
+
+
+def peak(dev_name: str) -> tuple[float, str]:
+    for key, value in PEAK_BF16.items():
+        if key in dev_name:
+            return value, "spec dense bf16"
+    from zeroshard.report import peak_flops
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    return peak_flops(dev, "bf16"), "measured matmul"
+
+
+def table(results: dict[str, dict], decode: dict, args, card: str) -> str:
+    by = {r: v["result"] for r, v in results.items() if v["ok"]}
+    torch_s = by.get("torch (autocast + fused AdamW)", {}).get("step_s")
+    top, how = peak(card)
+    lines = [
+        "| row | step s | tokens/s | MFU | x torch | x all-GPU (stage 2, same gas) | GPU peak GiB | loss first -> last |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for name, v in results.items():
+        if not v["ok"]:
+            lines.append(f"| {name} | failed: {v['why']} | | | | | | |")
+            continue
+        r = v["result"]
+        gas = name.rsplit("gas ", 1)[1] if "gas " in name else "1"
+        base = by.get("zeroshard stage 2" if gas == "1" else f"stage 2, gas {gas}", {}).get("step_s")  # fmt: skip
+        x_torch = f"{r['step_s'] / torch_s:.2f}" if torch_s and gas == "1" else ""
+        x_gpu = f"{r['step_s'] / base:.2f}" if base and "offload" in name else ""
+        lines.append(
+            f"| {name} | {r['step_s']:.3f} | {r['tokens_s']:,.0f} | {r['flops_s'] / top:.1%} | "
+            f"{x_torch} | {x_gpu} | {r['peak_gib']:.1f} | {r['losses'][0]:.3f} -> {r['losses'][1]:.3f} |"
+        )
+    lines += ["", "| decode, batch 1, greedy | tokens/s |", "|---|---|"]
+    if decode["ok"]:
+        lines += [f"| {k} | {v:.1f} |" for k, v in decode["result"].items()]
+    else:
+        lines.append(f"| all | failed: {decode['why']} |")
+    head = (
+        f"GPT {args.preset}, vocab {args.vocab}, seq {args.seq}, micro-batch {args.micro}, bf16, "
+        f"AdamW, clip 1.0, bucket {args.bucket:,}; {args.steps} timed steps after {args.warmup} "
+        f"warm-up at gas 1, {args.steps_big} after 1 at gas {args.gas}; MFU against the "
+        f"{how} peak ({top / 1e12:.0f} TFLOP/s). Decode: GPT {args.decode_preset}, a 32-token "
+        f"prompt, {args.new} new tokens."
+    )
+    return head + "\n\n" + "\n".join(lines)
+
+
+def _commit(given: str | None) -> str:
+    if given:
+        return given
+    head = _gpu_green._git("rev-parse", "HEAD")
+    if head is None:
+        return "unknown"
+    dirty = _gpu_green._git("status", "--porcelain", "--untracked-files=no")
+    return head + ("+dirty" if dirty else "")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", default="1B")
+    p.add_argument("--decode-preset", default="1B")
+    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--seq", type=int, default=1024)
+    p.add_argument("--micro", type=int, default=8)
+    p.add_argument("--gas", type=int, default=8, help="the large gradient accumulation")
+    p.add_argument("--bucket", type=int, default=50_000_000)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--steps-big", type=int, default=2, help="timed steps at --gas")
+    p.add_argument("--new", type=int, default=64, help="decode: new tokens")
+    p.add_argument("--commit", default=None, help="the commit to record (default: git's HEAD)")
+    p.add_argument("--results", default=os.path.join(HERE, "RESULTS.md"))
+    p.add_argument("--green", default=_gpu_green.GREEN)
+    p.add_argument("--also-to", default=None, help="copy the table and the green record here")
+    p.add_argument("--skip-tests", action="store_true", help="rows only (never green)")
+    p.add_argument(
+        "--smoke",
+        action="store_true",
+        help="CI, no GPU: GPT tiny on the CPU, every row in this process; RESULTS.md and "
+        "the green record go to a temporary directory",
+    )
+    return p
+
+
+def main() -> int:
+    if len(sys.argv) > 3 and sys.argv[1] == "_child":
+        kind, spec, args = sys.argv[2], json.loads(sys.argv[3]), _parser().parse_args(sys.argv[4:])
+        res = train_row(spec, args) if kind == "train" else decode_rows(args)
+        print("RESULT " + json.dumps(res), flush=True)
+        return 0
+    argv = sys.argv[1:]
+    args = _parser().parse_args()
+    if not args.smoke and not torch.cuda.is_available():
+        print(
+            f"gpu-check: no CUDA device (torch {torch.__version__}, CUDA {torch.version.cuda}): "
+            "run it on a host with an NVIDIA GPU and a CUDA build of torch",
+            file=sys.stderr,
+        )
+        return 2
+    if args.smoke:
+        tmp = tempfile.mkdtemp(prefix="zs-smoke-gpu-check-")
+        args.results, args.green = os.path.join(tmp, "RESULTS.md"), os.path.join(tmp, "green.json")
+        args.preset, args.decode_preset = "tiny", "small"  # d 128: int4's group of 128 fits
+        args.vocab, args.seq, args.micro, args.gas, args.bucket = 256, 16, 2, 2, 4096
+        args.warmup, args.steps, args.steps_big, args.new = 1, 1, 1, 4
+        if not torch.cuda.is_available():
+            os.environ["ZEROSHARD_STAGE_ON_CPU"] = "1"  # offload rows: the GPU code path
+    child_argv = [a for a in argv if a != "--smoke"]
+    start = time.perf_counter()
+    card = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU (smoke)"
+    cuda = torch.version.cuda or "none"
+    print(f"gpu-check on {card}, torch {torch.__version__}, CUDA {cuda}", flush=True)
+
+    def progress(what: str, ok: bool, note: str) -> None:
+        mark = "ok" if ok else "FAILED"
+        print(f"[{time.perf_counter() - start:5.0f} s] {what}: {mark} {note}", flush=True)
+
+    tests_ok, summary = run_tests(args)
+    progress("tests/test_cuda.py", tests_ok, summary)
+    results: dict[str, dict] = {}
+    for row in rows(args.gas):
+        left = TOTAL_BUDGET_S - DECODE_BUDGET_S - (time.perf_counter() - start)
+        if left < 10 and not args.smoke:
+            results[row["name"]] = {"ok": False, "why": "not run: the 8-minute budget is spent"}
+        else:
+            results[row["name"]] = _child("train", row, args, child_argv, min(ROW_BUDGET_S, max(left, 10)))  # fmt: skip
+        v = results[row["name"]]
+        progress(row["name"], v["ok"], f"{v['result']['step_s']:.3f} s/step" if v["ok"] else v["why"])  # fmt: skip
+    decode = _child("decode", {}, args, child_argv, DECODE_BUDGET_S)
+    progress("decode", decode["ok"], "" if decode["ok"] else decode["why"])
+    body = table(results, decode, args, card)
+    wall = time.perf_counter() - start
+    commit = _commit(args.commit)
+    rows_ok = decode["ok"] and all(v["ok"] for v in results.values())
+    green = tests_ok and rows_ok
+    verdict = "green" if green else "NOT green"
+    body += f"\n\n`tests/test_cuda.py`: {summary}. {verdict}, {wall:.0f} s in all."
+    print("\n" + body, flush=True)
+    stamp = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
+    section = (
+        f"\n## {stamp} gpu-check: {card}, torch {torch.__version__}, CUDA {cuda}, commit "
+        f"{commit[:12]}\n\n`make gpu-check` (`python benchmarks/gpu_check.py "
+        f"{' '.join(argv)}`)\n\n{body}\n"
+    )
+    with open(args.results, "a") as f:
+        f.write(section)
+    record = {"commit": commit, "card": card, "torch": torch.__version__, "cuda": cuda,
+              "date": stamp, "tests": summary, "wall_s": round(wall)}  # fmt: skip
+    if green and not commit.endswith("+dirty") and commit != "unknown":
+        with open(args.green, "w") as f:
+            json.dump(record, f, indent=1)
+            f.write("\n")
+        print(f"gpu-check: green; recorded in {os.path.relpath(args.green, ROOT)}")
+    elif green:
+        print(f"gpu-check: green, but commit {commit} is not a clean one: not recorded")
+    if args.also_to:
+        os.makedirs(args.also_to, exist_ok=True)
+        with open(os.path.join(args.also_to, "gpu_check.md"), "w") as f:
+            f.write(section)
+        if os.path.exists(args.green):
+            shutil.copy(args.green, os.path.join(args.also_to, "GPU_LAST_GREEN.json"))
+    if wall > TOTAL_BUDGET_S and not args.smoke:
+        print(f"gpu-check: took {wall:.0f} s, over the {TOTAL_BUDGET_S} s budget", file=sys.stderr)
+    return 0 if green or (args.smoke and rows_ok) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
