@@ -99,9 +99,12 @@ RESUME_CASES: list[dict[str, Any]] = [
 ]
 
 
-def _resume_phase(rank: int, world: int, phase: str, root: str) -> list:
+def _resume_phase(
+    rank: int, world: int, phase: str, root: str, cases: list[dict] | None = None
+) -> list:
+    """One phase of the resume check for ``cases`` (default RESUME_CASES)."""
     out: list[dict | None] = []
-    for i, case in enumerate(RESUME_CASES):
+    for i, case in enumerate(RESUME_CASES if cases is None else cases):
         ckpt = os.path.join(root, f"case{i}")
         engine = _engine(case, world)
         if phase == "straight":

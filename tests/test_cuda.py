@@ -146,8 +146,7 @@ _CUDA_RESUME = [c for c in test_checkpoint.RESUME_CASES if not c.get("dropout")]
 
 def _resume(rank: int, world: int, phase: str, root: str) -> list:
     torch.use_deterministic_algorithms(True)
-    test_checkpoint.RESUME_CASES = _CUDA_RESUME
-    return test_checkpoint._resume_phase(rank, world, phase, root)
+    return test_checkpoint._resume_phase(rank, world, phase, root, _CUDA_RESUME)
 
 
 @pytest.mark.parametrize("world", [1, 2])
