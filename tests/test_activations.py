@@ -56,6 +56,11 @@ class Spy:
         monkeypatch.setattr(activation_offload, "to_device", unpack)
 
 
+def _grad(t: torch.Tensor) -> torch.Tensor:
+    assert t.grad is not None
+    return t.grad
+
+
 def _max_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
     assert len(a) == len(b)
     return max((x - y).abs().max().item() for x, y in zip(a, b, strict=True))
@@ -77,7 +82,7 @@ def _grads_of(run, seed: int = 7) -> list[torch.Tensor]:
     x = torch.randn(8, 16, requires_grad=True)
     torch.manual_seed(seed)
     run(_fn_with_dropout(w1, w2), x * 1.0).square().sum().backward()
-    return [w1.grad, w2.grad, x.grad]
+    return [_grad(w1), _grad(w2), _grad(x)]
 
 
 def test_checkpoint_with_dropout_matches_plain() -> None:
@@ -103,7 +108,7 @@ def _gpt_grads(model: GPT, ids: torch.Tensor, seed: int = 3) -> tuple[float, lis
     torch.manual_seed(seed)
     loss = model(ids[:, :-1], ids[:, 1:])
     loss.backward()
-    return loss.item(), [p.grad.clone() for p in model.parameters()]
+    return loss.item(), [_grad(p).clone() for p in model.parameters()]
 
 
 @pytest.mark.parametrize("offload", [False, True], ids=["kept", "offloaded"])
@@ -134,7 +139,7 @@ def _activation_memory(policy: str) -> tuple[int, int, GPTConfig]:
         p.grad = torch.zeros_like(p)  # gradient buffers exist, as in the engine
     ids = torch.randint(0, 256, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(1))
     x, y = ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
-    grads = [p.grad for p in model.parameters()]
+    grads = [_grad(p) for p in model.parameters()]
     with ActivationTracker(exclude=[*model.parameters(), *grads, x, y]) as tracker:
         loss = model(x, y)
         kept = tracker.current
@@ -294,7 +299,7 @@ def _mlp_grads(model: nn.Module, x: torch.Tensor, before_backward=lambda: None):
     out = model(x).square().sum()
     before_backward()
     out.backward()
-    return [p.grad.clone() for p in model.parameters()]
+    return [_grad(p).clone() for p in model.parameters()]
 
 
 def _offload_mlp(monkeypatch: pytest.MonkeyPatch, select):
@@ -375,9 +380,9 @@ def test_offload_queue_second_backward_fetches_again(monkeypatch: pytest.MonkeyP
         y = torch.tanh(torch.randn(4, 16) @ w).sum()
     rec.mover.complete()
     y.backward(retain_graph=True)
-    g = w.grad.clone()
+    g = _grad(w).clone()
     y.backward()
-    assert torch.allclose(w.grad, 2 * g)
+    assert torch.allclose(_grad(w), 2 * g)
     n = len(rec.refs)
     assert sorted(rec.mover.of("d2h")) == list(range(n))
     assert sorted(rec.mover.of("h2d")) == sorted(2 * list(range(n)))
@@ -413,7 +418,7 @@ def test_offload_queue_on_gpt(monkeypatch: pytest.MonkeyPatch, policy: str | Non
     loss = model(ids[:, :-1], ids[:, 1:])
     rec.mover.complete()
     loss.backward()
-    g1 = [p.grad for p in model.parameters()]
+    g1 = [_grad(p) for p in model.parameters()]
     assert _max_diff(g0, g1) <= TOL
     n = len(rec.refs)
     assert sorted(rec.mover.of("d2h")) == list(range(n))

@@ -308,6 +308,7 @@ def test_sigkill_during_save_never_breaks_latest(tmp_path) -> None:
         [sys.executable, "-W", "ignore", str(save_script), str(root)], **pipes
     )
     verifier = subprocess.Popen([sys.executable, str(verify_script)], **pipes)
+    assert server.stdin and server.stdout and verifier.stdin and verifier.stdout
     try:
         assert server.stdout.readline().strip() == "server"
         assert verifier.stdout.readline().strip() == "ready"

@@ -281,6 +281,7 @@ def _misuse(engine, rank: int, world: int, root: str) -> dict:
 
     out["resume_empty"] = list(zeroshard.resume(engine, os.path.join(root, "fresh")))
     path, _ = zeroshard.resume(engine, d)
+    assert path is not None
     out["resume"] = os.path.relpath(path, root)
     return out
 
@@ -458,8 +459,15 @@ def _start(argv: list[str], **kw) -> subprocess.Popen:
     )
 
 
+def _send(p: subprocess.Popen, text: str) -> None:
+    assert p.stdin is not None
+    p.stdin.write(text)
+    p.stdin.flush()
+
+
 def _reply(p: subprocess.Popen) -> dict:
     """The job's next JSON answer; the engine's step lines (steps_per_print) interleave."""
+    assert p.stdout is not None
     while True:
         line = p.stdout.readline()
         assert line, "job exited"
@@ -479,18 +487,17 @@ def test_racing_saves_never_publish_a_mix(tmp_path) -> None:
     jobs = [_start([sys.executable, "-W", "ignore", script, d, str(job)]) for job in (1, 2)]
     try:
         for p in jobs:
+            assert p.stdin is not None and p.stdout is not None
             assert p.stdout.readline().strip() == "ready"
         successes = 0
         for rnd in range(10):
             for p in jobs:
-                p.stdin.write("save\n")
-                p.stdin.flush()
+                _send(p, "save\n")
             results = [_reply(p) for p in jobs]
             for r in results:
                 assert r["ok"] or "save_checkpoint" in r["error"], (rnd, r)
             successes += sum(r["ok"] for r in results)
-            jobs[0].stdin.write("verify\n")
-            jobs[0].stdin.flush()
+            _send(jobs[0], "verify\n")
             got = _reply(jobs[0])
             assert got["ok"], (rnd, got, results)
             published = {r["digest"] for r in results if r["ok"]}
@@ -533,6 +540,7 @@ class Launch:
         self._reader.start()
 
     def _read(self) -> None:
+        assert self.proc.stdout is not None
         for line in self.proc.stdout:
             self.lines.append(line)
 
@@ -690,9 +698,9 @@ def test_two_nodes_parity_and_node_loss(straight) -> None:
         losses = {**nodes[0].losses(), **nodes[1].losses()}
         for step, loss in straight.items():
             assert abs(float(losses[step]) - float(loss)) <= parity.TOL, (step, losses[step], loss)
-        worker1 = int(
-            re.search(r"START rank=\d step=0 restart=0 pid=(\d+)", nodes[1].text).group(1)
-        )
+        started = re.search(r"START rank=\d step=0 restart=0 pid=(\d+)", nodes[1].text)
+        assert started is not None, nodes[1].text
+        worker1 = int(started.group(1))
         start = time.monotonic()
         os.kill(nodes[1].proc.pid, signal.SIGKILL)
         code = nodes[0].finish(timeout=30)

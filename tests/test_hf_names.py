@@ -66,7 +66,9 @@ EXCLUDED = {
     "deepspeed._zero3_consolidated_16bit_state_dict": "an engine method (self.deepspeed)",
 }
 
-_SITE = pathlib.Path(importlib.util.find_spec("transformers").origin).parent.parent
+_SPEC = importlib.util.find_spec("transformers")
+assert _SPEC is not None and _SPEC.origin is not None
+_SITE = pathlib.Path(_SPEC.origin).parent.parent
 
 
 def _grep() -> set[str]:

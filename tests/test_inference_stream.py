@@ -64,6 +64,7 @@ def test_streamed_gpt_tokens_equal_in_memory(tmp_path, device, upload):
     model = copy.deepcopy(ref)
     cfg = StreamConfig(device=device, nvme_path=str(tmp_path), buffer_count=3)
     sw = stream_weights(model, cfg, force_upload=upload)
+    assert sw is not None
     assert sum(p.untyped_storage().nbytes() for p in model.parameters()) <= 4 * 64  # placeholders
     assert torch.equal(_greedy(model, _ids()), want)
     n_units = len(sw.units)
@@ -81,6 +82,7 @@ def test_a_forward_that_raises_does_not_leak_buffers(tmp_path):
     model = _gpt()
     want = _greedy(copy.deepcopy(model), _ids())
     sw = stream_weights(model, StreamConfig(device="nvme", nvme_path=str(tmp_path), buffer_count=2))
+    assert sw is not None
     for i in (1, 2):  # each raise leaves block i "in use": without recovery, two of
         # them hold both buffers of the pool and the next forward has none
         boom = model.blocks[i].register_forward_pre_hook(lambda *a: 1 / 0)  # after acquire
@@ -132,6 +134,7 @@ def test_streamed_hf_generate_equals_in_memory(tmp_path, build):
         want = ref.generate(ids, **kw)
     model = copy.deepcopy(ref)
     sw = stream_weights(model, StreamConfig(device="nvme", nvme_path=str(tmp_path)))
+    assert sw is not None
     with torch.no_grad():
         got = model.generate(ids, **kw)
     assert torch.equal(got, want)
@@ -187,6 +190,7 @@ def test_meta_model_built_into_files_unit_by_unit(tmp_path):
         meta, ref = GPT(cfg).eval(), GPT(cfg).eval()
     want = _greedy(materialize(ref), _ids())
     sw = stream_weights(meta, StreamConfig(device="nvme", nvme_path=str(tmp_path)), init=init_unit)
+    assert sw is not None
     assert torch.equal(_greedy(meta, _ids()), want)
     sw.remove()
     with pytest.raises(ValueError, match="pass init"), torch.device("meta"):
@@ -217,6 +221,7 @@ def _big_run(rank, world, nvme: str | None, new: int):
     if nvme:
         cfg = StreamConfig(device="nvme", nvme_path=nvme, buffer_count=4)
         sw = stream_weights(model, cfg, init=init_unit)
+        assert sw is not None
     else:
         materialize(model)
     ids = _ids(256, b=1, s=8)
@@ -228,7 +233,7 @@ def _big_run(rank, world, nvme: str | None, new: int):
         "weight_bytes": weight_bytes,
         "peak_mib": rss.peak_mib() - base,
         "tokens_per_s": new * ids.shape[0] / seconds,
-        "read_bytes": sw.stats.bytes_read if nvme else 0,
+        "read_bytes": sw.stats.bytes_read if nvme and sw is not None else 0,
     }
 
 
@@ -263,6 +268,7 @@ def test_init_inference_zero_section_streams_with_kv_cache(tmp_path, capsys):
         "stage3_prefetch_bucket_size": 1000,
     }
     eng = zeroshard.init_inference(_gpt(), {"zero": zero})
+    assert eng.streaming is not None
     assert "stage3_prefetch_bucket_size means nothing" in capsys.readouterr().out
     assert torch.equal(eng.generate(ids, max_new_tokens=NEW), want)
     # with the cache, each new token runs every unit once on one position
@@ -300,6 +306,7 @@ def test_streamed_quantized_layers(tmp_path, bits, group):
     want = zeroshard.init_inference(_gpt(**build), q).generate(_ids(), max_new_tokens=NEW)
     zero = {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": str(tmp_path)}}
     eng = zeroshard.init_inference(_gpt(**build), {**q, "zero": zero})
+    assert eng.streaming is not None
     tensors = [t for m in eng.module.modules() for t in vars(m).values() if torch.is_tensor(t)]
     tensors += list(eng.module.parameters()) + list(eng.module.buffers())
     held = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
@@ -324,6 +331,7 @@ def test_meta_model_streams_from_a_safetensors_export(tmp_path):
     with torch.device("meta"):
         meta = GPT(ref.cfg)
     eng = zeroshard.init_inference(meta, {"checkpoint": str(tmp_path), "zero": zero})
+    assert eng.streaming is not None
     assert torch.equal(eng.generate(_ids(), max_new_tokens=NEW), want)
     eng.streaming.remove()
     # a transformers model saved by save_pretrained (its tied lm_head not in the file)
@@ -334,6 +342,7 @@ def test_meta_model_streams_from_a_safetensors_export(tmp_path):
     with torch.device("meta"):
         meta = type(gpt2)(gpt2.config)
     eng = zeroshard.init_inference(meta, {"checkpoint": str(tmp_path / "gpt2"), "zero": zero})
+    assert eng.streaming is not None
     assert torch.equal(eng.generate(_ids(), **kw), want)
     # Llama's rotary buffer must be real: parameters only on meta (accelerate)
     init_empty_weights = pytest.importorskip("accelerate").init_empty_weights
@@ -345,6 +354,7 @@ def test_meta_model_streams_from_a_safetensors_export(tmp_path):
         meta = type(llama)(llama.config)
     meta.generation_config.pad_token_id = 1
     eng = zeroshard.init_inference(meta, {"checkpoint": str(tmp_path / "llama"), "zero": zero})
+    assert eng.streaming is not None
     assert torch.equal(eng.generate(_ids(), **kw), want)
     with torch.device("meta"), pytest.raises(ValueError, match="init_empty_weights"):
         zeroshard.init_inference(type(llama)(llama.config), {"checkpoint": str(tmp_path / "llama"), "zero": zero})  # fmt: skip

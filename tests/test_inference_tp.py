@@ -154,6 +154,7 @@ def _engine_cases(rank, comm):
         zero = {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": d}}
         eng = zeroshard.init_inference(_gpt(), {**tp2, "zero": zero})
         out["tp_streamed"] = torch.equal(eng.generate(ids, max_new_tokens=NEW), want)
+        assert eng.streaming is not None
         eng.streaming.remove()
     return out
 

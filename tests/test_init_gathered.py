@@ -164,7 +164,7 @@ def _plain(rank, world) -> dict:
     # every rank's slice now holds its part of rank 0's values
     slices_ok = True
     for n, p in src.named_parameters():
-        entry = init.lookup(params[n])
+        entry = init.entry(params[n])
         c = entry.shard.numel()
         flat = p.detach().reshape(-1)[rank * c : (rank + 1) * c]
         slices_ok &= torch.equal(entry.shard[: flat.numel()], flat)

@@ -231,6 +231,7 @@ def _alive(pid: int) -> bool:
 def test_sigterm_stops_all_ranks():
     argv = [*ZEROSHARD, "run", "--nproc", "2", "tests/scripts/hang.py"]
     proc = subprocess.Popen(argv, cwd=ROOT, env=_env(), text=True, **PIPES)
+    assert proc.stdout is not None
     pids: list[int] = []
     try:
         deadline = time.monotonic() + 45

@@ -129,7 +129,7 @@ def _peak_activation_bytes(cfg, policy: str, batch: int) -> int:
         p.grad = torch.zeros_like(p)  # the engine's gradient buffers: model states
     ids = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len + 1))
     x, y = ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
-    states = [*model.parameters(), *(p.grad for p in model.parameters())]
+    states = [*model.parameters(), *(p.grad for p in model.parameters() if p.grad is not None)]
     with ActivationTracker(exclude=[*states, x, y]) as tracker:
         model(x, y).backward()
     return tracker.peak

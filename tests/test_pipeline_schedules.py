@@ -38,7 +38,7 @@ def test_every_microbatch_once_and_no_deadlock(name: str, p: int, m: int) -> Non
             seen[(a.kind, a.microbatch)] = i
         for i in range(m):
             back = seen.get(("B", i), seen.get(("BI", i)))
-            assert seen[("F", i)] < back
+            assert back is not None and seen[("F", i)] < back
             if name == "zb_h1":
                 assert seen[("BI", i)] < seen[("BW", i)]
     simulate(schedule)  # raises on a deadlock

@@ -38,6 +38,7 @@ def grad_diffs(ref: torch.nn.Module, model: torch.nn.Module, vcomm: Comm) -> dic
             continue
         assert p.grad is not None, f"{name}: no gradient"
         g = whole(p.grad, p, vcomm)
+        assert r.grad is not None, name
         assert g.shape == r.grad.shape, f"{name}: {tuple(g.shape)} vs {tuple(r.grad.shape)}"
         out[name] = (g - r.grad).abs().max().item()
     assert set(out) == {n for n, r in ref_params.items() if r.grad is not None}
