@@ -31,7 +31,8 @@ from dataclasses import dataclass, field
 import torch
 
 from zeroshard.comm import Comm, Handle
-from zeroshard.offload.staging import HostStager, stage_on_cpu
+from zeroshard.device import host_apart
+from zeroshard.offload.staging import HostStager
 from zeroshard.zero.flat import FlatParams
 
 # reductions in flight at once, at most: each holds a staging bucket (stages 2-3) and a
@@ -160,7 +161,7 @@ class GradReducer:
         self._views: list[torch.Tensor | None] = [None] * len(flat.params)
         self._stager: HostStager | None = None
         self._staging_events: dict[int, object] = {}  # staging buffer id -> copy event
-        if accum_device is not None and (accum_device != flat.device or stage_on_cpu()):
+        if accum_device is not None and (accum_device != flat.device or host_apart(flat.device)):
             chunk = max((s.chunk for s in reduced), default=0)
             self._stager = HostStager(flat.device, chunk, dtype)
         if sharded or self._stager is not None:
@@ -400,9 +401,10 @@ class GradReducer:
             # flight; a third waits for the oldest reduction
             b.staging = self._staging.take(self)
             event = self._staging_events.pop(id(b.staging), None)
-            if event is not None:  # its last chunk may still be on its way to the host
-                dev = self.flat.device
-                getattr(torch, dev.type).current_stream(dev).wait_event(event)
+            if event is not None and self._stager is not None:
+                # its last chunk may still be on its way to the host
+                rt = self._stager.rt
+                rt.wait_event(rt.current_stream(self.flat.device), event)
         return b.staging
 
     def finish(self) -> None:
