@@ -23,7 +23,8 @@ Log entries (tuples): ``("copy", stream, dst, src)`` when a copy is issued,
 ``("wait_event", stream, event)``, ``("sync", event)`` (the host waits),
 ``("record_stream", stream, tensor)``, ``("synchronize",)``, ``("set_device", index)``,
 plus whatever a test adds with :meth:`FakeRuntime.note`. Tensors are logged by the
-names given with :meth:`FakeRuntime.name` (``"?"`` for others).
+names given with :meth:`FakeRuntime.name` (``hostN`` for the N-th buffer of
+``host_empty``, ``devN`` for the N-th result of ``to``, ``"?"`` for others).
 """
 
 from __future__ import annotations
@@ -80,6 +81,7 @@ class FakeRuntime(Runtime):
         self._sides: list[FakeStream] = []
         self._events = 0
         self._names: list[tuple[int, int, str]] = []
+        self._counts: dict[str, int] = {}
         self._lock = threading.RLock()
         self._local = threading.local()
 
@@ -97,6 +99,11 @@ class FakeRuntime(Runtime):
     def label(self, t: torch.Tensor) -> str:
         p = t.data_ptr()
         return next((n for lo, hi, n in reversed(self._names) if lo <= p < hi), "?")
+
+    def _made(self, kind: str) -> int:
+        with self._lock:
+            n = self._counts[kind] = self._counts.get(kind, -1) + 1
+            return n
 
     def pending(self) -> int:
         """Side-stream work issued and not run yet."""
@@ -172,7 +179,9 @@ class FakeRuntime(Runtime):
 
     # -- memory and copies ----------------------------------------------------------------
     def host_empty(self, size, dtype) -> torch.Tensor:
-        return torch.empty(size, dtype=dtype)
+        t = torch.empty(size, dtype=dtype)
+        self.name(t, f"host{self._made('host')}")
+        return t
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> None:
         stream = self.current_stream(None)
@@ -186,6 +195,7 @@ class FakeRuntime(Runtime):
 
     def to(self, src: torch.Tensor, device, non_blocking: bool = False) -> torch.Tensor:
         out = torch.empty_like(src, device="cpu")
+        self.name(out, f"dev{self._made('dev')}")
         self.copy(out, src, non_blocking)
         return out
 
