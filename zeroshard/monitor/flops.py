@@ -25,6 +25,8 @@ from collections import defaultdict
 import torch
 from torch import nn
 
+from zeroshard.device import runtime
+
 
 def number(n: float, unit: str = "") -> str:
     """``1.23 G``-style numbers (DeepSpeed's units)."""
@@ -76,8 +78,7 @@ class FlopsProfiler:
         self.active = True
 
     def _clock(self) -> float:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        runtime(self.device).synchronize(self.device)
         return time.perf_counter()
 
     def _enter(self, module, args) -> None:
