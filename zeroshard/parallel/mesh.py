@@ -40,6 +40,8 @@ from dataclasses import dataclass, fields
 import torch.distributed as dist
 
 from zeroshard.comm import Comm, Ledger
+from zeroshard.device import claim_device
+from zeroshard.distributed import local_rank
 
 AXES = ("pp", "dp_replicate", "dp_shard", "sp", "tp")
 GROUPS = {
@@ -168,6 +170,11 @@ class Mesh:
         if dist.is_initialized():
             from torch.distributed.device_mesh import init_device_mesh
 
+            # DeviceMesh makes device LOCAL_RANK current itself when the runtime is not
+            # initialized yet: with ranks sharing a GPU (gloo) that ordinal may not exist.
+            # This rank's device (LOCAL_RANK modulo the visible devices, as the engine's)
+            # is made current first, and DeviceMesh keeps it.
+            claim_device(device_type, local_rank())
             sizes = tuple(getattr(shape, a) for a in AXES)
             device_mesh = init_device_mesh(device_type, sizes, mesh_dim_names=AXES)
             for axis in AXES:
