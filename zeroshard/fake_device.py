@@ -93,10 +93,14 @@ class FakeRuntime(Runtime):
 
     def name(self, t: torch.Tensor, label: str) -> None:
         """Log ``t`` (and any view inside its memory) as ``label``."""
+        if t.numel() == 0:
+            return
         lo = t.data_ptr()
-        self._names.append((lo, lo + max(t.numel(), 1) * t.element_size(), label))
+        self._names.append((lo, lo + t.numel() * t.element_size(), label))
 
     def label(self, t: torch.Tensor) -> str:
+        if t.numel() == 0:  # its address may be where the next tensor starts
+            return "empty"
         p = t.data_ptr()
         return next((n for lo, hi, n in reversed(self._names) if lo <= p < hi), "?")
 
