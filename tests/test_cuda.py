@@ -147,4 +147,5 @@ def test_write_back_casts_on_the_device() -> None:
     dst = shard.buffer
     assert torch.equal(dst[100:4667].cpu(), values.to(torch.bfloat16))
     assert not dst[:100].any() and not dst[4667:].any()
-    assert shard._upload.numel() == 1000 and shard._upload.device.type == "cuda"
+    upload = shard._upload
+    assert upload is not None and upload.numel() == 1000 and upload.device.type == "cuda"

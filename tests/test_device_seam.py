@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+from typing import Any
 
 import multirank
 import parity
@@ -102,7 +103,7 @@ def _instrument(fake: FakeRuntime, engine) -> None:
 
 
 def _engine_worker(rank: int, world: int) -> dict:
-    out = {}
+    out: dict[str, Any] = {}
     for name, case in _cases().items():
         fake = FakeRuntime()
         with device.use(fake):
@@ -134,7 +135,7 @@ def offload_path(rank: int, world: int, fake: bool = False) -> list[dict]:
     on the CPU under the fake runtime."""
     out = []
     for stage, params_off in ((1, False), (2, False), (3, False), (3, True)):
-        extra = {"offload_optimizer": CPU}
+        extra: dict[str, Any] = {"offload_optimizer": CPU}
         if stage == 3:
             extra["stage3_param_persistence_threshold"] = 0
         if params_off:
@@ -323,7 +324,7 @@ def test_streamed_inference_waits_for_each_upload() -> None:
             read(unit, buf)
             fake.note("read done", unit.name, fake.label(buf))
 
-        sw._take_buffer, sw._read = take_named, read_logged
+        sw._take_buffer, sw._read = take_named, read_logged  # type: ignore[method-assign]
         for u in sw.units:
             u.module.register_forward_pre_hook(lambda m, a, n=u.name: fake.note("forward", n))
         got = greedy(model, ids, 4)

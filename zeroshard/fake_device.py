@@ -41,7 +41,7 @@ from zeroshard.device import Runtime
 class FakeStream:
     def __init__(self, name: str) -> None:
         self.name = name
-        self.queue: list[tuple[int, Callable[[], None]]] = []
+        self.queue: list[tuple[int, Callable[[], object]]] = []
         self.issued = 0  # work items issued on this stream so far
 
     def __repr__(self) -> str:
