@@ -54,7 +54,7 @@ def test_one_process_mesh_has_local_comms():
 
 def _one_gpu_host(rank: int, world: int) -> dict:
     """``torch.cuda`` answers as on a host with one GPU (what DeviceMesh and the device
-    seam ask: device_count, is_initialized, set_device, init): a device ordinal past it
+    seam ask: is_available, device_count, is_initialized, set_device, init): an ordinal past it
     raises as CUDA does, and setting a device initializes the runtime."""
     import torch
 
@@ -70,6 +70,7 @@ def _one_gpu_host(rank: int, world: int) -> dict:
     torch.cuda.set_device = set_device  # this spawned rank's torch only
     torch.cuda.is_initialized = lambda: state["initialized"]
     torch.cuda.device_count = lambda: 1
+    torch.cuda.is_available = lambda: True  # DeviceMesh's gloo-on-a-GPU-host branch
     torch.cuda.init = lambda: state.update(initialized=True)
     mesh = Mesh.build(MeshShape(dp_shard=world), device_type="cuda")
     return {"set": state["set"], "dp": mesh.size("dp"), "coord": mesh.coord("dp_shard")}
