@@ -33,6 +33,7 @@ from zeroshard.safetensors_io import DTYPES
 #: the elementwise state a built-in optimizer makes in its first step, by class name
 #: (a class or any of its bases); ``max_exp_avg_sq`` with ``amsgrad`` only
 _ADAM = {"Adam", "AdamW", "FusedAdam", "DeepSpeedCPUAdam", "SwappedAdam"}
+_KNOWN = _ADAM | {"SGD"}
 
 
 def _first_and_rest(problems: list[str], unit: str = "more") -> str:
@@ -135,7 +136,8 @@ def _why(key: str, manifest: dict) -> str:
 def check_optimizer_fits(engine, path: str, manifest: dict, names: set[str]) -> None:
     """Every parameter ``engine`` trains (of ``names``, those loaded) was saved with
     its optimizer state, in the same param group; every state kind the engine's optimizer
-    needs (those it holds, and those it makes in a step) is saved once it has stepped."""
+    needs is saved once the checkpoint has stepped (a built-in optimizer: those it makes
+    in a step with the saved hyperparameters; a client optimizer: those it holds)."""
     problems: list[str] = []
     flat = engine.flat
     saved = manifest["params"]
@@ -159,11 +161,14 @@ def check_optimizer_fits(engine, path: str, manifest: dict, names: set[str]) -> 
         inner = engine.optimizer.inner
         ours = engine.optimizer.param_groups
         live = [{**a, **b} for a, b in zip(ours, groups, strict=True)]  # as loaded
-        held = {k for k in engine.optimizer.states.kinds if k != "master"}
         classes = {c.__name__ for c in type(inner).__mro__}
+        if classes & _KNOWN:  # what it makes with the hyperparameters it is about to load
+            needed = made_kinds(classes, live)
+        else:  # a client optimizer: what it holds already
+            needed = {k for k in engine.optimizer.states.kinds if k != "master"}
         trained = [n for n, e in saved.items() if e["group"] >= 0 and n in names]
         if trained:
-            for kind in sorted((held | made_kinds(classes, live)) - kinds):
+            for kind in sorted(needed - kinds):
                 problems.append(
                     f"no optimizer state {kind!r} for {trained[0]!r} (nor for "
                     f"{len(trained) - 1} more parameters), which this engine's "
