@@ -159,7 +159,8 @@ class Watchdog:
     def _age(self, other: dict) -> str:
         """A note when ``other``'s report is older than its heartbeat allows."""
         age = time.time() - other.get("time", time.time())
-        if age <= 3 * self.period + 1:
+        # a few heartbeats late; under the timeout, which a stopped rank's age exceeds
+        if age <= max(2 * self.period, min(3 * self.period + 1, self.timeout / 2)):
             return ""
         return (
             f"; no report for {age:.0f} s (the process is stopped, or holds the GIL): this is "

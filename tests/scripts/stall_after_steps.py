@@ -6,6 +6,7 @@ step 3 returned, with its last collective."""
 
 import os
 import signal
+import subprocess
 import sys
 import time
 
@@ -26,7 +27,9 @@ engine, *_ = zeroshard.initialize(model=model, model_parameters=model.parameters
 x = torch.zeros(1, 8, dtype=torch.long)
 for step in range(4):
     if step == 3 and engine.global_rank == 1:
-        if sys.argv[1] == "stop":
+        if sys.argv[1] == "stop":  # continued 10 s later, so that the launcher can end it
+            cont = f"sleep 10; kill -CONT {os.getpid()}"  # its own session: outlives a group kill
+            subprocess.Popen(["sh", "-c", cont], start_new_session=True)
             os.kill(os.getpid(), signal.SIGSTOP)
         time.sleep(60)
     engine.backward(engine(x, x))
