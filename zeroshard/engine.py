@@ -254,6 +254,11 @@ class Engine(EngineBuild, DeepSpeedEngineCompat, nn.Module):
         # drop the buffers (the parameters at stages 0-2 keep their views of the flat one)
         self.reducer = self.optimizer = self.flat = self.params = self._delayed = None
 
+    def _leave(self, publish: bool = False) -> None:
+        """Tell the watchdog the call returned (``publish``: report it now, once a step)."""
+        if self._watchdog is not None:
+            self._watchdog.leave(self.global_steps, publish)
+
     def _enter(self, phase: str) -> None:
         """Refuse a destroyed engine; tell the watchdog which call this rank is in."""
         if self.destroyed:
@@ -298,6 +303,7 @@ class Engine(EngineBuild, DeepSpeedEngineCompat, nn.Module):
         self.monitor.forward_start(self, args, kwargs)
         out = self.module(*args, **kwargs)
         self.monitor.forward_end()
+        self._leave()
         return out
 
     def is_gradient_accumulation_boundary(self) -> bool:
@@ -340,6 +346,7 @@ class Engine(EngineBuild, DeepSpeedEngineCompat, nn.Module):
             self.params.end_backward()
         self.monitor.backward_end()
         self._backwards_in_window += 1
+        self._leave()
         return loss
 
     def step(self, lr_kwargs: dict | None = None) -> None:
@@ -388,6 +395,7 @@ class Engine(EngineBuild, DeepSpeedEngineCompat, nn.Module):
         self.micro_steps += 1
         if self.preemption is not None and boundary:
             self.preemption.at_step_boundary(self)  # SIGTERM: save, exit 0
+        self._leave(publish=True)
 
     def zero_grad(self) -> None:
         self.reducer.zero_grad()
