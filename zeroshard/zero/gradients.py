@@ -33,6 +33,7 @@ import torch
 from zeroshard.comm import Comm, Handle
 from zeroshard.offload.staging import HostStager, stage_on_cpu
 from zeroshard.zero.flat import FlatParams
+from zeroshard.zero.reached import reached_leaves
 
 # reductions in flight at once, at most: each holds a staging bucket (stages 2-3) and a
 # receive buffer (point-to-point reduce-scatter); more wait for the oldest
@@ -119,8 +120,10 @@ class GradReducer:
         on_bucket_ready=None,
         accum_device: torch.device | None = None,
         reduce_scatter_via: str | None = None,
+        count_unreached: bool = False,
     ) -> None:
         self.flat, self.comm, self.dtype = flat, comm, dtype
+        self._count_unreached = count_unreached
         self._rs_via = reduce_scatter_via or comm.reduce_scatter_path(flat.device)
         self.replicate = replicate if replicate is not None and replicate.world_size > 1 else None
         if self.replicate is not None and not flat.partitioned:
@@ -214,12 +217,24 @@ class GradReducer:
             self._hooks.append(p.register_post_accumulate_grad_hook(self._make_hook(pi)))
 
     # -- backward -----------------------------------------------------------------------
-    def begin(self, boundary: bool) -> None:
-        """Called before each backward: whether this micro-step ends an accumulation."""
+    def begin(self, boundary: bool, roots: list[torch.Tensor] | None = None) -> None:
+        """Called before each backward: whether this micro-step ends an accumulation,
+        and the tensors backward starts from (for ``count_unreached``)."""
         self._boundary = boundary
         self._in_backward = True
         if self._reduced and self.flat.partitioned and not self.sharded:
             self._restate_owned()
+        if self._count_unreached and roots is not None and self.communicates_now:
+            self._count_unreached_as_arrived(roots)
+
+    def _count_unreached_as_arrived(self, roots: list[torch.Tensor]) -> None:
+        reached = reached_leaves(roots)
+        if reached is None:  # a graph that hides parameters: wait for what arrives
+            return
+        for pi, p in enumerate(self.flat.params):
+            if self.flat.group_of[pi] >= 0 and id(p) not in reached:
+                self._bucket_of[pi].ready.add(pi)
+        self._launch_in_order(upto=None)
 
     def _restate_owned(self) -> None:
         """Stage 1, another backward after the boundary's reduction (two losses, one
