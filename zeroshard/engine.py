@@ -361,8 +361,8 @@ class Engine(EngineBuild, DeepSpeedEngineCompat, nn.Module):
             self._land_delayed()
             if self._delayed is not None:
                 self._delayed.armed = self.global_steps >= self._delayed.after
-            if self.params.edited():  # e.g. p.clamp_() after the last step: keep it
-                self.optimizer.refresh_masters(list(range(len(self.flat.layout.segments))))
+            # e.g. p.clamp_() after the last step: the masters take it (zero/edits.py)
+            self.optimizer.refresh_masters(self.params.take_edits())
             loss_finite = self._loss_finite is None or bool(self._loss_finite)
             self._loss_finite = None
             self._step_applied = self.optimizer.apply_step(loss_finite)
@@ -464,6 +464,8 @@ class Engine(EngineBuild, DeepSpeedEngineCompat, nn.Module):
         self.params.open(params)
 
     def close_gathered(self, params: list[torch.Tensor], modifier_rank: int | None) -> None:
+        # edits to whole parameters first (this rank's, made inside the block or before)
+        self.optimizer.refresh_masters(self.params.take_edits())
         self.optimizer.refresh_masters(self.params.close(params, modifier_rank))
         self.params.mark_clean()
 
