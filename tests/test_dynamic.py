@@ -786,46 +786,45 @@ def _clip_configs(nvme: str) -> dict[str, tuple[int, dict]]:
 
 
 def _master_bits(rank: int, world: int, stage: int) -> dict:
-    """bf16 parameters, fp32 masters: an in-place edit that changes nothing, and a clamp,
-    leave the masters of the unchanged elements bit for bit."""
+    """bf16 parameters, fp32 masters: an in-place edit that changes nothing leaves the
+    next step bit for bit as without it; a clamp reaches the masters of the clamped
+    elements only, as their bf16 values."""
     import zeroshard
     from zeroshard.zero import GatheredParameters
 
-    out = {}
     masters = {}
     for edit in ("none", "noop", "clamp"):
         torch.manual_seed(0)
         model = Net()
-        cfg = {
-            **_z3_config(stage),
-            "zero_optimization": {"stage": stage},
-            "bf16": {"enabled": True},
-        }
+        cfg = {**_z3_config(stage), "zero_optimization": {"stage": stage}}
+        cfg["bf16"] = {"enabled": True}
         engine, *_ = zeroshard.initialize(
             model=model, model_parameters=model.parameters(), config=cfg
         )
-        x, y = _data(0, MICRO * world)
-        engine.backward(
-            engine(x[rank * MICRO : (rank + 1) * MICRO], y[rank * MICRO : (rank + 1) * MICRO])
-        )
-        engine.step()
-        with torch.no_grad():
-            if edit == "noop":
-                model.fc1.weight.clamp_(-100.0, 100.0)
-            elif edit == "clamp":
+        states, numel = engine.optimizer.states, engine.flat.layout.shard_numel
+        for step in range(1 if edit == "clamp" else 2):
+            x, y = _data(step, MICRO * world)
+            lo = rank * MICRO
+            engine.backward(engine(x[lo : lo + MICRO], y[lo : lo + MICRO]))
+            engine.step()
+            if step == 0 and edit == "noop":
+                with torch.no_grad():
+                    model.fc1.weight.clamp_(-100.0, 100.0)
+        if edit == "clamp":
+            masters["before"] = states.read("master", 0, numel).clone()
+            with torch.no_grad():
                 model.fc1.weight.clamp_(-0.05, 0.05)
-        with GatheredParameters([model.fc2.bias]):  # leaving it hands edits to the masters
-            pass
-        states = engine.optimizer.states
-        masters[edit] = states.read("master", 0, engine.flat.layout.shard_numel)
+            with GatheredParameters([model.fc2.bias]):  # leaving it hands edits over
+                pass
+        masters[edit] = states.read("master", 0, numel).clone()
         engine.destroy()
-    out["noop_same_bits"] = torch.equal(masters["noop"], masters["none"])
-    changed = masters["clamp"] != masters["none"]
-    out["clamped_are_bf16"] = bool(
-        (masters["clamp"][changed].abs() == torch.tensor(0.05).bfloat16().float()).all()
-    )
-    out["some_clamped"] = int(changed.sum())
-    return out
+    changed = masters["clamp"] != masters["before"]
+    clamped = masters["clamp"][changed].abs()
+    return {
+        "noop_same_bits": torch.equal(masters["noop"], masters["none"]),
+        "clamped_are_bf16": bool((clamped == torch.tensor(0.05).bfloat16().float()).all()),
+        "some_clamped": int(changed.sum()),
+    }
 
 
 def _released_reads(rank: int, world: int) -> dict:
