@@ -9,7 +9,10 @@ communication here: these only call back into the gatherer.
   ``module.name`` read, so parameters used outside their own module are gathered too.
 * :func:`guard`: gives a parameter a subclass whose ``__torch_function__`` refuses ops
   on it while it is released (only this rank's shard held), naming the parameter and
-  ``GatheredParameters``, instead of computing on an empty placeholder. A parameter
+  ``GatheredParameters``, instead of computing on an empty placeholder, but for the
+  reads :data:`RELEASED_READS` lists (metadata answered for the whole parameter, autograd
+  state and hooks, plumbing; ``.data`` is an alias refusing values the same way); it
+  also notes reads of ``.data`` of a gathered one (``zero/edits.py``). A parameter
   built under ``zero.Init`` (full shape, storage freed until gathered) is guarded the
   same way from the end of the ``Init`` block until ``initialize``: metadata and aliases
   (``p.data``, ``detach()``, views: :class:`SealedView`, which checks again on use) are

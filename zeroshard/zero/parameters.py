@@ -18,7 +18,9 @@ Communication (Ψ = parameter bytes of the non-persistent units):
 * backward: an identity autograd function on each module's outputs gathers its units
   again just before that module's backward (no all-gather for a unit still kept),
   prefetching along the order recorded on the first backward; a unit is freed as soon as
-  all its gradients have landed (the gradient reducer then reduce-scatters them, Ψ).
+  all its gradients have landed (the gradient reducer then reduce-scatters them, Ψ, in
+  a process group of its own: where a parameter gets a gradient on some ranks only, the
+  reductions interleave with these gathers differently on each rank).
 * step: the persistent segments are all-gathered after each optimizer step.
 
 Reuse (``stage3_max_reuse_distance``, DeepSpeed's semantics): once the first forward
@@ -65,8 +67,11 @@ prefetches used, units evicted, units kept for reuse and requests they served).
 Freeing keeps tensor objects alive: the unit buffer's storage is resized to zero and
 the parameters point at an empty placeholder, so tensors autograd saved during forward
 (views of the buffer) see the re-gathered values in backward. A released parameter
-refuses torch ops (``hooks.guard``), naming itself and ``GatherParameters``, instead of
-computing on the placeholder.
+answers its metadata for the whole parameter and refuses every other torch op, its
+``.data`` included (``hooks.RELEASED_READS``), naming itself and ``GatheredParameters``,
+instead of computing on the placeholder. Persistent parameters are whole on every rank:
+edits made to them outside forward are written into this rank's shard when the next
+step starts (``zero/edits.py``), as at stages 0-2.
 
 Agreement: ranks must gather the same units in the same order. During the first forward
 and the first backward (and always with ``zero_optimization.enable_sanity_checks``)

@@ -12,6 +12,10 @@ so the gathers of later layers run while earlier layers compute. Every other eng
 (backward, step, checkpoints, ``GatheredParameters``, ``destroy``) waits for all of them
 first; code that reads parameters outside the engine in between must call
 ``engine.wait_param_gather()``.
+
+Parameters changed outside the engine between steps (``p.clamp_()``, ``p.data.clamp_()``,
+``p.data = t``, ``load_state_dict``) are found when the next step starts and the masters
+take them (``zero/edits.py``).
 """
 
 from __future__ import annotations
