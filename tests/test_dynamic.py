@@ -958,3 +958,23 @@ def test_released_parameter_answers_metadata_and_refuses_values(outside):
         for name, msg in released["refused"].items():
             assert "fc1.weight" in msg and "GatheredParameters" in msg, (name, msg)
         assert released["trains_after"]
+
+
+def test_graph_walk_names_the_parameters_a_backward_reaches():
+    """zero/reached.py: what the stage-3 reducer counts as arrived before backward; a
+    reentrant checkpoint hides the parameters inside it, so nothing is ruled out."""
+    from torch.utils.checkpoint import checkpoint
+
+    from zeroshard.zero.reached import reached_leaves
+
+    torch.manual_seed(0)
+    model = GatedLM("linear")
+    x, y = _gated_data("linear", 0, 0)
+    skipped = reached_leaves([model(x, y, take=False)])
+    assert skipped == {id(p) for n, p in model.named_parameters() if not n.startswith("gate.")}
+    taken = reached_leaves([model(x, y, take=True)])
+    assert taken == {id(p) for p in model.parameters()}
+    h = checkpoint(model.gate, model.first(x), True, use_reentrant=True)
+    assert reached_leaves([h.sum()]) is None
+    h = checkpoint(model.gate, model.first(x), True, use_reentrant=False)
+    assert id(model.gate.extra.weight) in reached_leaves([h.sum()])
