@@ -83,28 +83,32 @@ class WholeEdits:
 
     def mark_clean(self) -> None:
         """The parameters and the masters agree now."""
-        for p in self.params:
-            p.__dict__.pop("_zs_data_read", None)
-        self._clean = [p._version for p in self.params]
+        with torch._C.DisableTorchFunctionSubclass():  # plain reads (stage 3's guard)
+            for p in self.params:
+                p.__dict__.pop("_zs_data_read", None)
+            self._clean = [p._version for p in self.params]
 
-    def _moved(self, i: int) -> bool:
-        return moved(self.params[i], self.views[i])
-
-    def _touched(self, i: int) -> bool:
-        p = self.params[i]
-        return p._version != self._clean[i] or "_zs_data_read" in p.__dict__ or self._moved(i)
+    def _touched(self) -> list[int]:
+        with torch._C.DisableTorchFunctionSubclass():
+            return [
+                i
+                for i, p in enumerate(self.params)
+                if p._version != self._clean[i]
+                or "_zs_data_read" in p.__dict__
+                or moved(p, self.views[i])
+            ]
 
     def pending(self) -> bool:
         """Whether some parameter may have been changed since :meth:`mark_clean`."""
-        return any(self._touched(i) for i in range(len(self.params)))
+        return bool(self._touched())
 
     def take(self) -> list[int]:
         """The parameters that may have changed (positions in ``params``); each one
         given another tensor gets its values copied into its view and views it again.
         Then clean."""
-        touched = [i for i in range(len(self.params)) if self._touched(i)]
+        touched = self._touched()
         for i in touched:
-            if self._moved(i):
+            if moved(self.params[i], self.views[i]):
                 view_again(self.params[i], self.views[i], self.names[i])
         self.mark_clean()
         return touched
