@@ -707,7 +707,15 @@ def test_leaf_running_on_one_rank_trains_as_torch(gated):
 
 
 # -- whole parameters edited outside forward; released ones read (issue 26) -----------------
-WRITES = ("clamp", "data_clamp", "data_assign", "load_state_dict", "gathered_modifier", "gathered")
+WRITES = (
+    "clamp",
+    "data_clamp",
+    "data_assign",
+    "load_state_dict",
+    "gathered_modifier",
+    "gathered_modifier_data_assign",
+    "gathered",
+)
 
 
 def _write(model, ref, how: str) -> None:
@@ -725,6 +733,9 @@ def _write(model, ref, how: str) -> None:
         p.data = p.data.clamp(-0.05, 0.05)
     elif how == "load_state_dict":
         model.load_state_dict({k: v.detach().clone() for k, v in ref.state_dict().items()})
+    elif how == "gathered_modifier_data_assign":
+        with GatheredParameters([p], modifier_rank=0):
+            p.data = p.data.clamp(-0.05, 0.05)
     else:
         rank = 0 if how == "gathered_modifier" else None
         with GatheredParameters([p], modifier_rank=rank), torch.no_grad():
