@@ -838,7 +838,7 @@ def _master_bits(rank: int, world: int, stage: int) -> dict:
     }
 
 
-def _released_reads(rank: int, world: int) -> dict:
+def _released_reads(rank: int, world: int, **zero) -> dict:
     """What a released stage-3 parameter (and its ``.data``) answers outside forward."""
     import zeroshard
     from zeroshard.zero.hooks import PartitionedParameterError
@@ -848,7 +848,7 @@ def _released_reads(rank: int, world: int) -> dict:
     model.fc1.weight.register_hook(lambda g: g)
     model.fc1.weight.tag = "mine"
     engine, *_ = zeroshard.initialize(
-        model=model, model_parameters=model.parameters(), config=_z3_config()
+        model=model, model_parameters=model.parameters(), config=_z3_config(**zero)
     )
     x, y = _data(0, MICRO)
     engine.backward(engine(x, y))
@@ -916,7 +916,12 @@ def _outside(rank: int, world: int, nvme: str) -> dict:
             for how in WRITES
         },
         "master_bits": {stage: _master_bits(rank, world, stage) for stage in (1, 3)},
-        "released": _released_reads(rank, world),
+        "released": {
+            "device": _released_reads(rank, world),
+            "offloaded": _released_reads(
+                rank, world, offload_param={"device": "cpu"}, offload_optimizer={"device": "cpu"}
+            ),
+        },
     }
 
 
@@ -963,12 +968,12 @@ def test_released_parameter_answers_metadata_and_refuses_values(outside):
     (16, 8), not the empty placeholder); reads and writes of values, through the
     parameter or its .data, raise PartitionedParameterError naming it."""
     for r in outside:
-        released = r["released"]
-        bad = {k: v for k, v in released["allowed"].items() if v is not True}
-        assert not bad, bad
-        for name, msg in released["refused"].items():
-            assert "fc1.weight" in msg and "GatheredParameters" in msg, (name, msg)
-        assert released["trains_after"]
+        for where, released in r["released"].items():
+            bad = {k: v for k, v in released["allowed"].items() if v is not True}
+            assert not bad, (where, bad)
+            for name, msg in released["refused"].items():
+                assert "fc1.weight" in msg and "GatheredParameters" in msg, (where, name, msg)
+            assert released["trains_after"]
 
 
 def test_graph_walk_names_the_parameters_a_backward_reaches():
