@@ -5,7 +5,8 @@ Each segment of the :class:`~zeroshard.zero.flat.FlatParams` layout is a bucket.
 bucket; when a bucket is complete it is reduced asynchronously while backward goes on.
 Buckets are launched in one fixed global order (by position in the model, last layers
 first), so every rank issues the same collectives in the same order even when
-gradients arrive in a different order or some parameters get none. At stage 3 (``count_unreached``) the parameters a backward's graph does not reach
+gradients arrive in a different order or some parameters get none. At stage 3
+(``count_unreached``) the parameters a backward's graph does not reach
 (``zero/reached.py``) count as arrived when it starts, so a rank that gets no gradient
 for a bucket launches it when the others do, not when backward ends.
 
