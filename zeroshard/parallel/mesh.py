@@ -297,6 +297,24 @@ class Mesh:
             self._comms[axes] = Comm(group, self.ledger, axis=name)
         return self._comms[axes]
 
+    def twin(self, name: str) -> Comm:
+        """A second Comm over the ranks of ``name`` with a process group of its own; the
+        same ledger axis. Two streams of collectives whose relative order may differ
+        between ranks (stage 3's parameter gathers and gradient reductions in backward)
+        each keep their own order on their own group, instead of meeting in one group in
+        a different order on each rank. Every rank must call it, in the same order (one
+        all-gather of the group's members over the world, then ``new_group``)."""
+        comm = self.comm(name)
+        if comm.world_size == 1 or not dist.is_initialized():
+            return comm  # no collective crosses processes
+        mine = sorted(dist.get_process_group_ranks(comm.group or dist.group.WORLD))
+        twin = None
+        for members in sorted({tuple(m) for m in self.comm("world").all_gather_object(mine)}):
+            group = dist.new_group(list(members))
+            if dist.get_rank() in members:
+                twin = group
+        return Comm(twin, self.ledger, axis=name)
+
     @staticmethod
     def _axes(name: str) -> tuple[str, ...]:
         if name in GROUPS:

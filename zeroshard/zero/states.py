@@ -25,6 +25,7 @@ import torch
 from zeroshard.device import runtime
 from zeroshard.offload.placement import Placement
 from zeroshard.precision import DtypePolicy
+from zeroshard.zero.edits import take_edits
 from zeroshard.zero.flat import FlatParams
 
 _EAGER_STATE = (torch.optim.Adam, torch.optim.AdamW)
@@ -196,10 +197,11 @@ class MemoryStates:
                 g["params"] = params
 
     def refresh(self, segments: list[int]) -> None:
-        """Parameters of ``segments`` were changed from outside: copy them into the masters."""
+        """Parameters of ``segments`` were changed from outside: the masters take the
+        changed values (``zero/edits.py``: unchanged elements keep their fp32 bits)."""
         if self.separate:
             for s in segments:
-                self.masters[s].copy_(self.flat.store.chunk(s))
+                take_edits(self.masters[s], self.flat.store.chunk(s))
 
     # -- the store protocol ----------------------------------------------------------------
     @property
