@@ -148,17 +148,20 @@ def _zeroshard(
     engine, *_ = zeroshard.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     os.environ.pop(STAGE_ON_CPU_ENV)
     engine.backward(engine(torch.full((numel,), 1e-3, device=engine.device)))
-    opt = engine.optimizer
+    opt = engine.optimizer  # the engine's step at a boundary calls its apply_step
 
     def step() -> None:
-        opt.apply_step()  # the engine's boundary step, on the gradients reduced above
+        # norm and flags (with clipping), the store's step and its write-back; the
+        # reduced gradients stay until the next window, so the step can be repeated
+        assert opt.apply_step(), "the step was skipped"
         _sync()
 
     step()
     whole = _median_time(step, steps)
-    inner = opt.inner
-    opt.states._attach_grads(opt.reducer.grad_chunks)
-    inner_t = _median_time(inner.step, steps)
+    states = opt.states
+    states.prepare_step(states.inner, engine.reducer.grad_chunks, 1.0)  # masters' .grad
+    inner_t = _median_time(states.inner.step, steps)
+    states.clear_grads(states.inner)
     return whole, inner_t
 
 

@@ -5,7 +5,6 @@ engine test (one rank)."""
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import logging
 import weakref
@@ -16,13 +15,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from zeroshard import activation_offload, checkpointing
+from zeroshard import activation_offload, checkpointing, device
 from zeroshard.checkpointing import (
     apply_activation_checkpointing,
     apply_activation_offload,
     checkpoint,
     configure,
 )
+from zeroshard.fake_device import FakeRuntime
 from zeroshard.memory import ActivationTracker, activation_bytes
 from zeroshard.models import GPT, Block, GPTConfig
 
@@ -237,10 +237,10 @@ class FakeMover:
     def use(self, dev: torch.Tensor, event: FakeEvent) -> None:
         self.calls.append(("use", event.n))
 
-    def done(self, event: FakeEvent) -> bool:
+    def done(self, event: FakeEvent, device: torch.device) -> bool:
         return event.done
 
-    def wait(self, event: FakeEvent) -> None:
+    def wait(self, event: FakeEvent, device: torch.device) -> None:
         self.calls.append(("wait", event.n))
         event.done = True
 
@@ -431,95 +431,50 @@ def test_offload_queue_on_gpt(monkeypatch: pytest.MonkeyPatch, policy: str | Non
     rec.assert_empty()
 
 
-class _Stream:
-    def __init__(self, api: FakeStreamApi, name: str) -> None:
-        self.api, self.name = api, name
-
-    def wait_stream(self, other: _Stream) -> None:
-        self.api.log.append(("wait_stream", self.name, other.name))
-
-    def wait_event(self, event: _Event) -> None:
-        self.api.log.append(("wait_event", self.name, event.name))
-
-
-class _Event:
-    def __init__(self, api: FakeStreamApi) -> None:
-        self.api, self.name = api, f"event{len(api.log)}"
-
-    def record(self, stream: _Stream) -> None:
-        self.api.log.append(("record", self.name, stream.name))
-
-    def query(self) -> bool:
-        return True
-
-    def synchronize(self) -> None:
-        pass
-
-
-class FakeStreamApi:
-    """Stands in for ``torch.cuda``'s stream API; records what is asked of it."""
-
-    def __init__(self) -> None:
-        self.log: list[tuple[str, ...]] = []
-        self.compute = _Stream(self, "compute")
-
-    def Stream(self, device: torch.device) -> _Stream:
-        return _Stream(self, "side")
-
-    def Event(self) -> _Event:
-        return _Event(self)
-
-    def current_stream(self, device: torch.device) -> _Stream:
-        return self.compute
-
-    @contextlib.contextmanager
-    def stream(self, s: _Stream):
-        self.log.append(("on", s.name))
-        yield
-        self.log.append(("off", s.name))
-
-
-def test_stream_mover_orders_the_streams(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The real mover's stream protocol, on CPU, with a recording stand-in for
-    ``torch.cuda``: wait for compute, copy on the side stream, protect, record; and on the
-    way back the compute stream waits on the copy's event."""
-    api = FakeStreamApi()
-    monkeypatch.setattr(activation_offload._StreamMover, "_api", staticmethod(lambda device: api))
-    monkeypatch.setattr(activation_offload._StreamMover, "moves", lambda self, t: True)
-    monkeypatch.setattr(
-        torch.Tensor, "record_stream", lambda t, s: api.log.append(("record_stream", s.name))
-    )
-    mover = activation_offload._StreamMover()
-    x = torch.randn(4, 8)
-    host, d2h = mover.to_host(x)
-    assert torch.equal(host, x) and host.data_ptr() != x.data_ptr()
-    assert api.log == [
-        ("wait_stream", "side", "compute"),  # the source is ready
-        ("on", "side"),  # the copy is queued there
-        ("off", "side"),
-        ("record_stream", "side"),  # its memory is not reused before the copy is done
-        ("record", d2h.name, "side"),
-    ]
-    api.log.clear()
-    dev, h2d = mover.to_device(host, x.device)
-    mover.use(dev, h2d)
-    assert api.log == [
-        ("on", "side"),
-        ("off", "side"),
-        ("record", h2d.name, "side"),
-        ("wait_event", "compute", h2d.name),  # compute uses it only once it has arrived
-        ("record_stream", "compute"),
-    ]
-    # and through the whole model: one side stream, gradients unchanged
-    monkeypatch.setattr(activation_offload, "_QUEUE", activation_offload._OffloadQueue(mover))
-    ref = _gpt(dropout=0.1)
-    ids = torch.randint(0, 256, (2, 33), generator=torch.Generator().manual_seed(1))
-    _, g0 = _gpt_grads(ref, ids)
-    model = copy.deepcopy(ref)
-    apply_activation_checkpointing(model, Block, "selective", offload=True)
-    _, g1 = _gpt_grads(model, ids)
+def test_stream_mover_orders_the_streams() -> None:
+    """The real mover's stream protocol, on CPU, through the device seam's fake runtime
+    (side-stream copies run only once waited for): wait for compute, copy on the side
+    stream, protect, record; and on the way back the compute stream waits on the copy's
+    event."""
+    fake = FakeRuntime()
+    with device.use(fake):
+        mover = activation_offload._StreamMover()
+        x = torch.randn(4, 8)
+        fake.name(x, "x")
+        host, d2h = mover.to_host(x)
+        assert fake.pending() == 1  # queued on the side stream, not run yet
+        assert fake.log == [
+            ("wait_stream", "side0", "compute"),  # the source is ready
+            ("copy", "side0", "host0", "x"),
+            ("record_stream", "side0", "x"),  # its memory is not reused before the copy
+            ("record", d2h.name, "side0"),
+        ]
+        assert mover.done(d2h, x.device) and torch.equal(host, x)
+        fake.log.clear()
+        dev, h2d = mover.to_device(host, x.device)
+        mover.use(dev, h2d)
+        assert torch.equal(dev, x) and dev.data_ptr() != x.data_ptr()
+        assert fake.log == [
+            ("copy", "side0", "dev0", "host0"),
+            ("record", h2d.name, "side0"),
+            ("wait_event", "compute", h2d.name),  # compute uses it only once it has arrived
+            ("record_stream", "compute", "dev0"),
+        ]
+        # and through the whole model: one side stream, gradients unchanged although
+        # every copy runs late (only when waited for)
+        queue = activation_offload._OffloadQueue(mover)
+        ref = _gpt(dropout=0.1)
+        ids = torch.randint(0, 256, (2, 33), generator=torch.Generator().manual_seed(1))
+        _, g0 = _gpt_grads(ref, ids)
+        model = copy.deepcopy(ref)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(activation_offload, "_QUEUE", queue)
+            apply_activation_checkpointing(model, Block, "selective", offload=True)
+            _, g1 = _gpt_grads(model, ids)
     assert _max_diff(g0, g1) <= TOL
-    assert len(mover._side) == 1 and not activation_offload._QUEUE.pending
+    assert len(mover._side) == 1 and not queue.pending
+    copies = [e for e in fake.log if e[0] == "copy"]
+    assert len(copies) > 20 and {e[1] for e in copies} == {"side0"}
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

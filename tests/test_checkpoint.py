@@ -836,3 +836,193 @@ def test_failed_save_raises_on_every_rank(tmp_path) -> None:
     assert events[publish][1].startswith(".tmp-f."), events  # the save's private directory
     latest = events.index(("write", "latest"))
     assert ("fsync", os.path.basename(str(tmp_path))) in events[publish:latest], events
+
+
+# -- a manifest that lacks a piece -----------------------------------------------------------
+GAP_LAYOUTS = {
+    "s0": {"stage": 0},
+    "s1": {"stage": 1},
+    "s2": {"stage": 2},
+    "s3": {"stage": 3},
+    "s2_offload": {"stage": 2, "zero": {"offload_optimizer": CPU}},
+    "s3_offload": {"stage": 3, "zero": {"offload_optimizer": CPU, "offload_param": CPU}},
+}
+
+
+def _victim(m: dict) -> str:
+    """A trained, untied, non-square 2-D parameter of the manifest (its first in order)."""
+    tied = set(m.get("aliases", {}).values())
+    return next(
+        n
+        for n, e in sorted(m["params"].items())
+        if e["group"] >= 0 and len(e["shape"]) == 2 and len(set(e["shape"])) == 2 and n not in tied
+    )
+
+
+def _gap_drop_kind(m: dict) -> list[str]:
+    m["kinds"].remove("exp_avg")
+    return ["exp_avg", "kinds"]
+
+
+def _gap_frozen(m: dict) -> list[str]:  # one parameter's optimizer states, all kinds
+    name = _victim(m)
+    m["params"][name]["group"] = -1
+    return [name, "frozen"]
+
+
+def _gap_drop_param(m: dict) -> list[str]:
+    name = _victim(m)
+    del m["params"][name]
+    return [name, "missing from the manifest"]
+
+
+def _gap_transpose(m: dict) -> list[str]:
+    name = _victim(m)
+    m["params"][name]["shape"].reverse()
+    return [name, "shape"]
+
+
+def _gap_extra(m: dict) -> list[str]:
+    m["params"]["ghost.weight"] = json.loads(json.dumps(m["params"][_victim(m)]))
+    return ["ghost.weight"]
+
+
+def _gap_numel(m: dict) -> list[str]:
+    name = _victim(m)
+    m["params"][name]["pieces"][0][2] -= 1
+    return [name, "pieces"]
+
+
+GAP_EDITS = {
+    "drop_kind": _gap_drop_kind,
+    "frozen": _gap_frozen,
+    "drop_param": _gap_drop_param,
+    "transpose": _gap_transpose,
+    "extra_param": _gap_extra,
+    "wrong_numel": _gap_numel,
+}
+
+
+def _attempt_load(engine, where: str) -> str | None:
+    from zeroshard.checkpoint.load import CheckpointError
+
+    try:
+        engine.load_checkpoint(where)
+        return None
+    except CheckpointError as exc:
+        return str(exc)
+
+
+def _manifest_gaps(rank: int, world: int, root: str, phase: str) -> dict:
+    """phase "save": each layout trains 2 steps and saves; rank 0 writes one edited copy
+    per edit (and what its error must name); then every layout loads every copy. phase
+    "load" (another world size): fresh engines load the same copies, then the intact one."""
+    import shutil
+
+    out: dict = {}
+    for key, case in GAP_LAYOUTS.items():
+        engine = _engine({**case, "scheduler": False}, world)
+        good = os.path.join(root, key, "good")
+        if phase == "save":
+            _train(engine, rank, world, range(2))
+            engine.save_checkpoint(good, tag="t")
+            if rank == 0:
+                for edit, fn in GAP_EDITS.items():
+                    d = os.path.join(root, key, edit)
+                    shutil.copytree(os.path.join(good, "t"), d)
+                    with open(os.path.join(d, "manifest.json")) as f:
+                        m = json.load(f)
+                    names = fn(m)
+                    with open(os.path.join(d, "manifest.json"), "w") as f:
+                        json.dump(m, f)
+                    with open(os.path.join(root, key, f"{edit}.names"), "w") as f:
+                        json.dump(names, f)
+            engine.comm.barrier()
+            _train(engine, rank, world, range(2, 3))  # now the engine differs from them
+        before = parity.full_params(engine)
+        errors = {edit: _attempt_load(engine, os.path.join(root, key, edit)) for edit in GAP_EDITS}
+        untouched = _same(before, parity.full_params(engine))
+        intact = _attempt_load(engine, good)
+        out[key] = {"errors": errors, "untouched": untouched, "intact": intact}
+    return out
+
+
+def _lacking_state(rank: int, world: int, root: str) -> dict:
+    """Checkpoints whose manifest agrees with its files but not with the engine: SGD
+    without momentum (no state) loaded into AdamW; a parameter frozen when saved and
+    trained now (stages 1 and 3); a float buffer loaded into an integer one."""
+    out = {}
+    sgd = {"type": "SGD", "params": {"lr": 1e-2}}
+    src = _engine({"stage": 1, "optimizer": sgd, "scheduler": False}, world)
+    _train(src, rank, world, range(2))
+    src.save_checkpoint(os.path.join(root, "sgd"), tag="t")
+    adam = _engine({"stage": 1, "scheduler": False}, world)
+    snap = parity.full_params(adam)
+    out["sgd_into_adam"] = _attempt_load(adam, os.path.join(root, "sgd"))
+    out["sgd_into_adam_untouched"] = _same(snap, parity.full_params(adam))
+    for stage in (1, 3):
+        src = _engine({"stage": stage, "scheduler": False}, world)  # pos_emb frozen
+        _train(src, rank, world, range(2))
+        src.save_checkpoint(os.path.join(root, f"frozen{stage}"), tag="t")
+        dst = _engine({"stage": stage, "scheduler": False, "frozen": False}, world)
+        snap = parity.full_params(dst)
+        out[f"unfrozen_s{stage}"] = _attempt_load(dst, os.path.join(root, f"frozen{stage}"))
+        out[f"unfrozen_s{stage}_untouched"] = _same(snap, parity.full_params(dst))
+        dst.load_checkpoint(os.path.join(root, f"frozen{stage}"), load_optimizer_states=False)
+        out[f"unfrozen_s{stage}_params_only"] = True
+    import zeroshard
+
+    for dtype in (torch.float32, torch.long):
+        model = parity.build_model({})
+        model.register_buffer("counts", torch.arange(4, dtype=dtype))
+        engine, *_ = zeroshard.initialize(
+            model=model,
+            model_parameters=parity.param_groups(model),
+            config=_config({"stage": 1, "scheduler": False}, world),
+        )
+        if dtype == torch.float32:
+            engine.save_checkpoint(os.path.join(root, "buffer"), tag="t")
+        else:
+            out["buffer_dtype"] = _attempt_load(engine, os.path.join(root, "buffer"))
+    return out
+
+
+def test_checkpoints_lacking_a_piece_are_refused(tmp_path, capsys) -> None:
+    """Manifest edits that drop an optimizer state kind, one parameter's states, a
+    parameter, or give a transposed shape, an extra parameter or a short piece: refused at
+    load (same and other world size, stages 0-3, offload) naming the entry, the engine
+    untouched, and by `zeroshard convert` (exit 2); the intact checkpoint still loads."""
+    from zeroshard.cli import main as cli
+
+    root = str(tmp_path)
+    saved = multirank.run(_manifest_gaps, 2, root, "save", timeout=300)
+    loaded = multirank.run(_manifest_gaps, 1, root, "load", timeout=300)
+    for world, results in ((2, saved), (1, loaded)):
+        for rank, r in enumerate(results):
+            for key in GAP_LAYOUTS:
+                res = r[key]
+                assert res["untouched"] and res["intact"] is None, (world, rank, key, res)
+                for edit, err in res["errors"].items():
+                    names = json.loads((tmp_path / key / f"{edit}.names").read_text())
+                    assert err is not None, (world, rank, key, edit, "loaded")
+                    assert all(n in err for n in names), (world, key, edit, names, err)
+    capsys.readouterr()
+    for key in GAP_LAYOUTS:
+        for edit in GAP_EDITS:
+            out = tmp_path / f"{key}_{edit}.safetensors"
+            assert cli(["convert", str(tmp_path / key / edit), str(out)]) == 2, (key, edit)
+            text = capsys.readouterr().out
+            names = json.loads((tmp_path / key / f"{edit}.names").read_text())
+            assert all(n in text for n in names), (key, edit, names, text)
+            assert not out.exists()
+        assert cli(["convert", str(tmp_path / key / "good"), str(tmp_path / "ok.safetensors")]) == 0
+    r = multirank.run(_lacking_state, 2, str(tmp_path / "lacking"), timeout=300)[0]
+    err = r["sgd_into_adam"]
+    assert err and "exp_avg" in err and "load_optimizer_states=False" in err, err
+    assert r["sgd_into_adam_untouched"]
+    for stage in (1, 3):
+        err = r[f"unfrozen_s{stage}"]
+        assert err and "pos_emb.weight" in err and "saved frozen" in err, (stage, err)
+        assert r[f"unfrozen_s{stage}_untouched"] and r[f"unfrozen_s{stage}_params_only"]
+    err = r["buffer_dtype"]
+    assert err and "counts" in err and "dtype" in err, err

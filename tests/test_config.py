@@ -661,24 +661,38 @@ NOT_BUILT_CASES = {
     "hpz": (_zero(zero_hpz_partition_size=8), "zero_optimization.zero_hpz_partition_size"),
     "qwz": (_zero(zero_quantized_weights=True), "zero_optimization.zero_quantized_weights"),
     "qgz": (_zero(zero_quantized_gradients=True), "zero_optimization.zero_quantized_gradients"),
-    "amp": (_with(amp={"enabled": True, "opt_level": "O1"}), "amp"),
-    "torch_autocast": (_with(torch_autocast={"enabled": True}), "torch_autocast"),
+    "amp": (_with(amp={"enabled": True}), "amp.enabled"),
+    "torch_autocast": (_with(torch_autocast={"enabled": True}), "torch_autocast.enabled"),
     "sparse_attention": (_with(sparse_attention={"mode": "fixed"}), "sparse_attention"),
     "compression": (
         _with(compression_training={"weight_quantization": {}}),
         "compression_training",
     ),
-    "data_efficiency": (_with(data_efficiency={"enabled": True}), "data_efficiency"),
-    "curriculum": (_with(curriculum_learning={"enabled": True}), "curriculum_learning"),
-    "elasticity": (_with(elasticity={"enabled": True}), "elasticity"),
-    "autotuning": (_with(autotuning={"enabled": True}), "autotuning"),
-    "hybrid_engine": (_with(hybrid_engine={"enabled": True}), "hybrid_engine"),
-    "pld": (
-        _with(progressive_layer_drop={"enabled": True, "theta": 0.5}),
-        "progressive_layer_drop",
+    "data_efficiency": (_with(data_efficiency={"enabled": True}), "data_efficiency.enabled"),
+    # DeepSpeed reads these switches whatever data_efficiency.enabled says
+    "random_ltd": (
+        _with(data_efficiency={"data_routing": {"random_ltd": {"enabled": True}}}),
+        "data_efficiency.data_routing",
     ),
-    "eigenvalue": (_with(eigenvalue={"enabled": True}), "eigenvalue"),
-    "quantize_training": (_with(quantize_training={"enabled": True}), "quantize_training"),
+    "data_sampling": (
+        _with(data_efficiency={"data_sampling": {"curriculum_learning": {"enabled": True}}}),
+        "data_efficiency.data_sampling",
+    ),
+    "curriculum": (_with(curriculum_learning={"enabled": True}), "curriculum_learning.enabled"),
+    "elasticity": (_with(elasticity={"enabled": True}), "elasticity.enabled"),
+    "autotuning": (_with(autotuning={"enabled": True}), "autotuning.enabled"),
+    "hybrid_engine": (_with(hybrid_engine={"enabled": True}), "hybrid_engine.enabled"),
+    "pld": (_with(progressive_layer_drop={"enabled": True}), "progressive_layer_drop.enabled"),
+    "eigenvalue": (_with(eigenvalue={"enabled": True}), "eigenvalue.enabled"),
+    "quantize_training": (
+        _with(quantize_training={"enabled": True}),
+        "quantize_training.enabled",
+    ),
+    "expert_parallel": (_with(expert_parallel={"enabled": True}), "expert_parallel.enabled"),
+    # DeepSpeed 0.14's torch.compile switch: refused, not accepted and ignored (issue 32)
+    "compile": (_with(compile={"enabled": True}), "compile.enabled"),
+    "deepcompile": (_with(compile={"deepcompile": True}), "compile.deepcompile"),
+    "datastates": (_with(datastates_ckpt={}), "datastates_ckpt"),
     "sparse_gradients": (_with(sparse_gradients=True), "sparse_gradients"),
     "bf16_master": (
         _zero() | {"bf16": {"enabled": True, "bf16_master_weights_and_grads": True}},
@@ -738,12 +752,75 @@ def test_activation_checkpointing_section_is_accepted() -> None:
     assert ac.profile
 
 
-@pytest.mark.parametrize(
-    "section",
-    ["amp", "torch_autocast", "elasticity", "autotuning", "hybrid_engine", "eigenvalue"],
-)
-def test_disabled_feature_sections_are_accepted(section: str) -> None:
-    load_config(_with(**{section: {"enabled": False, "anything": 1}}))
+FEATURE_SECTIONS = [
+    "amp",
+    "torch_autocast",
+    "data_efficiency",
+    "curriculum_learning",
+    "elasticity",
+    "autotuning",
+    "hybrid_engine",
+    "progressive_layer_drop",
+    "eigenvalue",
+    "quantize_training",
+    "expert_parallel",
+    "compile",
+    "nebula",
+]
+
+
+@pytest.mark.parametrize("section", FEATURE_SECTIONS)
+def test_disabled_feature_sections_check_their_keys(section: str) -> None:
+    """A switched-off feature section loads; a key DeepSpeed 0.19 does not read there is
+    an error naming it, with "did you mean" for a near miss."""
+    assert load_config(_with(**{section: {"enabled": False}})).inert == ()
+    message = error_of(_with(**{section: {"enabled": False, "anything": 1}}))
+    assert message.startswith(f"{section}.anything: unknown key"), message
+    message = error_of(_with(**{section: {"enabeld": False}}))
+    assert message.startswith(f"{section}.enabeld: unknown key; did you mean 'enabled'?"), message
+
+
+def test_feature_section_keys_are_deepspeeds() -> None:
+    """Keys of DeepSpeed 0.19's models load (off: their feature is not built), those set
+    away from their default reported as inert; the sections DeepSpeed 0.19 removed take
+    only their switch, and say so."""
+    ds_chat = {
+        "enabled": False,
+        "max_out_tokens": 512,
+        "inference_tp_size": 1,
+        "release_inference_cache": False,
+        "pin_parameters": True,
+        "tp_gather_partition_size": 8,
+        "enable_cuda_graph": False,
+    }
+    assert load_config(_with(hybrid_engine=ds_chat)).inert == ()
+    cfg = load_config(
+        _with(
+            compile={"enabled": False, "backend": "eager", "free_activation": True},
+            autotuning={"enabled": False, "fast": False, "metric": "latency"},
+            expert_parallel={"top_k": 2, "routed_scaling_factor": "auto"},
+            torch_autocast={"enabled": False, "dtype": "bf16"},
+            data_efficiency={"seed": 7, "data_sampling": {"enabled": False}},
+        )
+    )
+    assert sorted(inert_keys(cfg)) == [
+        "autotuning.fast",
+        "autotuning.metric",
+        "compile.backend",
+        "compile.free_activation",
+        "data_efficiency.seed",
+        "expert_parallel.top_k",
+        "torch_autocast.dtype",
+    ], cfg.inert
+    assert "compile.enabled true" in dict(cfg.inert)["compile.backend"]
+    assert "compile.deepcompile true" in dict(cfg.inert)["compile.free_activation"]
+    message = error_of(_with(autotuning={"metric": "speed"}))
+    assert message.startswith("autotuning.metric: expected one of"), message
+    message = error_of(_with(amp={"enabled": False, "opt_level": "O1"}))
+    assert message.startswith("amp.opt_level: unknown key;") and "DeepSpeed 0.19" in message
+    message = error_of(_with(datastates={}))  # DeepSpeed's key is datastates_ckpt
+    assert message.startswith("datastates: unknown key; did you mean 'datastates_ckpt'?")
+    assert load_config(_with(datastates_ckpt=False)).inert == ()
 
 
 def test_disabled_monitors_are_accepted() -> None:

@@ -216,6 +216,8 @@ def _integrity(engine, rank: int, world: int, root: str) -> dict:
 
 
 BAD_TAGS = ["latest", "../escaped", "ABSOLUTE", "x.old", ".tmp-x", "a/b", "", "ck.tmp1", ".."]
+# names a directory could take but `latest` (one line, read stripped) could not hold
+LINE_TAGS = ["a\nb", "cr\r", "tab\tx", "nul\0x", " lead", "trail ", "sep\u2028x"]
 
 
 def _misuse(engine, rank: int, world: int, root: str) -> dict:
@@ -227,7 +229,7 @@ def _misuse(engine, rank: int, world: int, root: str) -> dict:
     d = os.path.join(root, "ck")
     engine.save_checkpoint(d, tag="good")
     out: dict = {"save": {}, "load": {}}
-    for tag in BAD_TAGS:
+    for tag in BAD_TAGS + LINE_TAGS:
         tag = os.path.join(root, "abs") if tag == "ABSOLUTE" else tag
         try:
             engine.save_checkpoint(d, tag=tag)
@@ -247,6 +249,8 @@ def _misuse(engine, rank: int, world: int, root: str) -> dict:
     attempt("tag_dotdot", d, tag="../ck")
     attempt("tag_absolute", d, tag=os.path.join(d, "good"))
     attempt("tag_latest", d, tag="latest")
+    for i, tag in enumerate(LINE_TAGS):
+        attempt(f"line_tag{i}", d, tag=tag)
     other = os.path.join(root, "other")  # a valid checkpoint outside `d`
     engine.save_checkpoint(other, tag="o")
 
@@ -258,6 +262,7 @@ def _misuse(engine, rank: int, world: int, root: str) -> dict:
     for key, text in (
         ("latest_absolute", os.path.join(other, "o")),
         ("latest_dotdot", "../other/o"),
+        ("latest_two_lines", "good\nother"),
     ):
         on_rank0(lambda text=text: Path(d, "latest").write_text(text))
         attempt(key, d)
@@ -402,9 +407,11 @@ def test_bad_tags_and_pointers(checkpoint_faults) -> None:
         assert r["latest_after_bad_saves"] == "good"
         assert r["escaped"] == ["ck"], r["escaped"]  # nothing written outside ck/
         load = r["load"]
-        for key in ("tag_dotdot", "tag_absolute", "tag_latest"):
+        keys = ["tag_dotdot", "tag_absolute", "tag_latest"]
+        keys += [f"line_tag{i}" for i in range(len(LINE_TAGS))]
+        for key in keys:
             assert load[key].startswith("ERROR") and "is not allowed" in load[key], (key, load[key])
-        for key in ("latest_absolute", "latest_dotdot"):
+        for key in ("latest_absolute", "latest_dotdot", "latest_two_lines"):
             assert "latest: holds" in load[key] and "not a plain tag" in load[key], load[key]
         assert "leading out of" in load["tag_dir_symlink_out"], load["tag_dir_symlink_out"]
         assert "is a symlink" in r["save_through_symlink"], r["save_through_symlink"]

@@ -41,6 +41,30 @@ def test_a_call_on_one_rank_ends_in_a_report(tmp_path, call, where_blocked, time
     assert elapsed < 60, elapsed  # the timeout is 3 s; start-up dominates
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("how", ["sleep", "stop"])
+def test_a_rank_stalled_after_steps_is_reported_where_it_stopped(how):
+    """Rank 1 stalls after 3 steps (asleep; or SIGSTOPped, so nothing of it runs) while
+    rank 0 blocks in step 4: the report says rank 1 returned from step() at step 3 and
+    names its last collective (not "never reached a zeroshard call")."""
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    res = subprocess.run(
+        [sys.executable, "-m", "zeroshard.cli", "run", "--nproc", "2", "--shutdown-timeout", "2",
+         str(ROOT / "tests" / "scripts" / "stall_after_steps.py"), how],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=100,
+    )  # fmt: skip
+    assert res.returncode != 0 and "DONE" not in res.stdout, res.stdout
+    lines = res.stderr.splitlines()
+    first = next(i for i, line in enumerate(lines) if "zeroshard watchdog:" in line)
+    blocked, stalled = lines[first], lines[first + 1]
+    assert "rank 0: blocked" in blocked and "in backward at step 3" in blocked, res.stderr
+    assert "rank 1: outside zeroshard since step() returned at step 3" in stalled, stalled
+    assert "has not entered backward at step 3" in stalled, stalled
+    assert "its last collective:" in stalled and "in step at step 2" in stalled, stalled
+    assert "never" not in stalled, stalled
+    assert ("no report for" in stalled) == (how == "stop"), stalled
+
+
 def _disagree(rank: int, world: int) -> list[str]:
     import zeroshard
     from zeroshard.models import GPT, GPTConfig

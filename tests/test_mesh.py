@@ -54,6 +54,38 @@ def test_one_process_mesh_has_local_comms():
         mesh.comm("data")
 
 
+def _one_gpu_host(rank: int, world: int) -> dict:
+    """``torch.cuda`` answers as on a host with one GPU (what DeviceMesh and the device
+    seam ask: is_available, device_count, is_initialized, set_device, init): an ordinal past it
+    raises as CUDA does, and setting a device initializes the runtime."""
+    import torch
+
+    state: dict = {"initialized": False, "set": []}
+
+    def set_device(device) -> None:
+        index = device if isinstance(device, int) else torch.device(device).index or 0
+        if index >= 1:
+            raise RuntimeError(f"CUDA error: invalid device ordinal ({index})")
+        state["initialized"] = True
+        state["set"].append(index)
+
+    torch.cuda.set_device = set_device  # this spawned rank's torch only
+    torch.cuda.is_initialized = lambda: state["initialized"]
+    torch.cuda.device_count = lambda: 1
+    torch.cuda.is_available = lambda: True  # DeviceMesh's gloo-on-a-GPU-host branch
+    torch.cuda.init = lambda: state.update(initialized=True)
+    mesh = Mesh.build(MeshShape(dp_shard=world), device_type="cuda")
+    return {"set": state["set"], "dp": mesh.size("dp"), "coord": mesh.coord("dp_shard")}
+
+
+def test_ranks_sharing_one_gpu_build_the_mesh():
+    """Two ranks on one GPU (gloo, as test_cuda.py runs every multi-rank case on a
+    one-GPU host): DeviceMesh would make ``cuda:LOCAL_RANK`` current and rank 1 would
+    die with "invalid device ordinal"; the mesh makes ``cuda:0`` current first."""
+    for rank, r in enumerate(multirank.run(_one_gpu_host, 2, timeout=120)):
+        assert r == {"set": [0], "dp": 2, "coord": rank}, r
+
+
 def _cases() -> list[dict]:
     z = {"zero_optimization": {"mics_shard_size": SHARD, "stage3_param_persistence_threshold": 0}}
     return [

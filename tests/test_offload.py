@@ -162,21 +162,3 @@ def test_offload_keeps_optimizer_state_off_the_device() -> None:
             m = r["memory"]
             total = m["params"] + m["grads"] + m["optimizer_states"]
             assert sum(m["by_location"].values()) == total
-
-
-def test_upload_and_cast_in_pieces_through_one_buffer() -> None:
-    import torch
-
-    """The write-back's upload path (on the GPU: pinned fp32 masters into bf16 chunks) on
-    CPU tensors: pieces of ``max_numel`` through one reused buffer, a ragged last one,
-    exactly ``values.to(bf16)``, nothing written outside ``dst``."""
-    from zeroshard.offload.store import upload_and_cast
-
-    values = torch.randn(4567)
-    dst = torch.zeros(5000, dtype=torch.bfloat16)
-    buf = upload_and_cast(dst[100 : 100 + values.numel()], values, None, max_numel=1000)
-    assert torch.equal(dst[100:4667], values.to(torch.bfloat16))
-    assert not dst[:100].any() and not dst[4667:].any()
-    assert buf is not None and buf.numel() == 1000 and buf.dtype == torch.float32
-    again = upload_and_cast(dst[:10], values[:10], buf, max_numel=1000)
-    assert again is buf  # reused while large enough

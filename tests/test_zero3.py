@@ -453,8 +453,10 @@ def _chain_run(rank, world, *, swap=False, threshold=0, **zero):
             g.reset_stats()
         else:
             steps[-1]["all_gather_bytes"] = engine.comm_stats()["all_gather"]["bytes"]
-            freed = all(
-                p.data.numel() == 0 for n, p in engine.module.named_parameters() if n not in small
+            freed = all(  # released: no storage (metadata still answers the whole shape)
+                p.untyped_storage().nbytes() == 0
+                for n, p in engine.module.named_parameters()
+                if n not in small
             )
             whole["others_freed_between_steps"] &= freed
 

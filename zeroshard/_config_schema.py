@@ -6,9 +6,11 @@ A section is a frozen kw_only dataclass (a :class:`Section`) whose fields are ma
 such as ``params``), aliases, range, choices, doc and status. :func:`read_section` reads
 a JSON object into a section, recursively; :func:`schema_keys` lists every key. Rules:
 
-* unknown keys are errors, with "did you mean" or the section the key belongs to;
+* unknown keys are errors, with "did you mean" or the section the key belongs to (or
+  the section's ``UNKNOWN`` text: why it reads no other key);
 * booleans must be JSON booleans; whole numbers may be integral floats (``5e8``), never
-  strings; choices match case-insensitively and come back in their canonical spelling;
+  strings; a field typed ``object`` takes any JSON value as given; choices match
+  case-insensitively and come back in their canonical spelling;
 * ``null`` is taken where the field is optional (``X | None``), or ``nullable`` (null
   then means the default); two names of one setting (key and alias) is an error;
 * ``"auto"`` is an error: only the Hugging Face integration fills it in, before reading
@@ -324,6 +326,8 @@ def _convert(tp: Any, value: Any, at: str, k: Key, reading: Reading) -> Any:
     elif origin is list:
         check(isinstance(value, list), at, f"expected a list, got {describe(value)}")
         value = [_convert(args[0], v, at, k, reading) for v in value]
+    elif tp is object:  # any JSON value, kept as given (a setting of a feature not built)
+        pass
     elif origin is dict:  # a section zeroshard keeps as given
         check(isinstance(value, Mapping), at, f"expected an object {{...}}, got {describe(value)}")
         value = dict(value)
@@ -370,6 +374,8 @@ def _check_known(cls, name, prefix, path, applies, kind, root) -> None:
     close = suggest(name, sorted(known))
     if close:
         raise ConfigError(at, f"unknown key; did you mean '{close}'?")
+    if getattr(cls, "UNKNOWN", None):  # the section says why nothing else is read
+        raise ConfigError(at, f"unknown key; {cls.UNKNOWN}")
     listing = f" (known keys: {', '.join(sorted(known))})" if len(known) <= 14 else ""
     raise ConfigError(at, f"unknown key{listing}")
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from zeroshard.device import runtime
 from zeroshard.distributed import default_device, local_rank, use_cuda
 
 
@@ -30,7 +31,7 @@ class Accelerator:
         return torch.device(self.device_name(device_index))
 
     def device_count(self) -> int:
-        return torch.cuda.device_count() if use_cuda() else 1
+        return runtime("cuda").device_count() if use_cuda() else 1
 
     def is_available(self) -> bool:
         return True
@@ -46,7 +47,7 @@ class Accelerator:
 
     def synchronize(self, device_index: int | None = None) -> None:
         if use_cuda():
-            torch.cuda.synchronize(device_index)
+            runtime("cuda").synchronize(device_index)
 
     def empty_cache(self) -> None:
         if use_cuda():

@@ -36,76 +36,72 @@ from typing import Any
 
 import torch
 
+from zeroshard.device import Runtime, runtime
+
 
 class _StreamMover:
     """The copies an offload does, on one side stream per device (created on first use),
-    so that they overlap with compute on the current stream. A device whose torch module
-    has no ``Stream``/``Event`` (e.g. ``mps``) gets blocking copies on the current stream.
+    so that they overlap with compute on the current stream; streams, events and pinned
+    memory come from the device seam (``zeroshard/device.py``). A device without streams
+    (e.g. ``mps``) gets blocking copies on the current stream.
 
-    Events are this device's ``Event``; ``None`` stands for a copy already complete."""
+    Events are the device runtime's; ``None`` stands for a copy already complete. The
+    mover keeps, per device, the runtime it first saw (a test's fake one included)."""
 
     def __init__(self) -> None:
-        self._side: dict[torch.device, Any] = {}
+        self._side: dict[torch.device, tuple[Runtime, Any]] = {}
 
     def moves(self, t: torch.Tensor) -> bool:
-        return t.device.type not in ("cpu", "meta")  # CPU training: nothing to move
+        # CPU training: nothing to move
+        return t.device.type != "meta" and runtime(t.device).apart
 
-    @staticmethod
-    def _api(device: torch.device) -> Any:
-        mod = getattr(torch, device.type, None)
-        return mod if hasattr(mod, "Stream") and hasattr(mod, "Event") else None
-
-    def _stream(self, api: Any, device: torch.device) -> Any:
-        side = self._side.get(device)
-        if side is None:
-            side = self._side[device] = api.Stream(device=device)
-        return side
+    def _side_of(self, device: torch.device) -> tuple[Runtime, Any]:
+        got = self._side.get(device)
+        if got is None:
+            rt = runtime(device)
+            got = self._side[device] = (rt, rt.new_stream(device) if rt.streams else None)
+        return got
 
     def to_host(self, t: torch.Tensor) -> tuple[torch.Tensor, Any]:
-        pin = t.device.type == "cuda"  # pinned: the copy is a true async DMA
-        host = torch.empty(t.size(), dtype=t.dtype, layout=t.layout, pin_memory=pin)
-        api = self._api(t.device)
-        if api is None:
-            host.copy_(t)
+        rt, side = self._side_of(t.device)
+        host = rt.host_empty(t.size(), t.dtype)  # pinned on CUDA: a true async DMA
+        if side is None:
+            rt.copy(host, t)
             return host, None
-        side = self._stream(api, t.device)
-        side.wait_stream(api.current_stream(t.device))  # t is written on the compute stream
-        with api.stream(side):
-            host.copy_(t, non_blocking=pin)
+        rt.wait_stream(side, rt.current_stream(t.device))  # t is written on the compute stream
+        with rt.on(side):
+            rt.copy(host, t, non_blocking=host.is_pinned())
         # besides the reference the queue keeps: a storage freed under us (ZeRO-3 resizes
         # parameter storage to 0 after a block) must not be reused before the copy is done
-        t.record_stream(side)
-        event = api.Event()
-        event.record(side)
-        return host, event
+        rt.keep_for(t, side)
+        return host, rt.record(side)
 
     def to_device(self, host: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, Any]:
-        api = self._api(device)
-        if api is None:
-            return host.to(device), None
-        side = self._stream(api, device)
-        with api.stream(side):  # allocated from the side stream's pool, filled there
-            dev = host.to(device, non_blocking=host.is_pinned())
-        event = api.Event()
-        event.record(side)
-        return dev, event
+        rt, side = self._side_of(device)
+        if side is None:
+            return rt.to(host, device), None
+        with rt.on(side):  # allocated from the side stream's pool, filled there
+            dev = rt.to(host, device, non_blocking=host.is_pinned())
+        return dev, rt.record(side)
 
     def use(self, dev: torch.Tensor, event: Any) -> None:
         """Hand a :meth:`to_device` result to the compute stream."""
         if event is None:
             return
-        compute = self._api(dev.device).current_stream(dev.device)
-        compute.wait_event(event)
+        rt, _ = self._side_of(dev.device)
+        compute = rt.current_stream(dev.device)
+        rt.wait_event(compute, event)
         # freed later on the compute stream: the allocator must not give the block back to
         # the side stream before the compute stream is done with it
-        dev.record_stream(compute)
+        rt.keep_for(dev, compute)
 
-    def done(self, event: Any) -> bool:
-        return event is None or event.query()
+    def done(self, event: Any, device: torch.device) -> bool:
+        """Whether ``event`` (of a copy for ``device``) is complete; does not block."""
+        return event is None or self._side_of(device)[0].done(event)
 
-    def wait(self, event: Any) -> None:
+    def wait(self, event: Any, device: torch.device) -> None:
         if event is not None:
-            event.synchronize()
+            self._side_of(device)[0].sync_event(event)
 
 
 class _Group:
@@ -188,7 +184,7 @@ class _OffloadQueue:
             self.pending.append(entry)
             self.inflight_bytes += entry.nbytes
             while self.inflight_bytes > self.max_inflight_bytes and self.pending:
-                self.mover.wait(self.pending[0].d2h)
+                self.mover.wait(self.pending[0].d2h, self.pending[0].device)
                 self._release(self.pending.popleft())
             return entry
 
@@ -241,7 +237,7 @@ class _OffloadQueue:
         """Wait for every copy to host still running, release every source."""
         with self._lock:
             while self.pending:
-                self.mover.wait(self.pending[0].d2h)
+                self.mover.wait(self.pending[0].d2h, self.pending[0].device)
                 self._release(self.pending.popleft())
 
     # -- under the lock ----------------------------------------------------------------
@@ -253,7 +249,7 @@ class _OffloadQueue:
 
     def _reap(self) -> None:
         # the copies of a side stream finish in order: stop at the first still running
-        while self.pending and self.mover.done(self.pending[0].d2h):
+        while self.pending and self.mover.done(self.pending[0].d2h, self.pending[0].device):
             self._release(self.pending.popleft())
 
     def _start(self, e: _Offloaded) -> None:

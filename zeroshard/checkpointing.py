@@ -62,6 +62,7 @@ from torch.utils.checkpoint import checkpoint as _torch_checkpoint
 
 from zeroshard import activation_offload  # its functions looked up at each call
 from zeroshard.activation_offload import offload_saved_tensors  # re-exported
+from zeroshard.device import runtime
 
 log = logging.getLogger(__name__)
 
@@ -167,7 +168,7 @@ def reset() -> None:
 
 def _synchronize() -> None:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.synchronize()
+        runtime("cuda").synchronize()
 
 
 def checkpoint(fn: Callable, *args, **kwargs):

@@ -39,6 +39,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from zeroshard import _config_features as features
 from zeroshard import _config_monitors as monitors
 from zeroshard import _config_sections as sections
 from zeroshard._config_json import read_config_file
@@ -77,7 +78,6 @@ from zeroshard._config_sections import (
     OptimizerConfig,
     SchedulerConfig,
     ZeroConfig,
-    enabled,
 )
 
 # fmt: off
@@ -128,6 +128,10 @@ def _feature(feature: str, on: Callable[[Any], bool] | None = None) -> Any:
     """A DeepSpeed section zeroshard keeps as JSON: refused when on (default: given)."""
     doc = f"DeepSpeed's {feature} settings, kept as given."
     return key(None, NOT_BUILT(feature, on), doc=doc, check=sections.enabled_is_boolean)
+
+
+def _object_or_false(value: Any, at: str) -> None:
+    check(isinstance(value, (Mapping, bool)), at, f"expected an object {{...}} or false, got {describe(value)}")  # fmt: skip
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -188,24 +192,24 @@ class Config(Section):
     comms_logger: monitors.CommsLoggerConfig = monitors.monitor(monitors.CommsLoggerConfig, "communication logger")
     flops_profiler: monitors.FlopsProfilerConfig = monitors.monitor(monitors.FlopsProfilerConfig, "flops profiler")
     pipeline: PipelineConfig = _section(PipelineConfig, "Pipeline parallelism (the model is a zeroshard.pipe.PipelineModule).")
-    amp: dict[str, Any] | None = _feature("Apex AMP", enabled)
-    torch_autocast: dict[str, Any] | None = _feature("torch.autocast mixed precision", enabled)
+    amp: features.AmpConfig = _section(features.AmpConfig, "Apex AMP (removed in DeepSpeed 0.19).")
+    torch_autocast: features.TorchAutocastConfig = _section(features.TorchAutocastConfig, "torch.autocast mixed precision.")
     sparse_attention: dict[str, Any] | None = _feature("sparse attention")
     compression_training: dict[str, Any] | None = _feature("compression training")
-    data_efficiency: dict[str, Any] | None = _feature("the data efficiency library", enabled)
-    curriculum_learning: dict[str, Any] | None = _feature("curriculum learning", enabled)
-    elasticity: dict[str, Any] | None = _feature("elastic training", enabled)
-    autotuning: dict[str, Any] | None = _feature("the autotuner", enabled)
-    hybrid_engine: dict[str, Any] | None = _feature("the hybrid (RLHF) engine", enabled)
-    progressive_layer_drop: dict[str, Any] | None = _feature("progressive layer drop", enabled)
-    eigenvalue: dict[str, Any] | None = _feature("eigenvalue computation", enabled)
-    quantize_training: dict[str, Any] | None = _feature("quantization-aware training (MoQ)", enabled)
+    data_efficiency: features.DataEfficiencyConfig = _section(features.DataEfficiencyConfig, "The data efficiency library.")
+    curriculum_learning: features.CurriculumLearningConfig = _section(features.CurriculumLearningConfig, "Legacy curriculum learning (removed in DeepSpeed 0.19).")
+    elasticity: features.ElasticityConfig = _section(features.ElasticityConfig, "Elastic training (removed in DeepSpeed 0.19).")
+    autotuning: features.AutotuningConfig = _section(features.AutotuningConfig, "The autotuner.")
+    hybrid_engine: features.HybridEngineConfig = _section(features.HybridEngineConfig, "The hybrid (RLHF) engine.")
+    progressive_layer_drop: features.ProgressiveLayerDropConfig = _section(features.ProgressiveLayerDropConfig, "Progressive layer drop (removed in DeepSpeed 0.19).")
+    eigenvalue: features.EigenvalueConfig = _section(features.EigenvalueConfig, "Eigenvalue computation (removed in DeepSpeed 0.19).")
+    quantize_training: features.QuantizeTrainingConfig = _section(features.QuantizeTrainingConfig, "MoQ (removed in DeepSpeed 0.19).")
     tensor_parallel: TensorParallelConfig = _section(TensorParallelConfig, "Tensor parallelism (AutoTP).")
-    expert_parallel: dict[str, Any] | None = _feature("expert parallelism (AutoEP)", enabled)
-    compile: dict[str, Any] | None = _feature("DeepCompile", lambda s: s.get("deepcompile") is True)
+    expert_parallel: features.ExpertParallelConfig = _section(features.ExpertParallelConfig, "Expert parallelism (AutoEP).")
+    compile: features.CompileConfig = _section(features.CompileConfig, "torch.compile and DeepCompile.")
     weight_quantization: dict[str, Any] | None = _feature("weight quantization")
-    nebula: dict[str, Any] | None = _feature("the Nebula checkpoint engine", enabled)
-    datastates: dict[str, Any] | None = _feature("the DataStates checkpoint engine", enabled)
+    nebula: features.NebulaConfig = _section(features.NebulaConfig, "The Nebula checkpoint engine (removed in DeepSpeed 0.19).")
+    datastates_ckpt: object | None = key(None, NOT_BUILT("the DataStates checkpoint engine", lambda v: v is not False), doc="DeepSpeed's DataStates checkpoint engine settings (on unless false).", check=_object_or_false)
     # fmt: on
     #: Keys this config sets that mean nothing here, as (dotted key, reason); the engine
     #: logs them once from rank 0.

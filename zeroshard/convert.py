@@ -4,7 +4,9 @@ Streams tensor by tensor (peak memory about one tensor). OUT ending in
 ``.safetensors`` is one file; otherwise a directory, sharded above ``--max-shard-size``
 with a Hugging Face style ``model.safetensors.index.json``. Every file of the checkpoint
 is checked first (checksums, unless ``--no-verify``; non-finite values, unless
-``--allow-nonfinite``); a bad checkpoint or an unwritable OUT exits with status 2,
+``--allow-nonfinite``; the manifest against the files: every tensor listed, present and
+tiled exactly, with the shape the files recorded); a bad checkpoint or an unwritable
+OUT exits with status 2,
 naming the file (and tensor), and leaves no ``.partial`` file.
 """
 

@@ -18,6 +18,8 @@ import tempfile
 import torch
 import torch.distributed as dist
 
+from zeroshard.device import claim_device, runtime
+
 _MPI_ENV = {
     "RANK": "OMPI_COMM_WORLD_RANK",
     "WORLD_SIZE": "OMPI_COMM_WORLD_SIZE",
@@ -59,7 +61,7 @@ def use_cuda() -> bool:
 def default_device() -> torch.device:
     """This rank's accelerator (``cuda:LOCAL_RANK``) if there is one, else the CPU."""
     if use_cuda():
-        return torch.device("cuda", local_rank() % torch.cuda.device_count())
+        return torch.device("cuda", local_rank() % runtime("cuda").device_count())
     return torch.device("cpu")
 
 
@@ -100,13 +102,14 @@ def init_distributed(
     env_world = int(os.environ.get("WORLD_SIZE", "1"))
     if backend == "nccl":
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        if local_world > torch.cuda.device_count():
+        count = runtime("cuda").device_count()
+        if local_world > count:
             raise RuntimeError(
                 f"init_distributed: LOCAL_WORLD_SIZE={local_world} ranks on this node but "
-                f"{torch.cuda.device_count()} visible GPU(s); NCCL cannot put two ranks on "
+                f"{count} visible GPU(s); NCCL cannot put two ranks on "
                 "one GPU (set ZEROSHARD_ACCELERATOR=cpu for CPU ranks with gloo)"
             )
-        torch.cuda.set_device(default_device())
+        claim_device("cuda", local_rank())
     if init_method is not None or env_world > 1 or "MASTER_ADDR" in os.environ:
         missing = [k for k in ("RANK", "WORLD_SIZE") if k not in os.environ]
         if missing and init_method is None:

@@ -136,6 +136,12 @@ class Engine(EngineBuild, DeepSpeedEngineCompat, nn.Module):
         self._swap_spaces = self._swaps.spaces  # nvme_path -> this rank's swap directory
         self.flat, persistent = self._flatten(param_groups)
         zc = config.zero_optimization
+        reduce_comm = shard_comm if self.flat.partitioned else replicas
+        if self.sharding.parameters and self.flat.partitioned:
+            # gradients are reduced in a group of their own: in backward the gathers and
+            # the reductions each keep one order on every rank, but how they interleave
+            # differs when a parameter gets a gradient on some ranks only (a leaf module)
+            reduce_comm = mesh.twin("zero_shard")
         if self.sharding.parameters:
             self.params = ParamGatherer(
                 self.flat,
@@ -165,7 +171,7 @@ class Engine(EngineBuild, DeepSpeedEngineCompat, nn.Module):
             predivide = mesh.size("replicas")
         self.reducer = GradReducer(
             self.flat,
-            shard_comm if self.flat.partitioned else replicas,
+            reduce_comm,
             replicate=mesh.comm("zero_replicate"),
             dtype=self.policy.grad,
             sharded=self.sharding.gradients,
@@ -175,6 +181,7 @@ class Engine(EngineBuild, DeepSpeedEngineCompat, nn.Module):
             on_bucket_ready=self.params.free_if_idle,
             accum_device=self.placement.optimizer if self.placement.offload_optimizer else None,
             reduce_scatter_via={None: None, True: "native", False: "all_reduce"}[zc.reduce_scatter],
+            count_unreached=self.sharding.parameters and reduce_comm.world_size > 1,
         )
         self.loss_scaler = LossScaler.from_config(config.fp16)
         self.optimizer = ShardedOptimizer(
@@ -262,6 +269,11 @@ class Engine(EngineBuild, DeepSpeedEngineCompat, nn.Module):
         for name in ("reducer", "optimizer", "flat", "params"):
             setattr(self, name, None)
 
+    def _leave(self, publish: bool = False) -> None:
+        """Tell the watchdog the call returned (``publish``: report it now, once a step)."""
+        if self._watchdog is not None:
+            self._watchdog.leave(self.global_steps, publish)
+
     def _enter(self, phase: str) -> None:
         """Refuse a destroyed engine; tell the watchdog which call this rank is in."""
         if self.destroyed:
@@ -306,6 +318,7 @@ class Engine(EngineBuild, DeepSpeedEngineCompat, nn.Module):
         self.monitor.forward_start(self, args, kwargs)
         out = self.module(*args, **kwargs)
         self.monitor.forward_end()
+        self._leave()
         return out
 
     def is_gradient_accumulation_boundary(self) -> bool:
@@ -338,7 +351,7 @@ class Engine(EngineBuild, DeepSpeedEngineCompat, nn.Module):
         self.monitor.backward_start(loss, gas)
         if self._delayed is not None:  # the step in flight has copied the last gradients
             self._delayed.release_gradients()
-        self.reducer.begin(self.is_gradient_accumulation_boundary())
+        self.reducer.begin(self.is_gradient_accumulation_boundary(), [scaled])
         self.params.begin_backward()
         try:
             scaled.backward(retain_graph=retain_graph)
@@ -348,6 +361,7 @@ class Engine(EngineBuild, DeepSpeedEngineCompat, nn.Module):
             self.params.end_backward()
         self.monitor.backward_end()
         self._backwards_in_window += 1
+        self._leave()
         return loss
 
     def step(self, lr_kwargs: dict | None = None) -> None:
@@ -362,8 +376,8 @@ class Engine(EngineBuild, DeepSpeedEngineCompat, nn.Module):
             self._land_delayed()
             if self._delayed is not None:
                 self._delayed.armed = self.global_steps >= self._delayed.after
-            if self.params.edited():  # e.g. p.clamp_() after the last step: keep it
-                self.optimizer.refresh_masters(list(range(len(self.flat.layout.segments))))
+            # e.g. p.clamp_() after the last step: the masters take it (zero/edits.py)
+            self.optimizer.refresh_masters(self.params.take_edits())
             loss_finite = self._loss_finite is None or bool(self._loss_finite)
             self._loss_finite = None
             self._step_applied = self.optimizer.apply_step(loss_finite)
@@ -396,6 +410,7 @@ class Engine(EngineBuild, DeepSpeedEngineCompat, nn.Module):
         self.micro_steps += 1
         if self.preemption is not None and boundary:
             self.preemption.at_step_boundary(self)  # SIGTERM: save, exit 0
+        self._leave(publish=True)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Start a new accumulation window: every ``param.grad`` is unset (gradients
@@ -472,6 +487,8 @@ class Engine(EngineBuild, DeepSpeedEngineCompat, nn.Module):
         self.params.open(params)
 
     def close_gathered(self, params: list[torch.Tensor], modifier_rank: int | None) -> None:
+        # edits to whole parameters first (this rank's, made inside the block or before)
+        self.optimizer.refresh_masters(self.params.take_edits())
         self.optimizer.refresh_masters(self.params.close(params, modifier_rank))
         self.params.mark_clean()
 

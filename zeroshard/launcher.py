@@ -128,11 +128,10 @@ def add_arguments(parser: argparse.ArgumentParser, deepspeed_style: bool = False
 
 def _device_count() -> int:
     try:
-        import torch
-
+        from zeroshard.device import runtime
         from zeroshard.distributed import use_cuda
 
-        return torch.cuda.device_count() if use_cuda() else 0
+        return runtime("cuda").device_count() if use_cuda() else 0
     except Exception:
         return 0
 

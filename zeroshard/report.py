@@ -154,12 +154,14 @@ def peak_flops(device: str = "cpu", dtype: str = "fp32", seconds: float = 0.25) 
     for about ``seconds``. Cached per (device, dtype) for the process."""
     import torch
 
+    from zeroshard.device import runtime
+
     key = (str(device), dtype)
     if key in _PEAK_CACHE:
         return _PEAK_CACHE[key]
     dev = torch.device(device)
     dt = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
-    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda *a: None)
+    sync = runtime(dev).synchronize
 
     def timed(a, b) -> float:
         sync(dev)

@@ -2,7 +2,10 @@
 
 Each rank's file holds tensors named ``"{kind}:{parameter name}:{first element}"``
 (a piece of a flattened parameter), ``"whole:{name}"`` (rank 0: tensors saved whole)
-and ``"rng:..."`` (that rank's random-number-generator states).
+and ``"rng:..."`` (that rank's random-number-generator states). Its header metadata
+``zs_params`` repeats, for each parameter it holds pieces of, what the manifest records
+about it (:func:`param_record`: whole shape, param group, tensor-parallel split), so
+the manifest can be checked against the files without the model.
 """
 
 from __future__ import annotations
@@ -28,6 +31,23 @@ def file_name(rank: int) -> str:
 
 def piece_key(kind: str, name: str, lo: int) -> str:
     return f"{kind}:{name}:{lo}"
+
+
+#: rank file metadata: {parameter name: param_record} of the parameters it holds pieces of
+PARAMS_META = "zs_params"
+
+
+def param_record(flat, i: int) -> dict:
+    """What a checkpoint records about flat parameter ``i``: its whole shape (a
+    tensor-parallel slice's full shape), its param group (-1: frozen, saved without
+    optimizer state) and, when split, the split (dim, fused parts, TP size)."""
+    from zeroshard.parallel.slices import tp_slice_of
+
+    spec = tp_slice_of(flat.params[i])
+    out = {"shape": list(spec.full_shape if spec else flat.shapes[i]), "group": flat.group_of[i]}
+    if spec is not None:
+        out["tp"] = {"dim": spec.dim, "parts": list(spec.parts), "world": spec.world}
+    return out
 
 
 def parameter_names(engine) -> list[str]:

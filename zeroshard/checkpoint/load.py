@@ -5,9 +5,11 @@ Each rank reads only the slices it now owns, straight from whichever files hold 
 Nothing is unpickled: only ``manifest.json`` and ``*.safetensors`` are ever opened.
 
 Everything is validated (``validate.py``: manifest and its values, files, headers,
-pieces, model names and shapes, optimizer state kinds; ``integrity.py``: every byte
-against its checksum and no non-finite values, each rank scanning an equal share of the
-files) before anything is written into the engine. A failed
+pieces, model names and shapes, optimizer state kinds; ``coverage.py``: the manifest
+lists every tensor of the files and agrees with what they recorded, every parameter the
+engine trains has its optimizer state and every state kind its optimizer needs;
+``integrity.py``: every byte against its checksum and no non-finite values, each rank
+scanning an equal share of the files) before anything is written into the engine. A failed
 load raises :class:`CheckpointError` naming the file or parameters and leaves the engine
 untouched.
 

@@ -2,7 +2,9 @@
 
 * A tag is a plain directory name: not empty, no path separator, not ``.``/``..``, not
   ``latest``, not hidden (``.tmp-*``, ``.trash-*`` and the lock are ours), not ending in
-  ``.old`` (an overwrite's previous copy) and without ``.tmp`` (temporary files).
+  ``.old`` (an overwrite's previous copy), without ``.tmp`` (temporary files), without
+  control characters or line breaks (NUL, newline, tab, ...) and without whitespace at
+  either end (``latest`` is one line, read stripped: such a tag would name another).
 * ``latest`` holds one such tag.
 * Nothing read on load may lead out of the checkpoint directory through a symlink (the
   tag directory, the manifest, the rank files).
@@ -20,6 +22,7 @@ import secrets
 import shutil
 import socket
 import time
+import unicodedata
 
 LATEST = "latest"
 LOCK = ".zeroshard.lock"
@@ -32,7 +35,15 @@ def tag_problem(tag) -> str | None:
         return "a tag must be a non-empty string"
     if len(tag) > _MAX_TAG:
         return f"a tag must be at most {_MAX_TAG} characters"
-    if os.path.isabs(tag) or "/" in tag or "\\" in tag or "\0" in tag:
+    bad = [c for c in tag if unicodedata.category(c) in ("Cc", "Zl", "Zp")]
+    if bad:
+        return (
+            f"a tag cannot hold control characters or line breaks (it holds {bad[0]!r}): "
+            "it names a directory and is the one line of the 'latest' file"
+        )
+    if tag != tag.strip():
+        return "a tag cannot start or end with whitespace (the 'latest' file is read stripped)"
+    if os.path.isabs(tag) or "/" in tag or "\\" in tag:
         return "a tag must be a plain name, without path separators or an absolute path"
     if tag in (".", ".."):
         return "a tag cannot be '.' or '..'"

@@ -34,10 +34,12 @@ import torch
 
 from zeroshard.checkpoint.format import (
     MANIFEST,
+    PARAMS_META,
     CheckpointSaveError,
     exchange,
     file_name,
     fsync_dir,
+    param_record,
     parameter_names,
     piece_key,
     raise_if_failed,
@@ -297,12 +299,13 @@ def _write_rank_file(
     """Write this rank's file; returns the CRC-32 of its header (which lists the CRC-32
     of every tensor)."""
     rank = engine.comm.rank
-    entries, sources = [], []
+    entries, sources, records = [], [], {}
     skip = _not_saved_here(engine, exclude_frozen)
     for piece in _pieces_to_write(engine, access, rank):
         if piece.param in skip:
             continue
         name = names[piece.param]
+        records.setdefault(name, param_record(engine.flat, piece.param))
         for kind in kinds if piece.group >= 0 else ["param"]:
             dtype = engine.flat.dtype if kind == "param" else torch.float32
             entries.append((piece_key(kind, name, piece.lo), dtype, [piece.hi - piece.lo]))
@@ -314,6 +317,7 @@ def _write_rank_file(
     for key, t in extra.items():
         entries.append((key, t.dtype, list(t.shape)))
     meta = {"rank": str(rank), "python_rng": json.dumps(random.getstate()), "zs_save": save_id}
+    meta[PARAMS_META] = json.dumps(records, separators=(",", ":"))
     writer = StreamWriter(path, entries, meta, checksums=True)
     pieces = zip(sources, entries[: len(sources)], strict=True)
     shown = progress(pieces, desc="saving checkpoint", total=len(sources), enabled=rank == 0)
@@ -362,21 +366,11 @@ def _manifest(
     splits = [tp_slice_of(p) for p in flat.params]
     skip = _not_saved_here(engine, exclude_frozen)
     ranks = stage_ranks(engine)
-    for i, spec in enumerate(splits):
+    for i in range(len(splits)):
         if i in skip:
             continue
-        params[names[i]] = {
-            "shape": list(spec.full_shape if spec else flat.shapes[i]),
-            "dtype": DTYPE_NAMES[flat.dtype],
-            "group": flat.group_of[i],
-            "pieces": [],
-        }
-        if spec is not None:  # pieces are of each TP rank's slice: [file, lo, hi, tp rank]
-            params[names[i]]["tp"] = {
-                "dim": spec.dim,
-                "parts": list(spec.parts),
-                "world": spec.world,
-            }
+        # split parameters' pieces are of each TP rank's slice: [file, lo, hi, tp rank]
+        params[names[i]] = {**param_record(flat, i), "dtype": DTYPE_NAMES[flat.dtype], "pieces": []}
     mesh = engine.mesh
     for r in ranks:
         t = mesh.coord("tp", r)

@@ -4,8 +4,10 @@ Finds the checkpoint directory (``tag`` or the one ``latest`` names; tags and ``
 must be plain names, and no symlink may lead out of the directory: ``paths.py``) and
 checks, without writing anything: the manifest's structure and the ranges of its values,
 every file's size, safetensors header layout and save id, that every piece the manifest
-lists is in its file with the right shape and dtype, that the checkpoint fits the model
-(names and shapes) and that the live optimizer can take every saved state kind;
+lists is in its file with the right shape and dtype (and, ``coverage.py``, that it lists
+every tensor the files hold, as they recorded it), that the checkpoint fits the model
+(names, shapes, dtype kinds) and that the live optimizer can take every saved state kind
+and finds every one it needs;
 :func:`scan_files` reads the bytes (``integrity.py``: checksums, non-finite values).
 Failures raise :class:`CheckpointError` naming the file or parameters.
 
@@ -20,6 +22,7 @@ import math
 import os
 import random
 
+from zeroshard.checkpoint.coverage import check_files_agree, check_optimizer_fits, dtype_problems
 from zeroshard.checkpoint.format import MANIFEST, CheckpointError, parameter_names, piece_key
 from zeroshard.checkpoint.integrity import check_order, check_save_id, check_values, scan_file
 from zeroshard.checkpoint.paths import LATEST, inside, tag_problem
@@ -140,6 +143,7 @@ def read_manifest(path: str, root: str | None = None) -> dict:
             raise CheckpointError(msg) from exc
         headers.append(header)
     _check_pieces(path, manifest, headers)
+    check_files_agree(path, manifest, headers)
     return manifest
 
 
@@ -196,6 +200,10 @@ def _check_structure(m: dict) -> None:
         raise ValueError("'optimizer.groups' must be a list")
     for g in m["optimizer"]["groups"]:
         float(g["step"])
+    ngroups = len(m["optimizer"]["groups"])
+    for name, e in m["params"].items():
+        if e["group"] >= ngroups:
+            raise ValueError(f"params[{name!r}]: group {e['group']}, but {ngroups} groups saved")
     if not isinstance(m["counters"], dict) or not isinstance(m["loss_scaler"], dict):
         raise ValueError("'counters' and 'loss_scaler' must be objects")
     int(m["world_size"])
@@ -261,7 +269,8 @@ def check_model(manifest: dict, engine, path: str, strict: bool = True) -> set[s
     for i, n in enumerate(parameter_names(engine)):  # tensor-parallel slices: whole shapes
         spec = tp_slice_of(engine.flat.params[i])
         ours[n] = list(spec.full_shape if spec else engine.flat.shapes[i])
-    ours.update({n: list(t.shape) for n, (t, _) in whole_tensors(engine).items()})
+    whole = whole_tensors(engine)
+    ours.update({n: list(t.shape) for n, (t, _) in whole.items()})
     theirs = {n: v["shape"] for n, v in manifest["params"].items()}
     theirs.update({n: v["shape"] for n, v in manifest["whole"].items()})
     missing = sorted(set(ours) - set(theirs))
@@ -269,6 +278,7 @@ def check_model(manifest: dict, engine, path: str, strict: bool = True) -> set[s
     if engine.mesh.size("pp") > 1:  # the other stages' parameters
         unexpected = []
     shapes = sorted(n for n in set(ours) & set(theirs) if ours[n] != theirs[n])
+    dtypes = dtype_problems(manifest, {n: t.dtype for n, (t, _) in whole.items()})
     problems = []
     if missing:
         problems.append(
@@ -281,7 +291,11 @@ def check_model(manifest: dict, engine, path: str, strict: bool = True) -> set[s
             "shape mismatch: "
             + ", ".join(f"{n} {theirs[n]} vs model {ours[n]}" for n in shapes[:8])
         )
-    if shapes or (problems and strict):
+    if dtypes:
+        problems.append(
+            "dtype mismatch: " + ", ".join(dtypes[:8]) + ("..." if len(dtypes) > 8 else "")
+        )
+    if shapes or dtypes or (problems and strict):
         raise CheckpointError(
             f"{path}: the checkpoint does not fit this model; " + "; ".join(problems)
         )
@@ -295,10 +309,11 @@ def check_model(manifest: dict, engine, path: str, strict: bool = True) -> set[s
 
 
 def _accepted_kinds(engine, access: ShardAccess, manifest: dict) -> set[str]:
-    live = type(engine.optimizer.inner).__name__
+    live = type(engine.optimizer.inner)
     held = {k for k in access.kinds() if k not in ("param", "master")}
-    ok = held | _STATE_KINDS.get(live, set())
-    if live not in _STATE_KINDS and live == manifest["optimizer"].get("type"):
+    known = [_STATE_KINDS[c.__name__] for c in live.__mro__ if c.__name__ in _STATE_KINDS]
+    ok = held | (known[0] if known else set())
+    if not known and live.__name__ == manifest["optimizer"].get("type"):
         ok |= set(manifest["kinds"])  # the same client optimizer: it made these
     return ok
 
@@ -326,6 +341,7 @@ def validate(
                 f"{type(engine.optimizer.inner).__name__} cannot take; load with "
                 "load_optimizer_states=False"
             )
+        check_optimizer_fits(engine, path, manifest, names)
     if training and manifest["world_size"] == engine.comm.world_size:
         rank = engine.comm.rank
         fpath = os.path.join(path, manifest["files"][rank]["name"])

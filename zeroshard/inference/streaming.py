@@ -44,6 +44,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from zeroshard.device import runtime
 from zeroshard.inference.stream_store import (  # noqa: F401  (StreamConfig, stream_config: re-exported)
     MemorySource,
     StreamConfig,
@@ -68,7 +69,7 @@ class _Loaded:
     future: Future | None
     users: int = 0
     compute: torch.Tensor | None = None  # the device copy, when computing off the host
-    uploaded: torch.cuda.Event | None = None  # recorded after the upload from ``buf``
+    uploaded: object = None  # the device's event recorded after the upload from ``buf``
 
 
 @dataclass
@@ -87,11 +88,12 @@ class StreamedWeights:
     def __init__(self, model, units, source, config: StreamConfig, device, upload: bool):
         self.model, self.units, self.source, self.config = model, units, source, config
         self.device, self.upload = torch.device(device), upload
+        self.rt = runtime(self.device)
         self.stats = StreamStats()
         self._bufsize = max((u.nbytes for u in units), default=ALIGN)
-        # free host buffers, each with the CUDA event its last upload must reach before
-        # it is written again (None on the host)
-        self._pool: list[tuple[torch.Tensor, torch.cuda.Event | None]] = []
+        # free host buffers, each with the event its last upload must reach before it is
+        # written again (None on the host)
+        self._pool: list[tuple[torch.Tensor, object]] = []
         self._allocated = 0
         self._loaded: dict[int, _Loaded] = {}
         self._next = {i: (i + 1) % len(units) for i in range(len(units))}
@@ -118,14 +120,13 @@ class StreamedWeights:
         a unit read ahead but not in use (a wrong guess) is taken back."""
         if self._pool:
             buf, uploaded = self._pool.pop()
-            if uploaded is not None:
-                uploaded.synchronize()  # a non-blocking upload may still read it
+            self.rt.sync_event(uploaded)  # a non-blocking upload may still read it
             return buf
         if self._allocated < self.config.buffer_count:
             self._allocated += 1
-            if not (self.config.pin_memory and self.device.type == "cuda"):
+            if not (self.config.pin_memory and self.rt.pin):
                 return aligned_empty(self._bufsize)
-            raw = torch.empty(self._bufsize + ALIGN, dtype=torch.uint8, pin_memory=True)
+            raw = self.rt.host_empty(self._bufsize + ALIGN, torch.uint8)
             skip = (-raw.data_ptr()) % ALIGN  # O_DIRECT reads need aligned addresses
             return raw[skip : skip + self._bufsize]
         if evict_for is None:
@@ -190,13 +191,11 @@ class StreamedWeights:
             ld.future.result()
             self.stats.waited_s += time.perf_counter() - t0
             ld.future = None
-            if self.upload:
-                n = self.units[i].nbytes
+            if self.upload:  # on the current stream: the unit's forward is ordered after
+                n, rt = self.units[i].nbytes, self.rt
                 ld.compute = torch.empty(n, dtype=torch.uint8, device=self.device)
-                ld.compute.copy_(ld.buf[:n], non_blocking=True)
-                if self.device.type == "cuda":
-                    ld.uploaded = torch.cuda.Event()
-                    ld.uploaded.record()
+                rt.copy(ld.compute, ld.buf[:n], non_blocking=True)
+                ld.uploaded = rt.record(rt.current_stream(self.device))
         ld.users += 1
         data = ld.compute if ld.compute is not None else ld.buf
         for s in self.units[i].slots:
@@ -305,7 +304,7 @@ def stream_weights(
     if device is None:
         device = "cpu" if on_meta else params[0].device
     device = torch.device(device)
-    upload = device.type != "cpu" or force_upload
+    upload = runtime(device).apart or force_upload
     if config.device == "cpu" and not upload and not on_meta:
         return None  # the weights already sit in the compute device's memory
     units = [Unit(name, m) for name, m in plan_units(model)]
@@ -351,7 +350,7 @@ def stream_weights(
         space = SwapSpace(os.fspath(config.nvme_path), f"infer-{tag}")
         source: SwapSource | MemorySource = SwapSource(space, total)
     else:
-        source = MemorySource(total, pin=config.pin_memory and device.type == "cuda")
+        source = MemorySource(total, pin=config.pin_memory and runtime(device).pin)
     written: set[int] = set()
     for u in units:
         mine = {s.offset: values[s.offset] for s in u.slots}

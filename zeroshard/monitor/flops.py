@@ -26,6 +26,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from zeroshard.device import runtime
+
 if TYPE_CHECKING:
     from torch.utils.flop_counter import FlopCounterMode
 
@@ -80,8 +82,7 @@ class FlopsProfiler:
         self.active = True
 
     def _clock(self) -> float:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        runtime(self.device).synchronize(self.device)
         return time.perf_counter()
 
     def _enter(self, module, args) -> None:

@@ -19,8 +19,11 @@ printed); on the CPU from ``time.perf_counter``.
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import torch
+
+from zeroshard.device import runtime
 
 MICRO = ("fwd_microstep", "bwd_microstep", "bwd_inner_microstep", "bwd_allreduce_microstep", "step_microstep")  # fmt: skip
 GLOBAL = ("fwd", "bwd", "bwd_inner", "bwd_allreduce", "step")
@@ -38,28 +41,25 @@ class _Timer:
     """Sums intervals; on CUDA as event pairs read when asked."""
 
     def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
-        self.started: float | torch.cuda.Event | None = None
+        self.rt = runtime(device)
+        self.started: Any = None  # a timing event, or the host's clock
         self.host_ms = 0.0
-        self.pairs: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self.pairs: list[tuple[Any, Any]] = []
 
     def start(self) -> None:
-        if self.cuda:
-            self.started = torch.cuda.Event(enable_timing=True)
-            self.started.record()
-        else:
+        self.started = self.rt.timing_event()
+        if self.started is None:
             self.started = time.perf_counter()
 
     def stop(self) -> None:
         started, self.started = self.started, None
         if started is None:  # not started (an exception skipped the start)
             return
-        if isinstance(started, float):
-            self.host_ms += (time.perf_counter() - started) * 1e3
+        if isinstance(self.started, float):
+            self.host_ms += (time.perf_counter() - self.started) * 1e3
         else:
-            end = torch.cuda.Event(enable_timing=True)
-            end.record()
-            self.pairs.append((started, end))
+            self.pairs.append((self.started, self.rt.timing_event()))
+        self.started = None
 
     def elapsed_ms(self, reset: bool = True) -> float:
         ms = self.host_ms
@@ -118,8 +118,8 @@ class ThroughputTimer:
         self.total_s = self.step_s = 0.0
 
     def _sync(self) -> None:
-        if self.synchronized and self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        if self.synchronized:
+            runtime(self.device).synchronize(self.device)
 
     def start(self) -> None:
         if self.started is None:

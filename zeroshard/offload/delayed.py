@@ -114,8 +114,7 @@ class DelayedUpdate:
                     dst.copy_(src)
             finally:
                 self._copied.set()  # the next backward may write the reducer's shard
-            if uploading is not None:
-                uploading.synchronize()
+            self.states.rt.sync_event(uploading)  # the device has read the masters
             self.states.prepare_step(twin, chunks, factor, unused)  # grad_scale: twin's own
             twin.step()
             self.states.clear_grads(twin)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from zeroshard.offload.staging import stage_on_cpu
+from zeroshard.device import host_apart, runtime
 
 _CPU = torch.device("cpu")
 
@@ -44,7 +44,7 @@ class Placement:
             param_shard=_CPU if pa.device in ("cpu", "nvme") else device,
             optimizer=_CPU if op.device in ("cpu", "nvme") else device,
             # unset means pinned on CUDA: the masters' uploads must not block the host
-            pin_memory=device.type == "cuda" and (op.pin_memory is not False or pa.pin_memory),
+            pin_memory=runtime(device).pin and (op.pin_memory is not False or pa.pin_memory),
             param_offload=pa.device,
             optimizer_offload=op.device,
             param_nvme=pa.nvme_path if pa.device == "nvme" else None,
@@ -61,9 +61,10 @@ class Placement:
         """Whether CPU memory is apart from the compute device's memory. Not so when the
         device is the CPU: there, CPU optimizer offload keeps fp32 masters as views of
         the parameters (no second copy, no write-back), exactly as without offload.
-        ``ZEROSHARD_STAGE_ON_CPU=1`` makes CPU-only runs act as if it were apart (the
-        GPU code path: separate masters, staged gradient moves, write-back), for tests."""
-        return self.device.type != "cpu" or stage_on_cpu()
+        ``ZEROSHARD_STAGE_ON_CPU=1`` (or a fake device runtime) makes CPU-only runs act as
+        if it were apart (the GPU code path: separate masters, staged gradient moves,
+        write-back), for tests."""
+        return host_apart(self.device)
 
     @property
     def optimizer_on_host(self) -> bool:

@@ -15,25 +15,23 @@ accumulation buffer (the owned gradient shard in CPU memory) while backward goes
 So the host-side accumulation of bucket *k* runs while the device reduces bucket *k+1*
 and computes the rest of backward; host memory used is ``depth`` buffers of one chunk.
 
-When the compute device is the CPU there is nothing to move and :meth:`submit` adds or
-copies at once, unless ``ZEROSHARD_STAGE_ON_CPU=1`` is set: then the queue is used with
-synchronous copies (the events are ``None``), so CPU-only tests run the same
-bookkeeping, deferral and ordering as a GPU run.
+Streams, events, pinned buffers and copies go through the device seam
+(``zeroshard/device.py``). When the compute device is the CPU there is nothing to move
+and :meth:`submit` adds or copies at once, unless ``ZEROSHARD_STAGE_ON_CPU=1`` is set:
+then the queue is used with synchronous copies (the events are ``None``), so CPU-only
+tests run the same bookkeeping, deferral and ordering as a GPU run; under a fake
+runtime (``zeroshard/fake_device.py``) they run the side stream and its events too.
 """
 
 from __future__ import annotations
 
-import os
 from collections import deque
 
 import torch
 
-STAGE_ON_CPU_ENV = "ZEROSHARD_STAGE_ON_CPU"
+from zeroshard.device import STAGE_ON_CPU_ENV, host_apart, runtime, stage_on_cpu
 
-
-def stage_on_cpu() -> bool:
-    """Whether CPU-only runs mirror the device<->host staging of a GPU run (tests)."""
-    return os.environ.get(STAGE_ON_CPU_ENV, "") not in ("", "0")
+__all__ = ["STAGE_ON_CPU_ENV", "HostStager", "stage_on_cpu"]
 
 
 class HostStager:
@@ -48,17 +46,17 @@ class HostStager:
 
     def __init__(self, device: torch.device, numel: int, dtype: torch.dtype, depth: int = 2):
         self.device = device
-        self.queued = device.type != "cpu" or stage_on_cpu()
+        self.rt = runtime(device)
+        self.queued = host_apart(device)
         self._stream = None
         self._free: list[torch.Tensor] = []
         self._inflight: deque = deque()  # (buffer, n, event, dst, accumulate)
         self.submitted = 0  # chunks moved through the buffers (for tests)
         if not self.queued:
             return
-        pin = device.type == "cuda"
-        self._free = [torch.empty(numel, dtype=dtype, pin_memory=pin) for _ in range(depth)]
-        if device.type != "cpu":
-            self._stream = getattr(torch, device.type).Stream(device=device)
+        self._free = [self.rt.host_empty(numel, dtype) for _ in range(depth)]
+        if self.rt.streams:
+            self._stream = self.rt.new_stream(device)
 
     def submit(self, src: torch.Tensor, dst: torch.Tensor, accumulate: bool):
         """Start moving ``src`` into ``dst`` (``dst += src`` when ``accumulate``).
@@ -77,19 +75,18 @@ class HostStager:
         if self._stream is None:
             buf.copy_(src)
         else:
-            mod = getattr(torch, self.device.type)
-            self._stream.wait_stream(mod.current_stream(self.device))
-            with mod.stream(self._stream):
-                buf.copy_(src, non_blocking=True)
-                event = self._stream.record_event()
+            rt = self.rt
+            rt.wait_stream(self._stream, rt.current_stream(self.device))  # src is ready
+            with rt.on(self._stream):
+                rt.copy(buf, src, non_blocking=True)
+            event = rt.record(self._stream)
         self._inflight.append((full, n, event, dst, accumulate))
         self.submitted += 1
         return event
 
     def _finish_oldest(self) -> None:
         full, n, event, dst, accumulate = self._inflight.popleft()
-        if event is not None:
-            event.synchronize()
+        self.rt.sync_event(event)  # the copy into the pinned buffer has landed
         (dst.add_ if accumulate else dst.copy_)(full[:n].view_as(dst))
         self._free.append(full)
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import torch
 
+from zeroshard.device import runtime
 from zeroshard.offload.nvme import BufferPool, SwapFile, aligned_empty
 from zeroshard.zero.partition import FlatLayout
 
@@ -51,33 +52,6 @@ def _write_ranges(store, a: int, values: torch.Tensor) -> None:
         store.write_chunk(s, values[lo + start - a : hi + start - a], lo)
 
 
-def upload_and_cast(
-    dst: torch.Tensor,
-    values: torch.Tensor,
-    buf: torch.Tensor | None,
-    max_numel: int = _UPLOAD_NUMEL,
-) -> torch.Tensor | None:
-    """Host ``values`` into a device chunk of another dtype (fp32 masters into bf16
-    parameters). ``copy_`` would cast on the host into a pageable temporary, whose
-    upload then blocks the host: instead the values go as they are (from pinned
-    memory: without blocking) into a device buffer ``buf`` of at most ``max_numel``
-    elements (made, or remade larger, here), and the device casts. One buffer is enough:
-    the copies and casts are ordered on the current stream. Returns the buffer."""
-    if values.numel() == 0:
-        return buf
-    n = min(values.numel(), max_numel)
-    if buf is None or buf.numel() < n or buf.dtype != values.dtype:
-        buf = torch.empty(n, dtype=values.dtype, device=dst.device)
-    for a in range(0, values.numel(), buf.numel()):
-        b = min(a + buf.numel(), values.numel())
-        part = buf[: b - a]
-        part.copy_(values[a:b], non_blocking=True)
-        dst[a:b].copy_(part)
-    return buf
-
-    # -- the protocol -------------------------------------------------------------------
-
-
 class MemoryShard:
     """A shard in one memory buffer; every chunk is a view of it.
 
@@ -87,21 +61,30 @@ class MemoryShard:
     kinds = ("param",)
 
     def __init__(
-        self, buffer: torch.Tensor, layout: FlatLayout, views: list[torch.Tensor] | None = None
+        self,
+        buffer: torch.Tensor,
+        layout: FlatLayout,
+        views: list[torch.Tensor] | None = None,
+        *,
+        upload_numel: int = _UPLOAD_NUMEL,
     ) -> None:
         self.buffer, self.layout = buffer, layout
         if views is None:
             views = [buffer[s.shard_start : s.shard_start + s.chunk] for s in layout.segments]
         self.views = views
         self.dtype, self.device = buffer.dtype, buffer.device
+        #: elements of the device buffer that host values of another dtype pass through
+        self.upload_numel = upload_numel
         self._upload: torch.Tensor | None = None  # see _upload_and_cast
 
     @classmethod
-    def empty(cls, layout: FlatLayout, dtype: torch.dtype, device, pin: bool) -> MemoryShard:
+    def empty(
+        cls, layout: FlatLayout, dtype: torch.dtype, device, pin: bool, **kwargs
+    ) -> MemoryShard:
         # empty, not zeros: pages get touched as values arrive, so building the shard
         # while zero.Init's slices are released one by one does not double the peak
         buf = torch.empty(layout.shard_numel, dtype=dtype, device=device, pin_memory=pin)
-        return cls(buf, layout)
+        return cls(buf, layout, **kwargs)
 
     # -- per segment --------------------------------------------------------------------
     def lend(self, s: int) -> torch.Tensor:
@@ -120,15 +103,34 @@ class MemoryShard:
         pass
 
     def write_chunk(self, s: int, values: torch.Tensor, lo: int = 0) -> None:
+        """Non-blocking from page-locked host memory, on the current stream: what the
+        device computes next is ordered after it; the host must not rewrite ``values``
+        before an event recorded after it (the optimizer's write-back records one)."""
         dst = self.views[s][lo : lo + values.numel()]
+        rt = runtime(values.device if dst.device.type == "cpu" else dst.device)
         if dst.device != values.device and dst.dtype != values.dtype:
-            self._upload_and_cast(dst, values)
+            self._upload_and_cast(rt, dst, values)
         else:
-            dst.copy_(values, non_blocking=True)
+            rt.copy(dst, values, non_blocking=True)
 
-    def _upload_and_cast(self, dst: torch.Tensor, values: torch.Tensor) -> None:
-        # the buffer is kept for the next write; it is not in ``buffers()``
-        self._upload = upload_and_cast(dst, values, self._upload)
+    def _upload_and_cast(self, rt, dst: torch.Tensor, values: torch.Tensor) -> None:
+        """Host ``values`` into a device chunk of another dtype (fp32 masters into bf16
+        parameters). ``copy_`` would cast on the host into a pageable temporary, whose
+        upload then blocks the host: instead the values go as they are (from pinned
+        memory: without blocking) into a device buffer of at most ``upload_numel``
+        elements, and the device casts. One buffer is enough: the copies and casts are
+        ordered on the current stream. The buffer is not in ``buffers()``."""
+        if values.numel() == 0:
+            return
+        n = min(values.numel(), self.upload_numel)
+        buf = self._upload
+        if buf is None or buf.numel() < n or buf.dtype != values.dtype:
+            buf = self._upload = torch.empty(n, dtype=values.dtype, device=dst.device)
+        for a in range(0, values.numel(), buf.numel()):
+            b = min(a + buf.numel(), values.numel())
+            part = buf[: b - a]
+            rt.copy(part, values[a:b], non_blocking=True)
+            rt.copy(dst[a:b], part)  # the cast, on the device
 
     def read(self, kind: str, a: int, b: int) -> torch.Tensor:
         parts = [self.views[s][lo:hi] for s, lo, hi in _ranges(self.layout, a, b)]

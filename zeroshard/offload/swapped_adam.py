@@ -26,6 +26,7 @@ from torch.optim.adam import adam as adam_functional
 
 from zeroshard.offload.nvme import ALIGN, SwapSpace, aligned_empty
 from zeroshard.progress import progress
+from zeroshard.zero.edits import take_edits
 from zeroshard.zero.flat import FlatParams
 
 _KEYS = ("master", "exp_avg", "exp_avg_sq")
@@ -106,10 +107,13 @@ class SwappedAdam:
         )
 
     def refresh(self, segments: list[int]) -> None:
-        """Parameters of ``segments`` were changed from outside: copy them into the masters."""
+        """Parameters of ``segments`` were changed from outside: the masters take the
+        changed values (``zero/edits.py``: unchanged elements keep their fp32 bits)."""
         for s in segments:
-            start = self.flat.layout.segments[s].shard_start
-            self.write("master", start, self.flat.store.chunk(s).float())
+            seg = self.flat.layout.segments[s]
+            master = self.read("master", seg.shard_start, seg.shard_start + seg.chunk)
+            take_edits(master, self.flat.store.chunk(s))
+            self.write("master", seg.shard_start, master)
 
     # -- the step -----------------------------------------------------------------------
     @staticmethod

@@ -40,6 +40,8 @@ from dataclasses import dataclass, fields
 import torch.distributed as dist
 
 from zeroshard.comm import Comm, Ledger
+from zeroshard.device import claim_device
+from zeroshard.distributed import local_rank
 
 AXES = ("pp", "dp_replicate", "dp_shard", "sp", "tp")
 GROUPS = {
@@ -168,6 +170,11 @@ class Mesh:
         if dist.is_initialized():
             from torch.distributed.device_mesh import init_device_mesh
 
+            # DeviceMesh makes device LOCAL_RANK current itself when the runtime is not
+            # initialized yet: with ranks sharing a GPU (gloo) that ordinal may not exist.
+            # This rank's device (LOCAL_RANK modulo the visible devices, as the engine's)
+            # is made current first, and DeviceMesh keeps it.
+            claim_device(device_type, local_rank())
             sizes = tuple(getattr(shape, a) for a in AXES)
             device_mesh = init_device_mesh(device_type, sizes, mesh_dim_names=AXES)
             for axis in AXES:
@@ -289,6 +296,24 @@ class Mesh:
             group = self._groups[axes] if self._groups else None  # None: one process
             self._comms[axes] = Comm(group, self.ledger, axis=name)
         return self._comms[axes]
+
+    def twin(self, name: str) -> Comm:
+        """A second Comm over the ranks of ``name`` with a process group of its own; the
+        same ledger axis. Two streams of collectives whose relative order may differ
+        between ranks (stage 3's parameter gathers and gradient reductions in backward)
+        each keep their own order on their own group, instead of meeting in one group in
+        a different order on each rank. Every rank must call it, in the same order (one
+        all-gather of the group's members over the world, then ``new_group``)."""
+        comm = self.comm(name)
+        if comm.world_size == 1 or not dist.is_initialized():
+            return comm  # no collective crosses processes
+        mine = sorted(dist.get_process_group_ranks(comm.group or dist.group.WORLD))
+        twin = None
+        for members in sorted({tuple(m) for m in self.comm("world").all_gather_object(mine)}):
+            group = dist.new_group(list(members))
+            if dist.get_rank() in members:
+                twin = group
+        return Comm(twin, self.ledger, axis=name)
 
     @staticmethod
     def _axes(name: str) -> tuple[str, ...]:

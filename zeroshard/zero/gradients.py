@@ -5,7 +5,10 @@ Each segment of the :class:`~zeroshard.zero.flat.FlatParams` layout is a bucket.
 bucket; when a bucket is complete it is reduced asynchronously while backward goes on.
 Buckets are launched in one fixed global order (by position in the model, last layers
 first), so every rank issues the same collectives in the same order even when
-gradients arrive in a different order or some parameters get none.
+gradients arrive in a different order or some parameters get none. At stage 3
+(``count_unreached``) the parameters a backward's graph does not reach
+(``zero/reached.py``) count as arrived when it starts, so a rank that gets no gradient
+for a bucket launches it when the others do, not when backward ends.
 
 Two modes, chosen once from what is sharded:
 
@@ -31,8 +34,10 @@ from dataclasses import dataclass, field
 import torch
 
 from zeroshard.comm import Comm, Handle
-from zeroshard.offload.staging import HostStager, stage_on_cpu
+from zeroshard.device import host_apart
+from zeroshard.offload.staging import HostStager
 from zeroshard.zero.flat import FlatParams
+from zeroshard.zero.reached import reached_leaves
 
 # reductions in flight at once, at most: each holds a staging bucket (stages 2-3) and a
 # receive buffer (point-to-point reduce-scatter); more wait for the oldest
@@ -119,8 +124,10 @@ class GradReducer:
         on_bucket_ready=None,
         accum_device: torch.device | None = None,
         reduce_scatter_via: str | None = None,
+        count_unreached: bool = False,
     ) -> None:
         self.flat, self.comm, self.dtype = flat, comm, dtype
+        self._count_unreached = count_unreached
         self._rs_via = reduce_scatter_via or comm.reduce_scatter_path(flat.device)
         self.replicate = replicate if replicate is not None and replicate.world_size > 1 else None
         if self.replicate is not None and not flat.partitioned:
@@ -160,7 +167,7 @@ class GradReducer:
         self._views: list[torch.Tensor | None] = [None] * len(flat.params)
         self._stager: HostStager | None = None
         self._staging_events: dict[int, object] = {}  # staging buffer id -> copy event
-        if accum_device is not None and (accum_device != flat.device or stage_on_cpu()):
+        if accum_device is not None and (accum_device != flat.device or host_apart(flat.device)):
             chunk = max((s.chunk for s in reduced), default=0)
             self._stager = HostStager(flat.device, chunk, dtype)
         if sharded or self._stager is not None:
@@ -214,12 +221,24 @@ class GradReducer:
             self._hooks.append(p.register_post_accumulate_grad_hook(self._make_hook(pi)))
 
     # -- backward -----------------------------------------------------------------------
-    def begin(self, boundary: bool) -> None:
-        """Called before each backward: whether this micro-step ends an accumulation."""
+    def begin(self, boundary: bool, roots: list[torch.Tensor] | None = None) -> None:
+        """Called before each backward: whether this micro-step ends an accumulation,
+        and the tensors backward starts from (for ``count_unreached``)."""
         self._boundary = boundary
         self._in_backward = True
         if self._reduced and self.flat.partitioned and not self.sharded:
             self._restate_owned()
+        if self._count_unreached and roots is not None and self.communicates_now:
+            self._count_unreached_as_arrived(roots)
+
+    def _count_unreached_as_arrived(self, roots: list[torch.Tensor]) -> None:
+        reached = reached_leaves(roots)
+        if reached is None:  # a graph that hides parameters: wait for what arrives
+            return
+        for pi, p in enumerate(self.flat.params):
+            if self.flat.group_of[pi] >= 0 and id(p) not in reached:
+                self._bucket_of[pi].ready.add(pi)
+        self._launch_in_order(upto=None)
 
     def _restate_owned(self) -> None:
         """Stage 1, another backward after the boundary's reduction (two losses, one
@@ -410,9 +429,10 @@ class GradReducer:
             # flight; a third waits for the oldest reduction
             b.staging = self._staging.take(self)
             event = self._staging_events.pop(id(b.staging), None)
-            if event is not None:  # its last chunk may still be on its way to the host
-                dev = self.flat.device
-                getattr(torch, dev.type).current_stream(dev).wait_event(event)
+            if event is not None and self._stager is not None:
+                # its last chunk may still be on its way to the host
+                rt = self._stager.rt
+                rt.wait_event(rt.current_stream(self.flat.device), event)
         return b.staging
 
     def finish(self) -> None:

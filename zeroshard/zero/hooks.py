@@ -9,7 +9,10 @@ communication here: these only call back into the gatherer.
   ``module.name`` read, so parameters used outside their own module are gathered too.
 * :func:`guard`: gives a parameter a subclass whose ``__torch_function__`` refuses ops
   on it while it is released (only this rank's shard held), naming the parameter and
-  ``GatheredParameters``, instead of computing on an empty placeholder. A parameter
+  ``GatheredParameters``, instead of computing on an empty placeholder, but for the
+  reads :data:`RELEASED_READS` lists (metadata answered for the whole parameter, autograd
+  state and hooks, plumbing; ``.data`` is an alias refusing values the same way); it
+  also notes reads of ``.data`` of a gathered one (``zero/edits.py``). A parameter
   built under ``zero.Init`` (full shape, storage freed until gathered) is guarded the
   same way from the end of the ``Init`` block until ``initialize``: metadata and aliases
   (``p.data``, ``detach()``, views: :class:`SealedView`, which checks again on use) are
@@ -91,18 +94,41 @@ class PartitionedParameterError(RuntimeError):
     """A stage-3 parameter used while only this rank's shard of it is held."""
 
 
-# what may touch a released parameter: metadata, and the ``.data`` / ``.grad`` plumbing
-_METADATA = frozenset(
+# What a released stage-3 parameter answers outside forward (README: "Parameters
+# touched outside forward"); the one list. Every other op refuses, naming the parameter
+# and GatheredParameters: anything that reads or writes its values.
+#: the whole parameter's shape (not the empty placeholder's): answered from it
+WHOLE_METADATA = frozenset(
     {
-        "shape", "dtype", "device", "size", "dim", "ndim", "ndimension", "numel",
-        "nelement", "requires_grad", "requires_grad_", "is_leaf", "grad", "grad_fn",
-        "data", "_version", "layout", "is_floating_point", "is_complex", "element_size",
-        "is_cuda", "is_meta", "is_sparse", "names", "__repr__", "__format__", "__hash__",
-        "__reduce_ex__", "__deepcopy__", "__setstate__", "retain_grad", "register_hook",
-        "register_post_accumulate_grad_hook", "untyped_storage", "data_ptr",
-        "storage_offset", "stride", "is_contiguous", "_post_accumulate_grad_hooks", "T",
+        "shape", "size", "dim", "ndim", "ndimension", "numel", "nelement", "nbytes",
+        "stride", "is_contiguous", "__len__",
     }
 )  # fmt: skip
+#: what every tensor of its dtype, layout and device answers
+KIND_METADATA = frozenset(
+    {
+        "dtype", "device", "layout", "is_cuda", "is_cpu", "is_meta", "is_sparse",
+        "is_quantized", "is_nested", "is_floating_point", "is_complex", "element_size",
+        "itemsize",
+    }
+)  # fmt: skip
+#: autograd state and hooks (reading ``.grad``, assigning it, registering hooks)
+AUTOGRAD_STATE = frozenset(
+    {
+        "requires_grad", "requires_grad_", "is_leaf", "grad", "_grad", "grad_fn",
+        "_grad_fn", "retains_grad", "retain_grad", "output_nr", "_base", "_version",
+        "register_hook", "register_post_accumulate_grad_hook", "_backward_hooks",
+        "_post_accumulate_grad_hooks",
+    }
+)  # fmt: skip
+#: identity and plumbing that read no value: hashing, printing (a line naming it as
+#: partitioned), the storage handle (empty), and ``.data``: an alias that refuses its
+#: values the same way (assigning ``.data`` refuses: the next gather would undo it)
+PLUMBING = frozenset(
+    {"__hash__", "__repr__", "__format__", "__setstate__", "_cdata", "data_ptr",
+     "untyped_storage", "storage_offset", "data"}
+)  # fmt: skip
+RELEASED_READS = WHOLE_METADATA | KIND_METADATA | AUTOGRAD_STATE | PLUMBING
 
 
 def _op_name(func) -> str:
@@ -114,9 +140,12 @@ def _op_name(func) -> str:
     return name
 
 
-_SEALED_METADATA = (_METADATA - {
-    "__repr__", "__format__", "__reduce_ex__", "__deepcopy__", "__setstate__", "data",
-}) | {"_has_compatible_shallow_copy_type"}  # fmt: skip
+# what may touch a zero.Init parameter outside a gather (its storage is freed, its
+# shape whole): the same reads, and the aliases _alias makes
+_SEALED_METADATA = WHOLE_METADATA | KIND_METADATA | AUTOGRAD_STATE | {
+    "names", "__hash__", "_cdata", "untyped_storage", "data_ptr", "storage_offset", "T",
+    "_has_compatible_shallow_copy_type",
+}  # fmt: skip
 # ops that make an alias and read no data: allowed on a sealed parameter (e.g.
 # ``state_dict()`` detaches every parameter); their result stays guarded
 _VIEWS = frozenset(
@@ -230,32 +259,78 @@ def _sealed_views(out, name: str):
 
 def _check_then_run(cls, func, types, args=(), kwargs=None):
     """A partitioned parameter's ``__torch_function__``: refuse ops on it while it is
-    released; otherwise run the op as a plain tensor op (as ``nn.Parameter`` does)."""
+    released, but for :data:`RELEASED_READS`; otherwise run the op as a plain tensor op
+    (as ``nn.Parameter`` does)."""
     kwargs = kwargs or {}
     name = _op_name(func)
-    if name != "__set__":
-        for a in args:  # parameters are direct arguments: F.linear(x, w, b), w.clamp_()
-            d = getattr(a, "__dict__", None)
-            if not d or not d.get("_zs_released"):
-                continue
-            if not d.get("_zs_sealed"):  # released by the stage-3 gatherer: empty placeholder
-                if name not in _METADATA:
-                    raise _released_error(d.get("_zs_name"), name or func)
-            elif name in _VIEWS:
-                return _alias(func, args, kwargs, a, d.get("_zs_name"))
-            elif a is args[0] and _stays(a, name, args[1:], kwargs):
-                return a  # ``module.to(its own device and dtype)``: nothing to move
-            elif name not in _SEALED_METADATA:
-                raise _sealed_error(d.get("_zs_name"), name or func)
+    for a in args:  # parameters are direct arguments: F.linear(x, w, b), w.clamp_()
+        d = getattr(a, "__dict__", None)
+        if not d:
+            continue
+        if not d.get("_zs_released"):
+            if name == "data":  # an alias that edits go through unseen (zero/edits.py)
+                d["_zs_data_read"] = True
+            continue
+        if not d.get("_zs_sealed"):  # released by the stage-3 gatherer: empty placeholder
+            if name == "__set__":  # assigning .grad is fine; .data would be undone
+                if _set_name(func) == "data":
+                    raise _released_error(d.get("_zs_name"), "assigning .data")
+            elif a is not args[0] or name not in RELEASED_READS:
+                raise _released_error(d.get("_zs_name"), name or func)
+            elif name in WHOLE_METADATA:
+                return func(d["_zs_whole"], *args[1:], **kwargs)
+            elif name == "data":
+                return _released_alias(a)
+            elif name == "__repr__":
+                return _released_repr(a)
+        elif name == "__set__":
+            pass
+        elif name in _VIEWS:
+            return _alias(func, args, kwargs, a, d.get("_zs_name"))
+        elif a is args[0] and _stays(a, name, args[1:], kwargs):
+            return a  # ``module.to(its own device and dtype)``: nothing to move
+        elif name not in _SEALED_METADATA:
+            raise _sealed_error(d.get("_zs_name"), name or func)
     with torch._C.DisableTorchFunctionSubclass():
         return func(*args, **kwargs)
+
+
+def _set_name(func) -> str:
+    """The attribute a property setter sets (``Tensor.data.__set__``: "data")."""
+    return getattr(getattr(func, "__self__", None), "__name__", "")
+
+
+class ReleasedData(torch.Tensor):
+    """``p.data`` of a released stage-3 parameter: refuses its values as the parameter
+    does (it aliases the empty placeholder, not the values a later gather brings)."""
+
+    __torch_function__ = classmethod(_check_then_run)
+
+
+def _released_alias(param: torch.Tensor) -> ReleasedData:
+    with torch._C.DisableTorchFunctionSubclass():
+        out = torch.Tensor.data.__get__(param).as_subclass(ReleasedData)
+    for key in ("_zs_name", "_zs_whole", "_zs_released"):
+        out.__dict__[key] = param.__dict__[key]
+    return out
+
+
+def _released_repr(t: torch.Tensor) -> str:
+    d = t.__dict__
+    with torch._C.DisableTorchFunctionSubclass():
+        where = f"dtype={t.dtype}, device={t.device}, requires_grad={t.requires_grad}"
+    return (
+        f"{type(t).__name__}({d.get('_zs_name')!r}, shape={tuple(d['_zs_whole'].shape)}, "
+        f"{where}: partitioned, only this rank's shard held)"
+    )
 
 
 _GUARDED: dict[type, type] = {}
 
 
-def guard(param: torch.nn.Parameter, name: str) -> None:
-    """Make ``param`` refuse ops while released (see :func:`set_released`)."""
+def guard(param: torch.nn.Parameter, name: str, shape: tuple[int, ...] | None = None) -> None:
+    """Make ``param`` refuse ops while released (see :func:`set_released`); ``shape``:
+    its whole shape, which its metadata answers while released (default: its own)."""
     cls = type(param)
     if cls not in _GUARDED:
         _GUARDED[cls] = type(
@@ -266,6 +341,9 @@ def guard(param: torch.nn.Parameter, name: str) -> None:
         _GUARDED[_GUARDED[cls]] = _GUARDED[cls]
     param.__class__ = _GUARDED[cls]
     param.__dict__["_zs_name"] = name
+    with torch._C.DisableTorchFunctionSubclass():
+        whole = param.shape if shape is None else shape
+        param.__dict__["_zs_whole"] = torch.empty(whole, dtype=param.dtype, device="meta")
 
 
 def set_released(param: torch.Tensor, released: bool) -> None:
@@ -283,5 +361,7 @@ def unguard(param: torch.Tensor) -> None:
     if cls.__module__ == __name__ and cls.__name__.startswith("Partitioned"):
         param.__class__ = cls.__mro__[1]
     param.__dict__.pop("_zs_name", None)
+    param.__dict__.pop("_zs_whole", None)
+    param.__dict__.pop("_zs_data_read", None)
     param.__dict__.pop("_zs_released", None)
     param.__dict__.pop("_zs_sealed", None)

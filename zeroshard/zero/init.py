@@ -44,6 +44,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.hooks import RemovableHandle
 
 from zeroshard.comm import Comm
+from zeroshard.device import runtime
 from zeroshard.distributed import default_device, init_distributed
 from zeroshard.zero.hooks import guard, set_released, set_sealed, unguard
 from zeroshard.zero.init_ops import FILLS as _FILLS
@@ -231,7 +232,7 @@ class Init:
         value = param.detach().reshape(-1).to(dtype).clone()
         if dtype != param.dtype:
             param.data = torch.empty(param.shape, dtype=dtype, device=param.device)
-        pin = self.pin_memory and self._keep_on.type == "cpu" and self.device.type == "cuda"
+        pin = self.pin_memory and self._keep_on.type == "cpu" and runtime(self.device).pin
         shard = torch.zeros(self._chunk(numel), dtype=dtype, device=self._keep_on, pin_memory=pin)
         key = _storage_key(param)
         self._sealed[key] = Sealed(weakref.ref(param), shard, numel)

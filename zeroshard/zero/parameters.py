@@ -18,7 +18,9 @@ Communication (Ψ = parameter bytes of the non-persistent units):
 * backward: an identity autograd function on each module's outputs gathers its units
   again just before that module's backward (no all-gather for a unit still kept),
   prefetching along the order recorded on the first backward; a unit is freed as soon as
-  all its gradients have landed (the gradient reducer then reduce-scatters them, Ψ).
+  all its gradients have landed (the gradient reducer then reduce-scatters them, Ψ, in
+  a process group of its own: where a parameter gets a gradient on some ranks only, the
+  reductions interleave with these gathers differently on each rank).
 * step: the persistent segments are all-gathered after each optimizer step.
 
 Reuse (``stage3_max_reuse_distance``, DeepSpeed's semantics): once the first forward
@@ -65,8 +67,11 @@ prefetches used, units evicted, units kept for reuse and requests they served).
 Freeing keeps tensor objects alive: the unit buffer's storage is resized to zero and
 the parameters point at an empty placeholder, so tensors autograd saved during forward
 (views of the buffer) see the re-gathered values in backward. A released parameter
-refuses torch ops (``hooks.guard``), naming itself and ``GatherParameters``, instead of
-computing on the placeholder.
+answers its metadata for the whole parameter and refuses every other torch op, its
+``.data`` included (``hooks.RELEASED_READS``), naming itself and ``GatheredParameters``,
+instead of computing on the placeholder. Persistent parameters are whole on every rank:
+edits made to them outside forward are written into this rank's shard when the next
+step starts (``zero/edits.py``), as at stages 0-2.
 
 Agreement: ranks must gather the same units in the same order. During the first forward
 and the first backward (and always with ``zero_optimization.enable_sanity_checks``)
@@ -87,6 +92,7 @@ import torch
 from torch import nn
 
 from zeroshard.comm import Comm, Handle
+from zeroshard.zero.edits import WholeEdits, moved, take_edits, view_again
 from zeroshard.zero.flat import FlatParams
 from zeroshard.zero.hooks import AccessTrackingDict, guard, set_released, unguard, wrap_outputs
 from zeroshard.zero.whole import segments_of
@@ -210,8 +216,16 @@ class ParamGatherer:
         for name, p in module.named_parameters():
             names.setdefault(id(p), name)
         for pi, p in enumerate(flat.params):
-            guard(p, names.get(id(p), f"parameter {pi}"))
+            guard(p, names.get(id(p), f"parameter {pi}"), flat.shapes[pi])
             set_released(p, self.flat.layout.param_segment[pi] not in self._gathered)
+        # persistent parameters are whole on every rank: edits outside forward reach the
+        # shards and masters as at stages 0-2 (zero/edits.py)
+        kept = [pi for s in sorted(self.persistent) for pi in layout.segments[s].params]
+        self.edits = WholeEdits(
+            [flat.params[pi] for pi in kept],
+            [self._views[pi] for pi in kept],
+            [names.get(id(flat.params[pi]), f"parameter {pi}") for pi in kept],
+        )
 
     # -- instrumentation --------------------------------------------------------------
     def reset_stats(self) -> None:
@@ -306,8 +320,8 @@ class ParamGatherer:
             self._gathered.add(s)
             for pi in self.flat.layout.segments[s].params:
                 p = self.flat.params[pi]
+                set_released(p, False)  # first: a released parameter refuses a new .data
                 p.data = self._views[pi]
-                set_released(p, False)
 
     def gather(self, s: int) -> None:
         """Gather unit ``s`` on demand (see :meth:`_gather_now`)."""
@@ -515,13 +529,33 @@ class ParamGatherer:
     def after_step(self) -> None:
         self.release_kept()  # (a forward without a backward before the step kept them)
         self.refresh_persistent()
+        self.edits.mark_clean()
 
     def mark_clean(self) -> None:
-        """Nothing to track: released parameters refuse edits (``hooks.guard``), and
-        ``GatheredParameters(modifier_rank=...)`` writes edits into the shards."""
+        """The persistent parameters and the shards agree now (partitioned ones refuse
+        edits while released, and ``GatheredParameters(modifier_rank=...)`` writes edits
+        into the shards)."""
+        self.edits.mark_clean()
 
     def edited(self) -> bool:
-        return False
+        return self.edits.pending()
+
+    def take_edits(self) -> list[int]:
+        """Write the persistent parameters changed since :meth:`mark_clean` into this
+        rank's shard; the segments written (their masters take them)."""
+        touched = self.edits.take()
+        segs = sorted({self._segment_of[id(self.edits.params[i])] for i in touched})
+        for s in segs:
+            self._write_back(s)
+        return segs
+
+    def _write_back(self, s: int) -> None:
+        """This rank's chunk of unit ``s``'s buffer into its shard (the elements that
+        differ: ``zero/edits.py``)."""
+        seg, rank = self.flat.layout.segments[s], self.flat.rank
+        chunk = self.flat.store.chunk(s)  # a view in memory, a copy from NVMe
+        take_edits(chunk, self.unit_buffers[s][rank * seg.chunk : (rank + 1) * seg.chunk])
+        self.flat.store.write_chunk(s, chunk)
 
     def open(self, params: list[torch.Tensor]) -> None:
         """Gather the units holding ``params`` and keep them until :meth:`close`."""
@@ -534,14 +568,14 @@ class ParamGatherer:
         """Optionally take ``modifier_rank``'s values into every shard; free the units."""
         segs = segments_of(self.flat, params)
         if modifier_rank is not None:
+            index = {id(p): pi for pi, p in enumerate(self.flat.params)}
             for p in params:
-                self.replicas.broadcast(p.data, src=modifier_rank)
-            rank = self.flat.rank
+                pi = index.get(id(p))
+                if pi is not None and moved(p, self._views[pi]):  # p.data = t inside
+                    view_again(p, self._views[pi], p.__dict__.get("_zs_name", "?"))
+                self.replicas.broadcast(p.detach(), src=modifier_rank)
             for s in segs:
-                seg = self.flat.layout.segments[s]
-                self.flat.store.write_chunk(
-                    s, self.unit_buffers[s][rank * seg.chunk : (rank + 1) * seg.chunk]
-                )
+                self._write_back(s)
         for s in segs:
             self._users[s] -= 1
             self.free_if_idle(s)

@@ -24,8 +24,10 @@ from collections.abc import Set as AbstractSet
 
 import torch
 
+from zeroshard.device import runtime
 from zeroshard.offload.placement import Placement
 from zeroshard.precision import DtypePolicy
+from zeroshard.zero.edits import take_edits
 from zeroshard.zero.flat import FlatParams
 
 _EAGER_STATE = (torch.optim.Adam, torch.optim.AdamW)
@@ -45,6 +47,7 @@ class MemoryStates:
         separate: bool,
         pipelined: bool,
         master_dtype: torch.dtype,
+        uploads: bool = False,
     ) -> None:
         self.flat, self.inner, self.masters = flat, inner, masters
         #: whether the masters are a copy (written back into the parameters each step)
@@ -52,11 +55,12 @@ class MemoryStates:
         #: step segment by segment, each write-back overlapping the next step
         self.pipelined = pipelined
         self._master_kind = separate or master_dtype != flat.dtype
-        host = masters[0].device if masters else flat.device
-        # offload to a GPU: the event after the last non-blocking copies of the masters
-        # to the device; the next step waits on it before it rewrites the masters
-        self._uploads = separate and bool(masters) and host != flat.device
-        self._uploaded: torch.cuda.Event | None = None
+        self.rt = runtime(flat.device)
+        # masters in host memory written into parameters in device memory (``uploads``):
+        # the event after the last non-blocking copies; the next step waits on it
+        # before it rewrites the masters
+        self._uploads = separate and bool(masters) and uploads
+        self._uploaded = None
         self._by_segment: list[list[list[torch.Tensor]]] | None = None
         # (group, shard_lo, shard_hi, master view, parameter) of every optimizer tensor
         self._views: list[tuple[int, int, int, torch.Tensor, int]] = []
@@ -139,8 +143,8 @@ class MemoryStates:
 
     def _record_uploads(self) -> None:
         if self._uploads:  # the device reads the pinned masters after step() returns
-            dev = self.flat.device
-            self._uploaded = getattr(torch, dev.type).current_stream(dev).record_event()
+            rt = self.rt
+            self._uploaded = rt.record(rt.current_stream(self.flat.device))
 
     @staticmethod
     def clear_grads(optimizer: torch.optim.Optimizer) -> None:
@@ -152,7 +156,7 @@ class MemoryStates:
         """Step on ``reducer.grad_chunks`` scaled by ``factor``; write back if separate.
         Parameters in ``unused`` are skipped (:meth:`prepare_step`)."""
         if self._uploaded is not None:  # never in practice: backward synced long ago
-            self._uploaded.synchronize()
+            self.rt.sync_event(self._uploaded)
             self._uploaded = None
         folded = self.prepare_step(self.inner, reducer.grad_chunks, factor, unused)
         try:
@@ -195,10 +199,11 @@ class MemoryStates:
                 g["params"] = params
 
     def refresh(self, segments: list[int]) -> None:
-        """Parameters of ``segments`` were changed from outside: copy them into the masters."""
+        """Parameters of ``segments`` were changed from outside: the masters take the
+        changed values (``zero/edits.py``: unchanged elements keep their fp32 bits)."""
         if self.separate:
             for s in segments:
-                self.masters[s].copy_(self.flat.store.chunk(s))
+                take_edits(self.masters[s], self.flat.store.chunk(s))
 
     # -- the store protocol ----------------------------------------------------------------
     @property
@@ -339,5 +344,13 @@ def build_memory_states(
         and len(masters) > 1
     )
     return MemoryStates(
-        flat, inner, masters, separate=not views, pipelined=pipelined, master_dtype=policy.master
+        flat,
+        inner,
+        masters,
+        separate=not views,
+        pipelined=pipelined,
+        master_dtype=policy.master,
+        # host masters into a parameter store in device memory (not the host shard of
+        # stage 3's offload_param, which they are written into on the host)
+        uploads=placement.optimizer_on_host and not placement.param_on_host,
     )

@@ -12,6 +12,10 @@ so the gathers of later layers run while earlier layers compute. Every other eng
 (backward, step, checkpoints, ``GatheredParameters``, ``destroy``) waits for all of them
 first; code that reads parameters outside the engine in between must call
 ``engine.wait_param_gather()``.
+
+Parameters changed outside the engine between steps (``p.clamp_()``, ``p.data.clamp_()``,
+``p.data = t``, ``load_state_dict``) are found when the next step starts and the masters
+take them (``zero/edits.py``).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from zeroshard.comm import Comm, Handle
+from zeroshard.zero.edits import WholeEdits, unwatch, watch
 from zeroshard.zero.flat import FlatParams
 
 
@@ -46,6 +51,19 @@ class WholeParams:
         self.flat, self.comm, self.replicas = flat, comm, replicas
         self._pending: dict[int, Handle] = {}  # segment -> all-gather in flight
         self._hooks = []
+        names = {}
+        for name, p in module.named_parameters() if module is not None else ():
+            names.setdefault(id(p), name)
+        views = []
+        for pi, p in enumerate(flat.params):
+            lo, hi = flat.layout.param_range(pi)
+            views.append(flat.full[lo:hi].view(flat.shapes[pi]))
+            watch(p)
+        self.edits = WholeEdits(
+            flat.params,
+            views,
+            [names.get(id(p), f"parameter {i}") for i, p in enumerate(flat.params)],
+        )
         if overlap and module is not None and flat.partitioned:
             index = {id(p): pi for pi, p in enumerate(flat.params)}
             for m in module.modules():
@@ -76,27 +94,23 @@ class WholeParams:
             pending, self._pending = self._pending, {}
             for handle in pending.values():
                 handle.wait()
-            self.mark_clean()
-
-    def _fingerprint(self) -> int:
-        # in-place edits bump the version counter of the parameter edited (``p.clamp_()``)
-        # or of the flat buffer (``p.data.clamp_()``); both only ever grow
-        return self._full()._version + sum(p._version for p in self.flat.params)
-
-    def _full(self) -> torch.Tensor:
-        full = self.flat.full
-        assert full is not None  # whole parameters (stages 0-2) keep the full buffer
-        return full
 
     def mark_clean(self) -> None:
         """The parameters and the masters agree now."""
-        self._clean = self._fingerprint()
+        self.edits.mark_clean()
 
     def edited(self) -> bool:
-        """Whether a parameter was changed in place since :meth:`mark_clean` (e.g. a
-        ``clamp_()`` after ``step()``): the masters must take the new values."""
+        """Whether a parameter may have been changed since :meth:`mark_clean` (e.g. a
+        ``clamp_()`` after ``step()``: ``zero/edits.py``)."""
         self.settle()
-        return self._fingerprint() != self._clean
+        return self.edits.pending()
+
+    def take_edits(self) -> list[int]:
+        """The segments whose parameters may have been changed since :meth:`mark_clean`
+        (the masters take them); clean again."""
+        self.settle()
+        touched = self.edits.take()
+        return sorted({self.flat.layout.param_segment[i] for i in touched})
 
     def after_step(self) -> None:
         """Re-assemble whole parameters from every rank's updated chunks."""
@@ -133,6 +147,8 @@ class WholeParams:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
+        for p in self.flat.params:
+            unwatch(p)
 
     def free_if_idle(self, segment: int) -> None:
         pass
@@ -146,7 +162,7 @@ class WholeParams:
         if modifier_rank is None:
             return []
         for p in params:
-            self.replicas.broadcast(p.data, src=modifier_rank)
+            self.replicas.broadcast(p.detach(), src=modifier_rank)
         return segments_of(self.flat, params)
 
     def buffers(self) -> list[torch.Tensor]:
