@@ -839,7 +839,7 @@ def test_failed_save_raises_on_every_rank(tmp_path) -> None:
 
 
 # -- a manifest that lacks a piece -----------------------------------------------------------
-GAP_LAYOUTS = {
+GAP_LAYOUTS: dict[str, dict[str, Any]] = {
     "s0": {"stage": 0},
     "s1": {"stage": 1},
     "s2": {"stage": 2},
@@ -951,7 +951,7 @@ def _lacking_state(rank: int, world: int, root: str) -> dict:
     """Checkpoints whose manifest agrees with its files but not with the engine: SGD
     without momentum (no state) loaded into AdamW; a parameter frozen when saved and
     trained now (stages 1 and 3); a float buffer loaded into an integer one."""
-    out = {}
+    out: dict[str, Any] = {}
     sgd = {"type": "SGD", "params": {"lr": 1e-2}}
     src = _engine({"stage": 1, "optimizer": sgd, "scheduler": False}, world)
     _train(src, rank, world, range(2))

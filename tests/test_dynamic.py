@@ -674,7 +674,7 @@ def _gated_leaf(rank: int, world: int, kind: str, stage: int, zc: dict, steps: i
     return max((got[n] - p.detach()).abs().max().item() for n, p in ref.named_parameters())
 
 
-GATED = [
+GATED: list[tuple[str, int, dict[str, Any]]] = [
     *((kind, 3, {}) for kind in ("embedding", "linear", "deep")),
     ("embedding", 3, {"offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"}}),
     ("linear", 3, {"offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"}}),
@@ -848,7 +848,7 @@ def _released_reads(rank: int, world: int, **zero) -> dict:
     torch.manual_seed(0)
     model = Net()
     model.fc1.weight.register_hook(lambda g: g)
-    model.fc1.weight.tag = "mine"
+    model.fc1.weight.tag = "mine"  # type: ignore[attr-defined]  # a user's attribute on a parameter
     engine, *_ = zeroshard.initialize(
         model=model, model_parameters=model.parameters(), config=_z3_config(**zero)
     )
@@ -868,9 +868,9 @@ def _released_reads(rank: int, world: int, **zero) -> dict:
         "kind": lambda: p.is_floating_point() and not p.is_complex() and not p.is_sparse,
         "requires_grad": lambda: p.requires_grad and p.is_leaf and p.grad_fn is None,
         "grad": lambda: p.grad is None and p._grad is None,
-        "backward_hooks": lambda: len(p._backward_hooks) == 1,
+        "backward_hooks": lambda: len(p._backward_hooks or {}) == 1,
         "post_accumulate_grad_hooks": lambda: len(p._post_accumulate_grad_hooks) >= 1,
-        "dict": lambda: p.__dict__["tag"] == "mine" and p.tag == "mine" and "tag" in vars(p),
+        "dict": lambda: p.__dict__["tag"] == "mine" and p.tag == "mine" and "tag" in vars(p),  # type: ignore[attr-defined]
         "hash": lambda: {p: 1}[p] == 1,
         "repr": lambda: "fc1.weight" in repr(p) and "(16, 8)" in repr(p),
         "version": lambda: isinstance(p._version, int),
@@ -889,7 +889,7 @@ def _released_reads(rank: int, world: int, **zero) -> dict:
         "data_assign": lambda: setattr(p, "data", torch.zeros(16, 8)),
         "detach_copy": lambda: p.detach().copy_(torch.zeros(16, 8)),
     }
-    out = {"allowed": {}, "refused": {}}
+    out: dict[str, Any] = {"allowed": {}, "refused": {}}
     for name, read in reads.items():
         try:
             out["allowed"][name] = bool(read())
@@ -995,4 +995,4 @@ def test_graph_walk_names_the_parameters_a_backward_reaches():
     h = checkpoint(model.gate, model.first(x), True, use_reentrant=True)
     assert reached_leaves([h.sum()]) is None
     h = checkpoint(model.gate, model.first(x), True, use_reentrant=False)
-    assert id(model.gate.extra.weight) in reached_leaves([h.sum()])
+    assert id(model.gate.extra.weight) in (reached_leaves([h.sum()]) or ())

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, make_dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from zeroshard._config_schema import INERT, NOT_BUILT, Section, key
 
@@ -189,18 +189,31 @@ def removed(cls_name: str, name: str, feature: str) -> type:
     )
 
 
-AmpConfig = removed("AmpConfig", "amp", "Apex AMP")
-ElasticityConfig = removed("ElasticityConfig", "elasticity", "elastic training")
-EigenvalueConfig = removed("EigenvalueConfig", "eigenvalue", "eigenvalue computation")
-QuantizeTrainingConfig = removed(
-    "QuantizeTrainingConfig", "quantize_training", "quantization-aware training (MoQ)"
-)
-CurriculumLearningConfig = removed(
-    "CurriculumLearningConfig",
-    "curriculum_learning",
-    "the legacy top-level curriculum learning (use data_efficiency.data_sampling)",
-)
-ProgressiveLayerDropConfig = removed(
-    "ProgressiveLayerDropConfig", "progressive_layer_drop", "progressive layer drop"
-)
-NebulaConfig = removed("NebulaConfig", "nebula", "the Nebula checkpoint engine")
+if TYPE_CHECKING:  # the checker's view of the classes removed() makes
+
+    class _Removed(Section):
+        enabled: bool
+
+    AmpConfig = _Removed
+    ElasticityConfig = _Removed
+    EigenvalueConfig = _Removed
+    QuantizeTrainingConfig = _Removed
+    CurriculumLearningConfig = _Removed
+    ProgressiveLayerDropConfig = _Removed
+    NebulaConfig = _Removed
+else:
+    AmpConfig = removed("AmpConfig", "amp", "Apex AMP")
+    ElasticityConfig = removed("ElasticityConfig", "elasticity", "elastic training")
+    EigenvalueConfig = removed("EigenvalueConfig", "eigenvalue", "eigenvalue computation")
+    QuantizeTrainingConfig = removed(
+        "QuantizeTrainingConfig", "quantize_training", "quantization-aware training (MoQ)"
+    )
+    CurriculumLearningConfig = removed(
+        "CurriculumLearningConfig",
+        "curriculum_learning",
+        "the legacy top-level curriculum learning (use data_efficiency.data_sampling)",
+    )
+    ProgressiveLayerDropConfig = removed(
+        "ProgressiveLayerDropConfig", "progressive_layer_drop", "progressive layer drop"
+    )
+    NebulaConfig = removed("NebulaConfig", "nebula", "the Nebula checkpoint engine")

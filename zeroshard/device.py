@@ -107,7 +107,7 @@ class Runtime:
         return src.to(device, non_blocking=non_blocking, copy=True)
 
     # -- the device -----------------------------------------------------------------------
-    def synchronize(self, device: torch.device | None = None) -> None:
+    def synchronize(self, device: torch.device | int | None = None) -> None:
         """The host waits for all work on ``device`` (default: the current one)."""
 
     def device_count(self) -> int:

@@ -19,6 +19,11 @@ Each check names the first missing or wrong entry and counts the rest.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
 import json
 import os
 
@@ -184,7 +189,7 @@ def check_optimizer_fits(engine, path: str, manifest: dict, names: set[str]) -> 
         )
 
 
-def dtype_problems(manifest: dict, ours: dict[str, object]) -> list[str]:
+def dtype_problems(manifest: dict, ours: dict[str, torch.dtype]) -> list[str]:
     """Tensors saved whole whose dtype kind (floating point or not) differs from the
     model's ``ours`` (name -> torch dtype): a copy would round or truncate them."""
     out = []

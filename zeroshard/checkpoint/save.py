@@ -299,7 +299,9 @@ def _write_rank_file(
     """Write this rank's file; returns the CRC-32 of its header (which lists the CRC-32
     of every tensor)."""
     rank = engine.comm.rank
-    entries, sources, records = [], [], {}
+    entries: list = []
+    sources: list = []
+    records: dict = {}
     skip = _not_saved_here(engine, exclude_frozen)
     for piece in _pieces_to_write(engine, access, rank):
         if piece.param in skip:

@@ -26,6 +26,8 @@ leaves the fp32 masters of its other elements untouched.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 _DATA = torch.Tensor.data  # the C property
@@ -34,11 +36,11 @@ _WATCHED: dict[type, type] = {}
 
 def _get_data(self: torch.Tensor) -> torch.Tensor:
     self.__dict__["_zs_data_read"] = True
-    return _DATA.__get__(self)
+    return _DATA.__get__(self)  # type: ignore[attr-defined]  # torch types the .data descriptor as a Tensor
 
 
 def _set_data(self: torch.Tensor, value: torch.Tensor) -> None:
-    _DATA.__set__(self, value)
+    _DATA.__set__(self, value)  # type: ignore[attr-defined]  # (the descriptor, see above)
 
 
 def watch(param: torch.nn.Parameter) -> None:
@@ -75,7 +77,7 @@ class WholeEdits:
     for errors."""
 
     def __init__(
-        self, params: list[torch.Tensor], views: list[torch.Tensor], names: list[str]
+        self, params: Sequence[torch.Tensor], views: list[torch.Tensor], names: list[str]
     ) -> None:
         self.params, self.views, self.names = params, views, names
         self._clean: list[int] = []
@@ -127,7 +129,7 @@ def view_again(param: torch.Tensor, view: torch.Tensor, name: str) -> None:
     """``param`` was given another tensor: copy its values into ``view``, its place in
     the engine's buffer, and make it view that again."""
     with torch._C.DisableTorchFunctionSubclass():
-        value = _DATA.__get__(param)
+        value = _DATA.__get__(param)  # type: ignore[attr-defined]  # (the descriptor, see above)
         if value.shape != view.shape or value.dtype != view.dtype:
             raise ValueError(
                 f"parameter {name!r} was given a tensor of shape {tuple(value.shape)} and "
@@ -137,4 +139,4 @@ def view_again(param: torch.Tensor, view: torch.Tensor, name: str) -> None:
             )
         with torch.no_grad():
             view.copy_(value)
-        _DATA.__set__(param, view)
+        _DATA.__set__(param, view)  # type: ignore[attr-defined]  # (the descriptor, see above)

@@ -309,7 +309,8 @@ class ReleasedData(torch.Tensor):
 
 def _released_alias(param: torch.Tensor) -> ReleasedData:
     with torch._C.DisableTorchFunctionSubclass():
-        out = torch.Tensor.data.__get__(param).as_subclass(ReleasedData)
+        data = torch.Tensor.data.__get__(param)  # type: ignore[attr-defined]  # torch types the descriptor as a Tensor
+        out = data.as_subclass(ReleasedData)
     for key in ("_zs_name", "_zs_whole", "_zs_released"):
         out.__dict__[key] = param.__dict__[key]
     return out

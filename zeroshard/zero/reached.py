@@ -40,5 +40,5 @@ def reached_leaves(roots: list[torch.Tensor]) -> set[int] | None:
         forward = getattr(node, "_forward_cls", None)  # a custom Function's node
         if forward is not None and forward.__name__ in _NESTED_BACKWARD:
             return None
-        stack.extend(fn for fn, _ in node.next_functions)
+        stack.extend(fn for fn, _ in node.next_functions if fn is not None)
     return reached

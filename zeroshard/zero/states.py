@@ -21,6 +21,7 @@ kernels as ``grad_scale``, so it costs no pass of its own over the gradients.
 from __future__ import annotations
 
 from collections.abc import Set as AbstractSet
+from typing import Any
 
 import torch
 
@@ -60,7 +61,7 @@ class MemoryStates:
         # the event after the last non-blocking copies; the next step waits on it
         # before it rewrites the masters
         self._uploads = separate and bool(masters) and uploads
-        self._uploaded = None
+        self._uploaded: Any = None  # the device's event (device.py)
         self._by_segment: list[list[list[torch.Tensor]]] | None = None
         # (group, shard_lo, shard_hi, master view, parameter) of every optimizer tensor
         self._views: list[tuple[int, int, int, torch.Tensor, int]] = []

@@ -51,13 +51,13 @@ class WholeParams:
         self.flat, self.comm, self.replicas = flat, comm, replicas
         self._pending: dict[int, Handle] = {}  # segment -> all-gather in flight
         self._hooks = []
-        names = {}
+        names: dict[int, str] = {}
         for name, p in module.named_parameters() if module is not None else ():
             names.setdefault(id(p), name)
         views = []
         for pi, p in enumerate(flat.params):
             lo, hi = flat.layout.param_range(pi)
-            views.append(flat.full[lo:hi].view(flat.shapes[pi]))
+            views.append(self._full()[lo:hi].view(flat.shapes[pi]))
             watch(p)
         self.edits = WholeEdits(
             flat.params,
@@ -167,3 +167,8 @@ class WholeParams:
 
     def buffers(self) -> list[torch.Tensor]:
         return [self._full()]
+
+    def _full(self) -> torch.Tensor:
+        full = self.flat.full
+        assert full is not None  # whole parameters (stages 0-2) keep the full buffer
+        return full
