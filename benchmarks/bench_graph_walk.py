@@ -33,7 +33,10 @@ def main() -> None:
     ap.add_argument("--width", type=int, default=256)
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--smoke", action="store_true", help="CI: 2 layers of width 32, 1 round")
     args = ap.parse_args()
+    if args.smoke:  # (prints only)
+        args.layers, args.width, args.seq, args.rounds = [2], 32, 16, 1
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.set_num_threads(1)

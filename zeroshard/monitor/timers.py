@@ -52,8 +52,7 @@ class _Timer:
             self.started = time.perf_counter()
 
     def stop(self) -> None:
-        started, self.started = self.started, None
-        if started is None:  # not started (an exception skipped the start)
+        if self.started is None:  # not started (an exception skipped the start)
             return
         if isinstance(self.started, float):
             self.host_ms += (time.perf_counter() - self.started) * 1e3

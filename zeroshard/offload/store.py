@@ -132,6 +132,7 @@ class MemoryShard:
             rt.copy(part, values[a:b], non_blocking=True)
             rt.copy(dst[a:b], part)  # the cast, on the device
 
+    # -- the protocol -------------------------------------------------------------------
     def read(self, kind: str, a: int, b: int) -> torch.Tensor:
         parts = [self.views[s][lo:hi] for s, lo, hi in _ranges(self.layout, a, b)]
         return torch.cat(parts) if parts else torch.empty(0, dtype=self.dtype)
