@@ -59,7 +59,7 @@ from zeroshard.parallel.autotp_tree import (
     outermost,
 )
 from zeroshard.parallel.gpt_attention import adapt_gpt_attention
-from zeroshard.parallel.linear import ColumnParallelLinear, RowParallelLinear
+from zeroshard.parallel.linear import ColumnParallelLinear, RegionInputLinear, RowParallelLinear
 from zeroshard.parallel.sequence import prepare_megatron_sp
 from zeroshard.parallel.slices import (
     TPSlice,
@@ -92,6 +92,8 @@ class TPSharding:
 
 
 def _convert(m: nn.Module, style: Style, comm: Comm, sp: bool, tp_input: TPInput) -> nn.Module:
+    if style.kind == "replicate":  # in_region: whole, reading its neighbours' input
+        return RegionInputLinear(m, tp_input)
     if style.kind == "embedding":
         return VocabParallelEmbedding.from_embedding(m, comm, sequence_parallel=sp)
     if style.kind == "column":
@@ -103,6 +105,7 @@ def _convert(m: nn.Module, style: Style, comm: Comm, sp: bool, tp_input: TPInput
             sequence_parallel=sp,
             parts=parts,
             tp_input=tp_input,
+            input_in_region=style.in_region,
         )
     return RowParallelLinear.from_linear(
         m, comm, input_is_parallel=style.input_is_parallel, sequence_parallel=sp
@@ -158,7 +161,7 @@ def apply_tensor_parallel(
     mods, params = match_plan(model, user_plan_entries(tp_plan) + known_plan_entries(known), names)
     left, refused = leftover_entries(model, known, names, mods)
     mods.update(left)
-    mods.update(adapter_entries(model, names, mods))
+    mods.update(adapter_entries(names, mods, sequence_parallel))
     plans = check_plan(model, comm, mods, params, sequence_parallel, known=known, refused=refused)
     t = comm.world_size
     named = dict(model.named_modules())
@@ -173,7 +176,9 @@ def apply_tensor_parallel(
         if style.kind == "experts":
             hooks += _experts_hooks(m, comm)
             continue
-        if style.kind == "replicate" or not (is_linear_like(m) or isinstance(m, nn.Embedding)):
+        if (style.kind == "replicate" and not style.in_region) or not (
+            is_linear_like(m) or isinstance(m, nn.Embedding)
+        ):
             continue
         new = _convert(m, style, comm, sequence_parallel, tp_input)
         for attr in ("weight", "bias"):

@@ -50,6 +50,9 @@ class Style:
     parts: int = 1  # fused outputs of a column layer, each split on its own
     input_is_parallel: bool = True
     partial_grad: bool = False
+    # reads the input of the column layers beside it, already brought into the TP region
+    # (LoRA's A and B around a column-parallel layer, autotp_tree.py)
+    in_region: bool = False
 
 
 _STYLES = {

@@ -13,11 +13,14 @@ The discovery rule, in order (the first rule that names a layer decides it):
 3. PEFT: a tuner layer answers to its own name. Its ``base_layer`` (LoRA) or
    ``original_module`` / ``modules_to_save`` copies take the wrapped layer's style.
    Around a column-parallel layer, LoRA's B splits its output like the base (fused
-   parts included) and A stays whole; around a row-parallel layer, A splits its input
-   like the base and B stays whole; so ``base(x) + B(A(x))·s`` equals the unsplit
-   layer's output. Around a gathered column (an ``lm_head``), both stay whole: the
-   base's output is whole, so the whole adapter adds to it with no communication.
-   Other adapters (DoRA, IA3, LoHa, ...) around a split layer are refused by name.
+   parts included) and A stays whole, reading the base's input as converted for the
+   TP region (its gradient summed over the group); around a row-parallel layer, A
+   splits its input like the base and B stays whole; so ``base(x) + B(A(x))·s``
+   equals the unsplit layer's output. Around a gathered column (an ``lm_head``), both stay whole: the
+   base's output is whole, so the whole adapter adds to it with no communication
+   (under Megatron-SP, B splits and gathers like the base). Other adapters (DoRA,
+   IA3, LoHa, ...) around a split layer, and LoRA around a vocabulary-split embedding
+   under Megatron-SP, are refused by name.
 4. The wrapper's own layers (outside every known model), as DeepSpeed's AutoTP treats
    layers outside its transformer layers: a head tied to a split embedding splits like
    it (gathered column); an untied ``lm_head`` / ``embed_out`` is a gathered column
@@ -40,7 +43,7 @@ No communication.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from torch import nn
 
@@ -163,7 +166,7 @@ class TreeNames:
         return f"{base}.{attr}" if base else attr
 
 
-def adapter_entries(model: nn.Module, names: TreeNames, mods: dict) -> dict[str, PlanEntry]:
+def adapter_entries(names: TreeNames, mods: dict, sequence_parallel: bool) -> dict[str, PlanEntry]:
     """LoRA's A and B of each tuner layer, from the style its wrapped layer takes."""
     out = {}
     for name, m in names.tuners.items():
@@ -191,10 +194,21 @@ def adapter_entries(model: nn.Module, names: TreeNames, mods: dict) -> dict[str,
                 f"{name}: LoRA around a {type(base).__name__} split {style.kind}-wise is not "
                 "built under AutoTP (Linear, Conv1D and Embedding are)"
             )
+        if style.kind == "embedding" and sequence_parallel:
+            raise ValueError(
+                f"{name}: LoRA around an embedding split over the vocabulary is not built "
+                "under sequence_parallel (its output holds a share of the sequence); leave "
+                "the embedding out of target_modules or turn sequence_parallel off"
+            )
         source = f"LoRA around {name} ({style.kind})"
         a_style = b_style = _REPLICATE
-        if style.kind == "column" and not style.gather_output:
-            b_style = style  # output features split like the base's, fused parts too
+        if style.kind == "column" and (not style.gather_output or sequence_parallel):
+            # A reads the base's converted input (its gradient: a partial sum); B splits
+            # its output features like the base (fused parts too). A gathered base's
+            # whole output takes the whole adapter's with no communication, except
+            # under Megatron-SP, where the base's input is the gathered sequence
+            a_style = Style(kind="replicate", in_region=True, partial_grad=True)
+            b_style = replace(style, in_region=True)
         elif style.kind == "row":
             a_style = Style(kind="row", input_is_parallel=style.input_is_parallel)
         for key in m._modules["lora_A"]:
