@@ -137,10 +137,14 @@ CASES = {
                     "base_model.model.model.layers.0.self_attn.o_proj.lora_A.default.weight",
                     "base_model.model.model.layers.1.mlp.down_proj.base_layer.weight",
                     "base_model.model.model.embed_tokens.base_layer.weight"]),
-    "gpt2_lora": (lambda: lora(gpt2(), ["c_attn", "c_proj", "c_fc"], fan_in_fan_out=True),
+    # the head tied to wte, trained as a copy (peft's modules_to_save): both split alike
+    "gpt2_lora": (lambda: lora(gpt2(), ["c_attn", "c_proj", "c_fc"], fan_in_fan_out=True,
+                               modules_to_save=["lm_head"]),
                   _peft_loss,
                   ["base_model.model.transformer.h.0.attn.c_attn.lora_B.default.weight",
-                   "base_model.model.transformer.h.0.mlp.c_proj.lora_A.default.weight"]),
+                   "base_model.model.transformer.h.0.mlp.c_proj.lora_A.default.weight",
+                   "base_model.model.lm_head.modules_to_save.default.weight",
+                   "base_model.model.lm_head.original_module.weight"]),
     "mixtral_nested": (lambda: Outer(LossWrapper(mixtral())), lambda m, x: m(x),
                        ["inner.m.model.layers.0.mlp.experts.gate_up_proj",
                         "inner.m.model.layers.1.self_attn.o_proj.weight"]),
@@ -461,3 +465,26 @@ def test_loss_parallel_needs_one_causal_lm():
     pair = torch.nn.ModuleDict({"policy": llama(), "reference": llama()})
     with pytest.raises(ValueError, match=r"exactly one .*LlamaForCausalLM at 'policy', "):
         apply_tensor_parallel(pair, _fake_comm(), loss_parallel=True)
+
+
+def test_plan_entries_are_named_from_the_root():
+    model = LossWrapper(llama())
+    with pytest.raises(ValueError, match=r"for LlamaForCausalLM at 'm' write 'm\.model\.layers"):
+        _unchanged(
+            model,
+            lambda: apply_tensor_parallel(
+                model, _fake_comm(), tp_plan={"model.layers.*.mlp.down_proj": "replicate"}
+            ),
+        )
+    sharding = apply_tensor_parallel(
+        model, _fake_comm(), tp_plan={"m.model.layers.*.mlp.down_proj": "replicate"}
+    )
+    assert "m.model.layers.1.mlp.down_proj.weight" in sharding.replicated
+    assert "m.model.layers.1.mlp.up_proj.weight" in sharding.slices
+
+
+def test_finds_the_model_inside_torch_compile():
+    compiled = torch.compile(LossWrapper(llama()))  # OptimizedModule: names under _orig_mod.
+    sharding = apply_tensor_parallel(compiled, _fake_comm())
+    assert "_orig_mod.m.model.layers.0.self_attn.q_proj.weight" in sharding.slices
+    assert sharding.slices["_orig_mod.m.lm_head.weight"].dim == 0

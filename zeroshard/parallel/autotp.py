@@ -52,6 +52,7 @@ from zeroshard.parallel.autotp_tree import (
     KnownModel,
     TreeNames,
     adapter_entries,
+    check_user_entries,
     find_known_models,
     known_plan_entries,
     layer_owner,
@@ -158,7 +159,9 @@ def apply_tensor_parallel(
         head, lm = _causal_lm_head(model, known)
         tp_plan = {head: "column", **(tp_plan or {})}
     names = TreeNames.of(model)
-    mods, params = match_plan(model, user_plan_entries(tp_plan) + known_plan_entries(known), names)
+    user = user_plan_entries(tp_plan)
+    check_user_entries(model, user, names, known)
+    mods, params = match_plan(model, user + known_plan_entries(known), names)
     left, refused = leftover_entries(model, known, names, mods)
     mods.update(left)
     mods.update(adapter_entries(names, mods, sequence_parallel))

@@ -232,6 +232,30 @@ def layer_owner(name: str, named: dict[str, nn.Module]) -> str:
     return parent
 
 
+def check_user_entries(
+    model: nn.Module, entries: list[PlanEntry], names: TreeNames, known: list[KnownModel]
+) -> None:
+    """A ``tp_plan`` entry written for a model as if it were the root (names without the
+    wrapper's prefix) names nothing in the tree; refused, with the name it needs. (An
+    entry that names nothing at all is let be: one config serves every pipeline stage.)"""
+    if not entries:
+        return
+    candidates = [*names.logical, *names.logical.values()]
+    candidates += [n for n, _ in model.named_parameters()]
+    candidates += [names.param(n) for n, _ in model.named_parameters()]
+    for e in entries:
+        if any(e.matches(c) for c in candidates):
+            continue
+        for k in known:
+            under = PlanEntry(_under(k.prefix, e.pattern), e.style, e.source)
+            if k.prefix and any(under.matches(c) for c in candidates):
+                raise ValueError(
+                    f"tp_plan[{e.pattern!r}] matches no module or parameter: its names are "
+                    f"from the model given ({type(model).__name__}), a wrapper's prefix "
+                    f"included; for {k.describe()} write {under.pattern!r}"
+                )
+
+
 def _covered(name: str, mods: dict) -> bool:
     parts = name.split(".")
     for i in range(1, len(parts)):
