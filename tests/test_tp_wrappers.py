@@ -12,6 +12,7 @@ What AutoTP cannot split is named in one error.
 
 from __future__ import annotations
 
+import ast
 import types
 
 import multirank
@@ -423,11 +424,19 @@ def test_names_every_layer_it_cannot_split_in_one_error():
         assert f"{name} (Linear" in msg and "2 layers" in msg, msg
     assert "score" not in msg and "m.layers" not in msg, msg  # kept whole / planned
     assert "LlamaModel at 'm'" in msg, msg
-    # the suggested fix is DeepSpeed's name rule, and it works as printed
+    # the suggested fix is DeepSpeed's name rule, and it is accepted as printed
+    suggested = (
+        "{'adapter.*.q_proj': 'column', 'adapter.*.o_proj': 'row', "
+        "'adapter.*.gate': 'replicate', 'adapter.*.fc2': 'row'}"
+    )
+    assert f"tp_plan={suggested}" in msg, msg
+    sharding = apply_tensor_parallel(
+        WithOwnBlocks(), _fake_comm(), tp_plan=ast.literal_eval(suggested)
+    )
     assert (
-        "tp_plan={'adapter.*.q_proj': 'column', 'adapter.*.o_proj': 'row', "
-        "'adapter.*.gate': 'replicate', 'adapter.*.fc2': 'row'}" in msg
-    ), msg
+        "adapter.1.o_proj.weight" in sharding.slices
+        and "adapter.1.gate.weight" in sharding.replicated
+    )
     sharding = apply_tensor_parallel(model, _fake_comm(), tp_plan={"adapter.*": "replicate"})
     assert (
         "score.weight" in sharding.replicated and "adapter.0.q_proj.weight" in sharding.replicated

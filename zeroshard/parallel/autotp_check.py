@@ -22,6 +22,7 @@ from zeroshard.parallel.autotp_tree import (
     TreeNames,
     block_pattern,
     layer_owner,
+    outermost,
     suggested_plan,
 )
 from zeroshard.parallel.gpt_attention import LocalHeadsAttention
@@ -206,8 +207,9 @@ def _unknown_layers(unknown, known, refused: dict[str, str]) -> str:
         fix = f"tp_plan={{{unknown[0][0]!r}: 'replicate'}} (or 'column' / 'row' / 'embedding')"
     if known:
         where = (
-            f" (plans applied: {', '.join(k.describe() for k in known)}; layers their plans do "
-            "not cover, and layers of repeated blocks outside them, are not split by guess)"
+            f" (plans applied: {', '.join(k.describe() for k in outermost(known))}; layers "
+            "their plans do not cover, and layers of repeated blocks outside them, are not "
+            "split by guess)"
         )
     else:
         where = (
