@@ -194,9 +194,9 @@ def apply_tensor_parallel(
                 new_of[id(old)] = (old, getattr(new, attr))
         parent_name, _, child = name.rpartition(".")
         setattr(named[parent_name], child, new)
-        owner = layer_owner(name, named)  # past a PEFT tuner layer around it
-        if style.kind == "column" and head_dim_of(named[owner]):
-            attention_parents.add(owner)  # it reads head counts: make them local
+        attn = layer_owner(name, named)  # past a PEFT tuner layer around it
+        if style.kind == "column" and head_dim_of(named[attn]):
+            attention_parents.add(attn)  # it reads head counts: make them local
     for name, entry in params.items():
         if entry.style.kind not in ("column", "row"):
             continue

@@ -156,7 +156,7 @@ class TreeNames:
                 out.tuners[name] = m
         for name, m in out.tuners.items():
             if _tuner_base(m) == "base_layer":
-                for attr in type(m).adapter_layer_names:
+                for attr in getattr(type(m), "adapter_layer_names", ()):
                     out.adapters |= {n for n in named if n.startswith(f"{name}.{attr}.")}
         return out
 
@@ -175,9 +175,11 @@ def adapter_entries(names: TreeNames, mods: dict, sequence_parallel: bool) -> di
         base_entry = mods.get(f"{name}.base_layer")
         style = base_entry.style if base_entry is not None else _REPLICATE
         split = style.kind in ("column", "row", "embedding")
-        lora = isinstance(m._modules.get("lora_A"), nn.ModuleDict)
-        variant = lora and (
-            getattr(m, "lora_variant", None) or len(m._modules.get("lora_magnitude_vector") or ())
+        lora_a, lora_b = m._modules.get("lora_A"), m._modules.get("lora_B")
+        lora = isinstance(lora_a, nn.ModuleDict) and isinstance(lora_b, nn.ModuleDict)
+        magnitude = m._modules.get("lora_magnitude_vector")
+        variant = bool(getattr(m, "lora_variant", None)) or (
+            isinstance(magnitude, nn.ModuleDict) and len(magnitude) > 0
         )
         if split and (not lora or variant):
             what = "a LoRA variant (DoRA, ...)" if lora else f"a {type(m).__name__} adapter"
@@ -186,9 +188,9 @@ def adapter_entries(names: TreeNames, mods: dict, sequence_parallel: bool) -> di
                 f"AutoTP (plain LoRA is); keep the layer whole with tp_plan={{"
                 f"{names.logical[name]!r}: 'replicate'}} or use plain LoRA"
             )
-        if not lora:
+        if not (isinstance(lora_a, nn.ModuleDict) and isinstance(lora_b, nn.ModuleDict)):
             continue
-        base = m._modules["base_layer"]
+        base = m.get_submodule("base_layer")
         if split and not _is_layer(base):
             raise ValueError(
                 f"{name}: LoRA around a {type(base).__name__} split {style.kind}-wise is not "
@@ -211,9 +213,9 @@ def adapter_entries(names: TreeNames, mods: dict, sequence_parallel: bool) -> di
             b_style = replace(style, in_region=True)
         elif style.kind == "row":
             a_style = Style(kind="row", input_is_parallel=style.input_is_parallel)
-        for key in m._modules["lora_A"]:
+        for key in lora_a:
             out[f"{name}.lora_A.{key}"] = PlanEntry(f"{name}.lora_A.{key}", a_style, source)
-            if key in m._modules["lora_B"]:
+            if key in lora_b:
                 out[f"{name}.lora_B.{key}"] = PlanEntry(f"{name}.lora_B.{key}", b_style, source)
     return out
 
@@ -293,7 +295,7 @@ def leftover_entries(
             or _covered(name, mods)
         ):
             continue
-        logical = names.logical.get(name, name)
+        logical = names.logical.get(name) or name
         tied = split_weights.get(id(getattr(m, "weight", None)))
         if not isinstance(m, nn.Embedding) and (
             tied is not None or logical.rpartition(".")[2] in HEAD_NAMES

@@ -240,7 +240,7 @@ class RegionInputLinear(nn.Module):
     output features, and the input gradient joins the base's in one ``f``.
     """
 
-    def __init__(self, layer: nn.Linear, tp_input: TPInput):
+    def __init__(self, layer: nn.Module, tp_input: TPInput):
         super().__init__()
         if not isinstance(layer, nn.Linear):
             raise TypeError(f"expected nn.Linear, got {type(layer).__name__}")
