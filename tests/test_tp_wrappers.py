@@ -82,6 +82,20 @@ class TiedHeadLM(torch.nn.Module):
         )
 
 
+class GPTLoss(torch.nn.Module):
+    """zeroshard's built-in GPT under a wrapper that shifts the targets."""
+
+    def __init__(self):
+        super().__init__()
+        from zeroshard.models import GPT, GPTConfig
+
+        torch.manual_seed(3)
+        self.gpt = GPT(GPTConfig(vocab_size=V, seq_len=16, n_layer=2, n_head=4, d_model=32))
+
+    def forward(self, ids):
+        return self.gpt(ids[:, :-1], ids[:, 1:])
+
+
 def llama(base: bool = False):
     from transformers import LlamaConfig, LlamaForCausalLM, LlamaModel
 
@@ -146,6 +160,7 @@ CASES = {
                    "base_model.model.transformer.h.0.mlp.c_proj.lora_A.default.weight",
                    "base_model.model.lm_head.modules_to_save.default.weight",
                    "base_model.model.lm_head.original_module.weight"]),
+    "gpt_wrapped": (GPTLoss, lambda m, x: m(x), ["gpt.blocks.0.attn.qkv.weight", "gpt.head.weight"]),
     "mixtral_nested": (lambda: Outer(LossWrapper(mixtral())), lambda m, x: m(x),
                        ["inner.m.model.layers.0.mlp.experts.gate_up_proj",
                         "inner.m.model.layers.1.self_attn.o_proj.weight"]),
@@ -470,8 +485,11 @@ def test_refuses_sequence_parallel_with_parameters_of_the_wrapper():
         )
 
 
-def test_loss_parallel_needs_one_causal_lm():
-    pair = torch.nn.ModuleDict({"policy": llama(), "reference": llama()})
+def test_two_models_in_one_tree_both_split_and_loss_parallel_needs_one():
+    pair = torch.nn.ModuleDict({"policy": llama(), "reference": llama()})  # e.g. DPO's pair
+    sharding = apply_tensor_parallel(twin(pair), _fake_comm())
+    for side in ("policy", "reference"):
+        assert f"{side}.model.layers.1.mlp.gate_proj.weight" in sharding.slices
     with pytest.raises(ValueError, match=r"exactly one .*LlamaForCausalLM at 'policy', "):
         apply_tensor_parallel(pair, _fake_comm(), loss_parallel=True)
 
