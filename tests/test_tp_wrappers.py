@@ -475,6 +475,9 @@ def test_refuses_peft_adapters_it_cannot_split_consistently():
     model = lora(llama(), ["q_proj"], use_dora=True)
     with pytest.raises(ValueError, match=r"q_proj: a LoRA variant \(DoRA, \.\.\.\) around a layer"):
         _unchanged(model, lambda: apply_tensor_parallel(model, _fake_comm()))
+    experts = lora(mixtral(), [], target_parameters=["mlp.experts.gate_up_proj"])
+    with pytest.raises(ValueError, match=r"experts: LoRA around a MixtralExperts split"):
+        _unchanged(experts, lambda: apply_tensor_parallel(experts, _fake_comm()))
 
 
 def test_refuses_sequence_parallel_with_parameters_of_the_wrapper():

@@ -164,7 +164,7 @@ def apply_tensor_parallel(
     mods, params = match_plan(model, user + known_plan_entries(known), names)
     left, refused = leftover_entries(model, known, names, mods)
     mods.update(left)
-    mods.update(adapter_entries(names, mods, sequence_parallel))
+    mods.update(adapter_entries(names, mods, params, sequence_parallel))
     plans = check_plan(model, comm, mods, params, sequence_parallel, known=known, refused=refused)
     t = comm.world_size
     named = dict(model.named_modules())

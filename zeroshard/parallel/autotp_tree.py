@@ -19,8 +19,9 @@ The discovery rule, in order (the first rule that names a layer decides it):
    equals the unsplit layer's output. Around a gathered column (an ``lm_head``), both stay whole: the
    base's output is whole, so the whole adapter adds to it with no communication
    (under Megatron-SP, B splits and gathers like the base). Other adapters (DoRA,
-   IA3, LoHa, ...) around a split layer, and LoRA around a vocabulary-split embedding
-   under Megatron-SP, are refused by name.
+   IA3, LoHa, ...) around a split layer, LoRA on split MoE expert weights (peft's
+   ``target_parameters``) and LoRA around a vocabulary-split embedding under
+   Megatron-SP are refused by name.
 4. The wrapper's own layers (outside every known model), as DeepSpeed's AutoTP treats
    layers outside its transformer layers: a head tied to a split embedding splits like
    it (gathered column); an untied ``lm_head`` / ``embed_out`` is a gathered column
@@ -166,7 +167,9 @@ class TreeNames:
         return f"{base}.{attr}" if base else attr
 
 
-def adapter_entries(names: TreeNames, mods: dict, sequence_parallel: bool) -> dict[str, PlanEntry]:
+def adapter_entries(
+    names: TreeNames, mods: dict, params: dict, sequence_parallel: bool
+) -> dict[str, PlanEntry]:
     """LoRA's A and B of each tuner layer, from the style its wrapped layer takes."""
     out = {}
     for name, m in names.tuners.items():
@@ -174,7 +177,10 @@ def adapter_entries(names: TreeNames, mods: dict, sequence_parallel: bool) -> di
             continue
         base_entry = mods.get(f"{name}.base_layer")
         style = base_entry.style if base_entry is not None else _REPLICATE
-        split = style.kind in ("column", "row", "embedding")
+        split = style.kind in ("column", "row", "embedding", "experts") or any(
+            n.startswith(f"{name}.base_layer.") and e.style.kind in ("column", "row")
+            for n, e in params.items()
+        )  # peft's target_parameters wraps a module whose 3-D weights are sliced
         lora_a, lora_b = m._modules.get("lora_A"), m._modules.get("lora_B")
         lora = isinstance(lora_a, nn.ModuleDict) and isinstance(lora_b, nn.ModuleDict)
         magnitude = m._modules.get("lora_magnitude_vector")
