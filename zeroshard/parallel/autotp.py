@@ -1,7 +1,8 @@
 """AutoTP: shard a model's layers for tensor parallelism with no change to its code.
 
 :func:`apply_tensor_parallel` reads a plan (``autotp_plans.py``: the user's ``tp_plan``
-first, then the model's own transformers plan or zeroshard's built-in one), checks
+first, then the plan of every model it knows found anywhere in the tree, under its
+prefix, PEFT adapters and a wrapper's own layers by ``autotp_tree.py``'s rule), checks
 the whole model before touching it, then swaps each planned layer for its
 tensor-parallel form in place, keeping parameter names:
 
@@ -46,9 +47,20 @@ from zeroshard.parallel.autotp_check import (
     match_plan,
     planned_slices,
 )
-from zeroshard.parallel.autotp_plans import Style, plan_entries
+from zeroshard.parallel.autotp_plans import Style, user_plan_entries
+from zeroshard.parallel.autotp_tree import (
+    KnownModel,
+    TreeNames,
+    adapter_entries,
+    check_user_entries,
+    find_known_models,
+    known_plan_entries,
+    layer_owner,
+    leftover_entries,
+    outermost,
+)
 from zeroshard.parallel.gpt_attention import adapt_gpt_attention
-from zeroshard.parallel.linear import ColumnParallelLinear, RowParallelLinear
+from zeroshard.parallel.linear import ColumnParallelLinear, RegionInputLinear, RowParallelLinear
 from zeroshard.parallel.sequence import prepare_megatron_sp
 from zeroshard.parallel.slices import (
     TPSlice,
@@ -81,6 +93,8 @@ class TPSharding:
 
 
 def _convert(m: nn.Module, style: Style, comm: Comm, sp: bool, tp_input: TPInput) -> nn.Module:
+    if style.kind == "replicate":  # in_region: whole, reading its neighbours' input
+        return RegionInputLinear(m, tp_input)
     if style.kind == "embedding":
         assert isinstance(m, nn.Embedding)  # check_plan refused any other module
         return VocabParallelEmbedding.from_embedding(m, comm, sequence_parallel=sp)
@@ -95,6 +109,7 @@ def _convert(m: nn.Module, style: Style, comm: Comm, sp: bool, tp_input: TPInput
             sequence_parallel=sp,
             parts=parts,
             tp_input=tp_input,
+            input_in_region=style.in_region,
         )
     return RowParallelLinear.from_linear(
         m, comm, input_is_parallel=style.input_is_parallel, sequence_parallel=sp
@@ -141,13 +156,22 @@ def apply_tensor_parallel(
     logits are this rank's slice and the model's ``loss_function`` becomes the
     vocab-parallel cross-entropy, so no rank holds full-vocabulary logits.
     """
+    known = find_known_models(model)
+    lm = None
     if loss_parallel:
-        tp_plan = {_causal_lm_head(model): "column", **(tp_plan or {})}
-    entries = plan_entries(model, tp_plan)
-    mods, params = match_plan(model, entries)
-    plans = check_plan(model, comm, mods, params, sequence_parallel)
+        head, lm = _causal_lm_head(model, known)
+        tp_plan = {head: "column", **(tp_plan or {})}
+    names = TreeNames.of(model)
+    user = user_plan_entries(tp_plan)
+    check_user_entries(model, user, names, known)
+    mods, params = match_plan(model, user + known_plan_entries(known), names)
+    left, refused = leftover_entries(model, known, names, mods)
+    mods.update(left)
+    mods.update(adapter_entries(names, mods, params, sequence_parallel))
+    plans = check_plan(model, comm, mods, params, sequence_parallel, known=known, refused=refused)
     t = comm.world_size
     named = dict(model.named_modules())
+    roots = outermost(known)
     # id(old) -> (old, new); holding old keeps its id from being reused by a new tensor
     new_of: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}
     hooks: list[RemovableHandle] = []
@@ -158,7 +182,9 @@ def apply_tensor_parallel(
         if style.kind == "experts":
             hooks += _experts_hooks(m, comm)
             continue
-        if style.kind == "replicate" or not (is_linear_like(m) or isinstance(m, nn.Embedding)):
+        if (style.kind == "replicate" and not style.in_region) or not (
+            is_linear_like(m) or isinstance(m, nn.Embedding)
+        ):
             continue
         new = _convert(m, style, comm, sequence_parallel, tp_input)
         for attr in ("weight", "bias"):
@@ -170,10 +196,10 @@ def apply_tensor_parallel(
             else:
                 new_of[id(old)] = (old, getattr(new, attr))
         parent_name, _, child = name.rpartition(".")
-        parent = named[parent_name] if parent_name else model
-        setattr(parent, child, new)
-        if style.kind == "column" and head_dim_of(parent):
-            attention_parents.add(parent_name)  # it reads head counts: make them local
+        setattr(named[parent_name], child, new)
+        attn = layer_owner(name, named)  # past a PEFT tuner layer around it
+        if style.kind == "column" and head_dim_of(named[attn]):
+            attention_parents.add(attn)  # it reads head counts: make them local
     for name, entry in params.items():
         if entry.style.kind not in ("column", "row"):
             continue
@@ -190,16 +216,19 @@ def apply_tensor_parallel(
             if p is not None and id(p) in new_of and new_of[id(p)][0] is p:
                 m._parameters[attr] = new_of[id(p)][1]
     for parent_name in attention_parents:
-        _localize_heads(model.get_submodule(parent_name) if parent_name else model, t)
-    if isinstance(model, models.GPT):
-        adapt_gpt_attention(model)  # n_head is local already
+        _localize_heads(named[parent_name], t)
+    gpts = [k for k in roots if isinstance(k.module, models.GPT)]
+    for k in gpts:
+        adapt_gpt_attention(k.module)  # n_head is local already
     if sequence_parallel:
-        hooks += prepare_megatron_sp(model, comm)
-        if not isinstance(model, models.GPT):  # its forward sizes heads from the whole sequence
-            for parent_name in attention_parents:
-                parent = model.get_submodule(parent_name) if parent_name else model
+        for k in roots:
+            hooks += prepare_megatron_sp(k.module, comm)
+        for parent_name in attention_parents:
+            if not any(k.holds(parent_name) for k in gpts):  # it sizes heads from the sequence
                 hooks.append(
-                    parent.register_forward_pre_hook(_gather_entry(tp_input), with_kwargs=True)
+                    named[parent_name].register_forward_pre_hook(
+                        _gather_entry(tp_input), with_kwargs=True
+                    )
                 )
     for name, entry in list(mods.items()) + list(params.items()):
         if entry.style.partial_grad:
@@ -212,20 +241,29 @@ def apply_tensor_parallel(
         for p in model.parameters():
             if tp_slice_of(p) is None:
                 mark_partial_grad(p)  # it acts on this rank's share of the sequence
-    if loss_parallel:
-        model.loss_function = causal_lm_loss(comm)
+    if lm is not None:
+        lm.loss_function = causal_lm_loss(comm)
     return _summary(model, hooks)
 
 
-def _causal_lm_head(model: nn.Module) -> str:
-    if not type(model).__name__.endswith("ForCausalLM") or not hasattr(model, "loss_function"):
+def _causal_lm_head(model: nn.Module, known: list[KnownModel]) -> tuple[str, nn.Module]:
+    """The head of the one transformers causal LM in the tree, and that model."""
+    lms = [
+        k
+        for k in outermost(known)
+        if type(k.module).__name__.endswith("ForCausalLM") and hasattr(k.module, "loss_function")
+    ]
+    if len(lms) != 1:
+        found = ", ".join(k.describe() for k in lms) or f"none in {type(model).__name__}"
         raise ValueError(
-            f"loss_parallel: {type(model).__name__} does not compute its loss through "
-            "transformers' causal-LM loss_function (the built-in GPT computes cross-entropy on "
-            "whole logits inside its forward); leave loss_parallel off for it"
+            f"loss_parallel: needs exactly one transformers causal LM computing its loss "
+            f"through its loss_function (found: {found}; the built-in GPT computes "
+            "cross-entropy on whole logits inside its forward); leave loss_parallel off"
         )
-    head = model.get_output_embeddings()  # type: ignore[operator]
-    return next(n for n, m in model.named_modules() if m is head)
+    k = lms[0]
+    head = k.module.get_output_embeddings()  # type: ignore[operator]
+    local = next(n for n, m in k.module.named_modules() if m is head)
+    return (f"{k.prefix}.{local}" if k.prefix else local), k.module
 
 
 def _gather_entry(tp_input: TPInput):

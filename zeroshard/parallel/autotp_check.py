@@ -17,9 +17,16 @@ from torch import nn
 from zeroshard import models
 from zeroshard.comm import Comm
 from zeroshard.parallel.autotp_plans import PlanEntry, Style
+from zeroshard.parallel.autotp_tree import (
+    KnownModel,
+    TreeNames,
+    block_pattern,
+    layer_owner,
+    outermost,
+    suggested_plan,
+)
 from zeroshard.parallel.gpt_attention import LocalHeadsAttention
 from zeroshard.parallel.linear import is_conv1d
-from zeroshard.parallel.sequence import is_transformers_model
 from zeroshard.parallel.slices import TPSlice, even_slice
 
 
@@ -65,22 +72,39 @@ def param_slice(p: torch.Tensor, style: Style, comm: Comm) -> TPSlice:
     return even_slice(p.shape, dim, comm.rank, comm.world_size, parts)
 
 
-def match_plan(model: nn.Module, entries: list[PlanEntry]):
-    """The first matching plan entry of each module and parameter name."""
+def match_plan(model: nn.Module, entries: list[PlanEntry], names: TreeNames):
+    """The first plan entry matching each module and parameter, by its name from the
+    root or the name the plans see (a PEFT-wrapped layer answers to its wrapper's)."""
 
-    def first(name):
-        return next((e for e in entries if e.matches(name)), None)
+    def first(*candidates):
+        return next((e for e in entries if any(e.matches(c) for c in candidates)), None)
 
-    mods = {n: e for n, _ in model.named_modules() if n and (e := first(n)) is not None}
-    params = {n: e for n, _ in model.named_parameters() if (e := first(n)) is not None}
+    mods = {
+        n: e
+        for n, _ in model.named_modules()
+        if n and (e := first(n, names.logical.get(n, n))) is not None
+    }
+    params = {
+        n: e for n, _ in model.named_parameters() if (e := first(n, names.param(n))) is not None
+    }
     return mods, params
 
 
 def check_plan(
-    model, comm, mods, params, sequence_parallel
+    model,
+    comm,
+    mods,
+    params,
+    sequence_parallel,
+    *,
+    known: list[KnownModel] | None = None,
+    refused: dict[str, str] | None = None,
 ) -> dict[int, tuple[str, TPSlice | None]]:
-    """Every refusal, before anything changes; returns id(param) -> (owner, slice)."""
+    """Every refusal, before anything changes; returns id(param) -> (owner, slice).
+    ``known``: the models whose plans apply; ``refused``: layers of repeated blocks
+    outside them, with the style DeepSpeed's name rule would give each."""
     t = comm.world_size
+    known, refused = known or [], refused or {}
     named = dict(model.named_modules())
     covering = [n for n, e in mods.items() if e.style.kind in ("replicate", "experts")]
     unknown, kept_whole = [], []
@@ -101,22 +125,14 @@ def check_plan(
         entry = mods.get(name)
         if entry is None or entry.style.kind in ("replicate", "experts"):
             if entry is None and not any(name.startswith(c + ".") for c in covering):
-                unknown.append(f"{name} ({type(m).__name__} {tuple(m.weight.shape)})")
+                unknown.append((name, m))
             kept_whole.append((name, m))
             continue
         _check_layer(name, m, entry, named, model, t)
         for attr, spec in planned_slices(m, entry.style, comm).items():
             claim(getattr(m, attr), name, spec)
     if unknown:
-        shown = ", ".join(unknown[:4]) + (
-            f" and {len(unknown) - 4} more" if len(unknown) > 4 else ""
-        )
-        first = unknown[0].split(" ")[0]
-        raise ValueError(
-            f"AutoTP does not know how to split {shown}: add a tp_plan entry naming the layer "
-            f"(a name or pattern) and a style, e.g. tp_plan={{{first!r}: 'replicate'}} "
-            "(or 'column' / 'row' / 'embedding')"
-        )
+        raise ValueError(_unknown_layers(unknown, known, refused))
     for name, entry in params.items():
         p = model.get_parameter(name)
         if entry.style.kind in ("column", "row"):
@@ -136,25 +152,74 @@ def check_plan(
                     f"{name} the matching tp_plan style"
                 )
     if sequence_parallel:
-        if any(mods[c].style.kind == "experts" for c in covering):
+        _check_sequence_parallel(model, known, mods, covering)
+        gpts = [k for k in known if isinstance(k.module, models.GPT)]  # own position hook
+        extra = [n for n, m in named.items() if isinstance(m, nn.Embedding)
+                 and not any(k.holds(n) for k in gpts)
+                 and (mods.get(n) is None or mods[n].style.kind != "embedding")]  # fmt: skip
+        if extra:
             raise ValueError(
-                "sequence_parallel with mixture-of-experts layers is not built; turn it off"
+                f"Megatron-SP: {', '.join(extra)} would see the whole sequence while the "
+                "activations are split along it (learned position or token-type embeddings "
+                "are not supported under sequence_parallel); turn sequence_parallel off"
             )
-        if not isinstance(model, models.GPT) and not is_transformers_model(model):
-            raise ValueError(
-                f"Megatron-SP knows the built-in GPT and transformers models, not "
-                f"{type(model).__name__}; turn sequence_parallel off"
-            )
-        if not isinstance(model, models.GPT):
-            extra = [n for n, m in named.items() if isinstance(m, nn.Embedding)
-                     and (mods.get(n) is None or mods[n].style.kind != "embedding")]  # fmt: skip
-            if extra:
-                raise ValueError(
-                    f"Megatron-SP: {', '.join(extra)} would see the whole sequence while the "
-                    "activations are split along it (learned position or token-type embeddings "
-                    "are not supported under sequence_parallel); turn sequence_parallel off"
-                )
     return plans
+
+
+def _check_sequence_parallel(model, known, mods, covering) -> None:
+    if any(mods[c].style.kind == "experts" for c in covering):
+        raise ValueError(
+            "sequence_parallel with mixture-of-experts layers is not built; turn it off"
+        )
+    if not known:
+        raise ValueError(
+            f"Megatron-SP knows the built-in GPT and transformers models, not "
+            f"{type(model).__name__}; turn sequence_parallel off"
+        )
+    outside = [n for n, _ in model.named_parameters() if not any(k.holds(n) for k in known)]
+    if outside:
+        raise ValueError(
+            f"Megatron-SP: the wrapper's own parameters ({', '.join(outside[:4])}) sit outside "
+            f"{', '.join(k.describe() for k in known)}; which share of the sequence they see "
+            "is not known, so their gradients cannot be summed right; turn sequence_parallel off"
+        )
+
+
+def _unknown_layers(unknown, known, refused: dict[str, str]) -> str:
+    """One message naming every layer AutoTP cannot split (blocks grouped), and the fix."""
+    groups: dict[str, list] = {}
+    for name, m in unknown:
+        groups.setdefault(block_pattern(name), []).append((name, m))
+    listed = []
+    for pattern, members in groups.items():
+        name, m = members[0]
+        shape = f"{type(m).__name__} {tuple(m.weight.shape)}"
+        many = f", {len(members)} layers" if len(members) > 1 else ""
+        listed.append(f"{pattern if many else name} ({shape}{many})")
+    shown = ", ".join(listed[:12]) + (f" and {len(listed) - 12} more" if len(listed) > 12 else "")
+    ours = {n: s for n, s in refused.items() if n in {u for u, _ in unknown}}
+    if ours:
+        example = dict(list(suggested_plan(ours).items())[:6])
+        fix = (
+            f"tp_plan={example!r} (DeepSpeed's AutoTP name rule), or 'replicate' to keep them whole"
+        )
+    else:
+        fix = f"tp_plan={{{unknown[0][0]!r}: 'replicate'}} (or 'column' / 'row' / 'embedding')"
+    if known:
+        where = (
+            f" (plans applied: {', '.join(k.describe() for k in outermost(known))}; layers "
+            "their plans do not cover, and layers of repeated blocks outside them, are not "
+            "split by guess)"
+        )
+    else:
+        where = (
+            " (no model in this tree has a plan AutoTP knows: the built-in GPT, transformers "
+            "GPT-2 or BERT, or a model with a tp_plan / config.base_model_tp_plan)"
+        )
+    return (
+        f"AutoTP does not know how to split {shown}{where}: add a tp_plan entry naming each "
+        f"layer (a name or pattern from the root) and a style, e.g. {fix}"
+    )
 
 
 def _check_layer(name, m, entry: PlanEntry, named, model, t: int) -> None:
@@ -179,7 +244,7 @@ def _check_layer(name, m, entry: PlanEntry, named, model, t: int) -> None:
     if style.parts < 1 or rows % style.parts:
         raise ValueError(f"{where}: {rows} features do not form {style.parts} equal parts")
     part = rows // style.parts
-    parent = named[name.rpartition(".")[0]] if "." in name else model
+    parent = named[layer_owner(name, named)]
     hd = head_dim_of(parent)
     if hd and part % hd == 0 and (part // hd) % t:
         heads = part // hd

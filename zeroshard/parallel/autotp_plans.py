@@ -24,6 +24,8 @@ zeroshard                transformers                        meaning
 
 Built-in plans cover the zeroshard GPT and the transformers models that define no
 plan of their own (GPT-2, BERT); models that do (Llama, Mixtral, ...) use theirs.
+``autotp_tree.py`` finds such models anywhere in a module tree and applies each plan
+under its prefix.
 
 No communication.
 """
@@ -48,6 +50,9 @@ class Style:
     parts: int = 1  # fused outputs of a column layer, each split on its own
     input_is_parallel: bool = True
     partial_grad: bool = False
+    # reads the input of the column layers beside it, already brought into the TP region
+    # (LoRA's A and B around a column-parallel layer, autotp_tree.py)
+    in_region: bool = False
 
 
 _STYLES = {
@@ -175,12 +180,9 @@ def model_plan(model: nn.Module) -> tuple[dict, str]:
     return {}, "no plan"
 
 
-def plan_entries(model: nn.Module, tp_plan: dict | None) -> list[PlanEntry]:
-    """User entries first (they win), then the model's."""
-    entries = [
+def user_plan_entries(tp_plan: dict | None) -> list[PlanEntry]:
+    """The ``tp_plan`` entries (they come first: they win), named from the root."""
+    return [
         PlanEntry(k, parse_style(v, f"tp_plan[{k!r}]"), "tp_plan")
         for k, v in (tp_plan or {}).items()
     ]
-    plan, source = model_plan(model)
-    entries += [PlanEntry(k, parse_style(v, f"{source}[{k!r}]"), source) for k, v in plan.items()]
-    return entries

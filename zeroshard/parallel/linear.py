@@ -9,7 +9,10 @@
   output (or reduce-scatters it along the sequence under Megatron-SP, all-gather of
   its gradient backward), then adds the bias once.
 
-Both take an ``nn.Linear`` or Hugging Face ``Conv1D`` (weight stored (in, out)) with
+:class:`RegionInputLinear` keeps a Linear whole but reads the converted input of the
+column layers beside it (no collective of its own).
+
+Both parallel layers take an ``nn.Linear`` or Hugging Face ``Conv1D`` (weight stored (in, out)) with
 ``from_linear``, keeping this rank's slice of its weights in the same orientation,
 so parameter names and layouts stay those of the unsplit model.
 """
@@ -80,7 +83,9 @@ class ColumnParallelLinear(_ParallelLinear):
     """``y = x Wᵀ + b`` with W's output features split over the TP group.
 
     The input is replicated (or, with ``sequence_parallel``, split along ``seq_dim``
-    and all-gathered here); layers sharing ``tp_input`` convert a common input once. The output is this rank's features, or all of them with
+    and all-gathered here); layers sharing ``tp_input`` convert a common input once;
+    with ``input_in_region`` the input was converted already (it comes from a
+    :class:`RegionInputLinear`). The output is this rank's features, or all of them with
     ``gather_output``. ``parts`` names fused outputs (e.g. q, k, v sizes): each part
     is split on its own, so every rank holds whole heads of each.
     """
@@ -98,12 +103,14 @@ class ColumnParallelLinear(_ParallelLinear):
         parts: tuple[int, ...] | None = None,
         transposed: bool = False,
         tp_input: TPInput | None = None,
+        input_in_region: bool = False,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ):
         super().__init__(
             comm, sequence_parallel=sequence_parallel, seq_dim=seq_dim, transposed=transposed
         )
+        self.input_in_region = input_in_region
         if tp_input is not None and (
             tp_input.comm is not comm or tp_input.sequence_parallel != sequence_parallel
         ):
@@ -142,7 +149,7 @@ class ColumnParallelLinear(_ParallelLinear):
         return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self._matmul(self.tp_input(x), self.bias)
+        y = self._matmul(x if self.input_in_region else self.tp_input(x), self.bias)
         return gather_from_tp(y, self.comm) if self.gather_output else y
 
     def extra_repr(self) -> str:
@@ -221,3 +228,29 @@ class RowParallelLinear(_ParallelLinear):
             f"in={self.in_features} (÷{self.comm.world_size}), out={self.out_features}, "
             f"sequence_parallel={self.sequence_parallel}"
         )
+
+
+class RegionInputLinear(nn.Module):
+    """A whole (unsplit) ``nn.Linear`` that reads the tensor-parallel region's input:
+    its input passes through the ``tp_input`` its column-parallel neighbours share, so
+    it sees their converted tensor (no collective of its own when they converted it
+    first). Downstream column layers read its output with ``input_in_region``; its
+    weight's gradient is then a partial sum over the TP group (mark it so).
+
+    LoRA's A around a column-parallel layer: ``B_local(A(x))`` adds to the base's local
+    output features, and the input gradient joins the base's in one ``f``.
+    """
+
+    def __init__(self, layer: nn.Module, tp_input: TPInput):
+        super().__init__()
+        if not isinstance(layer, nn.Linear):
+            raise TypeError(f"expected nn.Linear, got {type(layer).__name__}")
+        self.in_features, self.out_features = layer.in_features, layer.out_features
+        self.weight, self.bias = layer.weight, layer.bias
+        self.tp_input = tp_input
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(self.tp_input(x), self.weight, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features} (whole, region input)"

@@ -114,6 +114,14 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_start = spec.ranges()[0][0]
         self.vocab_end = spec.ranges()[0][1]
         self.padding_idx = padding_idx
+        # nn.Embedding's other options, read by code that looks a table up itself (a PEFT
+        # LoRA embedding around this one); from_embedding refuses any other value
+        self.max_norm, self.norm_type, self.scale_grad_by_freq, self.sparse = (
+            None,
+            2.0,
+            False,
+            False,
+        )
         self.weight = nn.Parameter(torch.empty(spec.local_shape, device=device, dtype=dtype))
         nn.init.normal_(self.weight)
         mark_sharded(self.weight, spec)
