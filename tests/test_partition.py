@@ -103,7 +103,7 @@ def test_stage3_persistence_thresholds() -> None:
 def test_gpt_presets_are_buildable() -> None:
     """Every built-in GPT preset splits d_model evenly into heads (checked without
     building the big ones)."""
-    from zeroshard.models import _PRESETS
+    from zeroshard.models.gpt import PRESETS
 
-    for name, (_, n_head, d_model) in _PRESETS.items():
+    for name, (_, n_head, d_model) in PRESETS.items():
         assert d_model % n_head == 0, name

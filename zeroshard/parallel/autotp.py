@@ -40,6 +40,7 @@ from torch.utils.hooks import RemovableHandle
 
 from zeroshard import models
 from zeroshard.comm import Comm
+from zeroshard.models.gpt_attention import adapt_gpt_attention
 from zeroshard.parallel.autotp_check import (
     check_plan,
     head_dim_of,
@@ -59,7 +60,6 @@ from zeroshard.parallel.autotp_tree import (
     leftover_entries,
     outermost,
 )
-from zeroshard.parallel.gpt_attention import adapt_gpt_attention
 from zeroshard.parallel.linear import ColumnParallelLinear, RegionInputLinear, RowParallelLinear
 from zeroshard.parallel.sequence import prepare_megatron_sp
 from zeroshard.parallel.slices import (

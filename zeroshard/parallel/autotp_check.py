@@ -16,6 +16,7 @@ from torch import nn
 
 from zeroshard import models
 from zeroshard.comm import Comm
+from zeroshard.models.gpt_attention import LocalHeadsAttention
 from zeroshard.parallel.autotp_plans import PlanEntry, Style
 from zeroshard.parallel.autotp_tree import (
     KnownModel,
@@ -25,7 +26,6 @@ from zeroshard.parallel.autotp_tree import (
     outermost,
     suggested_plan,
 )
-from zeroshard.parallel.gpt_attention import LocalHeadsAttention
 from zeroshard.parallel.linear import is_conv1d
 from zeroshard.parallel.slices import TPSlice, even_slice
 

@@ -22,7 +22,7 @@ Hugging Face models get Ulysses and ring attention through transformers' attenti
 registry: :func:`apply_ulysses` / :func:`apply_ring_attention` register
 ``"zeroshard_ulysses"`` / ``"zeroshard_ring"`` and set the model's
 ``config._attn_implementation``; no model code changes. The built-in GPT's attention
-modules are swapped for :class:`~zeroshard.parallel.gpt_attention.LocalHeadsAttention`.
+modules are swapped for :class:`~zeroshard.models.gpt_attention.LocalHeadsAttention`.
 
 Inputs: every rank passes its own share of each sequence (:func:`shard_sequence`);
 positions are supplied by hooks. Labels must be shifted for the whole sequence before
@@ -44,7 +44,7 @@ from torch.utils.hooks import RemovableHandle
 
 from zeroshard import models
 from zeroshard.comm import Comm
-from zeroshard.parallel.gpt_attention import LocalHeadsAttention, adapt_gpt_attention
+from zeroshard.models.gpt_attention import LocalHeadsAttention, adapt_gpt_attention
 from zeroshard.parallel.ring_attention import ring_attention, zigzag_positions
 
 SEQ_DIM = 1

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from zeroshard import models
+from zeroshard.models.gpt import Attention
 
 # core(q, k, v, dropout_p) -> out, all (batch, heads, seq, head_dim), causal
 AttentionCore = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
@@ -36,7 +36,7 @@ def causal_sdpa(
 class LocalHeadsAttention(nn.Module):
     """Causal self-attention over ``n_head`` heads, whatever share of the model's that is."""
 
-    def __init__(self, attn: models.Attention, n_head: int, core: AttentionCore = causal_sdpa):
+    def __init__(self, attn: Attention, n_head: int, core: AttentionCore = causal_sdpa):
         super().__init__()
         self.qkv = attn.qkv
         self.proj = attn.proj
@@ -73,7 +73,7 @@ def adapt_gpt_attention(model: nn.Module) -> list[LocalHeadsAttention]:
         for name, child in list(parent.named_children()):
             if isinstance(child, LocalHeadsAttention):
                 out.append(child)
-            elif isinstance(child, models.Attention):
+            elif isinstance(child, Attention):
                 new = LocalHeadsAttention(child, child.n_head)
                 setattr(parent, name, new)
                 out.append(new)

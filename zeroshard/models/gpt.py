@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-_PRESETS = {
+PRESETS = {
     # name: (n_layer, n_head, d_model)
     "tiny": (2, 2, 32),
     "small": (4, 4, 128),
@@ -30,7 +30,7 @@ _PRESETS = {
 
 def preset_names() -> tuple[str, ...]:
     """Names ``GPTConfig.preset`` knows."""
-    return tuple(_PRESETS)
+    return tuple(PRESETS)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -49,9 +49,9 @@ class GPTConfig:
 
     @classmethod
     def preset(cls, name: str, **overrides) -> GPTConfig:
-        if name not in _PRESETS:
-            raise ValueError(f"unknown GPT preset {name!r}; choose from {', '.join(_PRESETS)}")
-        n_layer, n_head, d_model = _PRESETS[name]
+        if name not in PRESETS:
+            raise ValueError(f"unknown GPT preset {name!r}; choose from {', '.join(PRESETS)}")
+        n_layer, n_head, d_model = PRESETS[name]
         return replace(cls(n_layer=n_layer, n_head=n_head, d_model=d_model), **overrides)
 
     def num_params(self) -> int:
