@@ -21,7 +21,6 @@ from typing import Any
 import pytest
 import torch
 
-from zeroshard._config_json import loads_relaxed
 from zeroshard.config import (
     Config,
     ConfigError,
@@ -34,6 +33,7 @@ from zeroshard.config import (
     resolve_batch_sizes,
     schema_table,
 )
+from zeroshard.config.jsonc import loads_relaxed
 
 REAL = Path(__file__).parent / "configs" / "real"
 

@@ -82,8 +82,8 @@ def main(args: argparse.Namespace) -> int:
         return _relaunch(args)
     import torch
 
-    from zeroshard._config_schema import ConfigError
     from zeroshard.checkpoint.model_config import ModelConfigError
+    from zeroshard.config.schema import ConfigError
     from zeroshard.inference import QuantizationError, init_inference
     from zeroshard.inference.weights import model_from
     from zeroshard.models import GPT

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from zeroshard._config_schema import (
+from zeroshard.config.schema import (
     INERT,
     NOT_BUILT,
     ConfigError,
@@ -162,7 +162,7 @@ def load_inference_config(
             raise ConfigError("init_inference", "give keyword arguments or an InferenceConfig, not both")  # fmt: skip
         return config, Reading(InferenceConfig)
     if isinstance(config, str):
-        from zeroshard._config_json import read_config_file
+        from zeroshard.config.jsonc import read_config_file
 
         data = dict(read_config_file(config))
     else:

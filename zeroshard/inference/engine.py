@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from zeroshard._config_schema import ConfigError
+from zeroshard.config.schema import ConfigError
 from zeroshard.inference.config import InferenceConfig, load_inference_config
 from zeroshard.inference.generate import Sampling, generate_tokens, pad_prompts
 from zeroshard.inference.quantize import QuantLinear, quantize_model, weight_bytes

@@ -32,7 +32,7 @@ from collections import defaultdict, deque
 from datetime import datetime
 from typing import TYPE_CHECKING
 
-from zeroshard._config_monitors import COMM_OPS
+from zeroshard.config.monitors import COMM_OPS
 
 if TYPE_CHECKING:
     from zeroshard.comm import Ledger, OpEvent

@@ -1,6 +1,6 @@
 """Reading a DeepSpeed config file: JSON plus the relaxations people rely on.
 
-Private helper of :mod:`zeroshard.config`. DeepSpeed reads config files with ``hjson``,
+Used by :mod:`zeroshard.config`. DeepSpeed reads config files with ``hjson``,
 so configs in the wild carry comments and trailing commas. We accept, outside strings:
 
 * ``// line`` and ``# line`` comments, and ``/* block */`` comments;
@@ -19,7 +19,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from zeroshard._config_schema import ConfigError
+from zeroshard.config.schema import ConfigError
 
 
 def read_config_file(path: str | os.PathLike[str]) -> Any:

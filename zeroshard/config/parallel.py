@@ -1,7 +1,7 @@
 # ruff: noqa: RUF009  (fields are made by key(), which returns a dataclasses.field)
 """The ``tensor_parallel`` section: DeepSpeed's AutoTP training keys, plus zeroshard's
-``tp_plan`` override and Megatron sequence-parallel switch. Private helper of
-:mod:`zeroshard.config`; no collectives, no devices.
+``tp_plan`` override and Megatron sequence-parallel switch. Part of
+:mod:`zeroshard.config`'s ``Config``; no collectives, no devices.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from zeroshard._config_schema import INERT, NOT_BUILT, Section, key
+from zeroshard.config.schema import INERT, NOT_BUILT, Section, key
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -53,7 +53,7 @@ class TensorParallelConfig(Section):
 
 
 def _partition_spelling(value: Any, at: str) -> None:
-    from zeroshard._config_schema import ConfigError
+    from zeroshard.config.schema import ConfigError
 
     ok = isinstance(value, str) and (
         value.lower() in ("parameters", "uniform", "best") or value.lower().startswith("type:")

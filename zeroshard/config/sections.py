@@ -1,7 +1,7 @@
 # ruff: noqa: RUF009  (fields are made by key(), which returns a dataclasses.field)
 """The sections of a DeepSpeed config, each a frozen kw_only dataclass whose fields are the
 schema (``key(default, status, doc=..., range, choices, aliases, ...)``, see
-:mod:`zeroshard._config_schema`). Private; re-exported by :mod:`zeroshard.config`. No
+:mod:`zeroshard.config.schema`). Re-exported by :mod:`zeroshard.config`. No
 collectives, no devices.
 
 Key names and defaults are DeepSpeed's (facts from its documentation and config classes);
@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from zeroshard._config_schema import (
+from zeroshard.config.schema import (
     INERT,
     NOT_BUILT,
     ConfigError,

@@ -9,7 +9,7 @@ derived from the other two; absent, null or 0 mean "derive it") and returns a
 the dotted key: ``zero_optimization.stage: expected one of 0, 1, 2, 3, got 4``.
 
 The dataclasses are the schema: each field is one key (``key()``: name, default, range,
-aliases, doc, status), and one reader walks them (``zeroshard._config_schema``). Every
+aliases, doc, status), and one reader walks them (``zeroshard.config.schema``). Every
 key is wired (the code uses it), not built (asking for it fails at load: "<key>:
 <feature> is not built yet in zeroshard") or inert (means nothing here, for the reason
 on the field); :func:`schema_table` lists them. The inert keys a config sets, and the
@@ -39,12 +39,10 @@ from typing import Any, ClassVar
 
 import torch
 
-from zeroshard import _config_features as features
-from zeroshard import _config_monitors as monitors
-from zeroshard import _config_sections as sections
-from zeroshard._config_json import read_config_file
-from zeroshard._config_parallel import PipelineConfig, TensorParallelConfig
-from zeroshard._config_schema import (
+from zeroshard.config import features, monitors, sections
+from zeroshard.config.jsonc import read_config_file
+from zeroshard.config.parallel import PipelineConfig, TensorParallelConfig
+from zeroshard.config.schema import (
     AUTO,
     INERT,
     NOT_BUILT,
@@ -59,7 +57,7 @@ from zeroshard._config_schema import (
     schema_keys,
     specs,
 )
-from zeroshard._config_sections import (
+from zeroshard.config.sections import (
     DEFAULT_LEAF_CLASSES,
     DTYPES,
     OFFLOAD_DEVICES,
@@ -463,8 +461,3 @@ def _batch_rule(train: int, micro: int | None, gas: int | None, world: int) -> s
         f"train_batch_size ({train}) must equal train_micro_batch_size_per_gpu {show(micro)}"
         f" x gradient_accumulation_steps {show(gas)} x data-parallel world size ({world})"
     )
-
-
-if __name__ == "__main__":  # python -m zeroshard.config: the table of every key
-    for info in schema_table():
-        print(f"{info.path:60} {info.status.kind:9} {info.status.text}")

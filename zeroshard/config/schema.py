@@ -1,5 +1,5 @@
-"""The config schema: :func:`key` fields, and the one reader that walks them. Private helper
-of :mod:`zeroshard.config`; no collectives, no devices.
+"""The config schema: :func:`key` fields, and the one reader that walks them, for
+:mod:`zeroshard.config` and the inference config; no collectives, no devices.
 
 A section is a frozen kw_only dataclass (a :class:`Section`) whose fields are made with
 :func:`key`; a field's metadata is its whole schema: JSON name (``under`` a sub-object

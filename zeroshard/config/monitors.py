@@ -1,8 +1,8 @@
 # ruff: noqa: RUF009  (fields are made by key(), which returns a dataclasses.field)
 """The monitoring sections of a DeepSpeed config (``tensorboard``, ``csv_monitor``,
 ``wandb``, ``comet``, ``comms_logger``, ``flops_profiler``, ``timers``), each a frozen
-kw_only dataclass whose fields are the schema (see :mod:`zeroshard._config_schema`).
-Private; re-exported by :mod:`zeroshard.config`; used by :mod:`zeroshard.monitor`. No
+kw_only dataclass whose fields are the schema (see :mod:`zeroshard.config.schema`).
+Part of :mod:`zeroshard.config`'s ``Config``; used by :mod:`zeroshard.monitor`. No
 collectives, no devices.
 
 Key names and defaults are DeepSpeed's (its ``deepspeed/monitor/config.py``,
@@ -18,7 +18,7 @@ import functools
 from dataclasses import dataclass
 from typing import Any
 
-from zeroshard._config_schema import INERT, ConfigError, Section, key
+from zeroshard.config.schema import INERT, ConfigError, Section, key
 
 # DeepSpeed's op names (its torch.distributed wrappers) -> zeroshard's ledger names
 COMM_OPS = {

@@ -1,8 +1,8 @@
 # ruff: noqa: RUF009  (fields are made by key(), which returns a dataclasses.field)
 """DeepSpeed sections for features zeroshard does not build, each a frozen kw_only
-dataclass whose fields are DeepSpeed's keys (see :mod:`zeroshard._config_schema`), so an
-unknown or misspelled key is an error naming it, as everywhere else. Private; used by
-:mod:`zeroshard.config`. No collectives, no devices.
+dataclass whose fields are DeepSpeed's keys (see :mod:`zeroshard.config.schema`), so an
+unknown or misspelled key is an error naming it, as everywhere else. Part of
+:mod:`zeroshard.config`'s ``Config``. No collectives, no devices.
 
 Key names and defaults are DeepSpeed 0.19's: ``compile/config.py`` (``compile``, and the
 ``enabled``/``backend``/``kwargs`` of its 0.14 form), ``runtime/config.py``
@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, make_dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from zeroshard._config_schema import INERT, NOT_BUILT, Section, key
+from zeroshard.config.schema import INERT, NOT_BUILT, Section, key
 
 
 def _off(section: str, switch: str = "enabled") -> Any:
