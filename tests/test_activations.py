@@ -15,14 +15,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from zeroshard import activation_offload, checkpointing, device
+from zeroshard import activation_offload, checkpointing
 from zeroshard.checkpointing import (
     apply_activation_checkpointing,
     apply_activation_offload,
     checkpoint,
     configure,
 )
-from zeroshard.fake_device import FakeRuntime
+from zeroshard.distributed import device
+from zeroshard.distributed.fake_device import FakeRuntime
 from zeroshard.memory import ActivationTracker, activation_bytes
 from zeroshard.models import GPT, Block, GPTConfig
 

@@ -1,5 +1,5 @@
 """The GPU code paths of offload and streaming, on the CPU, through the device seam's
-fake runtime (zeroshard/device.py, zeroshard/fake_device.py): it claims the CPU as an
+fake runtime (zeroshard/distributed/device.py, zeroshard/distributed/fake_device.py): it claims the CPU as an
 accelerator apart from host memory, runs side-stream copies only once something waits
 for them, and logs every copy, record and wait in order.
 
@@ -32,8 +32,8 @@ import multirank
 import parity
 import torch
 
-from zeroshard import device
-from zeroshard.fake_device import FakeRuntime
+from zeroshard.distributed import device
+from zeroshard.distributed.fake_device import FakeRuntime
 
 Z = "zero_optimization"
 CPU = {"device": "cpu", "pin_memory": True}

@@ -328,7 +328,7 @@ def test_fused_grad_scale_edge_cases() -> None:
 def test_nccl_with_more_local_ranks_than_gpus_is_a_clear_error(monkeypatch) -> None:
     import torch.distributed as dist
 
-    from zeroshard.distributed import init_distributed
+    from zeroshard.distributed.process_group import init_distributed
 
     if dist.is_initialized():
         pytest.skip("a process group already exists in this process")

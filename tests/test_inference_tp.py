@@ -15,7 +15,7 @@ import pytest
 import torch
 from tp_parity import tiny_llama
 
-from zeroshard.comm import Comm
+from zeroshard.distributed.comm import Comm
 from zeroshard.inference.tensor_parallel import check_same_weights, shard_for_inference
 from zeroshard.models import GPT, GPTConfig
 

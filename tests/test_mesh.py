@@ -13,7 +13,7 @@ import multirank
 import parity
 import pytest
 
-from zeroshard.parallel.mesh import AXES, Mesh, MeshError, MeshShape
+from zeroshard.distributed.mesh import AXES, Mesh, MeshError, MeshShape
 
 TOL = parity.TOL
 SHARD = 2  # zero_optimization.mics_shard_size: 4 ranks = 2 replicas x 2 shards

@@ -258,7 +258,7 @@ def test_bandwidths_are_deepspeeds() -> None:
 def test_comms_logger_records_from_the_ledger() -> None:
     from types import SimpleNamespace
 
-    from zeroshard.comm import Ledger, OpEvent
+    from zeroshard.distributed.ledger import Ledger, OpEvent
     from zeroshard.monitor.comms import CommsLogger
 
     lines: list[str] = []

@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from tp_parity import F32, TOL, grad_diffs, run_fwd_bwd, tiny_llama, twin
 
-from zeroshard.comm import Comm
+from zeroshard.distributed.comm import Comm
 from zeroshard.models import GPT, GPTConfig
 from zeroshard.parallel.autotp import apply_tensor_parallel
 from zeroshard.parallel.ring_attention import ring_attention, zigzag_positions

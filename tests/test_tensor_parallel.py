@@ -24,7 +24,7 @@ from tp_parity import (
     twin,
 )
 
-from zeroshard.comm import Comm
+from zeroshard.distributed.comm import Comm
 from zeroshard.models import GPT, GPTConfig
 from zeroshard.parallel.autotp import apply_tensor_parallel, sync_partial_grads
 from zeroshard.parallel.linear import ColumnParallelLinear, RowParallelLinear

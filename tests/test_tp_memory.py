@@ -13,7 +13,7 @@ L, H, S, B, V = 4, 128, 256, 2, 256
 
 def _kept(rank: int, world: int) -> dict:
     torch.set_num_threads(1)
-    from zeroshard.comm import Comm
+    from zeroshard.distributed.comm import Comm
     from zeroshard.memory import ActivationTracker
     from zeroshard.models import GPT, GPTConfig
     from zeroshard.parallel.autotp import apply_tensor_parallel

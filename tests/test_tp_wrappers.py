@@ -193,7 +193,7 @@ def _ids(seed: int) -> torch.Tensor:
 
 
 def _apply_cases(rank: int, world: int) -> dict:
-    from zeroshard.comm import Comm
+    from zeroshard.distributed.comm import Comm
 
     comm, vcomm, out = Comm(), Comm(), {}
     for key, (build, loss_fn, must_split) in CASES.items():

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from zeroshard.comm import Comm
+from zeroshard.distributed.comm import Comm
 from zeroshard.parallel.slices import assemble, tp_slice_of
 
 TOL = 2e-5

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from zeroshard.device import runtime
-from zeroshard.distributed import default_device, local_rank, use_cuda
+from zeroshard.distributed.device import runtime
+from zeroshard.distributed.process_group import default_device, local_rank, use_cuda
 
 
 class Accelerator:

@@ -36,13 +36,13 @@ from typing import Any
 
 import torch
 
-from zeroshard.device import Runtime, runtime
+from zeroshard.distributed.device import Runtime, runtime
 
 
 class _StreamMover:
     """The copies an offload does, on one side stream per device (created on first use),
     so that they overlap with compute on the current stream; streams, events and pinned
-    memory come from the device seam (``zeroshard/device.py``). A device without streams
+    memory come from the device seam (``zeroshard/distributed/device.py``). A device without streams
     (e.g. ``mps``) gets blocking copies on the current stream.
 
     Events are the device runtime's; ``None`` stands for a copy already complete. The

@@ -14,7 +14,7 @@ import json
 
 from torch import nn
 
-from zeroshard.comm import Comm
+from zeroshard.distributed.comm import Comm
 
 
 class RanksDisagreeError(RuntimeError):

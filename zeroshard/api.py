@@ -1,6 +1,6 @@
 """``initialize`` and the argparse helper: the DeepSpeed-compatible entry points.
 
-Communication: initializes ``torch.distributed`` if needed (see ``distributed.py``);
+Communication: initializes ``torch.distributed`` if needed (see ``distributed/process_group.py``);
 the engine then broadcasts rank 0's initial parameters.
 """
 
@@ -15,10 +15,10 @@ import torch.distributed as dist
 from torch import nn
 
 from zeroshard.config import ConfigError, load_config
-from zeroshard.distributed import default_device, init_distributed
+from zeroshard.distributed.mesh import Mesh, MeshShape
+from zeroshard.distributed.process_group import default_device, init_distributed
 from zeroshard.engine import Engine
 from zeroshard.optim import hyperparams
-from zeroshard.parallel.mesh import Mesh, MeshShape
 from zeroshard.parallel.pipeline_engine import PipelineEngine
 from zeroshard.parallel.pipeline_module import PipelineModule
 from zeroshard.zero.optimizer import ShardedOptimizer

@@ -62,7 +62,7 @@ from torch.utils.checkpoint import checkpoint as _torch_checkpoint
 
 from zeroshard import activation_offload  # its functions looked up at each call
 from zeroshard.activation_offload import offload_saved_tensors  # re-exported
-from zeroshard.device import runtime
+from zeroshard.distributed.device import runtime
 
 log = logging.getLogger(__name__)
 

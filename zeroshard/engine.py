@@ -4,7 +4,7 @@ The engine orchestrates strategy objects chosen once from the config and holds n
 stage-specific branches: what is sharded (:class:`Sharding`) decides the flat layout's
 world size, the gradient reducer's mode and, at stage 3, the parameter gatherer.
 
-It works on a :class:`~zeroshard.parallel.mesh.Mesh`: ZeRO shards over the mesh's
+It works on a :class:`~zeroshard.distributed.mesh.Mesh`: ZeRO shards over the mesh's
 ``zero_shard`` group and replicates shards across ``zero_replicate`` (hybrid sharding,
 MiCS / HSDP); the data loader splits batches over ``dp``; ranks that share a tensor,
 sequence or pipeline group see the same batch.
@@ -33,8 +33,9 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from zeroshard import watchdog
-from zeroshard.distributed import default_device, local_rank
+from zeroshard.distributed import watchdog
+from zeroshard.distributed.mesh import Mesh
+from zeroshard.distributed.process_group import default_device, local_rank
 from zeroshard.engine_build import (
     EngineBuild,
     Sharding,
@@ -48,7 +49,6 @@ from zeroshard.memory import measure
 from zeroshard.monitor.hub import EngineMonitor
 from zeroshard.offload.placement import Placement
 from zeroshard.offload.swaps import EngineSwaps
-from zeroshard.parallel.mesh import Mesh
 from zeroshard.precision import DtypePolicy, LossScaler
 from zeroshard.zero.gathered import register_owner, unregister_owner
 from zeroshard.zero.gradients import GradReducer

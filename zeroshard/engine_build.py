@@ -37,10 +37,10 @@ from zeroshard.zero.segments import DEFAULT_BUCKET_BYTES, bucket_segments, unit_
 from zeroshard.zero.states import build_memory_states
 
 if TYPE_CHECKING:
-    from zeroshard.comm import Comm
+    from zeroshard.distributed.comm import Comm
+    from zeroshard.distributed.mesh import Mesh
     from zeroshard.offload.placement import Placement
     from zeroshard.offload.swaps import EngineSwaps
-    from zeroshard.parallel.mesh import Mesh
     from zeroshard.precision import DtypePolicy
     from zeroshard.zero.optimizer import ShardedOptimizer
 

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from zeroshard.comm import Comm
+    from zeroshard.distributed.comm import Comm
     from zeroshard.engine_build import Sharding
     from zeroshard.zero.parameters import ParamGatherer
     from zeroshard.zero.whole import WholeParams

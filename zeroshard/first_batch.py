@@ -21,8 +21,8 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from zeroshard.comm import Comm
 from zeroshard.config import ConfigError
+from zeroshard.distributed.comm import Comm
 
 KEY = "train_micro_batch_size_per_gpu"
 

@@ -27,11 +27,10 @@ import threading
 import time
 import traceback
 
+from zeroshard.distributed.env import AS_DEEPSPEED_ENV, LAUNCHER_PID_ENV
+
 MODULE_FLAG, RANK_FLAG = "--zeroshard-module", "--zeroshard-local-rank"
 EXEC_FLAG = "--zeroshard-exec"  # exec the target (--no-python)
-LAUNCHER_PID_ENV = "ZEROSHARD_LAUNCHER_PID"  # workers die with this process
-RUN_DIR_ENV = "ZEROSHARD_RUN_DIR"  # where preempted workers leave their markers
-AS_DEEPSPEED_ENV = "ZEROSHARD_AS_DEEPSPEED"  # 1: `import deepspeed` gives zeroshard
 _PR_SET_PDEATHSIG = 1
 
 

@@ -45,6 +45,12 @@ import sys
 import tempfile
 from pathlib import Path
 
+from zeroshard.distributed.env import (
+    AS_DEEPSPEED_ENV,
+    LAUNCHER_PID_ENV,
+    RUN_DIR_ENV,
+    TIMEOUT_ENV,
+)
 from zeroshard.launch_layout import (  # noqa: F401  (re-exported: the launcher's API)
     DEFAULT_MULTINODE_PORT,
     HostEntry,
@@ -54,14 +60,7 @@ from zeroshard.launch_layout import (  # noqa: F401  (re-exported: the launcher'
     parse_hostfile,
     plan_layout,
 )
-from zeroshard.launch_worker import (  # the bootstrap each worker runs under
-    AS_DEEPSPEED_ENV,
-    EXEC_FLAG,
-    LAUNCHER_PID_ENV,
-    MODULE_FLAG,
-    RANK_FLAG,
-    RUN_DIR_ENV,
-)
+from zeroshard.launch_worker import EXEC_FLAG, MODULE_FLAG, RANK_FLAG  # the workers' bootstrap
 
 _BOOTSTRAP = "zeroshard.launch_worker"
 _PEER_DIED = ("closed by peer", "reset by peer", "remote worker", "broken pipe", "aborted")
@@ -128,8 +127,8 @@ def add_arguments(parser: argparse.ArgumentParser, deepspeed_style: bool = False
 
 def _device_count() -> int:
     try:
-        from zeroshard.device import runtime
-        from zeroshard.distributed import use_cuda
+        from zeroshard.distributed.device import runtime
+        from zeroshard.distributed.process_group import use_cuda
 
         return runtime("cuda").device_count() if use_cuda() else 0
     except Exception:
@@ -191,8 +190,6 @@ def _set_child_environment(args: argparse.Namespace, layout: Layout) -> None:
             raise LaunchError("--as-deepspeed needs a Python target (not --no-python)")
         os.environ[AS_DEEPSPEED_ENV] = "1"
     if args.comm_timeout is not None:
-        from zeroshard.watchdog import TIMEOUT_ENV
-
         os.environ[TIMEOUT_ENV] = str(args.comm_timeout)
     if args.max_restarts > 0:
         # torch shares the rendezvous' TCP store with the workers and keeps it across

@@ -26,7 +26,7 @@ import threading
 
 import torch
 
-from zeroshard.launch_worker import RUN_DIR_ENV  # where preempted workers say so
+from zeroshard.distributed.env import RUN_DIR_ENV  # where preempted workers say so
 
 log = logging.getLogger("zeroshard")
 

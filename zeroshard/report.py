@@ -154,7 +154,7 @@ def peak_flops(device: str = "cpu", dtype: str = "fp32", seconds: float = 0.25) 
     for about ``seconds``. Cached per (device, dtype) for the process."""
     import torch
 
-    from zeroshard.device import runtime
+    from zeroshard.distributed.device import runtime
 
     key = (str(device), dtype)
     if key in _PEAK_CACHE:

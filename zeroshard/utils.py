@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 
-from zeroshard.comm import is_initialized
+from zeroshard.compat.comm import is_initialized
 from zeroshard.zero.leaves import set_z3_leaf_modules, unset_z3_leaf_modules, z3_leaf_module
 
 logger = logging.getLogger("zeroshard")  # deepspeed.utils.logger (the Trainer sets its level)

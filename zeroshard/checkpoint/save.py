@@ -57,7 +57,7 @@ from zeroshard.checkpoint.paths import (
     trash_name,
 )
 from zeroshard.checkpoint.shards import OwnedPiece, ShardAccess
-from zeroshard.parallel.mesh import AXES
+from zeroshard.distributed.mesh import AXES
 from zeroshard.parallel.slices import tp_slice_of
 from zeroshard.progress import progress
 from zeroshard.safetensors_io import DTYPE_NAMES, StreamWriter

@@ -89,7 +89,7 @@ class InferenceEngine:
     def _apply_tensor_parallel(self) -> None:
         import torch.distributed as dist
 
-        from zeroshard.distributed import init_distributed
+        from zeroshard.distributed.process_group import init_distributed
         from zeroshard.inference.tensor_parallel import inference_mesh, shard_for_inference
 
         n = self.config.tp_size

@@ -44,7 +44,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from zeroshard.device import runtime
+from zeroshard.distributed.device import runtime
 from zeroshard.inference.stream_store import (  # noqa: F401  (StreamConfig, stream_config: re-exported)
     MemorySource,
     StreamConfig,

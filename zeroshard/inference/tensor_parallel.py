@@ -36,10 +36,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from zeroshard.comm import Comm
+from zeroshard.distributed.comm import Comm
+from zeroshard.distributed.mesh import Mesh, MeshShape
 from zeroshard.parallel.autotp import TPSharding, apply_tensor_parallel
 from zeroshard.parallel.linear import ColumnParallelLinear, RowParallelLinear
-from zeroshard.parallel.mesh import Mesh, MeshShape
 
 
 @dataclass

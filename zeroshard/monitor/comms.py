@@ -2,7 +2,7 @@
 calls, bytes, latency, algorithm bandwidth and bus bandwidth.
 
 It observes the mesh's ledger (``Ledger.observers``): each completed collective arrives
-as an :class:`~zeroshard.comm.OpEvent`. No collectives of its own.
+as an :class:`~zeroshard.distributed.ledger.OpEvent`. No collectives of its own.
 
 Bandwidths are DeepSpeed's (``deepspeed/utils/comms_logging.py``, after nccl-tests'
 PERFORMANCE.md), in Gbps (1e9 bits/s), for a group of n ranks and a time t:
@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING
 from zeroshard.config.monitors import COMM_OPS
 
 if TYPE_CHECKING:
-    from zeroshard.comm import Ledger, OpEvent
+    from zeroshard.distributed.ledger import Ledger, OpEvent
 
 _ACTIVE: list[weakref.ref] = []  # the latest logger, for zeroshard.comm.log_summary()
 KEEP = 1000  # latencies kept per op and size for the averages (counts, totals: all calls)

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from zeroshard.device import runtime
+from zeroshard.distributed.device import runtime
 
 if TYPE_CHECKING:
     from torch.utils.flop_counter import FlopCounterMode

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from zeroshard.device import runtime
+from zeroshard.distributed.device import runtime
 from zeroshard.offload.nvme import BufferPool, SwapFile, aligned_empty
 from zeroshard.zero.partition import FlatLayout
 

@@ -1,1 +1,1 @@
-"""Parallel axes beyond data parallelism: the device mesh (``mesh.py``)."""
+"""Parallel axes beyond data parallelism (the device mesh is ``distributed/mesh.py``)."""

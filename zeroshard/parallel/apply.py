@@ -20,9 +20,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from zeroshard.comm import Comm
+from zeroshard.distributed.comm import Comm
+from zeroshard.distributed.mesh import Mesh
 from zeroshard.parallel.autotp import TPSharding, apply_tensor_parallel
-from zeroshard.parallel.mesh import Mesh
 from zeroshard.parallel.sequence import (
     SEQ_DIM,
     apply_ring_attention,

@@ -39,7 +39,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from zeroshard import models
-from zeroshard.comm import Comm
+from zeroshard.distributed.comm import Comm
 from zeroshard.models.gpt_attention import adapt_gpt_attention
 from zeroshard.parallel.autotp_check import (
     check_plan,

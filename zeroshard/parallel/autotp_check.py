@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from zeroshard import models
-from zeroshard.comm import Comm
+from zeroshard.distributed.comm import Comm
 from zeroshard.models.gpt_attention import LocalHeadsAttention
 from zeroshard.parallel.autotp_plans import PlanEntry, Style
 from zeroshard.parallel.autotp_tree import (

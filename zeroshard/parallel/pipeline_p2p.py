@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import torch
 
-from zeroshard.comm import Comm, Handle
+from zeroshard.distributed.comm import Comm, Handle
 
 MAX_TENSORS = 8
 MAX_DIMS = 6

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from zeroshard.comm import Comm
+from zeroshard.distributed.comm import Comm
 
 
 def zigzag_positions(seq_len: int, rank: int, world: int, device=None) -> torch.Tensor:

@@ -29,7 +29,7 @@ Schedules (``p`` stages, ``m`` micro-batches, ``v`` virtual stages per rank):
 Why not torch.distributed.pipelining's schedules: they ship the same four (``GPipe``,
 ``Schedule1F1B``, ``ScheduleInterleaved1F1B``, ``ScheduleInterleavedZeroBubble``), but
 they drive their own ``PipelineStage`` objects, which issue ``torch.distributed``
-send/recv themselves (outside ``comm.py``'s ledger), own the loss scaling and gradient
+send/recv themselves (outside ``distributed/comm.py``'s ledger), own the loss scaling and gradient
 accumulation that zeroshard's engine and ZeRO reducer do, and need shapes inferred or
 given up front. Their action lists (``_Action``) are an internal API. So the orders are
 built here, from the papers' definitions, as data a test prints and checks.

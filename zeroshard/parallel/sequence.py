@@ -43,7 +43,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from zeroshard import models
-from zeroshard.comm import Comm
+from zeroshard.distributed.comm import Comm
 from zeroshard.models.gpt_attention import LocalHeadsAttention, adapt_gpt_attention
 from zeroshard.parallel.ring_attention import ring_attention, zigzag_positions
 

@@ -1,6 +1,6 @@
 """Megatron tensor parallelism: the conjugate collectives.
 
-Tiny autograd Functions over a :class:`~zeroshard.comm.Comm` for the tensor-parallel
+Tiny autograd Functions over a :class:`~zeroshard.distributed.comm.Comm` for the tensor-parallel
 (TP) group of ``t`` ranks:
 
 * :func:`copy_to_tp` is Megatron's ``f``: identity forward, all-reduce backward;
@@ -26,7 +26,7 @@ import weakref
 
 import torch
 
-from zeroshard.comm import Comm
+from zeroshard.distributed.comm import Comm
 
 # -- tensor helpers along one dim -----------------------------------------------------
 

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from zeroshard.comm import Comm
+from zeroshard.distributed.comm import Comm
 from zeroshard.parallel.slices import even_slice, mark_sharded, sliced_parameter
 from zeroshard.parallel.tensor import reduce_from_tp, reduce_scatter_to_sequence
 

@@ -33,8 +33,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from zeroshard.comm import Comm, Handle
-from zeroshard.device import host_apart
+from zeroshard.distributed.comm import Comm, Handle
+from zeroshard.distributed.device import host_apart
 from zeroshard.offload.staging import HostStager
 from zeroshard.zero.flat import FlatParams
 from zeroshard.zero.reached import reached_leaves

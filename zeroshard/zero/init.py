@@ -43,9 +43,9 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.hooks import RemovableHandle
 
-from zeroshard.comm import Comm
-from zeroshard.device import runtime
-from zeroshard.distributed import default_device, init_distributed
+from zeroshard.distributed.comm import Comm
+from zeroshard.distributed.device import runtime
+from zeroshard.distributed.process_group import default_device, init_distributed
 from zeroshard.zero.hooks import guard, set_released, set_sealed, unguard
 from zeroshard.zero.init_ops import FILLS as _FILLS
 from zeroshard.zero.init_ops import METADATA as _METADATA
@@ -118,7 +118,7 @@ class Init:
     off; ``remote_device="cpu"`` keeps them in CPU memory (pinned with ``pin_memory``).
     Parameters are partitioned over the ranks that hold the same parameters: the
     data-parallel group of ``mpu`` or ``data_parallel_group``, or the ``replicas`` group
-    of ``mesh`` (a :class:`~zeroshard.parallel.mesh.Mesh`), else every rank (the engine
+    of ``mesh`` (a :class:`~zeroshard.distributed.mesh.Mesh`), else every rank (the engine
     re-slices them into its own layout at ``initialize``). ``module=`` (partitioning an
     already built model) is not supported: pass the model to ``initialize`` with a
     stage-3 config instead. ``mem_efficient_linear`` and the config arguments change

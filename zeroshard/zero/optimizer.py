@@ -28,7 +28,7 @@ import math
 
 import torch
 
-from zeroshard.comm import Comm
+from zeroshard.distributed.comm import Comm
 from zeroshard.precision import DtypePolicy, LossScaler
 from zeroshard.zero.flat import FlatParams
 from zeroshard.zero.gradients import GradReducer

@@ -91,7 +91,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from zeroshard.comm import Comm, Handle
+from zeroshard.distributed.comm import Comm, Handle
 from zeroshard.zero.edits import WholeEdits, moved, take_edits, view_again
 from zeroshard.zero.flat import FlatParams
 from zeroshard.zero.hooks import AccessTrackingDict, guard, set_released, unguard, wrap_outputs

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from zeroshard.device import runtime
+from zeroshard.distributed.device import runtime
 from zeroshard.offload.placement import Placement
 from zeroshard.precision import DtypePolicy
 from zeroshard.zero.edits import take_edits
@@ -61,7 +61,7 @@ class MemoryStates:
         # the event after the last non-blocking copies; the next step waits on it
         # before it rewrites the masters
         self._uploads = separate and bool(masters) and uploads
-        self._uploaded: Any = None  # the device's event (device.py)
+        self._uploaded: Any = None  # the device's event (distributed/device.py)
         self._by_segment: list[list[list[torch.Tensor]]] | None = None
         # (group, shard_lo, shard_hi, master view, parameter) of every optimizer tensor
         self._views: list[tuple[int, int, int, torch.Tensor, int]] = []

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from zeroshard.comm import Comm, Handle
+from zeroshard.distributed.comm import Comm, Handle
 from zeroshard.zero.edits import WholeEdits, unwatch, watch
 from zeroshard.zero.flat import FlatParams
 

@@ -18,7 +18,8 @@ import tempfile
 import torch
 import torch.distributed as dist
 
-from zeroshard.device import claim_device, runtime
+from zeroshard.distributed.device import claim_device, runtime
+from zeroshard.distributed.env import ACCELERATOR_ENV
 
 _MPI_ENV = {
     "RANK": "OMPI_COMM_WORLD_RANK",
@@ -39,9 +40,6 @@ def _shutdown() -> None:
 
 def local_rank() -> int:
     return int(os.environ.get("LOCAL_RANK", os.environ.get("OMPI_COMM_WORLD_LOCAL_RANK", 0)))
-
-
-ACCELERATOR_ENV = "ZEROSHARD_ACCELERATOR"
 
 
 def use_cuda() -> bool:

@@ -21,7 +21,7 @@ Named groups of axes, used by the engine and ZeRO:
 * ``stage`` = every axis but pp: the ranks of one pipeline stage (they hold the same
   layers; tensor parallelism slices them from the same whole values).
 
-Each axis (or named group) has one :class:`~zeroshard.comm.Comm`; all of a mesh's Comms
+Each axis (or named group) has one :class:`~zeroshard.distributed.comm.Comm`; all of a mesh's Comms
 share one ledger, which files bytes per axis. The single axes come from torch's
 ``DeviceMesh`` (it serves on gloo and NCCL alike and is what DTensor code needs); a
 group spanning several axes of size > 1 is made with ``new_group`` over the same
@@ -39,9 +39,10 @@ from dataclasses import dataclass, fields
 
 import torch.distributed as dist
 
-from zeroshard.comm import Comm, Ledger
-from zeroshard.device import claim_device
-from zeroshard.distributed import local_rank
+from zeroshard.distributed.comm import Comm
+from zeroshard.distributed.device import claim_device
+from zeroshard.distributed.ledger import Ledger
+from zeroshard.distributed.process_group import local_rank
 
 AXES = ("pp", "dp_replicate", "dp_shard", "sp", "tp")
 GROUPS = {

@@ -1,5 +1,5 @@
 """A fake accelerator runtime for CPU tests (:class:`FakeRuntime`), installed with
-``zeroshard.device.use(FakeRuntime())``. No communication.
+``zeroshard.distributed.device.use(FakeRuntime())``. No communication.
 
 It claims the CPU as a device apart from host memory, with streams and events, so a
 CPU-only run takes the code paths of a GPU run (side copy streams, events, waits,
@@ -35,7 +35,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from zeroshard.device import Runtime
+from zeroshard.distributed.device import Runtime
 
 
 class FakeStream:

@@ -36,7 +36,8 @@ import sys
 import threading
 import time
 
-TIMEOUT_ENV = "ZEROSHARD_COMM_TIMEOUT"
+from zeroshard.distributed.env import TIMEOUT_ENV
+
 DEFAULT_TIMEOUT = 600.0
 _KEY = "zeroshard/watchdog/{}"
 

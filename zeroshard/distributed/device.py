@@ -14,7 +14,7 @@ handle. What answers:
   :class:`StreamRuntime` over that module;
 * other devices (``mps``): :class:`Runtime` with its memory apart from the host's:
   blocking copies on the current stream;
-* in tests, whatever :func:`use` installs, e.g. ``zeroshard.fake_device.FakeRuntime``,
+* in tests, whatever :func:`use` installs, e.g. ``zeroshard.distributed.fake_device.FakeRuntime``,
   which claims the CPU as an accelerator apart from host memory and logs the order of
   every copy, record, wait and synchronize, so CPU tests reach the GPU code paths.
 
@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-STAGE_ON_CPU_ENV = "ZEROSHARD_STAGE_ON_CPU"
+from zeroshard.distributed.env import STAGE_ON_CPU_ENV
 
 
 def stage_on_cpu() -> bool:
