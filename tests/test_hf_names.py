@@ -171,7 +171,7 @@ import sys, types, importlib.machinery
 fake = types.ModuleType("deepspeed")
 fake.__file__ = "/site-packages/deepspeed/__init__.py"
 sys.modules["deepspeed"] = fake  # a real DeepSpeed already imported
-from zeroshard.integrations.deepspeed_alias import AliasError, register
+from zeroshard.compat.deepspeed_alias import AliasError, register
 try:
     register()
 except AliasError as e:

@@ -21,10 +21,10 @@ __version__ = "0.1.0"
 if TYPE_CHECKING:  # the type checker sees the real types of the lazily imported names
     from zeroshard import accelerator, comm, ops, pipe, utils, zero
     from zeroshard.api import add_config_arguments, initialize
+    from zeroshard.compat.deepspeed_names import tp_model_init
     from zeroshard.distributed.process_group import init_distributed
     from zeroshard.engine import DeepSpeedEngine
     from zeroshard.inference import init_inference
-    from zeroshard.integrations.deepspeed_names import tp_model_init
     from zeroshard.restart import resume
 
 _LAZY = {
@@ -34,7 +34,7 @@ _LAZY = {
     "resume": "zeroshard.restart",
     "init_inference": "zeroshard.inference",
     "DeepSpeedEngine": "zeroshard.engine",
-    "tp_model_init": "zeroshard.integrations.deepspeed_names",
+    "tp_model_init": "zeroshard.compat.deepspeed_names",
 }
 
 # as deepspeed.<name>: zeroshard.comm.get_rank(), zeroshard.accelerator.get_accelerator(), ...

@@ -7,7 +7,7 @@ zeroshard.launch_worker [flags] target args``). No collectives.
   executable is exec'd (the setting survives exec). Elsewhere a thread watches the parent
   pid. A worker whose launcher is already gone exits at once.
 * With ``--as-deepspeed`` (``ZEROSHARD_AS_DEEPSPEED=1``) it makes ``import deepspeed``
-  give zeroshard first (``zeroshard.integrations.deepspeed_alias``).
+  give zeroshard first (``zeroshard.compat.deepspeed_alias``).
 * It runs the target like ``python script.py`` / ``python -m module`` would and records an
   uncaught exception (message, traceback, precise time) in torchelastic's per-worker
   error file, so the launcher can name the root-cause rank.
@@ -106,7 +106,7 @@ def main(argv: list[str]) -> None:
     sys.argv = [target, *script_args]
     try:
         if os.environ.get(AS_DEEPSPEED_ENV) == "1":  # zeroshard run --as-deepspeed
-            from zeroshard.integrations.deepspeed_alias import register
+            from zeroshard.compat.deepspeed_alias import register
 
             register()
         if MODULE_FLAG in flags:

@@ -54,7 +54,7 @@ def init_distributed(dist_backend: str | None = None, **kwargs) -> None:
     from zeroshard.distributed.process_group import init_distributed as init
 
     init(dist_backend=dist_backend, **kwargs)
-    from zeroshard.integrations.accelerate_env import after_init_distributed
+    from zeroshard.compat.accelerate_env import after_init_distributed
 
     after_init_distributed(dist_backend)
 
@@ -64,7 +64,7 @@ def is_initialized() -> bool:
     init_distributed when true) while building its state: see accelerate_env.py."""
     ready = dist.is_available() and dist.is_initialized()
     if ready and "accelerate.state" in sys.modules:
-        from zeroshard.integrations.accelerate_env import after_init_distributed
+        from zeroshard.compat.accelerate_env import after_init_distributed
 
         after_init_distributed(None)
     return ready

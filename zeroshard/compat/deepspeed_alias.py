@@ -32,7 +32,7 @@ import sys
 import types
 
 from zeroshard import __version__ as _zeroshard_version
-from zeroshard.integrations.deepspeed_names import MODULES, NOT_BUILT
+from zeroshard.compat.deepspeed_names import MODULES, NOT_BUILT
 
 #: the DeepSpeed release whose API zeroshard answers as (with zeroshard's version attached)
 DEEPSPEED_VERSION = f"0.18.0+zeroshard.{_zeroshard_version}"

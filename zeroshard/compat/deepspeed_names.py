@@ -74,7 +74,7 @@ def _zero_names() -> dict:
 
 
 def _partition_parameters() -> dict:
-    from zeroshard.accelerator import get_accelerator
+    from zeroshard.compat.accelerator import get_accelerator
 
     return {
         **_zero_names(),
