@@ -1,5 +1,5 @@
 """Activation checkpointing and offload (zeroshard.checkpointing,
-zeroshard.activation_offload): gradients equal the plain run with dropout on, memory
+zeroshard.activation.offload): gradients equal the plain run with dropout on, memory
 actually drops, the DeepSpeed config section is honoured. Single process except the
 engine test (one rank)."""
 
@@ -15,8 +15,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from zeroshard import activation_offload, checkpointing
-from zeroshard.checkpointing import (
+from zeroshard.activation import checkpointing
+from zeroshard.activation import offload as activation_offload
+from zeroshard.activation.checkpointing import (
     apply_activation_checkpointing,
     apply_activation_offload,
     checkpoint,

@@ -210,7 +210,7 @@ class Engine(EngineBuild, DeepSpeedEngineCompat, nn.Module):
         self.lr_scheduler = self._make_scheduler(lr_scheduler)
         self.training_dataloader = self._make_loader(training_data, collate_fn)
         if "activation_checkpointing" in config.raw:  # as DeepSpeed: configures checkpoint()
-            from zeroshard import checkpointing
+            from zeroshard.activation import checkpointing
 
             checkpointing.configure(deepspeed_config=config.activation_checkpointing)
         if self.comm.rank == 0:

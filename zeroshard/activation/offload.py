@@ -1,6 +1,6 @@
 """Activation offload: keep tensors saved for backward in (pinned) CPU memory instead of
 the device, through saved-tensor hooks (:class:`offload_saved_tensors`). Used by
-:mod:`zeroshard.checkpointing` (``offload=True``, ``apply_activation_offload``,
+:mod:`zeroshard.activation.checkpointing` (``offload=True``, ``apply_activation_offload``,
 ``cpu_checkpointing``). No communication.
 
 * CPU-only runs (tensors on the CPU): nothing is copied, saved tensors stay as they are.
