@@ -25,8 +25,8 @@ from zeroshard.activation.checkpointing import (
 )
 from zeroshard.distributed import device
 from zeroshard.distributed.fake_device import FakeRuntime
-from zeroshard.memory import ActivationTracker, activation_bytes
 from zeroshard.models import GPT, Block, GPTConfig
+from zeroshard.monitor.memory import ActivationTracker, activation_bytes
 
 TOL = 1e-6
 

@@ -6,7 +6,7 @@ import multirank
 import pytest
 import torch
 
-from zeroshard.memory import activation_bytes, estimate, paper_bytes
+from zeroshard.monitor.memory import activation_bytes, estimate, paper_bytes
 
 GB = 10**9
 
@@ -118,8 +118,8 @@ def _peak_activation_bytes(cfg, policy: str, batch: int) -> int:
     forward + backward that are alive at once (saved for backward, live activations,
     gradients in flight), with the parameters and their gradient buffers excluded."""
     from zeroshard.checkpointing import apply_activation_checkpointing
-    from zeroshard.memory import ActivationTracker
     from zeroshard.models import GPT, Block
+    from zeroshard.monitor.memory import ActivationTracker
 
     torch.manual_seed(0)
     model = GPT(cfg)

@@ -334,7 +334,7 @@ def test_step_line_handler(capsys, monkeypatch) -> None:
 
 def test_progress_bars(capsys, monkeypatch) -> None:
     pytest.importorskip("tqdm")
-    from zeroshard.progress import progress
+    from zeroshard.monitor.progress import progress
 
     items = [1, 2, 3]
     monkeypatch.setenv("ZEROSHARD_PROGRESS", "0")
@@ -371,7 +371,7 @@ def test_plot_of_synthetic_run(tmp_path) -> None:
 
 
 def test_peak_flops_is_measured() -> None:
-    from zeroshard.report import peak_flops
+    from zeroshard.monitor.flops import peak_flops
 
     torch.set_num_threads(1)
     peak = peak_flops("cpu", "fp32", seconds=0.05)

@@ -45,8 +45,8 @@ from zeroshard.engine_build import (
 )
 from zeroshard.engine_compat import DeepSpeedEngineCompat
 from zeroshard.first_batch import FirstBatchSize, not_learned
-from zeroshard.memory import measure
 from zeroshard.monitor.hub import EngineMonitor
+from zeroshard.monitor.memory import measure
 from zeroshard.offload.placement import Placement
 from zeroshard.offload.swaps import EngineSwaps
 from zeroshard.precision import DtypePolicy, LossScaler

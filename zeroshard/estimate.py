@@ -41,7 +41,7 @@ import importlib
 
 import torch
 
-from zeroshard.memory import (
+from zeroshard.monitor.memory import (
     OFFLOADS,
     POLICIES,
     PRECISIONS,

@@ -20,7 +20,7 @@ from zeroshard.estimate import (
     facts_from_args,
     tp_numel,
 )
-from zeroshard.memory import POLICIES, PRECISIONS, Estimate, estimate
+from zeroshard.monitor.memory import POLICIES, PRECISIONS, Estimate, estimate
 
 _OFFLOAD_RANK = {"none": 0, "cpu": 1, "nvme": 2}
 

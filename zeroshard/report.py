@@ -1,7 +1,7 @@
 """`zeroshard report`: what this machine offers zeroshard (like DeepSpeed's ``ds_report``).
 
 Versions, backends, devices, dtype support (tested with tiny matmuls), the peak matmul
-FLOP/s of each device per dtype (:func:`peak_flops`, the denominator of the flops
+FLOP/s of each device per dtype (:func:`~zeroshard.monitor.flops.peak_flops`, the denominator of the flops
 profiler's MFU), CPU, RAM, fused AdamW and, with ``--nvme-path``, a directory's
 sequential write/read speed. A failing probe reads
 "unavailable: <reason>" and the rest still prints; ``--json`` for machines. No collectives.
@@ -144,54 +144,9 @@ def _dtypes() -> dict:
     return out
 
 
-_PEAK_CACHE: dict[tuple[str, str], float] = {}
-
-
-def peak_flops(device: str = "cpu", dtype: str = "fp32", seconds: float = 0.25) -> float:
-    """The best measured FLOP/s of a square matmul on ``device`` in ``dtype`` ("fp32",
-    "bf16" or "fp16") with this process's threads: sizes from 256 up (to 8192 on GPUs,
-    2048 on CPUs, while one product takes under ``seconds / 4``), then the fastest size
-    for about ``seconds``. Cached per (device, dtype) for the process."""
-    import torch
-
-    from zeroshard.distributed.device import runtime
-
-    key = (str(device), dtype)
-    if key in _PEAK_CACHE:
-        return _PEAK_CACHE[key]
-    dev = torch.device(device)
-    dt = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
-    sync = runtime(dev).synchronize
-
-    def timed(a, b) -> float:
-        sync(dev)
-        t0 = time.perf_counter()
-        a @ b
-        sync(dev)
-        return time.perf_counter() - t0
-
-    # small products run far below peak (measured on CPU: 1 GFLOP/s at 256, 25 at 1024),
-    # so the size grows while the rate does, and one product stays under seconds / 4
-    n, cap, rates = 256, 8192 if dev.type == "cuda" else 2048, {}
-    while True:
-        a, b = torch.randn(n, n, device=dev).to(dt), torch.randn(n, n, device=dev).to(dt)
-        timed(a, b)  # warm-up
-        once = timed(a, b)
-        rates[n] = once
-        if once >= seconds / 4 or n >= cap:
-            break
-        n *= 2
-    n = max(rates, key=lambda k: k**3 / rates[k])
-    a, b = torch.randn(n, n, device=dev).to(dt), torch.randn(n, n, device=dev).to(dt)
-    best, spent = rates[n], 0.0
-    while spent < seconds:
-        t = timed(a, b)
-        best, spent = min(best, t), spent + t
-    _PEAK_CACHE[key] = 2 * n**3 / best
-    return _PEAK_CACHE[key]
-
-
 def _peaks() -> dict:
+    from zeroshard.monitor.flops import peak_flops
+
     out: dict[str, Any] = {}
     for device in _probe_devices():
         names = ("fp32", "bf16") if device == "cpu" else ("fp32", "bf16", "fp16")
@@ -317,7 +272,7 @@ def collect(nvme_path: str | None = None, nvme_size_mb: int = 256) -> dict[str, 
     }
     if nvme_path is not None:
         sections["nvme/disk speed"] = lambda: disk_speed(nvme_path, nvme_size_mb)
-    from zeroshard.progress import progress
+    from zeroshard.monitor.progress import progress
 
     shown = progress(sections.items(), desc="probing", total=len(sections), delay=0.5)
     return {name: _try(fn) for name, fn in shown}

@@ -19,7 +19,7 @@ import torch
 from zeroshard.checkpoint.format import exchange, raise_if_failed, write_text_atomic
 from zeroshard.checkpoint.load import PieceReader, read_manifest, resolve_path, scan_files
 from zeroshard.checkpoint.save import CheckpointSaveError
-from zeroshard.progress import progress
+from zeroshard.monitor.progress import progress
 from zeroshard.safetensors_io import DTYPES, StreamWriter, dtype_size
 
 MODEL_KEY = "zeroshard_model"  # safetensors metadata: the model's description (JSON)

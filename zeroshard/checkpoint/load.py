@@ -42,8 +42,8 @@ from zeroshard.checkpoint.validate import (
     scan_files,
     validate,
 )
+from zeroshard.monitor.progress import progress
 from zeroshard.parallel.slices import TPSlice, assemble, tp_slice_of
-from zeroshard.progress import progress
 from zeroshard.safetensors_io import DTYPE_NAMES, DTYPES
 
 

@@ -24,8 +24,8 @@ from concurrent.futures import Future
 import torch
 from torch.optim.adam import adam as adam_functional
 
+from zeroshard.monitor.progress import progress
 from zeroshard.offload.nvme import ALIGN, SwapSpace, aligned_empty
-from zeroshard.progress import progress
 from zeroshard.zero.edits import take_edits
 from zeroshard.zero.flat import FlatParams
 
