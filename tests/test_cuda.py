@@ -137,7 +137,7 @@ def test_write_back_casts_on_the_device() -> None:
     """fp32 masters in pinned memory into bf16 parameters: uploaded as they are, piece
     by piece through one device buffer, cast there; exactly ``values.to(bf16)``."""
     from zeroshard.offload.store import MemoryShard
-    from zeroshard.zero.partition import FlatLayout
+    from zeroshard.zero.layout.partition import FlatLayout
 
     # a device buffer of 1000 elements: several pieces, a ragged last one
     shard = MemoryShard.empty(

@@ -49,7 +49,7 @@ from zeroshard.monitor.memory import (
     estimate,
     paper_bytes,
 )
-from zeroshard.zero.segments import DEFAULT_BUCKET_BYTES
+from zeroshard.zero.layout.segments import DEFAULT_BUCKET_BYTES
 
 
 def _model_facts(spec: str, seq: int = 0) -> dict:

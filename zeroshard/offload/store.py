@@ -31,7 +31,7 @@ import torch
 
 from zeroshard.distributed.device import runtime
 from zeroshard.offload.nvme import BufferPool, SwapFile, aligned_empty
-from zeroshard.zero.partition import FlatLayout
+from zeroshard.zero.layout.partition import FlatLayout
 
 # Elements of the device buffer that host values pass through when their dtype differs
 # from the destination's (64 MiB of fp32).

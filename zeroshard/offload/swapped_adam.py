@@ -27,7 +27,7 @@ from torch.optim.adam import adam as adam_functional
 from zeroshard.monitor.progress import progress
 from zeroshard.offload.nvme import ALIGN, SwapSpace, aligned_empty
 from zeroshard.zero.edits import take_edits
-from zeroshard.zero.flat import FlatParams
+from zeroshard.zero.layout.flat import FlatParams
 
 _KEYS = ("master", "exp_avg", "exp_avg_sq")
 

@@ -9,8 +9,8 @@ import torch
 from zeroshard.offload.nvme import BufferPool, SwapSpace
 from zeroshard.offload.store import SwapShard
 from zeroshard.offload.swapped_adam import SwappedAdam
-from zeroshard.zero.flat import FlatParams
-from zeroshard.zero.partition import FlatLayout
+from zeroshard.zero.layout.flat import FlatParams
+from zeroshard.zero.layout.partition import FlatLayout
 
 
 class EngineSwaps:

@@ -1,6 +1,6 @@
 """Bucketed gradient reduction, driven by autograd hooks and overlapped with backward.
 
-Each segment of the :class:`~zeroshard.zero.flat.FlatParams` layout is a bucket. A
+Each segment of the :class:`~zeroshard.zero.layout.flat.FlatParams` layout is a bucket. A
 ``post_accumulate_grad`` hook on every trainable parameter drops its gradient into the
 bucket; when a bucket is complete it is reduced asynchronously while backward goes on.
 Buckets are launched in one fixed global order (by position in the model, last layers
@@ -36,7 +36,7 @@ import torch
 from zeroshard.distributed.comm import Comm, Handle
 from zeroshard.distributed.device import host_apart
 from zeroshard.offload.staging import HostStager
-from zeroshard.zero.flat import FlatParams
+from zeroshard.zero.layout.flat import FlatParams
 from zeroshard.zero.reached import reached_leaves
 
 # reductions in flight at once, at most: each holds a staging bucket (stages 2-3) and a

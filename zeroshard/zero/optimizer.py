@@ -30,8 +30,8 @@ import torch
 
 from zeroshard.distributed.comm import Comm
 from zeroshard.precision import DtypePolicy, LossScaler
-from zeroshard.zero.flat import FlatParams
 from zeroshard.zero.gradients import GradReducer
+from zeroshard.zero.layout.flat import FlatParams
 
 
 def _sum_of_squares(c: torch.Tensor) -> torch.Tensor:

@@ -93,8 +93,8 @@ from torch import nn
 
 from zeroshard.distributed.comm import Comm, Handle
 from zeroshard.zero.edits import WholeEdits, moved, take_edits, view_again
-from zeroshard.zero.flat import FlatParams
 from zeroshard.zero.hooks import AccessTrackingDict, guard, set_released, unguard, wrap_outputs
+from zeroshard.zero.layout.flat import FlatParams
 from zeroshard.zero.whole import segments_of
 
 

@@ -29,7 +29,7 @@ from zeroshard.distributed.device import runtime
 from zeroshard.offload.placement import Placement
 from zeroshard.precision import DtypePolicy
 from zeroshard.zero.edits import take_edits
-from zeroshard.zero.flat import FlatParams
+from zeroshard.zero.layout.flat import FlatParams
 
 _EAGER_STATE = (torch.optim.Adam, torch.optim.AdamW)
 # optimizers whose update of an element depends only on that element's state

@@ -24,7 +24,7 @@ import torch
 
 from zeroshard.distributed.comm import Comm, Handle
 from zeroshard.zero.edits import WholeEdits, unwatch, watch
-from zeroshard.zero.flat import FlatParams
+from zeroshard.zero.layout.flat import FlatParams
 
 
 def segments_of(flat: FlatParams, params: list[torch.Tensor]) -> list[int]:

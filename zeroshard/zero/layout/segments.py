@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from zeroshard.zero.partition import greedy_segments
+from zeroshard.zero.layout.partition import greedy_segments
 
 FROZEN = -1  # group index of parameters no optimizer group updates
 

@@ -1,7 +1,7 @@
 """Flat parameter storage for every trainable parameter of the model. No communication.
 
 :class:`FlatParams` lays the trainable parameters out with one
-:class:`~zeroshard.zero.partition.FlatLayout`. Segments may mix optimizer param groups;
+:class:`~zeroshard.zero.layout.partition.FlatLayout`. Segments may mix optimizer param groups;
 inside a segment a group's parameters sit next to each other, so a group's part of any
 rank's chunk is one contiguous range and the inner optimizer can step each group with
 its own hyperparameters; it gets one view per parameter piece
@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from zeroshard.offload.store import MemoryShard
-from zeroshard.zero.partition import FlatLayout
+from zeroshard.zero.layout.partition import FlatLayout
 
 
 class FlatParams:
