@@ -843,7 +843,7 @@ def _master_bits(rank: int, world: int, stage: int) -> dict:
 def _released_reads(rank: int, world: int, **zero) -> dict:
     """What a released stage-3 parameter (and its ``.data``) answers outside forward."""
     import zeroshard
-    from zeroshard.zero.hooks import PartitionedParameterError
+    from zeroshard.zero.params.hooks import PartitionedParameterError
 
     torch.manual_seed(0)
     model = Net()

@@ -50,12 +50,12 @@ from zeroshard.monitor.memory import measure
 from zeroshard.offload.placement import Placement
 from zeroshard.offload.swaps import EngineSwaps
 from zeroshard.precision import DtypePolicy, LossScaler
-from zeroshard.zero.gathered import register_owner, unregister_owner
 from zeroshard.zero.gradients import GradReducer
-from zeroshard.zero.leaves import find_leaves
 from zeroshard.zero.optimizer import ShardedOptimizer
-from zeroshard.zero.parameters import ParamGatherer
-from zeroshard.zero.whole import WholeParams
+from zeroshard.zero.params.gathered import register_owner, unregister_owner
+from zeroshard.zero.params.gatherer import ParamGatherer
+from zeroshard.zero.params.leaves import find_leaves
+from zeroshard.zero.params.whole import WholeParams
 
 if TYPE_CHECKING:
     from zeroshard.preemption import Preemption
@@ -376,7 +376,7 @@ class Engine(EngineBuild, DeepSpeedEngineCompat, nn.Module):
             self._land_delayed()
             if self._delayed is not None:
                 self._delayed.armed = self.global_steps >= self._delayed.after
-            # e.g. p.clamp_() after the last step: the masters take it (zero/edits.py)
+            # e.g. p.clamp_() after the last step: the masters take it (zero/params/edits.py)
             self.optimizer.refresh_masters(self.params.take_edits())
             loss_finite = self._loss_finite is None or bool(self._loss_finite)
             self._loss_finite = None

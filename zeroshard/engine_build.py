@@ -29,11 +29,11 @@ from zeroshard.parallel.apply import (
     parallelize,
 )
 from zeroshard.schedulers import build_scheduler
-from zeroshard.zero.init import is_sealed, take_value
 from zeroshard.zero.layout.flat import FlatParams
 from zeroshard.zero.layout.partition import FlatLayout
 from zeroshard.zero.layout.segments import DEFAULT_BUCKET_BYTES, bucket_segments, unit_segments
 from zeroshard.zero.optimizer import TensorParallelGrads
+from zeroshard.zero.params.init import is_sealed, take_value
 from zeroshard.zero.states import build_memory_states
 
 if TYPE_CHECKING:

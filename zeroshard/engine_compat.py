@@ -23,8 +23,8 @@ import torch
 if TYPE_CHECKING:
     from zeroshard.distributed.comm import Comm
     from zeroshard.engine_build import Sharding
-    from zeroshard.zero.parameters import ParamGatherer
-    from zeroshard.zero.whole import WholeParams
+    from zeroshard.zero.params.gatherer import ParamGatherer
+    from zeroshard.zero.params.whole import WholeParams
 
 
 class DeepSpeedEngineCompat:

@@ -26,8 +26,8 @@ from torch.optim.adam import adam as adam_functional
 
 from zeroshard.monitor.progress import progress
 from zeroshard.offload.nvme import ALIGN, SwapSpace, aligned_empty
-from zeroshard.zero.edits import take_edits
 from zeroshard.zero.layout.flat import FlatParams
+from zeroshard.zero.params.edits import take_edits
 
 _KEYS = ("master", "exp_avg", "exp_avg_sq")
 
@@ -108,7 +108,7 @@ class SwappedAdam:
 
     def refresh(self, segments: list[int]) -> None:
         """Parameters of ``segments`` were changed from outside: the masters take the
-        changed values (``zero/edits.py``: unchanged elements keep their fp32 bits)."""
+        changed values (``zero/params/edits.py``: unchanged elements keep their fp32 bits)."""
         for s in segments:
             seg = self.flat.layout.segments[s]
             master = self.read("master", seg.shard_start, seg.shard_start + seg.chunk)

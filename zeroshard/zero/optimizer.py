@@ -15,7 +15,7 @@ Communication at the step, per accumulation boundary:
 * with pipeline stages: the squared norm all-reduced over the pipeline axis too, and
   one byte (some stage saw inf/nan) all-reduced over it (:class:`PipelineGrads`);
 and nothing else: re-assembling whole parameters from the updated chunks is the job of
-``zero/parameters.py``.
+``zero/params/gatherer.py``.
 
 Where the fp32 masters and the optimizer states live (device or host memory:
 ``zero/states.py``; NVMe files: ``offload/swapped_adam.py``) is the store's business:

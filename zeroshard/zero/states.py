@@ -28,8 +28,8 @@ import torch
 from zeroshard.distributed.device import runtime
 from zeroshard.offload.placement import Placement
 from zeroshard.precision import DtypePolicy
-from zeroshard.zero.edits import take_edits
 from zeroshard.zero.layout.flat import FlatParams
+from zeroshard.zero.params.edits import take_edits
 
 _EAGER_STATE = (torch.optim.Adam, torch.optim.AdamW)
 # optimizers whose update of an element depends only on that element's state
@@ -201,7 +201,7 @@ class MemoryStates:
 
     def refresh(self, segments: list[int]) -> None:
         """Parameters of ``segments`` were changed from outside: the masters take the
-        changed values (``zero/edits.py``: unchanged elements keep their fp32 bits)."""
+        changed values (``zero/params/edits.py``: unchanged elements keep their fp32 bits)."""
         if self.separate:
             for s in segments:
                 take_edits(self.masters[s], self.flat.store.chunk(s))

@@ -13,7 +13,7 @@ dtype and every parameter's ``.data`` is a view into it, so the optimizer's writ
 and the all-gather after the step update the model in place. When parameters are
 sharded (stage 3) it holds only this rank's shard, in a store of
 ``offload/store.py`` (device memory, CPU memory or an NVMe file); the gatherer in
-``zero/parameters.py`` materializes parameters around their use. Either way
+``zero/params/gatherer.py`` materializes parameters around their use. Either way
 :attr:`FlatParams.store` answers for this rank's chunks.
 """
 

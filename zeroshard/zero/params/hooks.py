@@ -1,4 +1,4 @@
-"""Autograd and attribute plumbing for the stage-3 gatherer (``zero/parameters.py``). No
+"""Autograd and attribute plumbing for the stage-3 gatherer (``zero/params/gatherer.py``). No
 communication here: these only call back into the gatherer.
 
 * :class:`PreBackward`: identity in forward; in backward it asks the gatherer for a
@@ -12,7 +12,7 @@ communication here: these only call back into the gatherer.
   ``GatheredParameters``, instead of computing on an empty placeholder, but for the
   reads :data:`RELEASED_READS` lists (metadata answered for the whole parameter, autograd
   state and hooks, plumbing; ``.data`` is an alias refusing values the same way); it
-  also notes reads of ``.data`` of a gathered one (``zero/edits.py``). A parameter
+  also notes reads of ``.data`` of a gathered one (``zero/params/edits.py``). A parameter
   built under ``zero.Init`` (full shape, storage freed until gathered) is guarded the
   same way from the end of the ``Init`` block until ``initialize``: metadata and aliases
   (``p.data``, ``detach()``, views: :class:`SealedView`, which checks again on use) are
@@ -268,7 +268,7 @@ def _check_then_run(cls, func, types, args=(), kwargs=None):
         if not d:
             continue
         if not d.get("_zs_released"):
-            if name == "data":  # an alias that edits go through unseen (zero/edits.py)
+            if name == "data":  # an alias that edits go through unseen (zero/params/edits.py)
                 d["_zs_data_read"] = True
             continue
         if not d.get("_zs_sealed"):  # released by the stage-3 gatherer: empty placeholder

@@ -15,7 +15,7 @@ first; code that reads parameters outside the engine in between must call
 
 Parameters changed outside the engine between steps (``p.clamp_()``, ``p.data.clamp_()``,
 ``p.data = t``, ``load_state_dict``) are found when the next step starts and the masters
-take them (``zero/edits.py``).
+take them (``zero/params/edits.py``).
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from __future__ import annotations
 import torch
 
 from zeroshard.distributed.comm import Comm, Handle
-from zeroshard.zero.edits import WholeEdits, unwatch, watch
 from zeroshard.zero.layout.flat import FlatParams
+from zeroshard.zero.params.edits import WholeEdits, unwatch, watch
 
 
 def segments_of(flat: FlatParams, params: list[torch.Tensor]) -> list[int]:
@@ -101,7 +101,7 @@ class WholeParams:
 
     def edited(self) -> bool:
         """Whether a parameter may have been changed since :meth:`mark_clean` (e.g. a
-        ``clamp_()`` after ``step()``: ``zero/edits.py``)."""
+        ``clamp_()`` after ``step()``: ``zero/params/edits.py``)."""
         self.settle()
         return self.edits.pending()
 

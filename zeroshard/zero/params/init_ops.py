@@ -1,4 +1,4 @@
-"""What ``zero.Init``'s partition mode (``zero/init.py``) does with each torch op on a
+"""What ``zero.Init``'s partition mode (``zero/params/init.py``) does with each torch op on a
 sealed parameter, by name: metadata runs as is, view-making ops run on the sealed
 storage, whole-tensor fills run on a temporary full tensor. No communication here.
 """

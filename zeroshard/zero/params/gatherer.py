@@ -71,7 +71,7 @@ answers its metadata for the whole parameter and refuses every other torch op, i
 ``.data`` included (``hooks.RELEASED_READS``), naming itself and ``GatheredParameters``,
 instead of computing on the placeholder. Persistent parameters are whole on every rank:
 edits made to them outside forward are written into this rank's shard when the next
-step starts (``zero/edits.py``), as at stages 0-2.
+step starts (``zero/params/edits.py``), as at stages 0-2.
 
 Agreement: ranks must gather the same units in the same order. During the first forward
 and the first backward (and always with ``zero_optimization.enable_sanity_checks``)
@@ -92,10 +92,16 @@ import torch
 from torch import nn
 
 from zeroshard.distributed.comm import Comm, Handle
-from zeroshard.zero.edits import WholeEdits, moved, take_edits, view_again
-from zeroshard.zero.hooks import AccessTrackingDict, guard, set_released, unguard, wrap_outputs
 from zeroshard.zero.layout.flat import FlatParams
-from zeroshard.zero.whole import segments_of
+from zeroshard.zero.params.edits import WholeEdits, moved, take_edits, view_again
+from zeroshard.zero.params.hooks import (
+    AccessTrackingDict,
+    guard,
+    set_released,
+    unguard,
+    wrap_outputs,
+)
+from zeroshard.zero.params.whole import segments_of
 
 
 class GatherMismatchError(RuntimeError):
@@ -219,7 +225,7 @@ class ParamGatherer:
             guard(p, names.get(id(p), f"parameter {pi}"), flat.shapes[pi])
             set_released(p, self.flat.layout.param_segment[pi] not in self._gathered)
         # persistent parameters are whole on every rank: edits outside forward reach the
-        # shards and masters as at stages 0-2 (zero/edits.py)
+        # shards and masters as at stages 0-2 (zero/params/edits.py)
         kept = [pi for s in sorted(self.persistent) for pi in layout.segments[s].params]
         self.edits = WholeEdits(
             [flat.params[pi] for pi in kept],
@@ -551,7 +557,7 @@ class ParamGatherer:
 
     def _write_back(self, s: int) -> None:
         """This rank's chunk of unit ``s``'s buffer into its shard (the elements that
-        differ: ``zero/edits.py``)."""
+        differ: ``zero/params/edits.py``)."""
         seg, rank = self.flat.layout.segments[s], self.flat.rank
         chunk = self.flat.store.chunk(s)  # a view in memory, a copy from NVMe
         take_edits(chunk, self.unit_buffers[s][rank * seg.chunk : (rank + 1) * seg.chunk])

@@ -46,10 +46,10 @@ from torch.utils.hooks import RemovableHandle
 from zeroshard.distributed.comm import Comm
 from zeroshard.distributed.device import runtime
 from zeroshard.distributed.process_group import default_device, init_distributed
-from zeroshard.zero.hooks import guard, set_released, set_sealed, unguard
-from zeroshard.zero.init_ops import FILLS as _FILLS
-from zeroshard.zero.init_ops import METADATA as _METADATA
-from zeroshard.zero.init_ops import VIEWS as _VIEWS
+from zeroshard.zero.params.hooks import guard, set_released, set_sealed, unguard
+from zeroshard.zero.params.init_ops import FILLS as _FILLS
+from zeroshard.zero.params.init_ops import METADATA as _METADATA
+from zeroshard.zero.params.init_ops import VIEWS as _VIEWS
 
 
 @dataclass

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from zeroshard.zero.init import Init, sealing_init
+from zeroshard.zero.params.init import Init, sealing_init
 
 if TYPE_CHECKING:
     from zeroshard.engine import Engine
