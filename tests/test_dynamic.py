@@ -979,11 +979,11 @@ def test_released_parameter_answers_metadata_and_refuses_values(outside):
 
 
 def test_graph_walk_names_the_parameters_a_backward_reaches():
-    """zero/reached.py: what the stage-3 reducer counts as arrived before backward; a
+    """zero/grads/reached.py: what the stage-3 reducer counts as arrived before backward; a
     reentrant checkpoint hides the parameters inside it, so nothing is ruled out."""
     from torch.utils.checkpoint import checkpoint
 
-    from zeroshard.zero.reached import reached_leaves
+    from zeroshard.zero.grads.reached import reached_leaves
 
     torch.manual_seed(0)
     model = GatedLM("linear")

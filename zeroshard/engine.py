@@ -50,7 +50,7 @@ from zeroshard.monitor.memory import measure
 from zeroshard.offload.placement import Placement
 from zeroshard.offload.swaps import EngineSwaps
 from zeroshard.precision import DtypePolicy, LossScaler
-from zeroshard.zero.gradients import GradReducer
+from zeroshard.zero.grads.reducer import GradReducer
 from zeroshard.zero.optimizer import ShardedOptimizer
 from zeroshard.zero.params.gathered import register_owner, unregister_owner
 from zeroshard.zero.params.gatherer import ParamGatherer

@@ -30,7 +30,7 @@ import torch
 
 from zeroshard.distributed.comm import Comm
 from zeroshard.precision import DtypePolicy, LossScaler
-from zeroshard.zero.gradients import GradReducer
+from zeroshard.zero.grads.reducer import GradReducer
 from zeroshard.zero.layout.flat import FlatParams
 
 

@@ -7,7 +7,7 @@ Buckets are launched in one fixed global order (by position in the model, last l
 first), so every rank issues the same collectives in the same order even when
 gradients arrive in a different order or some parameters get none. At stage 3
 (``count_unreached``) the parameters a backward's graph does not reach
-(``zero/reached.py``) count as arrived when it starts, so a rank that gets no gradient
+(``zero/grads/reached.py``) count as arrived when it starts, so a rank that gets no gradient
 for a bucket launches it when the others do, not when backward ends.
 
 Two modes, chosen once from what is sharded:
@@ -36,8 +36,8 @@ import torch
 from zeroshard.distributed.comm import Comm, Handle
 from zeroshard.distributed.device import host_apart
 from zeroshard.offload.staging import HostStager
+from zeroshard.zero.grads.reached import reached_leaves
 from zeroshard.zero.layout.flat import FlatParams
-from zeroshard.zero.reached import reached_leaves
 
 # reductions in flight at once, at most: each holds a staging bucket (stages 2-3) and a
 # receive buffer (point-to-point reduce-scatter); more wait for the oldest
