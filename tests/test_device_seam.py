@@ -10,7 +10,7 @@ stale values behind, parity with the single-process fp32 reference as well:
   waits for compute before it copies a reduced chunk out of a staging bucket, records
   an event, and the compute stream waits on that event before the bucket is filled
   again; the host waits on it before backward ends;
-* the offloaded step's write-back (zero/states.py): per segment, the host steps the
+* the offloaded step's write-back (zero/optim/memory_store.py): per segment, the host steps the
   masters, then their upload is issued (before the next segment's step, so it
   overlaps it); one event after the last upload, waited for by the host before the
   next step rewrites the masters. The uploads are on the compute stream, so compute

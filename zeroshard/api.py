@@ -21,7 +21,7 @@ from zeroshard.engine import Engine
 from zeroshard.optim import hyperparams
 from zeroshard.parallel.pipeline_engine import PipelineEngine
 from zeroshard.parallel.pipeline_module import PipelineModule
-from zeroshard.zero.optimizer import ShardedOptimizer
+from zeroshard.zero.optim.optimizer import ShardedOptimizer
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

@@ -51,7 +51,7 @@ from zeroshard.offload.placement import Placement
 from zeroshard.offload.swaps import EngineSwaps
 from zeroshard.precision import DtypePolicy, LossScaler
 from zeroshard.zero.grads.reducer import GradReducer
-from zeroshard.zero.optimizer import ShardedOptimizer
+from zeroshard.zero.optim.optimizer import ShardedOptimizer
 from zeroshard.zero.params.gathered import register_owner, unregister_owner
 from zeroshard.zero.params.gatherer import ParamGatherer
 from zeroshard.zero.params.leaves import find_leaves

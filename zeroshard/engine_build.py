@@ -32,9 +32,9 @@ from zeroshard.schedulers import build_scheduler
 from zeroshard.zero.layout.flat import FlatParams
 from zeroshard.zero.layout.partition import FlatLayout
 from zeroshard.zero.layout.segments import DEFAULT_BUCKET_BYTES, bucket_segments, unit_segments
-from zeroshard.zero.optimizer import TensorParallelGrads
+from zeroshard.zero.optim.memory_store import build_memory_states
+from zeroshard.zero.optim.optimizer import TensorParallelGrads
 from zeroshard.zero.params.init import is_sealed, take_value
-from zeroshard.zero.states import build_memory_states
 
 if TYPE_CHECKING:
     from zeroshard.distributed.comm import Comm
@@ -42,7 +42,7 @@ if TYPE_CHECKING:
     from zeroshard.offload.placement import Placement
     from zeroshard.offload.swaps import EngineSwaps
     from zeroshard.precision import DtypePolicy
-    from zeroshard.zero.optimizer import ShardedOptimizer
+    from zeroshard.zero.optim.optimizer import ShardedOptimizer
 
 log = logging.getLogger("zeroshard")
 

@@ -47,11 +47,11 @@ from collections.abc import Set as AbstractSet
 
 import torch
 
-from zeroshard.zero.states import MemoryStates
+from zeroshard.zero.optim.memory_store import MemoryStates
 
 
 class DelayedUpdate:
-    """The memory store of ``zero/states.py`` with its step run one step late.
+    """The memory store of ``zero/optim/memory_store.py`` with its step run one step late.
 
     Answers the same protocol (``step``, ``read``/``write``, ``kinds``, ...); every call
     that touches masters or states waits for the step in flight first (the engine does

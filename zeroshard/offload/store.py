@@ -2,7 +2,7 @@
 CUDA) or an NVMe swap file. No communication.
 
 Both stores answer one protocol, the one the optimizer-state stores
-(``zero/states.py``) answer too, so the flat parameters, the sharded optimizer and
+(``zero/optim/memory_store.py``) answer too, so the flat parameters, the sharded optimizer and
 checkpoints never ask where a shard is:
 
 * ``kinds``: the kinds of state held (here ``("param",)``);

@@ -10,7 +10,7 @@ while this one steps; with ``pipeline_write`` its writes finish while the next o
 steps; RAM holds only the buffer sets (3 buffers of one sub-group each).
 
 It is the NVMe store of the shard-store protocol (``offload/store.py``, and
-``zero/states.py`` for the memory one): ``step(reducer, factor)``, ``kinds``,
+``zero/optim/memory_store.py`` for the memory one): ``step(reducer, factor)``, ``kinds``,
 ``read``/``write`` of a kind at shard positions, ``buffers()`` and ``disk_bytes()``;
 and it quacks like a torch optimizer where schedulers need it to (``param_groups``).
 """

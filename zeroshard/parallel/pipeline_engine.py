@@ -27,7 +27,7 @@ Communication, per batch: the transfers of ``pipeline_p2p.py`` over ``pp``; the 
 reductions over the stage's data-parallel group; per tied key one all-reduce of its
 gradients (stages 0/1) or of this rank's chunk of them (stages 2/3) over the stages
 holding it; the norm and inf/nan flag over ``pp``
-(``zero/optimizer.py``); the mean loss: one all-reduce over ``dp`` on the last stage
+(``zero/optim/optimizer.py``); the mean loss: one all-reduce over ``dp`` on the last stage
 and one broadcast over ``pp``. At start-up: per tied key, one broadcast of its weights
 from the first stage holding it.
 """
@@ -48,7 +48,7 @@ from zeroshard.parallel.pipeline_exec import StageRunner
 from zeroshard.parallel.pipeline_module import PipelineError, PipelineModule, check_config
 from zeroshard.parallel.pipeline_p2p import HEADER_LEN, StageLink, header_of
 from zeroshard.parallel.schedules import Action, build_schedule, forward_only
-from zeroshard.zero.optimizer import PipelineGrads
+from zeroshard.zero.optim.optimizer import PipelineGrads
 
 log = logging.getLogger("zeroshard")
 

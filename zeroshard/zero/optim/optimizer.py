@@ -18,7 +18,7 @@ and nothing else: re-assembling whole parameters from the updated chunks is the 
 ``zero/params/gatherer.py``.
 
 Where the fp32 masters and the optimizer states live (device or host memory:
-``zero/states.py``; NVMe files: ``offload/swapped_adam.py``) is the store's business:
+``zero/optim/memory_store.py``; NVMe files: ``offload/swapped_adam.py``) is the store's business:
 both answer one protocol (``step``, ``read``/``write`` of a kind of state, ``buffers``).
 """
 
@@ -104,7 +104,7 @@ class PipelineGrads:
 class ShardedOptimizer:
     """Unscale, check overflow, clip by global norm, then step the state store.
 
-    ``states`` is a :class:`~zeroshard.zero.states.MemoryStates` or a
+    ``states`` is a :class:`~zeroshard.zero.optim.memory_store.MemoryStates` or a
     :class:`~zeroshard.offload.swapped_adam.SwappedAdam`; its ``param_groups`` are
     exposed so schedulers and users can change ``lr``.
     """
