@@ -112,7 +112,7 @@ def _whole(engine) -> dict[str, torch.Tensor]:
     """Every parameter, whole: ZeRO-gathered, then the tensor-parallel slices assembled
     (through a Comm of its own, so the engine's ledger is untouched)."""
     from zeroshard.distributed.comm import Comm
-    from zeroshard.parallel.slices import assemble, tp_slice_of
+    from zeroshard.parallel.tensor.slices import assemble, tp_slice_of
     from zeroshard.zero import GatheredParameters
 
     verify = Comm(engine.mesh.comm("tp").group)

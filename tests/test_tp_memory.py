@@ -16,7 +16,7 @@ def _kept(rank: int, world: int) -> dict:
     from zeroshard.distributed.comm import Comm
     from zeroshard.models import GPT, GPTConfig
     from zeroshard.monitor.memory import ActivationTracker
-    from zeroshard.parallel.autotp import apply_tensor_parallel
+    from zeroshard.parallel.tensor.autotp import apply_tensor_parallel
 
     out = {}
     for name, tp, msp in (("none", 1, False), ("tp2", 2, False), ("tp2-megatron-sp", 2, True)):

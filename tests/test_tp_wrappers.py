@@ -21,7 +21,7 @@ import pytest
 import torch
 from tp_parity import TOL, grad_diffs, param_diffs, twin
 
-from zeroshard.parallel.autotp import apply_tensor_parallel, sync_partial_grads
+from zeroshard.parallel.tensor.autotp import apply_tensor_parallel, sync_partial_grads
 
 pytest.importorskip("transformers")
 pytest.importorskip("peft")

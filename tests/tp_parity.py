@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from zeroshard.distributed.comm import Comm
-from zeroshard.parallel.slices import assemble, tp_slice_of
+from zeroshard.parallel.tensor.slices import assemble, tp_slice_of
 
 TOL = 2e-5
 F32 = 4

@@ -19,8 +19,8 @@ from zeroshard.distributed.mesh import Mesh, MeshShape
 from zeroshard.distributed.process_group import default_device, init_distributed
 from zeroshard.engine import Engine
 from zeroshard.optim import hyperparams
-from zeroshard.parallel.pipeline_engine import PipelineEngine
-from zeroshard.parallel.pipeline_module import PipelineModule
+from zeroshard.parallel.pipeline.engine import PipelineEngine
+from zeroshard.parallel.pipeline.module import PipelineModule
 from zeroshard.zero.optim.optimizer import ShardedOptimizer
 
 
@@ -129,11 +129,11 @@ def _collect_groups(module: nn.Module, optimizer, model_parameters, opt_cfg):
     return groups, client
 
 
-def _split(model: nn.Module, cfg) -> PipelineModule:
+def as_pipeline_module(model: nn.Module, cfg) -> PipelineModule:
     """A model that is not a PipelineModule, cut by the Hugging Face decoder splitter
-    (``parallel/pipeline_split.py``; it takes an ``nn.Sequential`` too)."""
+    (``parallel/pipeline/split.py``; it takes an ``nn.Sequential`` too)."""
     virtual = cfg.pipeline.virtual_stages or 1
-    from zeroshard.parallel.pipeline_split import split_for_pipeline
+    from zeroshard.parallel.pipeline.split import split_for_pipeline
 
     split = split_for_pipeline(model)  # an nn.Sequential or a known family, else ValueError
     return PipelineModule(
@@ -212,7 +212,7 @@ def initialize(
     if cfg.pipeline_stages > 1 or module_stages is not None:
         engine_class = PipelineEngine
         if module_stages is None:
-            model = _split(model, cfg)
+            model = as_pipeline_module(model, cfg)
         model_parameters = _stage_parameters(model, model_parameters)
     groups, client = _collect_groups(model, optimizer, model_parameters, cfg.optimizer)
     engine = engine_class(

@@ -43,7 +43,7 @@ from zeroshard.checkpoint.validate import (
     validate,
 )
 from zeroshard.monitor.progress import progress
-from zeroshard.parallel.slices import TPSlice, assemble, tp_slice_of
+from zeroshard.parallel.tensor.slices import TPSlice, assemble, tp_slice_of
 from zeroshard.safetensors_io import DTYPE_NAMES, DTYPES
 
 

@@ -59,7 +59,7 @@ from zeroshard.checkpoint.paths import (
 from zeroshard.checkpoint.shards import OwnedPiece, ShardAccess
 from zeroshard.distributed.mesh import AXES
 from zeroshard.monitor.progress import progress
-from zeroshard.parallel.slices import tp_slice_of
+from zeroshard.parallel.tensor.slices import tp_slice_of
 from zeroshard.safetensors_io import DTYPE_NAMES, StreamWriter
 
 

@@ -25,7 +25,7 @@ class TPSizeConfig(Section):
 @dataclass(frozen=True, kw_only=True)
 class TensorParallelConfig(Section):
     """``tensor_parallel``: AutoTP shards the model's layers over ``autotp_size`` ranks at
-    ``initialize`` (zeroshard/parallel/autotp.py)."""
+    ``initialize`` (zeroshard/parallel/tensor/autotp.py)."""
 
     # fmt: off
     enabled: bool | None = key(None, doc="false turns tensor parallelism off whatever the degree says.")
@@ -68,7 +68,7 @@ def _partition_spelling(value: Any, at: str) -> None:
 class PipelineConfig(Section):
     """``pipeline``: DeepSpeed's pipeline section (the model is a
     ``zeroshard.pipe.PipelineModule``), plus zeroshard's schedule choice. The engine is
-    ``zeroshard/parallel/pipeline_engine.py``; schedules ``zeroshard/parallel/schedules.py``."""
+    ``zeroshard/parallel/pipeline/engine.py``; schedules ``zeroshard/parallel/pipeline/schedules.py``."""
 
     # fmt: off
     stages: int | None = key(None, doc="Pipeline stages; null or 'auto' (DeepSpeed's default): the PipelineModule's num_stages. Must agree with it.", min=1)

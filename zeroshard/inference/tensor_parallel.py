@@ -1,6 +1,6 @@
 """Tensor-parallel inference: a model's layers split over ranks that generate together.
 
-:func:`shard_for_inference` reuses the training AutoTP (``parallel/autotp.py``): the
+:func:`shard_for_inference` reuses the training AutoTP (``parallel/tensor/autotp.py``): the
 same plans (the built-in GPT's, transformers GPT-2's, Llama's own ``base_model_tp_plan``,
 or a ``tp_plan`` override), the same checks (heads, key/value heads or a vocabulary that
 do not divide by the TP size are refused before anything changes, naming the module and
@@ -38,8 +38,8 @@ from torch import nn
 
 from zeroshard.distributed.comm import Comm
 from zeroshard.distributed.mesh import Mesh, MeshShape
-from zeroshard.parallel.autotp import TPSharding, apply_tensor_parallel
-from zeroshard.parallel.linear import ColumnParallelLinear, RowParallelLinear
+from zeroshard.parallel.tensor.autotp import TPSharding, apply_tensor_parallel
+from zeroshard.parallel.tensor.linear import ColumnParallelLinear, RowParallelLinear
 
 
 @dataclass

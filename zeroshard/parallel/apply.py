@@ -3,7 +3,7 @@ order: tensor parallelism first (AutoTP slices each rank's whole copy), then seq
 parallelism, then (by the engine) ZeRO over the data-parallel axis.
 
 Issues no collectives itself; the layers it installs communicate in training over the
-mesh's ``tp`` and ``sp`` groups (``tensor.py``, ``sequence.py``: two all-reduces of
+mesh's ``tp`` and ``sp`` groups (``tensor/collectives.py``, ``sequence/attention.py``: two all-reduces of
 b·s·h per transformer layer each way for TP; four all-to-alls of b·s·h/sp per layer
 forward for Ulysses). Under sequence parallelism every rank of an ``sp`` group gets the
 same batch from the data loader; a pre-forward hook keeps this rank's share of each
@@ -22,15 +22,15 @@ from torch.utils.hooks import RemovableHandle
 
 from zeroshard.distributed.comm import Comm
 from zeroshard.distributed.mesh import Mesh
-from zeroshard.parallel.autotp import TPSharding, apply_tensor_parallel
-from zeroshard.parallel.sequence import (
+from zeroshard.parallel.sequence.attention import (
     SEQ_DIM,
     apply_ring_attention,
     apply_ulysses,
     is_transformers_model,
     shard_sequence,
 )
-from zeroshard.parallel.slices import has_partial_grad, tp_slice_of
+from zeroshard.parallel.tensor.autotp import TPSharding, apply_tensor_parallel
+from zeroshard.parallel.tensor.slices import has_partial_grad, tp_slice_of
 
 
 @dataclass

@@ -16,7 +16,7 @@ autograd keeps for backward (parameters excluded, a storage counted once) live a
 moment, and the peak; also the most micro-batches in flight (forwarded, backward not
 finished).
 
-Communication: only through :class:`~zeroshard.parallel.pipeline_p2p.StageLink`.
+Communication: only through :class:`~zeroshard.parallel.pipeline.p2p.StageLink`.
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ from typing import Any
 
 import torch
 
-from zeroshard.parallel.pipeline_p2p import StageLink, as_tuple
-from zeroshard.parallel.schedules import Action
+from zeroshard.parallel.pipeline.p2p import StageLink, as_tuple
+from zeroshard.parallel.pipeline.schedules import Action
 
 
 class SavedActivations:

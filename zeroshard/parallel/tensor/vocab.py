@@ -19,8 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from zeroshard.distributed.comm import Comm
-from zeroshard.parallel.slices import even_slice, mark_sharded, sliced_parameter
-from zeroshard.parallel.tensor import reduce_from_tp, reduce_scatter_to_sequence
+from zeroshard.parallel.tensor.collectives import reduce_from_tp, reduce_scatter_to_sequence
+from zeroshard.parallel.tensor.slices import even_slice, mark_sharded, sliced_parameter
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):

@@ -4,7 +4,7 @@ What ``zeroshard.initialize`` returns for a :class:`PipelineModule` (or a model 
 Hugging Face splitter cuts). Each rank is one pipeline stage's engine: the ordinary
 :class:`~zeroshard.engine.Engine` (ZeRO over the stage's data-parallel ranks, tensor
 parallelism inside the stage) on the stage's own layers, driven by a schedule from
-``schedules.py`` through :class:`~zeroshard.parallel.pipeline_exec.StageRunner`.
+``schedules.py`` through :class:`~zeroshard.parallel.pipeline.exec.StageRunner`.
 
 One ``train_batch(data_iter)``: the first and the last stage read
 ``gradient_accumulation_steps`` micro-batches ``(inputs, labels)`` from ``data_iter``;
@@ -23,7 +23,7 @@ A tied parameter held by several stages sits in a segment of its own, so its gra
 chunk holds the same elements on every holder: at stages 2 and 3 the reduced chunks
 are summed over the holders.
 
-Communication, per batch: the transfers of ``pipeline_p2p.py`` over ``pp``; the ZeRO
+Communication, per batch: the transfers of ``p2p.py`` over ``pp``; the ZeRO
 reductions over the stage's data-parallel group; per tied key one all-reduce of its
 gradients (stages 0/1) or of this rank's chunk of them (stages 2/3) over the stages
 holding it; the norm and inf/nan flag over ``pp``
@@ -44,10 +44,10 @@ from torch import nn
 
 from zeroshard.agreement import check_ranks_agree
 from zeroshard.engine import Engine
-from zeroshard.parallel.pipeline_exec import StageRunner
-from zeroshard.parallel.pipeline_module import PipelineError, PipelineModule, check_config
-from zeroshard.parallel.pipeline_p2p import HEADER_LEN, StageLink, header_of
-from zeroshard.parallel.schedules import Action, build_schedule, forward_only
+from zeroshard.parallel.pipeline.exec import StageRunner
+from zeroshard.parallel.pipeline.module import PipelineError, PipelineModule, check_config
+from zeroshard.parallel.pipeline.p2p import HEADER_LEN, StageLink, header_of
+from zeroshard.parallel.pipeline.schedules import Action, build_schedule, forward_only
 from zeroshard.zero.optim.optimizer import PipelineGrads
 
 log = logging.getLogger("zeroshard")
@@ -266,7 +266,7 @@ class PipelineEngine(Engine):
 
     def _agree_shapes(self, inputs: list | None, m: int) -> None:
         """Every stage learns the first stage's input shapes per micro-batch: one
-        broadcast over ``pp`` of ``m x 65`` int64 (see ``pipeline_p2p.py``)."""
+        broadcast over ``pp`` of ``m x 65`` int64 (see ``p2p.py``)."""
         link = self.runner.link
         if link is None:
             return

@@ -49,8 +49,8 @@ from dataclasses import dataclass, field, replace
 from torch import nn
 
 from zeroshard import models
-from zeroshard.parallel.autotp_plans import PlanEntry, Style, model_plan, parse_style
-from zeroshard.parallel.linear import is_conv1d
+from zeroshard.parallel.tensor.autotp_plans import PlanEntry, Style, model_plan, parse_style
+from zeroshard.parallel.tensor.linear import is_conv1d
 
 ROW_NAMES = frozenset(
     {"o_proj", "out_proj", "down_proj", "dense_4h_to_h", "c_proj", "fc2", "wo", "w2"}

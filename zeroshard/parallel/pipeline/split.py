@@ -394,7 +394,7 @@ def pipeline_module(model: nn.Module, num_stages: int, **kwargs: Any) -> nn.Modu
     ``kwargs`` go to ``PipelineModule`` (``partition_method``, ``stage_id``,
     ``activation_checkpoint_interval``, ...); ``loss_fn`` defaults to the split's.
     """
-    from zeroshard.parallel.pipeline_module import PipelineModule
+    from zeroshard.parallel.pipeline.module import PipelineModule
 
     split = split_for_pipeline(model)
     kwargs.setdefault("loss_fn", split.loss_fn)

@@ -18,7 +18,7 @@ ranks are concatenated before they are measured or drawn.
   receives as a thin grey strip under the row, the measured bubble per stage in the
   labels; a PNG through matplotlib's Agg backend.
 
-``python -m zeroshard.parallel.pipeline_plot TRACE.json [-o timeline.png]`` draws a trace saved
+``python -m zeroshard.parallel.pipeline.plot TRACE.json [-o timeline.png]`` draws a trace saved
 with ``save_trace``. No collectives; reads and writes files only.
 """
 
@@ -172,7 +172,7 @@ def plot_timeline(trace: Sequence[dict], path: str, title: str | None = None) ->
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
-        prog="python -m zeroshard.parallel.pipeline_plot", description=__doc__.split("\n")[0]
+        prog="python -m zeroshard.parallel.pipeline.plot", description=__doc__.split("\n")[0]
     )
     ap.add_argument(
         "trace", help="a JSON list of trace actions (save_trace / engine.pipeline_trace)"

@@ -41,15 +41,16 @@ from torch.utils.hooks import RemovableHandle
 from zeroshard import models
 from zeroshard.distributed.comm import Comm
 from zeroshard.models.gpt_attention import adapt_gpt_attention
-from zeroshard.parallel.autotp_check import (
+from zeroshard.parallel.sequence.attention import prepare_megatron_sp
+from zeroshard.parallel.tensor.autotp_check import (
     check_plan,
     head_dim_of,
     is_linear_like,
     match_plan,
     planned_slices,
 )
-from zeroshard.parallel.autotp_plans import Style, user_plan_entries
-from zeroshard.parallel.autotp_tree import (
+from zeroshard.parallel.tensor.autotp_plans import Style, user_plan_entries
+from zeroshard.parallel.tensor.autotp_tree import (
     KnownModel,
     TreeNames,
     adapter_entries,
@@ -60,17 +61,20 @@ from zeroshard.parallel.autotp_tree import (
     leftover_entries,
     outermost,
 )
-from zeroshard.parallel.linear import ColumnParallelLinear, RegionInputLinear, RowParallelLinear
-from zeroshard.parallel.sequence import prepare_megatron_sp
-from zeroshard.parallel.slices import (
+from zeroshard.parallel.tensor.collectives import TPInput, copy_to_tp, reduce_from_tp
+from zeroshard.parallel.tensor.linear import (
+    ColumnParallelLinear,
+    RegionInputLinear,
+    RowParallelLinear,
+)
+from zeroshard.parallel.tensor.slices import (
     TPSlice,
     has_partial_grad,
     mark_partial_grad,
     sliced_parameter,
     tp_slice_of,
 )
-from zeroshard.parallel.tensor import TPInput, copy_to_tp, reduce_from_tp
-from zeroshard.parallel.vocab import VocabParallelEmbedding, causal_lm_loss
+from zeroshard.parallel.tensor.vocab import VocabParallelEmbedding, causal_lm_loss
 
 _HEAD_COUNTS = ("num_heads", "num_attention_heads", "n_head", "n_heads", "num_key_value_heads",
                 "num_kv_heads")  # fmt: skip

@@ -5,7 +5,7 @@ Three ways to split the sequence dimension (batch-first activations, sequence di
 * **Megatron-SP** (with tensor parallelism, over the TP group): outside the tensor-
   parallel regions (norms, dropout, residual adds) each rank keeps 1/t of the
   sequence. The column/row layers switch ``f``/``g`` for all-gather/reduce-scatter
-  along the sequence (``tensor.py``); this module provides what the model needs
+  along the sequence (``tensor/collectives.py``); this module provides what the model needs
   around them (:func:`prepare_megatron_sp`): positions for this rank's share of the
   sequence, an attention function whose mask is not sized from the local sequence.
   Per transformer layer: forward 2 all-gathers + 2 reduce-scatters of b·s·h, backward
@@ -15,7 +15,7 @@ Three ways to split the sequence dimension (batch-first activations, sequence di
   gathers the sequence; after it, one all-to-all of the output restores the split.
   Per layer, forward: 4 all-to-alls of b·s·h/sp elements (k and v smaller under
   grouped-query attention); backward the same.
-* **Ring attention** (context parallelism, ``ring_attention.py``): each rank holds two
+* **Ring attention** (context parallelism, ``ring.py``): each rank holds two
   load-balanced chunks; keys and values travel the ring with point-to-point sends.
 
 Hugging Face models get Ulysses and ring attention through transformers' attention
@@ -45,7 +45,7 @@ from torch.utils.hooks import RemovableHandle
 from zeroshard import models
 from zeroshard.distributed.comm import Comm
 from zeroshard.models.gpt_attention import LocalHeadsAttention, adapt_gpt_attention
-from zeroshard.parallel.ring_attention import ring_attention, zigzag_positions
+from zeroshard.parallel.sequence.ring import ring_attention, zigzag_positions
 
 SEQ_DIM = 1
 ATTENTIONS = (models.Attention, LocalHeadsAttention)

@@ -12,9 +12,9 @@ parameters are ``"{i}.<name>"`` and a tied layer's are ``"tied_modules.<key>.<na
 so a checkpoint written with two stages loads with one, or four, and back.
 
 A :class:`TiedLayerSpec` key (or a ``TiedLayer`` from the Hugging Face splitter,
-``pipeline_split.py``) used on several stages is built on each of them; the engine
+``split.py``) used on several stages is built on each of them; the engine
 starts every copy from the first holder's values and sums the copies' gradients over
-the stages that hold the key (``pipeline_engine.py``).
+the stages that hold the key (``engine.py``).
 
 No collectives: this module only builds and cuts layers. The stage is the rank's
 coordinate on the mesh's ``pp`` axis (outermost: ``rank // (world / num_stages)``).

@@ -17,8 +17,8 @@ from torch import nn
 from zeroshard import models
 from zeroshard.distributed.comm import Comm
 from zeroshard.models.gpt_attention import LocalHeadsAttention
-from zeroshard.parallel.autotp_plans import PlanEntry, Style
-from zeroshard.parallel.autotp_tree import (
+from zeroshard.parallel.tensor.autotp_plans import PlanEntry, Style
+from zeroshard.parallel.tensor.autotp_tree import (
     KnownModel,
     TreeNames,
     block_pattern,
@@ -26,8 +26,8 @@ from zeroshard.parallel.autotp_tree import (
     outermost,
     suggested_plan,
 )
-from zeroshard.parallel.linear import is_conv1d
-from zeroshard.parallel.slices import TPSlice, even_slice
+from zeroshard.parallel.tensor.linear import is_conv1d
+from zeroshard.parallel.tensor.slices import TPSlice, even_slice
 
 
 def is_linear_like(m: nn.Module) -> bool:

@@ -5,7 +5,7 @@ rank, the ordered actions it runs in one ``train_batch``: compute (``F`` forward
 ``B`` whole backward, ``BI`` input-gradient half, ``BW`` weight-gradient half) and the
 point-to-point transfers around them (``RECV_F`` / ``SEND_F`` carry activations to the
 next virtual stage, ``RECV_B`` / ``SEND_B`` carry gradients back). The executor
-(``pipeline_exec.py``) walks the list: a receive blocks, a send does not (it is waited
+(``exec.py``) walks the list: a receive blocks, a send does not (it is waited
 for at the end of the batch), so a schedule is correct when :func:`simulate` finishes it
 without a deadlock; the tests check that for every schedule and size.
 

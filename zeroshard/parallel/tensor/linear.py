@@ -27,19 +27,19 @@ import torch.nn.functional as F
 from torch import nn
 
 from zeroshard.distributed.comm import Comm
-from zeroshard.parallel.slices import (
-    TPSlice,
-    even_slice,
-    mark_partial_grad,
-    mark_sharded,
-    sliced_parameter,
-)
-from zeroshard.parallel.tensor import (
+from zeroshard.parallel.tensor.collectives import (
     TPInput,
     gather_from_tp,
     reduce_from_tp,
     reduce_scatter_to_sequence,
     split_to_tp,
+)
+from zeroshard.parallel.tensor.slices import (
+    TPSlice,
+    even_slice,
+    mark_partial_grad,
+    mark_sharded,
+    sliced_parameter,
 )
 
 
