@@ -481,7 +481,7 @@ def _bad_inputs(rank: int, world: int, root: str) -> dict:
 
     import zeroshard
     from zeroshard.checkpoint.load import CheckpointError
-    from zeroshard.safetensors_io import read_header
+    from zeroshard.checkpoint.safetensors_io import read_header
 
     case = {"stage": 1}
     engine = _engine(case, world)

@@ -21,17 +21,17 @@ __version__ = "0.1.0"
 if TYPE_CHECKING:  # the type checker sees the real types of the lazily imported names
     from zeroshard import accelerator, comm, ops, pipe, utils, zero
     from zeroshard.api import add_config_arguments, initialize
+    from zeroshard.checkpoint.resume import resume
     from zeroshard.compat.deepspeed_names import tp_model_init
     from zeroshard.distributed.process_group import init_distributed
     from zeroshard.engine import DeepSpeedEngine
     from zeroshard.inference import init_inference
-    from zeroshard.restart import resume
 
 _LAZY = {
     "initialize": "zeroshard.api",
     "add_config_arguments": "zeroshard.api",
     "init_distributed": "zeroshard.distributed.process_group",
-    "resume": "zeroshard.restart",
+    "resume": "zeroshard.checkpoint.resume",
     "init_inference": "zeroshard.inference",
     "DeepSpeedEngine": "zeroshard.engine",
     "tp_model_init": "zeroshard.compat.deepspeed_names",

@@ -226,7 +226,7 @@ def initialize(
         collate_fn=collate_fn,
     )
     if cfg.checkpoint.dir:  # resume from it; save there on SIGTERM
-        from zeroshard.restart import auto_resume
+        from zeroshard.checkpoint.resume import auto_resume
 
         auto_resume(engine, cfg.checkpoint.dir)
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler

@@ -58,7 +58,7 @@ from zeroshard.zero.params.leaves import find_leaves
 from zeroshard.zero.params.whole import WholeParams
 
 if TYPE_CHECKING:
-    from zeroshard.preemption import Preemption
+    from zeroshard.checkpoint.preemption import Preemption
 
 log = logging.getLogger("zeroshard")
 

@@ -30,7 +30,7 @@ so signals to the launcher's process group alone would not reach them.
 Restarts and preemption: ``--max-restarts N`` lets torchrun restart the whole worker group
 up to N times after a failure (the script resumes with ``zeroshard.resume`` or the config's
 ``checkpoint.dir``). Workers preempted by SIGTERM that saved a checkpoint and exited (see
-``zeroshard.preemption``) leave a marker in a run directory this launcher owns; when every
+``zeroshard.checkpoint.preemption``) leave a marker in a run directory this launcher owns; when every
 local worker did, the launcher exits 0 after a SIGTERM instead of 143.
 """
 

@@ -17,7 +17,7 @@ import zlib
 
 import torch
 
-from zeroshard.safetensors_io import DTYPES, header_checksums
+from zeroshard.checkpoint.safetensors_io import DTYPES, header_checksums
 
 _CHUNK = 16 << 20  # bytes read at a time (a multiple of every element size)
 _FLOAT8 = {n for n in ("F8_E4M3", "F8_E5M2") if n in DTYPES}

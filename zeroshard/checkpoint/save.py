@@ -56,11 +56,11 @@ from zeroshard.checkpoint.paths import (
     tmp_dir,
     trash_name,
 )
+from zeroshard.checkpoint.safetensors_io import DTYPE_NAMES, StreamWriter
 from zeroshard.checkpoint.shards import OwnedPiece, ShardAccess
 from zeroshard.distributed.mesh import AXES
 from zeroshard.monitor.progress import progress
 from zeroshard.parallel.tensor.slices import tp_slice_of
-from zeroshard.safetensors_io import DTYPE_NAMES, StreamWriter
 
 
 def _rng_tensors() -> dict[str, torch.Tensor]:

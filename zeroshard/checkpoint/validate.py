@@ -26,9 +26,9 @@ from zeroshard.checkpoint.coverage import check_files_agree, check_optimizer_fit
 from zeroshard.checkpoint.format import MANIFEST, CheckpointError, parameter_names, piece_key
 from zeroshard.checkpoint.integrity import check_order, check_save_id, check_values, scan_file
 from zeroshard.checkpoint.paths import LATEST, inside, tag_problem
+from zeroshard.checkpoint.safetensors_io import DTYPES, read_header, read_header_raw
 from zeroshard.checkpoint.shards import ShardAccess
 from zeroshard.parallel.tensor.slices import tp_slice_of
-from zeroshard.safetensors_io import DTYPES, read_header, read_header_raw
 
 log = logging.getLogger("zeroshard")
 

@@ -4,7 +4,7 @@
 ``zeroshard run --max-restarts N`` restarts every worker after a failure; the script
 calls ``resume`` once after ``initialize`` (or sets the config's ``checkpoint.dir``,
 which does it inside ``initialize`` and also saves there on SIGTERM:
-``zeroshard.preemption``), then continues from ``engine.global_steps``.
+``zeroshard.checkpoint.preemption``), then continues from ``engine.global_steps``.
 
 Communication: one all-reduce of a tiny int64 table (does each rank see a checkpoint?),
 so the ranks agree to load or not; then the load's own.
@@ -41,7 +41,7 @@ def resume(engine, load_dir: str, **kwargs) -> tuple[str | None, dict]:
 def auto_resume(engine, checkpoint_dir: str) -> tuple[str | None, dict]:
     """What the config's ``checkpoint.dir`` does at ``initialize``: resume from it, and
     save there on SIGTERM (at the next step boundary), then exit 0."""
-    from zeroshard.preemption import enable
+    from zeroshard.checkpoint.preemption import enable
 
     out = resume(engine, checkpoint_dir)
     enable(engine, checkpoint_dir)
