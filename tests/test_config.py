@@ -1393,7 +1393,7 @@ def _leaves() -> list[Any]:
 
 def test_every_key_is_wired_refused_or_inert() -> None:
     from zeroshard.checkpointing import Settings
-    from zeroshard.schedulers import SCHEDULERS
+    from zeroshard.runtime.schedulers import SCHEDULERS
 
     source = "\n".join(
         p.read_text()

@@ -18,7 +18,7 @@ BIG = 10**9  # one bucket: padding is negligible against the tolerance
 # A small reduce bucket (the model has about 28k parameters), no smaller than its largest
 # parameter (4096), so that every gradient staging buffer is at most one bucket.
 SMALL = 5000
-ALIGN = 16  # zeroshard.engine_build._ALIGN: chunks are multiples of 16 elements
+ALIGN = 16  # zeroshard.runtime.build._ALIGN: chunks are multiples of 16 elements
 
 
 def _psi(engine) -> int:

@@ -24,8 +24,8 @@ if TYPE_CHECKING:  # the type checker sees the real types of the lazily imported
     from zeroshard.checkpoint.resume import resume
     from zeroshard.compat.deepspeed_names import tp_model_init
     from zeroshard.distributed.process_group import init_distributed
-    from zeroshard.engine import DeepSpeedEngine
     from zeroshard.inference import init_inference
+    from zeroshard.runtime.engine import DeepSpeedEngine
 
 _LAZY = {
     "initialize": "zeroshard.api",
@@ -33,7 +33,7 @@ _LAZY = {
     "init_distributed": "zeroshard.distributed.process_group",
     "resume": "zeroshard.checkpoint.resume",
     "init_inference": "zeroshard.inference",
-    "DeepSpeedEngine": "zeroshard.engine",
+    "DeepSpeedEngine": "zeroshard.runtime.engine",
     "tp_model_init": "zeroshard.compat.deepspeed_names",
 }
 

@@ -17,10 +17,10 @@ from torch import nn
 from zeroshard.config import ConfigError, load_config
 from zeroshard.distributed.mesh import Mesh, MeshShape
 from zeroshard.distributed.process_group import default_device, init_distributed
-from zeroshard.engine import Engine
-from zeroshard.optim import hyperparams
 from zeroshard.parallel.pipeline.engine import PipelineEngine
 from zeroshard.parallel.pipeline.module import PipelineModule
+from zeroshard.runtime.engine import Engine
+from zeroshard.runtime.optim import hyperparams
 from zeroshard.zero.optim.optimizer import ShardedOptimizer
 
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from zeroshard.schedulers import SCHEDULERS
+from zeroshard.runtime.schedulers import SCHEDULERS
 
 #: ``deepspeed.runtime.lr_schedules.VALID_LR_SCHEDULES``: the config's scheduler types
 VALID_LR_SCHEDULES = sorted(SCHEDULERS)
@@ -85,7 +85,7 @@ def _partition_parameters() -> dict:
 
 
 def _engine_names() -> dict:
-    from zeroshard.engine import DeepSpeedEngine
+    from zeroshard.runtime.engine import DeepSpeedEngine
 
     return {"DeepSpeedEngine": DeepSpeedEngine}
 

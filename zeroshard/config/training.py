@@ -232,7 +232,7 @@ class Config(Section):
         train, micro, gas = (getattr(self, name) or None for name in _BATCH)  # 0: derive it
         resolved: tuple[int | None, int | None, int]
         if self.micro_batch_from_data and train is None and micro is None and gas is not None:
-            resolved = (None, None, gas)  # zeroshard/first_batch.py fills them in
+            resolved = (None, None, gas)  # zeroshard/runtime/first_batch.py fills them in
         else:
             resolved = resolve_batch_sizes(train, micro, gas, self.dp_world_size)
         for name, value in zip(_BATCH, resolved, strict=True):

@@ -2,7 +2,7 @@
 
 What ``zeroshard.initialize`` returns for a :class:`PipelineModule` (or a model the
 Hugging Face splitter cuts). Each rank is one pipeline stage's engine: the ordinary
-:class:`~zeroshard.engine.Engine` (ZeRO over the stage's data-parallel ranks, tensor
+:class:`~zeroshard.runtime.engine.Engine` (ZeRO over the stage's data-parallel ranks, tensor
 parallelism inside the stage) on the stage's own layers, driven by a schedule from
 ``schedules.py`` through :class:`~zeroshard.parallel.pipeline.exec.StageRunner`.
 
@@ -42,12 +42,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from zeroshard.agreement import check_ranks_agree
-from zeroshard.engine import Engine
 from zeroshard.parallel.pipeline.exec import StageRunner
 from zeroshard.parallel.pipeline.module import PipelineError, PipelineModule, check_config
 from zeroshard.parallel.pipeline.p2p import HEADER_LEN, StageLink, header_of
 from zeroshard.parallel.pipeline.schedules import Action, build_schedule, forward_only
+from zeroshard.runtime.agreement import check_ranks_agree
+from zeroshard.runtime.engine import Engine
 from zeroshard.zero.optim.optimizer import PipelineGrads
 
 log = logging.getLogger("zeroshard")

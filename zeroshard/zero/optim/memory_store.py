@@ -27,7 +27,7 @@ import torch
 
 from zeroshard.distributed.device import runtime
 from zeroshard.offload.placement import Placement
-from zeroshard.precision import DtypePolicy
+from zeroshard.runtime.precision import DtypePolicy
 from zeroshard.zero.layout.flat import FlatParams
 from zeroshard.zero.params.edits import take_edits
 

@@ -29,7 +29,7 @@ import math
 import torch
 
 from zeroshard.distributed.comm import Comm
-from zeroshard.precision import DtypePolicy, LossScaler
+from zeroshard.runtime.precision import DtypePolicy, LossScaler
 from zeroshard.zero.grads.reducer import GradReducer
 from zeroshard.zero.layout.flat import FlatParams
 

@@ -22,7 +22,7 @@ import torch
 from zeroshard.zero.params.init import Init, sealing_init
 
 if TYPE_CHECKING:
-    from zeroshard.engine import Engine
+    from zeroshard.runtime.engine import Engine
 
 # id(parameter) -> (weakref to it, weakref to the engine owning it). Set by the engine;
 # lets the DeepSpeed-style context manager find the shards from the parameters alone.

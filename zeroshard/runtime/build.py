@@ -1,4 +1,4 @@
-"""How the engine is assembled from the config (a mixin of :class:`zeroshard.engine.Engine`):
+"""How the engine is assembled from the config (a mixin of :class:`zeroshard.runtime.engine.Engine`):
 the ZeRO stage as a :class:`Sharding`, the flat layout (gradient buckets at stages 0-2,
 module units at stage 3), the shard and optimizer-state stores, the tensor-parallel
 gradient bookkeeping, the scheduler and the data loader.
@@ -19,16 +19,16 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from zeroshard.agreement import check_ranks_agree
 from zeroshard.offload.store import MemoryShard
-from zeroshard.optim import optimizer_factory
 from zeroshard.parallel.apply import (
     Parallelized,
     gradient_summed_over_tp,
     is_tp_sharded,
     parallelize,
 )
-from zeroshard.schedulers import build_scheduler
+from zeroshard.runtime.agreement import check_ranks_agree
+from zeroshard.runtime.optim import optimizer_factory
+from zeroshard.runtime.schedulers import build_scheduler
 from zeroshard.zero.layout.flat import FlatParams
 from zeroshard.zero.layout.partition import FlatLayout
 from zeroshard.zero.layout.segments import DEFAULT_BUCKET_BYTES, bucket_segments, unit_segments
@@ -41,7 +41,7 @@ if TYPE_CHECKING:
     from zeroshard.distributed.mesh import Mesh
     from zeroshard.offload.placement import Placement
     from zeroshard.offload.swaps import EngineSwaps
-    from zeroshard.precision import DtypePolicy
+    from zeroshard.runtime.precision import DtypePolicy
     from zeroshard.zero.optim.optimizer import ShardedOptimizer
 
 log = logging.getLogger("zeroshard")

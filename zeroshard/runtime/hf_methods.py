@@ -1,5 +1,5 @@
 """The engine methods Hugging Face ``transformers`` and ``accelerate`` call on a DeepSpeed
-engine, beyond the training loop itself (a mixin of :class:`zeroshard.engine.Engine`).
+engine, beyond the training loop itself (a mixin of :class:`zeroshard.runtime.engine.Engine`).
 
 * ``set_gradient_accumulation_boundary(is_boundary)``: accelerate says, before each
   backward, whether this micro-step ends the accumulation window; that decides when
@@ -22,7 +22,7 @@ import torch
 
 if TYPE_CHECKING:
     from zeroshard.distributed.comm import Comm
-    from zeroshard.engine_build import Sharding
+    from zeroshard.runtime.build import Sharding
     from zeroshard.zero.params.gatherer import ParamGatherer
     from zeroshard.zero.params.whole import WholeParams
 

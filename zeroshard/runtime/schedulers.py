@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("zeroshard.schedulers")  # its name before the move
 
 WARMUP_LOG = "log"
 WARMUP_LINEAR = "linear"

@@ -10,12 +10,12 @@ MiCS / HSDP); the data loader splits batches over ``dp``; ranks that share a ten
 sequence or pipeline group see the same batch.
 
 How it is assembled from the config (layout, stores, scheduler, loader) is in
-``engine_build.py``; the methods integrations call on a DeepSpeed engine are in
-``engine_compat.py``.
+``build.py``; the methods integrations call on a DeepSpeed engine are in
+``hf_methods.py``.
 
 Communication it issues itself: at construction, one broadcast per parameter and
 buffer over the ``replicas`` group (its first rank's initial values; see
-``engine_build.py``). Everything else
+``build.py``). Everything else
 comes from the reducer (backward) and the sharded optimizer (step); see their module
 docstrings. With ``offload_optimizer.delayed_update`` the all-gather of the updated
 parameters (stages 1-2) moves from the end of ``step()`` to the next step boundary, or
@@ -36,20 +36,20 @@ from torch.utils.hooks import RemovableHandle
 from zeroshard.distributed import watchdog
 from zeroshard.distributed.mesh import Mesh
 from zeroshard.distributed.process_group import default_device, local_rank
-from zeroshard.engine_build import (
+from zeroshard.monitor.hub import EngineMonitor
+from zeroshard.monitor.memory import measure
+from zeroshard.offload.placement import Placement
+from zeroshard.offload.swaps import EngineSwaps
+from zeroshard.runtime.build import (
     EngineBuild,
     Sharding,
     cast_floating,
     move_module,
     nonfinite_policy,
 )
-from zeroshard.engine_compat import DeepSpeedEngineCompat
-from zeroshard.first_batch import FirstBatchSize, not_learned
-from zeroshard.monitor.hub import EngineMonitor
-from zeroshard.monitor.memory import measure
-from zeroshard.offload.placement import Placement
-from zeroshard.offload.swaps import EngineSwaps
-from zeroshard.precision import DtypePolicy, LossScaler
+from zeroshard.runtime.first_batch import FirstBatchSize, not_learned
+from zeroshard.runtime.hf_methods import DeepSpeedEngineCompat
+from zeroshard.runtime.precision import DtypePolicy, LossScaler
 from zeroshard.zero.grads.reducer import GradReducer
 from zeroshard.zero.optim.optimizer import ShardedOptimizer
 from zeroshard.zero.params.gathered import register_owner, unregister_owner
@@ -127,7 +127,7 @@ class Engine(EngineBuild, DeepSpeedEngineCompat, nn.Module):
         if self.policy.compute != torch.float32:
             cast = module.register_forward_pre_hook(self._cast_inputs, with_kwargs=True)
             self._installed.append(cast)
-        if config.train_micro_batch_size_per_gpu is None:  # see zeroshard/first_batch.py
+        if config.train_micro_batch_size_per_gpu is None:  # see zeroshard/runtime/first_batch.py
             self._installed.append(
                 FirstBatchSize(module, self.comm, self.device, self._micro_batch_seen)
             )
