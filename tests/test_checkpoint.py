@@ -381,7 +381,7 @@ def test_export_round_trip(tmp_path) -> None:
     from safetensors.torch import load_file
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from zeroshard.cli import main as cli
+    from zeroshard.tools.cli import main as cli
 
     multirank.run(_export, 2, str(tmp_path), timeout=300)
     out = str(tmp_path / "model.safetensors")
@@ -582,7 +582,7 @@ def _bad_inputs(rank: int, world: int, root: str) -> dict:
 
 
 def test_bad_checkpoints_fail_clearly(tmp_path, capsys) -> None:
-    from zeroshard.cli import main as cli
+    from zeroshard.tools.cli import main as cli
 
     (tmp_path / "empty").mkdir()
     r = multirank.run(_bad_inputs, 1, str(tmp_path), timeout=300)[0]
@@ -992,7 +992,7 @@ def test_checkpoints_lacking_a_piece_are_refused(tmp_path, capsys) -> None:
     parameter, or give a transposed shape, an extra parameter or a short piece: refused at
     load (same and other world size, stages 0-3, offload) naming the entry, the engine
     untouched, and by `zeroshard convert` (exit 2); the intact checkpoint still loads."""
-    from zeroshard.cli import main as cli
+    from zeroshard.tools.cli import main as cli
 
     root = str(tmp_path)
     saved = multirank.run(_manifest_gaps, 2, root, "save", timeout=300)

@@ -201,7 +201,7 @@ def test_alias_refuses_to_shadow_or_come_late() -> None:
 def test_launcher_flag_parses(flag: str) -> None:
     import argparse
 
-    from zeroshard.launcher import add_arguments
+    from zeroshard.tools.launch.launcher import add_arguments
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)

@@ -157,7 +157,7 @@ def test_activation_estimate_within_15_percent(policy: str, tied: bool) -> None:
 
 # -- the CLI ------------------------------------------------------------------------------
 def _cli(capsys, *argv: str) -> tuple[int, str]:
-    from zeroshard.cli import main
+    from zeroshard.tools.cli import main
 
     code = main(list(argv))
     return code, capsys.readouterr().out

@@ -1,6 +1,6 @@
-"""The `zeroshard` command: a table of subcommands, each a module of this package.
+"""The `zeroshard` command: a table of subcommands, each a module of ``zeroshard/tools/``.
 
-To add a subcommand, write ``zeroshard/<name>.py`` with ``add_arguments(parser)`` and
+To add a subcommand, write ``zeroshard/tools/<name>.py`` with ``add_arguments(parser)`` and
 ``main(args) -> int | None``, and add one row to `SUBCOMMANDS`. Modules are imported only
 when their subcommand runs, so one broken subcommand cannot break the others.
 
@@ -17,16 +17,25 @@ from collections.abc import Sequence
 
 # name -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "run": ("zeroshard.launcher", "start training processes on this node (over torchrun)"),
-    "report": ("zeroshard.report", "print the environment report (like ds_report)"),
-    "convert": ("zeroshard.convert", "consolidate a checkpoint into safetensors weights"),
-    "estimate": ("zeroshard.estimate", "per-rank memory for each stage / offload / precision"),
-    "plan": ("zeroshard.plan", "the layout that fits the device with the least communication"),
+    "run": (
+        "zeroshard.tools.launch.launcher",
+        "start training processes on this node (over torchrun)",
+    ),
+    "report": ("zeroshard.tools.report", "print the environment report (like ds_report)"),
+    "convert": ("zeroshard.tools.convert", "consolidate a checkpoint into safetensors weights"),
+    "estimate": (
+        "zeroshard.tools.estimate",
+        "per-rank memory for each stage / offload / precision",
+    ),
+    "plan": (
+        "zeroshard.tools.plan",
+        "the layout that fits the device with the least communication",
+    ),
     "generate": (
-        "zeroshard.inference.cli",
+        "zeroshard.tools.generate",
         "text from a checkpoint (int8/int4, KV cache, --nproc: tensor parallel)",
     ),
-    "plot": ("zeroshard.plot", "PNG charts of a run's CSV and metrics files (matplotlib)"),
+    "plot": ("zeroshard.tools.plot", "PNG charts of a run's CSV and metrics files (matplotlib)"),
 }
 
 
@@ -71,7 +80,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv[0] in SUBCOMMANDS:
         module_name, _ = SUBCOMMANDS[argv[0]]
         return _run_module(module_name, f"zeroshard {argv[0]}", argv[1:])
-    return _run_module("zeroshard.launcher", "zeroshard", argv, deepspeed_style=True)
+    return _run_module("zeroshard.tools.launch.launcher", "zeroshard", argv, deepspeed_style=True)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Where the ranks of a `zeroshard run` go: the DeepSpeed hostfile, ``--include`` /
 ``--exclude`` filters, and the node layout (node count, processes per node, this node's
 rank, rendezvous address, which devices). Pure: reads files and the command line, starts
-nothing, issues no collectives. Used by :mod:`zeroshard.launcher`.
+nothing, issues no collectives. Used by :mod:`zeroshard.tools.launch.launcher`.
 """
 
 from __future__ import annotations

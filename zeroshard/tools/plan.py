@@ -12,15 +12,15 @@ from __future__ import annotations
 
 import argparse
 
-from zeroshard.convert import parse_size
-from zeroshard.estimate import (
+from zeroshard.monitor.memory import POLICIES, PRECISIONS, Estimate, estimate
+from zeroshard.tools.convert import parse_size
+from zeroshard.tools.estimate import (
     activations,
     add_parallel_arguments,
     bucket_numel,
     facts_from_args,
     tp_numel,
 )
-from zeroshard.monitor.memory import POLICIES, PRECISIONS, Estimate, estimate
 
 _OFFLOAD_RANK = {"none": 0, "cpu": 1, "nvme": 2}
 

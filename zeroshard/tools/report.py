@@ -39,7 +39,7 @@ def _yes(flag: bool) -> str:
 
 
 def _zeroshard() -> dict:
-    from zeroshard.cli import version
+    from zeroshard.tools.cli import version
 
     return {"version": version(), "install path": str(Path(__file__).resolve().parent)}
 

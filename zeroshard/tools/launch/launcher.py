@@ -15,7 +15,7 @@ chooses the rendezvous:
 Nothing is started on other machines (no ssh/pdsh): like torchrun, the same command is run
 on every node.
 
-Failures: every worker runs under a small bootstrap (``python -m zeroshard.launch_worker``)
+Failures: every worker runs under a small bootstrap (``python -m zeroshard.tools.launch.worker``)
 that records an uncaught exception into torchelastic's per-worker error file. The agent polls
 the workers every 0.1 s; when one exits non-zero it stops the rest (SIGTERM, then SIGKILL
 after ``--shutdown-timeout``) and this module prints the root-cause rank with its exception
@@ -24,7 +24,7 @@ is said to have lost a process or node of the job. SIGINT/SIGTERM to the launche
 worker (torchrun forwards them). This module issues no collectives itself.
 
 No orphans: the bootstrap asks the kernel to SIGKILL each worker when the launcher dies,
-by any signal (see ``launch_worker.py``); torchrun starts workers in their own sessions,
+by any signal (see ``worker.py``); torchrun starts workers in their own sessions,
 so signals to the launcher's process group alone would not reach them.
 
 Restarts and preemption: ``--max-restarts N`` lets torchrun restart the whole worker group
@@ -51,7 +51,8 @@ from zeroshard.distributed.env import (
     RUN_DIR_ENV,
     TIMEOUT_ENV,
 )
-from zeroshard.launch_layout import (  # noqa: F401  (re-exported: the launcher's API)
+from zeroshard.tools.launch import worker  # the bootstrap each worker runs under
+from zeroshard.tools.launch.layout import (  # noqa: F401  (re-exported: the launcher's API)
     DEFAULT_MULTINODE_PORT,
     HostEntry,
     LaunchError,
@@ -60,9 +61,9 @@ from zeroshard.launch_layout import (  # noqa: F401  (re-exported: the launcher'
     parse_hostfile,
     plan_layout,
 )
-from zeroshard.launch_worker import EXEC_FLAG, MODULE_FLAG, RANK_FLAG  # the workers' bootstrap
+from zeroshard.tools.launch.worker import EXEC_FLAG, MODULE_FLAG, RANK_FLAG
 
-_BOOTSTRAP = "zeroshard.launch_worker"
+_BOOTSTRAP = worker.__name__
 _PEER_DIED = ("closed by peer", "reset by peer", "remote worker", "broken pipe", "aborted")
 
 HELP_EPILOG = """\

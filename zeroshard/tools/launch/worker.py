@@ -1,5 +1,5 @@
 """The bootstrap every ``zeroshard run`` worker runs under (``python -m
-zeroshard.launch_worker [flags] target args``). No collectives.
+zeroshard.tools.launch.worker [flags] target args``). No collectives.
 
 * It ties the worker's life to the launcher's: ``PR_SET_PDEATHSIG`` (Linux) makes the
   kernel SIGKILL the worker when the launcher dies by any signal, SIGKILL and the OOM

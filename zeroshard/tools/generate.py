@@ -55,8 +55,8 @@ def _relaunch(args: argparse.Namespace) -> int:
             skip = True
         elif not a.startswith("--nproc="):
             out.append(a)
-    cmd = [sys.executable, "-m", "zeroshard.cli", "run", "--nproc", str(args.nproc),
-           "-m", "zeroshard.inference.cli", *out]  # fmt: skip
+    cmd = [sys.executable, "-m", "zeroshard.tools.cli", "run", "--nproc", str(args.nproc),
+           "-m", "zeroshard.tools.generate", *out]  # fmt: skip
     return subprocess.call(cmd)
 
 
