@@ -27,6 +27,34 @@ if TYPE_CHECKING:  # the type checker sees the real types of the lazily imported
     from zeroshard.inference import init_inference
     from zeroshard.runtime.engine import DeepSpeedEngine
 
+
+class ZeroshardError(Exception):
+    """The root of the errors zeroshard raises: ``except zeroshard.ZeroshardError`` catches
+    each of them. Every one also keeps the standard base it has always had (``ValueError``,
+    ``RuntimeError``...), so ``except ValueError`` catches what it did."""
+
+
+class ArgumentError(ZeroshardError, ValueError):
+    """A bad argument to a zeroshard function or class, where no narrower error fits."""
+
+
+class UsageError(ZeroshardError, RuntimeError):
+    """A call the current state does not allow: wrong order, a destroyed engine, a
+    gradient outside ``engine.backward()``, a process started without its environment."""
+
+
+class InternalError(ZeroshardError, RuntimeError):
+    """An invariant of zeroshard's own does not hold: a bug to report."""
+
+
+class NotBuiltError(ZeroshardError, NotImplementedError):
+    """A DeepSpeed feature or option zeroshard has not built (yet)."""
+
+
+class NonFiniteError(ZeroshardError, FloatingPointError):
+    """Non-finite (inf/NaN) gradients or loss where the config says to stop."""
+
+
 _LAZY = {
     "initialize": "zeroshard.api",
     "add_config_arguments": "zeroshard.api",
@@ -41,7 +69,13 @@ _LAZY = {
 _SUBMODULES = ("zero", "utils", "comm", "pipe", "accelerator", "ops")
 
 __all__ = [
+    "ArgumentError",
     "DeepSpeedEngine",
+    "InternalError",
+    "NonFiniteError",
+    "NotBuiltError",
+    "UsageError",
+    "ZeroshardError",
     "__version__",
     "accelerator",
     "add_config_arguments",

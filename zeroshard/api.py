@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from zeroshard import ArgumentError, NotBuiltError
 from zeroshard.config import ConfigError, load_config
 from zeroshard.distributed.mesh import Mesh, MeshShape
 from zeroshard.distributed.process_group import default_device, init_distributed
@@ -118,11 +119,11 @@ def _collect_groups(module: nn.Module, optimizer, model_parameters, opt_cfg):
     for gi, g in enumerate(groups):
         for p in g["params"]:
             if id(p) not in owned:
-                raise ValueError(
+                raise ArgumentError(
                     f"initialize: param group {gi} holds a tensor that is not a parameter of the model"
                 )
             if id(p) in seen:
-                raise ValueError(
+                raise ArgumentError(
                     f"initialize: a parameter appears in more than one param group (group {gi})"
                 )
             seen.add(id(p))
@@ -173,9 +174,9 @@ def initialize(
     JSON path (or comes from ``args.deepspeed_config``).
     """
     if model is None:
-        raise ValueError("initialize: model is required")
+        raise ArgumentError("initialize: model is required")
     if mesh_param is not None:
-        raise NotImplementedError(
+        raise NotBuiltError(
             "initialize: mesh_param is not built yet in zeroshard; give the parallel sizes "
             "in the config (zero_optimization.mics_shard_size) or pass mpu="
         )

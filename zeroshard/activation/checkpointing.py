@@ -60,6 +60,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint as _torch_checkpoint
 
+from zeroshard import ArgumentError, NotBuiltError, UsageError
 from zeroshard.activation import offload as activation_offload  # looked up at each call
 from zeroshard.activation.offload import offload_saved_tensors  # re-exported
 from zeroshard.distributed.device import runtime
@@ -133,7 +134,7 @@ class _ReuseMatmuls(TorchDispatchMode):
         i, self.next = self.next, self.next + 1
         entry = self.store[i] if i < len(self.store) else None
         if entry is None:
-            raise RuntimeError(
+            raise UsageError(
                 "selective checkpointing: the recomputed region runs a matmul that forward "
                 "did not (non-deterministic region?) or is backwarded a second time"
             )
@@ -141,7 +142,7 @@ class _ReuseMatmuls(TorchDispatchMode):
         self._ahead(i + 1)
         kept, version = entry
         if torch.is_tensor(kept) and kept._version != version:
-            raise RuntimeError(
+            raise UsageError(
                 "selective checkpointing: a kept matmul output was modified in place after "
                 "forward; use policy 'full' for this block"
             )
@@ -272,25 +273,27 @@ def configure(
             continue
         if key == "number_checkpoints":
             if isinstance(value, bool):
-                raise ValueError(f"num_checkpoints: expected a whole number, got {value!r}")
+                raise ArgumentError(f"num_checkpoints: expected a whole number, got {value!r}")
             try:
                 value = operator.index(value)
             except TypeError:
-                raise ValueError(
+                raise ArgumentError(
                     f"num_checkpoints: expected a whole number, got {value!r}"
                 ) from None
         else:
             value = bool(value)
         new = replace(new, **{key: value})
     if new.number_checkpoints is not None and new.number_checkpoints < 1:
-        raise ValueError(f"num_checkpoints: must be >= 1, got {new.number_checkpoints}")
+        raise ArgumentError(f"num_checkpoints: must be >= 1, got {new.number_checkpoints}")
     if new.contiguous_memory_optimization and not new.partition_activations:
-        raise ValueError("contiguous_checkpointing needs partition_activations (as in DeepSpeed)")
+        raise ArgumentError(
+            "contiguous_checkpointing needs partition_activations (as in DeepSpeed)"
+        )
     if new.contiguous_memory_optimization and new.number_checkpoints is None:
-        raise ValueError("contiguous_checkpointing needs num_checkpoints (as in DeepSpeed)")
+        raise ArgumentError("contiguous_checkpointing needs num_checkpoints (as in DeepSpeed)")
     if new.partition_activations:
         if mpu_ is not None and _mp_world_size(mpu_) > 1:
-            raise NotImplementedError(
+            raise NotBuiltError(
                 "partition_activations across model-parallel ranks is not built yet; "
                 "with zeroshard's tensor parallelism, tensor_parallel.sequence_parallel "
                 "(Megatron-SP) splits activations across the tensor-parallel ranks"
@@ -373,7 +376,7 @@ def apply_activation_checkpointing(
     predicate); returns how many were wrapped. ``offload`` also moves what is kept to
     CPU memory."""
     if policy not in POLICIES:
-        raise ValueError(f"policy: expected one of {POLICIES}, got {policy!r}")
+        raise ArgumentError(f"policy: expected one of {POLICIES}, got {policy!r}")
     return sum(_wrap_forward(m, policy, offload) for m in _select(model, block_types))
 
 

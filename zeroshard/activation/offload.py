@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from zeroshard import UsageError
 from zeroshard.distributed.device import Runtime, runtime
 
 
@@ -199,7 +200,7 @@ class _OffloadQueue:
             out, event = e.dev, e.h2d
             assert out is not None  # _start brought it back
             if e.stale or (e.from_src and out._version != e.version):
-                raise RuntimeError(
+                raise UsageError(
                     "activation offload: a saved tensor was modified in place while it was "
                     "being copied to host memory (autograd would refuse it without offload)"
                 )

@@ -14,14 +14,16 @@ import contextlib
 import os
 import secrets
 
+from zeroshard import ZeroshardError
+
 MANIFEST = "manifest.json"
 
 
-class CheckpointError(ValueError):
+class CheckpointError(ZeroshardError, ValueError):
     """A checkpoint that cannot be loaded; the message names the file or parameters."""
 
 
-class CheckpointSaveError(RuntimeError):
+class CheckpointSaveError(ZeroshardError, RuntimeError):
     """A save that failed on some rank; raised on every rank, and nothing was published."""
 
 

@@ -26,6 +26,7 @@ import threading
 
 import torch
 
+from zeroshard import UsageError
 from zeroshard.distributed.env import RUN_DIR_ENV  # where preempted workers say so
 
 log = logging.getLogger("zeroshard")
@@ -36,7 +37,7 @@ class Preemption:
 
     def __init__(self, save_dir: str) -> None:
         if threading.current_thread() is not threading.main_thread():
-            raise RuntimeError(
+            raise UsageError(
                 "checkpoint.dir: the SIGTERM handler can only be installed from the main "
                 "thread; call initialize() there"
             )

@@ -28,6 +28,8 @@ from collections.abc import Sequence
 
 import torch
 
+from zeroshard import ZeroshardError
+
 DTYPE_NAMES = {
     torch.float64: "F64",
     torch.float32: "F32",
@@ -47,6 +49,11 @@ DTYPES = {v: k for k, v in DTYPE_NAMES.items()}
 #: metadata key of the per-tensor CRC-32s (see the module docstring)
 CRC_KEY = "zs_crc32"
 _NO_CRC = "00000000"
+
+
+class SafetensorsError(ZeroshardError, ValueError):
+    """A safetensors file that is not well-formed (truncated, a corrupt header, a bad
+    tensor entry), or a write that breaks its declaration."""
 
 
 def dtype_size(dtype: torch.dtype) -> int:
@@ -83,7 +90,7 @@ class StreamWriter:
         self._order: list[tuple[str, int]] = []
         for name, dtype, shape in entries:
             if name in header:
-                raise ValueError(f"{path}: duplicate tensor name {name!r}")
+                raise SafetensorsError(f"{path}: duplicate tensor name {name!r}")
             nbytes = math.prod(shape) * dtype_size(dtype)
             header[name] = {
                 "dtype": DTYPE_NAMES[dtype],
@@ -105,15 +112,15 @@ class StreamWriter:
     def write(self, name: str, tensor: torch.Tensor) -> None:
         expect, nbytes = self._order[self._next]
         if name != expect:
-            raise ValueError(f"{self.path}: expected tensor {expect!r} next, got {name!r}")
+            raise SafetensorsError(f"{self.path}: expected tensor {expect!r} next, got {name!r}")
         decl = self._declared[name]
         if list(tensor.shape) != decl["shape"] or DTYPE_NAMES[tensor.dtype] != decl["dtype"]:
-            raise ValueError(f"{self.path}: tensor {name!r} does not match its declaration")
+            raise SafetensorsError(f"{self.path}: tensor {name!r} does not match its declaration")
         # a private copy: .numpy() pins its storage's size, which must not happen to
         # buffers zeroshard later resizes (stage-3 unit buffers)
         data = tensor.detach().cpu().reshape(-1).clone().view(torch.uint8).numpy()
         if data.nbytes != nbytes:
-            raise ValueError(
+            raise SafetensorsError(
                 f"{self.path}: tensor {name!r} has {data.nbytes} bytes, expected {nbytes}"
             )
         view = data.data  # a memoryview of the bytes
@@ -134,7 +141,7 @@ class StreamWriter:
         ``checksums``, else None)."""
         try:
             if self._next != len(self._order):
-                raise ValueError(
+                raise SafetensorsError(
                     f"{self.path}: {len(self._order) - self._next} declared tensors not written"
                 )
             crc = None
@@ -170,17 +177,17 @@ def read_header_raw(path: str) -> tuple[dict, bytes]:
     with open(path, "rb") as f:
         head = f.read(8)
         if len(head) < 8:
-            raise ValueError(f"{path}: truncated (no safetensors header)")
+            raise SafetensorsError(f"{path}: truncated (no safetensors header)")
         (n,) = struct.unpack("<Q", head)
         if n > size - 8:
-            raise ValueError(f"{path}: truncated header")
+            raise SafetensorsError(f"{path}: truncated header")
         raw = f.read(n)
         try:
             header = json.loads(raw)
         except (UnicodeDecodeError, ValueError) as exc:
-            raise ValueError(f"{path}: corrupt safetensors header ({exc})") from exc
+            raise SafetensorsError(f"{path}: corrupt safetensors header ({exc})") from exc
     if not isinstance(header, dict):
-        raise ValueError(f"{path}: corrupt safetensors header (not a JSON object)")
+        raise SafetensorsError(f"{path}: corrupt safetensors header (not a JSON object)")
     spans = []
     for k, v in header.items():
         if k == "__metadata__":
@@ -191,12 +198,12 @@ def read_header_raw(path: str) -> tuple[dict, bytes]:
             or len(offsets) != 2
             or not all(type(o) is int and o >= 0 for o in offsets)
         ):
-            raise ValueError(f"{path}: corrupt safetensors header (tensor {k!r}: {v!r})")
+            raise SafetensorsError(f"{path}: corrupt safetensors header (tensor {k!r}: {v!r})")
         spans.append((offsets[0], offsets[1], k))
     spans.sort()
     end = spans[-1][1] if spans else 0
     if 8 + n + end > size:
-        raise ValueError(f"{path}: truncated ({size} bytes, the header needs {8 + n + end})")
+        raise SafetensorsError(f"{path}: truncated ({size} bytes, the header needs {8 + n + end})")
     _check_layout(path, header, spans, size - 8 - n)
     return header, raw
 
@@ -206,23 +213,23 @@ def _check_layout(path: str, header: dict, spans: list, data_bytes: int) -> None
     for a, b, name in spans:
         entry = header[name]
         if not isinstance(entry, dict) or entry.get("dtype") not in DTYPES:
-            raise ValueError(f"{path}: tensor {name!r}: unknown dtype {entry.get('dtype')!r}")
+            raise SafetensorsError(f"{path}: tensor {name!r}: unknown dtype {entry.get('dtype')!r}")
         shape = entry.get("shape")
         if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
-            raise ValueError(f"{path}: tensor {name!r}: bad shape {shape!r}")
+            raise SafetensorsError(f"{path}: tensor {name!r}: bad shape {shape!r}")
         want = math.prod(shape) * dtype_size(DTYPES[entry["dtype"]])
         if b - a != want:
-            raise ValueError(
+            raise SafetensorsError(
                 f"{path}: tensor {name!r}: data_offsets [{a}, {b}) hold {b - a} bytes, "
                 f"{entry['dtype']} {shape} needs {want}"
             )
         if a < at:
-            raise ValueError(f"{path}: tensor {name!r} at [{a}, {b}) overlaps {prev!r}")
+            raise SafetensorsError(f"{path}: tensor {name!r} at [{a}, {b}) overlaps {prev!r}")
         if a > at:
-            raise ValueError(f"{path}: a gap of {a - at} bytes before tensor {name!r} at {a}")
+            raise SafetensorsError(f"{path}: a gap of {a - at} bytes before tensor {name!r} at {a}")
         at, prev = b, name
     if at != data_bytes:
-        raise ValueError(
+        raise SafetensorsError(
             f"{path}: the tensors end at byte {at} of a {data_bytes}-byte data section "
             "(trailing bytes)"
         )
@@ -235,5 +242,5 @@ def header_checksums(header: dict) -> dict[str, int] | None:
         return None
     crcs = json.loads(text)
     if not isinstance(crcs, dict):
-        raise ValueError(f"{CRC_KEY} is not a JSON object")
+        raise SafetensorsError(f"{CRC_KEY} is not a JSON object")
     return {str(k): int(v, 16) for k, v in crcs.items()}

@@ -14,6 +14,7 @@ import sys
 import torch
 import torch.distributed as dist
 
+from zeroshard import NotBuiltError
 from zeroshard.distributed.comm import Comm
 from zeroshard.distributed.ledger import Ledger
 
@@ -97,7 +98,7 @@ def all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None, async_op: bool
     """In place; ``op`` SUM, AVG or MAX (a ``ReduceOp`` or its name)."""
     name = _OPS.get(op, op) if not isinstance(op, str) else op.lower()
     if name not in ("sum", "avg", "max"):
-        raise NotImplementedError(f"zeroshard.comm.all_reduce: op {op!r} is not built yet")
+        raise NotBuiltError(f"zeroshard.comm.all_reduce: op {op!r} is not built yet")
     return _comm(group).all_reduce(tensor, name, async_op=async_op)
 
 
@@ -113,7 +114,7 @@ def all_gather_into_tensor(output, tensor, group=None, async_op: bool = False):
 
 def reduce_scatter_tensor(output, tensor, op=ReduceOp.SUM, group=None, async_op: bool = False):
     if op is not ReduceOp.SUM and op != "sum":
-        raise NotImplementedError("zeroshard.comm.reduce_scatter_tensor: only SUM is built")
+        raise NotBuiltError("zeroshard.comm.reduce_scatter_tensor: only SUM is built")
     return _comm(group).reduce_scatter(output, tensor, async_op=async_op)
 
 

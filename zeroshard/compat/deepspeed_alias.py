@@ -31,6 +31,7 @@ import pathlib
 import sys
 import types
 
+from zeroshard import ZeroshardError
 from zeroshard import __version__ as _zeroshard_version
 from zeroshard.compat.deepspeed_names import MODULES, NOT_BUILT
 
@@ -41,7 +42,7 @@ DEEPSPEED_VERSION = f"0.18.0+zeroshard.{_zeroshard_version}"
 _DECIDED_EARLY = ("transformers.integrations.deepspeed", "accelerate.utils")
 
 
-class AliasError(RuntimeError):
+class AliasError(ZeroshardError, RuntimeError):
     """``register()`` cannot (a real DeepSpeed is installed, or it came too late)."""
 
 

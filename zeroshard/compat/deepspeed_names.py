@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from zeroshard import ArgumentError
 from zeroshard.runtime.schedulers import SCHEDULERS
 
 #: ``deepspeed.runtime.lr_schedules.VALID_LR_SCHEDULES``: the config's scheduler types
@@ -40,7 +41,7 @@ def tp_model_init(model, tp_size: int, dtype=None, config=None, **kwargs):
     AutoTP from the config's ``tensor_parallel.autotp_size`` (which must say ``tp_size``)."""
     given = ((config or {}).get("tensor_parallel") or {}).get("autotp_size")
     if config is not None and given != tp_size:
-        raise ValueError(
+        raise ArgumentError(
             f"tp_model_init: tp_size={tp_size} but the config's tensor_parallel.autotp_size is "
             f"{given!r}; zeroshard applies tensor parallelism at initialize() from the config"
         )

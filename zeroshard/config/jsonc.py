@@ -19,6 +19,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
+from zeroshard import ZeroshardError
 from zeroshard.config.schema import ConfigError
 
 
@@ -79,7 +80,7 @@ def _blank(source: str) -> Callable[[re.Match[str]], str]:
     return blank
 
 
-class _DuplicateKey(Exception):
+class _DuplicateKey(ZeroshardError):
     def __init__(self, key: str) -> None:
         super().__init__(key)
         self.key = key

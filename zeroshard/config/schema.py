@@ -34,10 +34,12 @@ from contextlib import contextmanager
 from dataclasses import MISSING, dataclass, field
 from typing import Any, NamedTuple
 
+from zeroshard import ZeroshardError
+
 AUTO = "auto"
 
 
-class ConfigError(ValueError):
+class ConfigError(ZeroshardError, ValueError):
     """An invalid config. ``str(err)`` always starts with the dotted key path of the problem.
 
     ``path`` is that key path (for file-level problems, the file name), ``problem`` the rest.

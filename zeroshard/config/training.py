@@ -39,6 +39,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from zeroshard import ArgumentError
 from zeroshard.config import features, monitors, sections
 from zeroshard.config.jsonc import read_config_file
 from zeroshard.config.parallel import PipelineConfig, TensorParallelConfig
@@ -344,7 +345,7 @@ def read_config(
     except TypeError:
         world = 0
     if isinstance(dp_world_size, bool) or world < 1:
-        raise ValueError(f"dp_world_size must be a positive int, got {dp_world_size!r}")
+        raise ArgumentError(f"dp_world_size must be a positive int, got {dp_world_size!r}")
     if isinstance(source, Mapping):
         raw, where = copy.deepcopy(dict(source)), "config"
     elif isinstance(source, (str, os.PathLike)):
@@ -385,7 +386,7 @@ def _fill_auto(raw: dict[str, Any], auto_values: Mapping[str, Any]) -> None:
         while True:
             found = [s for s in specs(cls) if s.path == rest[: len(s.path)]]
             if not found or (len(rest) > len(found[0].path) and not is_dataclass(found[0].type)):
-                raise ValueError(f"auto_values: {path!r} is not a key of the config schema")
+                raise ArgumentError(f"auto_values: {path!r} is not a key of the config schema")
             spec = found[0]
             for part in spec.path[:-1]:  # sub-objects, e.g. optimizer.params
                 node = node.get(part) if isinstance(node, dict) else None

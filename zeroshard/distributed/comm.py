@@ -36,6 +36,7 @@ from typing import TypeVar
 import torch
 import torch.distributed as dist
 
+from zeroshard import ArgumentError, UsageError
 from zeroshard.distributed import watchdog
 from zeroshard.distributed.ledger import Ledger, OpEvent
 
@@ -101,7 +102,7 @@ def _nbytes(t: torch.Tensor) -> int:
 def _check_sizes(op: str, whole: int, part: int, world: int) -> None:
     """The backends refuse a whole buffer that is not ``world`` parts; so do our paths."""
     if whole != part * world:
-        raise ValueError(
+        raise ArgumentError(
             f"Comm.{op}: {whole} elements are not {world} ranks x {part} (the part's size)"
         )
 
@@ -286,7 +287,7 @@ class Comm:
 
             return self._run("reduce_scatter", _nbytes(input), start, async_op, sum_parts)
         if via != "native":
-            raise ValueError(
+            raise ArgumentError(
                 f"Comm.reduce_scatter: via={via!r} is not native, all_reduce, send_recv or all_to_all"
             )
         return self._run(
@@ -330,7 +331,7 @@ class Comm:
                 "all_gather", _nbytes(output), lambda: self._p2p_gather(output, input), async_op
             )
         if via != "native":
-            raise ValueError(f"Comm.all_gather: via={via!r} is not native or send_recv")
+            raise ArgumentError(f"Comm.all_gather: via={via!r} is not native or send_recv")
         return self._run(
             "all_gather",
             _nbytes(output),
@@ -480,7 +481,7 @@ class Comm:
         stages); returns the :class:`Handle` to wait on before reusing the buffer.
         Filed as op ``"send"`` with the buffer's bytes."""
         if self.world_size == 1:
-            raise RuntimeError("Comm.send: a group of one rank has no peer")
+            raise UsageError("Comm.send: a group of one rank has no peer")
         return self._run(
             "send",
             _nbytes(tensor),
@@ -492,7 +493,7 @@ class Comm:
         """Receive into ``tensor`` from group rank ``src`` (the sender's ``tag``). Filed
         as op ``"recv"`` with the buffer's bytes."""
         if self.world_size == 1:
-            raise RuntimeError("Comm.recv: a group of one rank has no peer")
+            raise UsageError("Comm.recv: a group of one rank has no peer")
         return self._run(
             "recv",
             _nbytes(tensor),

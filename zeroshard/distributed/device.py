@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from zeroshard import UsageError
 from zeroshard.distributed.env import STAGE_ON_CPU_ENV
 
 
@@ -231,7 +232,7 @@ def claim_device(device_type: str, index: int) -> torch.device:
     rt = runtime(device_type)
     count = rt.device_count()
     if count < 1:
-        raise RuntimeError(f"no {device_type} device is visible to this process")
+        raise UsageError(f"no {device_type} device is visible to this process")
     device = torch.device(device_type, index % count)
     rt.set_device(device)
     return device

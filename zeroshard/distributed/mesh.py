@@ -39,6 +39,7 @@ from dataclasses import dataclass, fields
 
 import torch.distributed as dist
 
+from zeroshard import ZeroshardError
 from zeroshard.distributed.comm import Comm
 from zeroshard.distributed.device import claim_device
 from zeroshard.distributed.ledger import Ledger
@@ -55,7 +56,7 @@ GROUPS = {
 }
 
 
-class MeshError(ValueError):
+class MeshError(ZeroshardError, ValueError):
     """A mesh that cannot be built; the message names the config key."""
 
 

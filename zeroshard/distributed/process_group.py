@@ -18,6 +18,7 @@ import tempfile
 import torch
 import torch.distributed as dist
 
+from zeroshard import ArgumentError, UsageError
 from zeroshard.distributed.device import claim_device, runtime
 from zeroshard.distributed.env import ACCELERATOR_ENV
 
@@ -50,9 +51,9 @@ def use_cuda() -> bool:
         return torch.cuda.is_available()
     want = os.environ[name].strip().lower()
     if want not in ("cpu", "cuda"):
-        raise ValueError(f"{name}={os.environ[name]!r}: zeroshard supports 'cpu' and 'cuda'")
+        raise ArgumentError(f"{name}={os.environ[name]!r}: zeroshard supports 'cpu' and 'cuda'")
     if want == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError(f"{name}=cuda, but torch.cuda.is_available() is False")
+        raise UsageError(f"{name}=cuda, but torch.cuda.is_available() is False")
     return want == "cuda"
 
 
@@ -102,7 +103,7 @@ def init_distributed(
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         count = runtime("cuda").device_count()
         if local_world > count:
-            raise RuntimeError(
+            raise UsageError(
                 f"init_distributed: LOCAL_WORLD_SIZE={local_world} ranks on this node but "
                 f"{count} visible GPU(s); NCCL cannot put two ranks on "
                 "one GPU (set ZEROSHARD_ACCELERATOR=cpu for CPU ranks with gloo)"
@@ -111,7 +112,7 @@ def init_distributed(
     if init_method is not None or env_world > 1 or "MASTER_ADDR" in os.environ:
         missing = [k for k in ("RANK", "WORLD_SIZE") if k not in os.environ]
         if missing and init_method is None:
-            raise RuntimeError(
+            raise UsageError(
                 f"init_distributed: environment variable(s) {', '.join(missing)} not set; "
                 "start the script with `zeroshard run --nproc N script.py` (or torchrun)"
             )

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from zeroshard import ZeroshardError
 from zeroshard.config.schema import (
     INERT,
     NOT_BUILT,
@@ -49,6 +50,10 @@ _DTYPE_SPELLINGS = {
     "int8": "int8",
     "torch.int8": "int8",
 }
+
+
+class InferenceError(ZeroshardError, ValueError):
+    """A model, prompt or option that inference cannot serve as asked."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from zeroshard import ArgumentError
+
 PRESETS = {
     # name: (n_layer, n_head, d_model)
     "tiny": (2, 2, 32),
@@ -50,7 +52,7 @@ class GPTConfig:
     @classmethod
     def preset(cls, name: str, **overrides) -> GPTConfig:
         if name not in PRESETS:
-            raise ValueError(f"unknown GPT preset {name!r}; choose from {', '.join(PRESETS)}")
+            raise ArgumentError(f"unknown GPT preset {name!r}; choose from {', '.join(PRESETS)}")
         n_layer, n_head, d_model = PRESETS[name]
         return replace(cls(n_layer=n_layer, n_head=n_head, d_model=d_model), **overrides)
 

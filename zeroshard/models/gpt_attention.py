@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from zeroshard import ArgumentError
 from zeroshard.models.gpt import Attention
 
 # core(q, k, v, dropout_p) -> out, all (batch, heads, seq, head_dim), causal
@@ -55,7 +56,7 @@ class LocalHeadsAttention(nn.Module):
         if kv is None:
             o = self.core(q, k, v, drop)
         elif self.core is not causal_sdpa:
-            raise ValueError(
+            raise ArgumentError(
                 "a key/value cache with sequence-parallel attention is not supported; "
                 "generate without sequence parallelism"
             )

@@ -32,6 +32,7 @@ from collections import defaultdict, deque
 from datetime import datetime
 from typing import TYPE_CHECKING
 
+from zeroshard import NotBuiltError, UsageError
 from zeroshard.config.monitors import COMM_OPS
 
 if TYPE_CHECKING:
@@ -169,13 +170,13 @@ class CommsLogger:
 def log_summary(show_straggler: bool = False, return_dict: bool = False) -> dict | None:
     """The table of the latest engine's comms logger (see :func:`zeroshard.comm.log_summary`)."""
     if show_straggler:
-        raise NotImplementedError(
+        raise NotBuiltError(
             "log_summary(show_straggler=True): the straggler breakdown is not built yet in "
             "zeroshard"
         )
     logger = _ACTIVE[0]() if _ACTIVE else None
     if logger is None:
-        raise RuntimeError(
+        raise UsageError(
             "log_summary: no engine records collectives; enable the config's comms_logger "
             '("comms_logger": {"enabled": true})'
         )

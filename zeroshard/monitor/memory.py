@@ -58,6 +58,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from zeroshard import ArgumentError
+
 PRECISIONS = {"fp32": (4, 4, 0, 8), "bf16": (2, 2, 4, 8), "fp16": (2, 2, 4, 8)}  # p, g, master, m+v
 OFFLOADS = ("none", "cpu", "nvme")
 POLICIES = ("none", "selective", "full")
@@ -129,10 +131,10 @@ def estimate(
     buffers of (n - 1) / n of a bucket, two at most, like the staging buckets.
     """
     if stage not in (0, 1, 2, 3) or offload not in OFFLOADS or precision not in PRECISIONS:
-        raise ValueError(f"stage/offload/precision: got {stage}, {offload!r}, {precision!r}")
+        raise ArgumentError(f"stage/offload/precision: got {stage}, {offload!r}, {precision!r}")
     world = nproc * nnodes
     if tp < 1 or sp < 1 or world % (tp * sp):
-        raise ValueError(f"tp ({tp}) x sp ({sp}) must divide the {world} ranks")
+        raise ArgumentError(f"tp ({tp}) x sp ({sp}) must divide the {world} ranks")
     n = world // tp  # ZeRO shards over data- and sequence-parallel ranks
     psi = int(params) // tp
     p_b, g_b, master_b, states_b = PRECISIONS[precision]
@@ -238,7 +240,7 @@ def activation_bytes(
     (fp32, no checkpointing, end of forward, per sbh): 68.3 / 44.2 / 39.7 for none / TP2
     / TP2 with Megatron-SP, estimated 68 / 44 / 40."""
     if policy not in POLICIES:
-        raise ValueError(f"policy: expected one of {POLICIES}, got {policy!r}")
+        raise ArgumentError(f"policy: expected one of {POLICIES}, got {policy!r}")
     e, m = dtype_bytes, mlp_ratio
     sbh = seq * micro_batch * hidden / sp
     sbv = seq * micro_batch * vocab / sp

@@ -24,6 +24,7 @@ from concurrent.futures import Future
 import torch
 from torch.optim.adam import adam as adam_functional
 
+from zeroshard.config.schema import ConfigError
 from zeroshard.monitor.progress import progress
 from zeroshard.offload.nvme import ALIGN, SwapSpace, aligned_empty
 from zeroshard.zero.layout.flat import FlatParams
@@ -51,7 +52,7 @@ class SwappedAdam:
         self.param_groups = [dict(h) for h in flat.hyperparams]
         for g in self.param_groups:
             if g.get("amsgrad"):
-                raise ValueError(
+                raise ConfigError(
                     "optimizer.params.amsgrad: not supported with NVMe optimizer offload"
                 )
         self.state: dict = {}

@@ -20,6 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from zeroshard import ArgumentError
+from zeroshard.config.schema import ConfigError
 from zeroshard.distributed.comm import Comm
 from zeroshard.distributed.mesh import Mesh
 from zeroshard.parallel.sequence.attention import (
@@ -81,7 +83,7 @@ def parallelize(model: nn.Module, mesh: Mesh, config) -> Parallelized:
     else:
         for name in ("sequence_parallel", "vocab_parallel_lm_head"):
             if getattr(tp_cfg, name):
-                raise ValueError(
+                raise ConfigError(
                     f"tensor_parallel.{name}: acts inside the tensor-parallel group; set "
                     "tensor_parallel.autotp_size > 1 too"
                 )
@@ -116,7 +118,7 @@ def _shard_inputs(model: nn.Module, comm: Comm, load_balanced: bool):
                 valid = (shifted != -100).sum()
                 kwargs["num_items_in_batch"] = valid / comm.world_size
         if hf and kwargs.get("attention_mask") is not None:
-            raise ValueError(
+            raise ArgumentError(
                 "sequence parallelism: attention_mask is not supported (causal attention "
                 "over unpadded sequences only); pass batches without padding"
             )

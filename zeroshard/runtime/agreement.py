@@ -14,10 +14,11 @@ import json
 
 from torch import nn
 
+from zeroshard import ZeroshardError
 from zeroshard.distributed.comm import Comm
 
 
-class RanksDisagreeError(RuntimeError):
+class RanksDisagreeError(ZeroshardError, RuntimeError):
     """Ranks started with different models or configs (raised on every rank)."""
 
 

@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from zeroshard import ArgumentError, NotBuiltError
+from zeroshard.config.schema import ConfigError
 from zeroshard.offload.store import MemoryShard
 from zeroshard.parallel.apply import (
     Parallelized,
@@ -125,7 +127,7 @@ class EngineBuild:
         """Masters and optimizer states: in swap files (NVMe offload) or in memory."""
         if self.placement.optimizer_nvme:
             if client is not None:
-                raise ValueError(
+                raise ConfigError(
                     "zero_optimization.offload_optimizer.device: NVMe offload steps the "
                     "config's Adam/AdamW itself; pass no optimizer to initialize() with it"
                 )
@@ -134,7 +136,7 @@ class EngineBuild:
         factory = optimizer_factory(cfg, self.device) if cfg is not None else None
         offload = self._config.zero_optimization.offload_optimizer
         if offload.delayed_update and not isinstance(client, (torch.optim.Optimizer, type(None))):
-            raise ValueError(
+            raise ConfigError(
                 "zero_optimization.offload_optimizer.delayed_update steps a twin of a "
                 "torch.optim.Optimizer in a thread; "
                 f"{type(client).__name__} is not one"
@@ -248,7 +250,7 @@ class EngineBuild:
         holding the parameters that replaced sliced ones."""
         split = self._config.tensor_parallel.size > 1  # AutoTP (an mpu's model is split)
         if split and any(is_sealed(p) for p in self.module.parameters()):
-            raise NotImplementedError(
+            raise NotBuiltError(
                 "tensor_parallel.autotp_size: a model built under zero.Init with tensor "
                 "parallelism is not built yet; build the model without zero.Init"
             )
@@ -270,7 +272,7 @@ class EngineBuild:
         sc = self._config.scheduler
         if sc is not None:
             if client is not None:
-                raise ValueError(
+                raise ArgumentError(
                     "initialize: both the config's 'scheduler' section and an lr_scheduler "
                     "argument were given; use one"
                 )

@@ -33,6 +33,8 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from zeroshard import ArgumentError, UsageError
+from zeroshard.config.schema import ConfigError
 from zeroshard.distributed import watchdog
 from zeroshard.distributed.mesh import Mesh
 from zeroshard.distributed.process_group import default_device, local_rank
@@ -98,7 +100,7 @@ class Engine(EngineBuild, DeepSpeedEngineCompat, nn.Module):
         self.placement = Placement.from_config(config.zero_optimization, self.device)
         self.sharding = Sharding.for_stage(config.zero_optimization.stage)
         if mesh.size("zero_replicate") > 1 and not self.sharding.optimizer:
-            raise ValueError(
+            raise ConfigError(
                 "zero_optimization.mics_shard_size: hybrid sharding needs ZeRO stage 1, 2 or 3 "
                 "(stage 0 shards nothing)"
             )
@@ -157,7 +159,7 @@ class Engine(EngineBuild, DeepSpeedEngineCompat, nn.Module):
             )
         else:
             if zc.overlap_param_gather and mesh.size("pp") > 1:
-                raise ValueError(
+                raise ConfigError(
                     "zero_optimization.overlap_param_gather with pipeline stages is not "
                     "built yet; leave it out with a pipeline section"
                 )
@@ -277,7 +279,7 @@ class Engine(EngineBuild, DeepSpeedEngineCompat, nn.Module):
     def _enter(self, phase: str) -> None:
         """Refuse a destroyed engine; tell the watchdog which call this rank is in."""
         if self.destroyed:
-            raise RuntimeError(
+            raise UsageError(
                 "this zeroshard engine was destroyed (engine.destroy(), or initialize() "
                 "called again on its model); use the engine the latest initialize() returned"
             )
@@ -334,7 +336,7 @@ class Engine(EngineBuild, DeepSpeedEngineCompat, nn.Module):
         self._enter("backward")
         for name, p in self._frozen:
             if p.requires_grad:
-                raise RuntimeError(
+                raise UsageError(
                     f"parameter {name!r} was frozen (requires_grad=False) when initialize() "
                     "ran and now requires grad: zeroshard laid out its gradient and optimizer "
                     "storage then. Call engine.destroy() and initialize() again after "
@@ -416,7 +418,7 @@ class Engine(EngineBuild, DeepSpeedEngineCompat, nn.Module):
         """Start a new accumulation window: every ``param.grad`` is unset (gradients
         live in the engine's buffers); ``set_to_none=False`` (zeroed tensors) is refused."""
         if not set_to_none:
-            raise ValueError(
+            raise ArgumentError(
                 "engine.zero_grad(set_to_none=False): the engine keeps gradients in its own "
                 "buffers and unsets param.grad; zeroed param.grad tensors are not built"
             )

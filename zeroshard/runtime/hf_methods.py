@@ -20,6 +20,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from zeroshard import NotBuiltError
+
 if TYPE_CHECKING:
     from zeroshard.distributed.comm import Comm
     from zeroshard.runtime.build import Sharding
@@ -94,7 +96,7 @@ class DeepSpeedEngineCompat:
         at stages 0-2 (stage 3's parameter guard is a torch function mode dynamo cannot
         trace yet: refused)."""
         if self.sharding.parameters:
-            raise NotImplementedError(
+            raise NotBuiltError(
                 "engine.compile() at ZeRO stage 3 is not built yet in zeroshard (the "
                 "released-parameter guard is not traceable by torch.compile)"
             )

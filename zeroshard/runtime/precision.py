@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from zeroshard import NonFiniteError
+
 _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
@@ -90,7 +92,7 @@ class LossScaler:
             if overflow:
                 if self.hysteresis == 1 or self.cur_hysteresis == 1:
                     if self.scale <= self.min_scale:
-                        raise FloatingPointError(
+                        raise NonFiniteError(
                             f"fp16: the gradients overflow at the minimum loss scale "
                             f"(fp16.min_loss_scale = {self.min_scale:g}) after "
                             f"{self.hysteresis} overflow(s) in a row: every step would be "

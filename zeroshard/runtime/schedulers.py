@@ -20,6 +20,9 @@ from typing import Any
 
 import torch
 
+from zeroshard import ArgumentError, UsageError
+from zeroshard.config.schema import ConfigError
+
 logger = logging.getLogger("zeroshard.schedulers")  # its name before the move
 
 WARMUP_LOG = "log"
@@ -31,7 +34,7 @@ def _per_group(optimizer, value, name: str) -> list:
     n = len(optimizer.param_groups)
     if isinstance(value, (list, tuple)):
         if len(value) != n:
-            raise ValueError(f"expected {n} values for {name}, got {len(value)}")
+            raise ArgumentError(f"expected {n} values for {name}, got {len(value)}")
         return list(value)
     return [value] * n
 
@@ -74,7 +77,7 @@ class _Schedule:
 
     def get_last_lr(self) -> list[float]:
         if self._last_lr is None:
-            raise RuntimeError("need to call step() first")
+            raise UsageError("need to call step() first")
         return list(self._last_lr)
 
     def state_dict(self) -> dict[str, Any]:
@@ -103,7 +106,9 @@ class LRRangeTest(_Schedule):
     ):
         super().__init__(optimizer, last_batch_iteration)
         if lr_range_test_step_size <= 0:
-            raise ValueError(f"lr_range_test_step_size must be > 0, got {lr_range_test_step_size}")
+            raise ArgumentError(
+                f"lr_range_test_step_size must be > 0, got {lr_range_test_step_size}"
+            )
         self.min_lr = _per_group(optimizer, lr_range_test_min_lr, "lr_range_test_min_lr")
         self.step_size = lr_range_test_step_size
         self.step_rate = lr_range_test_step_rate
@@ -160,9 +165,9 @@ class OneCycle(_Schedule):
         first = float(cycle_first_step_size)
         second = first if cycle_second_step_size is None else float(cycle_second_step_size)
         if first <= 0:
-            raise ValueError(f"cycle_first_step_size must be positive, got {first}")
+            raise ArgumentError(f"cycle_first_step_size must be positive, got {first}")
         if second < 0:
-            raise ValueError(f"cycle_second_step_size must be non-negative, got {second}")
+            raise ArgumentError(f"cycle_second_step_size must be non-negative, got {second}")
         self.first_step_size, self.second_step_size = first, second
         self.total_size = first + second
         self.step_ratio = first / self.total_size
@@ -259,7 +264,7 @@ class _Warmup(_Schedule):
     def _init_warmup(self, warmup_num_steps, warmup_type: str) -> None:
         steps = warmup_num_steps
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
-            raise ValueError(f"warmup_num_steps must be an integer >= 0, got {steps!r}")
+            raise ArgumentError(f"warmup_num_steps must be an integer >= 0, got {steps!r}")
         # log warmup divides by log(n): DeepSpeed raises n to at least 2 (0 and 1 alike)
         self.warmup_num_steps = max(2, steps)
         if warmup_type not in (WARMUP_LOG, WARMUP_LINEAR):
@@ -403,15 +408,15 @@ def _resolve_auto(key: str, optimizer):
     if key in ("warmup_min_lr", "warmup_num_steps"):
         return {"warmup_min_lr": 0.0, "warmup_num_steps": 0}[key]
     if key == "total_num_steps":
-        raise ValueError(_TOTAL_AUTO_MSG)
-    raise ValueError(f"scheduler.params.{key}: 'auto' is not supported for this parameter; set it")
+        raise ConfigError(_TOTAL_AUTO_MSG)
+    raise ConfigError(f"scheduler.params.{key}: 'auto' is not supported for this parameter; set it")
 
 
 def build_scheduler(type_name: str, params: dict | None, optimizer) -> _Schedule:
     """Build ``SCHEDULERS[type_name](optimizer, **params)``, resolving "auto" values."""
     cls = SCHEDULERS.get(type_name)
     if cls is None:
-        raise ValueError(
+        raise ConfigError(
             f"scheduler.type: unknown scheduler {type_name!r}; expected one of {sorted(SCHEDULERS)}"
         )
     signature = inspect.signature(cls.__init__)
@@ -419,9 +424,11 @@ def build_scheduler(type_name: str, params: dict | None, optimizer) -> _Schedule
     kwargs = {}
     for key, value in (params or {}).items():
         if key not in accepted:
-            raise ValueError(f"scheduler.params.{key}: not a parameter of {type_name} ({accepted})")
+            raise ConfigError(
+                f"scheduler.params.{key}: not a parameter of {type_name} ({accepted})"
+            )
         kwargs[key] = _resolve_auto(key, optimizer) if value == "auto" else value
     for name in accepted:
         if signature.parameters[name].default is inspect.Parameter.empty and name not in kwargs:
-            raise ValueError(f"scheduler.params.{name}: required by {type_name}")
+            raise ConfigError(f"scheduler.params.{name}: required by {type_name}")
     return cls(optimizer, **kwargs)

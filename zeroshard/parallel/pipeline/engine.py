@@ -42,6 +42,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from zeroshard import InternalError
 from zeroshard.parallel.pipeline.exec import StageRunner
 from zeroshard.parallel.pipeline.module import PipelineError, PipelineModule, check_config
 from zeroshard.parallel.pipeline.p2p import HEADER_LEN, StageLink, header_of
@@ -155,7 +156,7 @@ class PipelineEngine(Engine):
         for i, q in enumerate(self.flat.params):
             if q is p:
                 return i
-        raise RuntimeError("internal: a tied parameter is not in the flat layout")
+        raise InternalError("internal: a tied parameter is not in the flat layout")
 
     def _excluded_pieces(self) -> list[tuple[int, int, int]]:
         """Tied parameters' pieces in this rank's gradient chunks, left out of the norm

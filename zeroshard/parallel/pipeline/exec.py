@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from zeroshard import InternalError
 from zeroshard.parallel.pipeline.p2p import StageLink, as_tuple
 from zeroshard.parallel.pipeline.schedules import Action
 
@@ -115,7 +116,7 @@ class StageRunner:
 
     def _peer_link(self) -> StageLink:
         if self.link is None:
-            raise RuntimeError("pipeline: a send/recv action on a stage without neighbours")
+            raise InternalError("pipeline: a send/recv action on a stage without neighbours")
         return self.link
 
     def run(

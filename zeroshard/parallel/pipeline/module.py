@@ -30,8 +30,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from zeroshard import ZeroshardError
 
-class PipelineError(ValueError):
+
+class PipelineError(ZeroshardError, ValueError):
     """A pipeline model that cannot be cut or run as asked; the message says why."""
 
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 import torch
 
 from zeroshard.distributed.comm import Comm, Handle
+from zeroshard.parallel.pipeline.module import PipelineError
 
 MAX_TENSORS = 8
 MAX_DIMS = 6
@@ -61,7 +62,7 @@ def as_tuple(x) -> tuple[torch.Tensor, ...]:
                 f"go to the next stage, got {type(t).__name__}"
             )
     if len(items) > MAX_TENSORS:
-        raise ValueError(f"pipeline: at most {MAX_TENSORS} tensors between stages, got {len(items)}")  # fmt: skip
+        raise PipelineError(f"pipeline: at most {MAX_TENSORS} tensors between stages, got {len(items)}")  # fmt: skip
     return items
 
 
@@ -74,9 +75,9 @@ def _header(tensors: tuple[torch.Tensor, ...]) -> torch.Tensor:
     h[0] = len(tensors)
     for i, t in enumerate(tensors):
         if t.dim() > MAX_DIMS:
-            raise ValueError(f"pipeline: tensors of at most {MAX_DIMS} dims between stages")
+            raise PipelineError(f"pipeline: tensors of at most {MAX_DIMS} dims between stages")
         if t.dtype not in DTYPES:
-            raise ValueError(f"pipeline: dtype {t.dtype} cannot go between stages")
+            raise PipelineError(f"pipeline: dtype {t.dtype} cannot go between stages")
         o = 1 + i * _SLOT
         h[o] = DTYPES.index(t.dtype)
         h[o + 1] = int(t.is_floating_point() and t.requires_grad)

@@ -29,6 +29,8 @@ import json
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 
+from zeroshard.parallel.pipeline.module import PipelineError
+
 COMPUTE_KINDS = ("F", "B", "BI", "BW", "W")
 COLORS = {"F": "#4C72B0", "B": "#55A868", "BI": "#8ACB88", "BW": "#DD8452", "W": "#DD8452"}
 OTHER_COLOR = "#BBBBBB"
@@ -47,7 +49,7 @@ def _union_length(intervals: Iterable[tuple[float, float]]) -> float:
 def step_span(trace: Sequence[dict]) -> tuple[float, float]:
     """(first start, last end) over all actions of all stages."""
     if not trace:
-        raise ValueError("empty pipeline trace: run train_batch first (engine.pipeline_trace)")
+        raise PipelineError("empty pipeline trace: run train_batch first (engine.pipeline_trace)")
     return min(a["t_start"] for a in trace), max(a["t_end"] for a in trace)
 
 
@@ -58,7 +60,7 @@ def bubble_fractions(
     t0, t1 = step_span(trace)
     span = t1 - t0
     if span <= 0:
-        raise ValueError("pipeline trace spans no time")
+        raise PipelineError("pipeline trace spans no time")
     busy: dict[int, list[tuple[float, float]]] = defaultdict(list)
     stages = set()
     for a in trace:
@@ -90,17 +92,17 @@ def theoretical_bubble(
     """
     p, m, v = stages, microbatches, virtual
     if p < 1 or m < 1 or v < 1:
-        raise ValueError(f"stages, microbatches and virtual must be >= 1 (got {p}, {m}, {v})")
+        raise PipelineError(f"stages, microbatches and virtual must be >= 1 (got {p}, {m}, {v})")
     if schedule in ("gpipe", "1f1b"):
         if v != 1:
-            raise ValueError(f"schedule {schedule!r} has one chunk per stage (virtual={v})")
+            raise PipelineError(f"schedule {schedule!r} has one chunk per stage (virtual={v})")
         return (p - 1) / (m + p - 1)
     if schedule == "interleaved_1f1b":
         return (p - 1) / (v * m + p - 1)
     if schedule == "zb_h1":
         idle = (p - 1) * max(t_f + t_b - t_w, 0.0)
         return idle / (m * (t_f + t_b + t_w) + idle)
-    raise ValueError(
+    raise PipelineError(
         f"no bubble formula for schedule {schedule!r} (gpipe, 1f1b, interleaved_1f1b, zb_h1)"
     )
 

@@ -41,12 +41,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from zeroshard import ZeroshardError
+
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1")
 COMPUTE = ("F", "B", "BI", "BW")
 KINDS = (*COMPUTE, "SEND_F", "RECV_F", "SEND_B", "RECV_B")
 
 
-class ScheduleError(ValueError):
+class ScheduleError(ZeroshardError, ValueError):
     """A schedule that cannot be built for these sizes; the message says why."""
 
 

@@ -56,6 +56,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from zeroshard.parallel.pipeline.module import PipelineError
+
 IGNORE_INDEX = -100
 
 
@@ -99,7 +101,7 @@ def _unpack(x: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
             return x[0], None
         if len(x) == 2:
             return x[0], x[1]
-        raise ValueError(
+        raise PipelineError(
             f"pipeline layer got a tuple of {len(x)} tensors: expected hidden or (hidden, attention_mask)"
         )
     return x, None
@@ -285,7 +287,7 @@ def _head_layers(model: nn.Module, embedding: nn.Module, key: str) -> tuple[list
     """The output side: a TiedLayer on the embedding if lm_head shares its weight, else lm_head."""
     head = model.lm_head
     if getattr(head, "bias", None) is not None:
-        raise ValueError(
+        raise PipelineError(
             f"{type(model).__name__}.lm_head has a bias: the pipeline splitter does not handle it"
         )
     if _tied(model):
@@ -314,7 +316,7 @@ def _split_llama(model: nn.Module) -> PipelineSplit:
 def _split_gpt2(model: nn.Module) -> PipelineSplit:
     inner, config = model.transformer, model.config
     if getattr(config, "add_cross_attention", False):
-        raise ValueError(
+        raise PipelineError(
             "GPT-2 with add_cross_attention=True has no pipeline splitter (encoder states per block)"
         )
     layers: list = [
@@ -375,13 +377,13 @@ def split_for_pipeline(model: nn.Module) -> PipelineSplit:
         needed, splitter = _SPLITTERS[kind]
         missing = [a for a in needed if not _has(model, a)]
         if missing:
-            raise ValueError(
+            raise PipelineError(
                 f"cannot split {name} (model_type {kind!r}) into pipeline stages: it lacks {', '.join(missing)} "
                 f"(the splitter wants the causal-LM class, e.g. LlamaForCausalLM / GPT2LMHeadModel)"
             )
         return splitter(model)
     what = f"model_type {kind!r}" if kind else "not a Hugging Face model"
-    raise ValueError(
+    raise PipelineError(
         f"cannot split {name} ({what}) into pipeline stages: it is not an nn.Sequential and zeroshard has "
         f"splitters only for Hugging Face model types {', '.join(supported_families())}. Describe the model as "
         f"a zeroshard.pipe.PipelineModule (a list of layers or LayerSpecs passing tensors) instead."

@@ -42,10 +42,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from zeroshard import models
+from zeroshard import UsageError, models
 from zeroshard.distributed.comm import Comm
 from zeroshard.models.gpt_attention import LocalHeadsAttention, adapt_gpt_attention
-from zeroshard.parallel.sequence.ring import ring_attention, zigzag_positions
+from zeroshard.parallel.sequence.ring import SequenceParallelError, ring_attention, zigzag_positions
 
 SEQ_DIM = 1
 ATTENTIONS = (models.Attention, LocalHeadsAttention)
@@ -72,7 +72,9 @@ def shard_sequence(
     """This rank's share of ``x`` along ``dim`` (for inputs, labels, masks)."""
     n = x.shape[dim]
     if n % comm.world_size:
-        raise ValueError(f"sequence length {n} does not divide by {comm.world_size} ranks")
+        raise SequenceParallelError(
+            f"sequence length {n} does not divide by {comm.world_size} ranks"
+        )
     pos = local_positions(n // comm.world_size, comm, load_balanced=load_balanced, device=x.device)
     return x.index_select(dim, pos)
 
@@ -84,7 +86,9 @@ def _all_to_all(x: torch.Tensor, comm: Comm, scatter_dim: int, gather_dim: int) 
     w = comm.world_size
     shape = list(x.shape)
     if shape[scatter_dim] % w:
-        raise ValueError(f"dim {scatter_dim} of size {shape[scatter_dim]} does not divide by {w}")
+        raise SequenceParallelError(
+            f"dim {scatter_dim} of size {shape[scatter_dim]} does not divide by {w}"
+        )
     parts = x.reshape(*shape[:scatter_dim], w, shape[scatter_dim] // w, *shape[scatter_dim + 1 :])
     send = parts.movedim(scatter_dim, 0).contiguous()
     recv = torch.empty_like(send)
@@ -142,7 +146,7 @@ def ulysses_attention(
     """
     for name, n in (("heads", q.shape[1]), ("key/value heads", k.shape[1])):
         if n % comm.world_size:
-            raise ValueError(
+            raise SequenceParallelError(
                 f"Ulysses splits attention heads over {comm.world_size} sequence-parallel ranks: "
                 f"{n} {name} do not divide; choose a sequence_parallel_size that divides {n}"
             )
@@ -157,7 +161,7 @@ def ulysses_attention(
 def _comm_for(module: nn.Module, kind: str) -> Comm:
     comm = _COMMS.get(module)
     if comm is None:
-        raise RuntimeError(
+        raise UsageError(
             f"{type(module).__name__} runs {kind} attention but its model was not prepared "
             "by zeroshard's sequence parallelism (apply_ulysses / apply_ring_attention)"
         )
@@ -167,7 +171,7 @@ def _comm_for(module: nn.Module, kind: str) -> Comm:
 def _check_mask(mask, module: nn.Module, kwargs: dict) -> None:
     for key in ("sliding_window", "softcap"):
         if kwargs.get(key) is not None:
-            raise ValueError(
+            raise SequenceParallelError(
                 f"{type(module).__name__}: zeroshard's sequence-parallel attention does not apply "
                 f"{key} (config.{key} = {kwargs[key]}); set it to None or turn sequence "
                 "parallelism off for this model"
@@ -179,7 +183,7 @@ def _check_mask(mask, module: nn.Module, kwargs: dict) -> None:
     else:
         full = not bool(mask.any())  # additive: zeros everywhere
     if not full:
-        raise ValueError(
+        raise SequenceParallelError(
             f"{type(module).__name__}: zeroshard's sequence-parallel attention supports causal or "
             "full attention without padding; pack sequences instead of padding them"
         )
@@ -210,7 +214,7 @@ def _hf_ring(module, query, key, value, attention_mask, dropout=0.0, scaling=Non
              is_causal=None, **kwargs):  # fmt: skip
     _check_mask(attention_mask, module, kwargs)
     if dropout:
-        raise ValueError(
+        raise SequenceParallelError(
             f"{type(module).__name__}: ring attention does not apply attention dropout"
         )
     out = ring_attention(query, key, value, _comm_for(module, "ring"),
@@ -260,7 +264,7 @@ def _check_heads(model: nn.Module, comm: Comm, what: str) -> None:
     for key in ("num_attention_heads", "num_key_value_heads"):
         n = getattr(cfg, key, None)
         if isinstance(n, int) and n % comm.world_size:
-            raise ValueError(
+            raise SequenceParallelError(
                 f"{what}: config.{key} = {n} does not divide by sequence_parallel_size "
                 f"{comm.world_size}; choose a sequence_parallel_size that divides {n}"
             )
@@ -285,7 +289,7 @@ def _apply_context(model: nn.Module, comm: Comm, kind: str) -> list[RemovableHan
         for attn in model.modules():  # heads are this rank's already under tensor parallelism
             n = getattr(attn, "n_head", 0) if isinstance(attn, ATTENTIONS) else 0
             if kind == "ulysses" and n % comm.world_size:
-                raise ValueError(
+                raise SequenceParallelError(
                     f"Ulysses: the GPT's {n} heads do not divide by sequence_parallel_size "
                     f"{comm.world_size}; choose a sequence_parallel_size that divides {n}"
                 )
@@ -313,7 +317,9 @@ def _gpt_core(comm: Comm, kind: str):
 
     def ring(q, k, v, p):
         if p:
-            raise ValueError("ring attention does not apply attention dropout; set dropout 0")
+            raise SequenceParallelError(
+                "ring attention does not apply attention dropout; set dropout 0"
+            )
         return ring_attention(q, k, v, comm)
 
     return ring

@@ -21,14 +21,19 @@ from __future__ import annotations
 
 import torch
 
+from zeroshard import ZeroshardError
 from zeroshard.distributed.comm import Comm
+
+
+class SequenceParallelError(ZeroshardError, ValueError):
+    """A model or input that sequence parallelism cannot split as asked."""
 
 
 def zigzag_positions(seq_len: int, rank: int, world: int, device=None) -> torch.Tensor:
     """Global positions of rank ``rank``'s tokens: chunks ``rank`` and ``2·world-1-rank``
     of ``2·world`` equal chunks of ``seq_len``."""
     if seq_len % (2 * world):
-        raise ValueError(
+        raise SequenceParallelError(
             f"ring attention splits the sequence into 2 x {world} equal chunks: "
             f"sequence length {seq_len} does not divide by {2 * world}"
         )
@@ -160,8 +165,12 @@ def ring_attention(
     heads: grouped-query attention). Returns (batch, heads, 2c, head_dim).
     """
     if q.shape[2] % 2 or q.shape[2] != k.shape[2]:
-        raise ValueError(f"ring attention needs two equal local chunks, got q {tuple(q.shape)}")
+        raise SequenceParallelError(
+            f"ring attention needs two equal local chunks, got q {tuple(q.shape)}"
+        )
     if q.shape[1] % k.shape[1]:
-        raise ValueError(f"{q.shape[1]} query heads do not divide into {k.shape[1]} kv heads")
+        raise SequenceParallelError(
+            f"{q.shape[1]} query heads do not divide into {k.shape[1]} kv heads"
+        )
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     return _RingAttention.apply(q, k, v, comm, scale, causal)

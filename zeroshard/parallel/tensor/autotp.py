@@ -68,6 +68,7 @@ from zeroshard.parallel.tensor.linear import (
     RowParallelLinear,
 )
 from zeroshard.parallel.tensor.slices import (
+    TensorParallelError,
     TPSlice,
     has_partial_grad,
     mark_partial_grad,
@@ -259,7 +260,7 @@ def _causal_lm_head(model: nn.Module, known: list[KnownModel]) -> tuple[str, nn.
     ]
     if len(lms) != 1:
         found = ", ".join(k.describe() for k in lms) or f"none in {type(model).__name__}"
-        raise ValueError(
+        raise TensorParallelError(
             f"loss_parallel: needs exactly one transformers causal LM computing its loss "
             f"through its loss_function (found: {found}; the built-in GPT computes "
             "cross-entropy on whole logits inside its forward); leave loss_parallel off"

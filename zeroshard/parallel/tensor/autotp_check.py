@@ -27,7 +27,7 @@ from zeroshard.parallel.tensor.autotp_tree import (
     suggested_plan,
 )
 from zeroshard.parallel.tensor.linear import is_conv1d
-from zeroshard.parallel.tensor.slices import TPSlice, even_slice
+from zeroshard.parallel.tensor.slices import TensorParallelError, TPSlice, even_slice
 
 
 def is_linear_like(m: nn.Module) -> bool:
@@ -113,7 +113,7 @@ def check_plan(
     def claim(p, owner, spec):
         prev = plans.get(id(p))
         if prev is not None and prev[1] != spec:
-            raise ValueError(
+            raise TensorParallelError(
                 f"{owner} and {prev[0]} share a weight but their tp_plan styles split it "
                 "differently; give tied layers the same style (embedding + column_gather)"
             )
@@ -132,13 +132,13 @@ def check_plan(
         for attr, spec in planned_slices(m, entry.style, comm).items():
             claim(getattr(m, attr), name, spec)
     if unknown:
-        raise ValueError(_unknown_layers(unknown, known, refused))
+        raise TensorParallelError(_unknown_layers(unknown, known, refused))
     for name, entry in params.items():
         p = model.get_parameter(name)
         if entry.style.kind in ("column", "row"):
             spec = param_slice(p, entry.style, comm)
             if p.shape[spec.dim] % (t * entry.style.parts):
-                raise ValueError(
+                raise TensorParallelError(
                     f"{name}: dim {spec.dim} of size {p.shape[spec.dim]} does not split over {t} "
                     f"ranks in {entry.style.parts} part(s)"
                 )
@@ -147,7 +147,7 @@ def check_plan(
         for attr, p in m.named_parameters(recurse=False):
             owner = plans.get(id(p))
             if owner is not None and owner[1] is not None:
-                raise ValueError(
+                raise TensorParallelError(
                     f"{name}.{attr} is the same tensor as {owner[0]}'s, which is split; give "
                     f"{name} the matching tp_plan style"
                 )
@@ -158,7 +158,7 @@ def check_plan(
                  and not any(k.holds(n) for k in gpts)
                  and (mods.get(n) is None or mods[n].style.kind != "embedding")]  # fmt: skip
         if extra:
-            raise ValueError(
+            raise TensorParallelError(
                 f"Megatron-SP: {', '.join(extra)} would see the whole sequence while the "
                 "activations are split along it (learned position or token-type embeddings "
                 "are not supported under sequence_parallel); turn sequence_parallel off"
@@ -168,17 +168,17 @@ def check_plan(
 
 def _check_sequence_parallel(model, known, mods, covering) -> None:
     if any(mods[c].style.kind == "experts" for c in covering):
-        raise ValueError(
+        raise TensorParallelError(
             "sequence_parallel with mixture-of-experts layers is not built; turn it off"
         )
     if not known:
-        raise ValueError(
+        raise TensorParallelError(
             f"Megatron-SP knows the built-in GPT and transformers models, not "
             f"{type(model).__name__}; turn sequence_parallel off"
         )
     outside = [n for n, _ in model.named_parameters() if not any(k.holds(n) for k in known)]
     if outside:
-        raise ValueError(
+        raise TensorParallelError(
             f"Megatron-SP: the wrapper's own parameters ({', '.join(outside[:4])}) sit outside "
             f"{', '.join(k.describe() for k in known)}; which share of the sequence they see "
             "is not known, so their gradients cannot be summed right; turn sequence_parallel off"
@@ -226,9 +226,11 @@ def _check_layer(name, m, entry: PlanEntry, named, model, t: int) -> None:
     style = entry.style
     where = f"{name} ({entry.source}: {entry.pattern!r})"
     if isinstance(m, nn.Embedding) != (style.kind == "embedding"):
-        raise ValueError(f"{where}: style {style.kind!r} does not fit a {type(m).__name__}")
+        raise TensorParallelError(
+            f"{where}: style {style.kind!r} does not fit a {type(m).__name__}"
+        )
     if style.gather_output and style.parts > 1:
-        raise ValueError(f"{where}: a gathered output cannot have fused parts")
+        raise TensorParallelError(f"{where}: a gathered output cannot have fused parts")
     if isinstance(m, nn.Embedding):
         rows = m.num_embeddings
     elif is_conv1d(m):
@@ -236,13 +238,13 @@ def _check_layer(name, m, entry: PlanEntry, named, model, t: int) -> None:
     else:
         rows = m.weight.shape[0] if style.kind == "column" else m.weight.shape[1]
     if (style.kind == "embedding" or style.gather_output) and rows % t:
-        raise ValueError(
+        raise TensorParallelError(
             f"{name}: a vocabulary of {rows} does not divide by the tensor-parallel size {t}; "
             f"pad it to a multiple of {t} (transformers: model.resize_token_embeddings(n, "
             f"pad_to_multiple_of={t}); the built-in GPT: GPTConfig(vocab_size=...))"
         )
     if style.parts < 1 or rows % style.parts:
-        raise ValueError(f"{where}: {rows} features do not form {style.parts} equal parts")
+        raise TensorParallelError(f"{where}: {rows} features do not form {style.parts} equal parts")
     part = rows // style.parts
     parent = named[layer_owner(name, named)]
     hd = head_dim_of(parent)
@@ -254,12 +256,12 @@ def _check_layer(name, m, entry: PlanEntry, named, model, t: int) -> None:
             getattr(cfg, "num_attention_heads", None),
         )
         what = "key/value heads" if kv == heads and kv != n_q else "attention heads"
-        raise ValueError(
+        raise TensorParallelError(
             f"{name}: {heads} {what} (head_dim {hd}) do not divide by the tensor-parallel "
             f"size {t}; use an autotp_size that divides {heads}"
         )
     if part % t:
-        raise ValueError(
+        raise TensorParallelError(
             f"{where}: {part} features per part do not split evenly over {t} ranks; use an "
             f"autotp_size that divides {part}"
         )

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from zeroshard import models
+from zeroshard.parallel.tensor.slices import TensorParallelError
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -85,7 +86,7 @@ def parse_style(value: str | Style, where: str) -> Style:
         return value
     style = _STYLES.get(value) if isinstance(value, str) else None
     if style is None:
-        raise ValueError(
+        raise TensorParallelError(
             f"{where}: tensor-parallel style {value!r} is not one zeroshard can apply; "
             f"use one of {', '.join(sorted(_STYLES))}"
         )

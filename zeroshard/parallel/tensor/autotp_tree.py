@@ -51,6 +51,7 @@ from torch import nn
 from zeroshard import models
 from zeroshard.parallel.tensor.autotp_plans import PlanEntry, Style, model_plan, parse_style
 from zeroshard.parallel.tensor.linear import is_conv1d
+from zeroshard.parallel.tensor.slices import TensorParallelError
 
 ROW_NAMES = frozenset(
     {"o_proj", "out_proj", "down_proj", "dense_4h_to_h", "c_proj", "fc2", "wo", "w2"}
@@ -189,7 +190,7 @@ def adapter_entries(
         )
         if split and (not lora or variant):
             what = "a LoRA variant (DoRA, ...)" if lora else f"a {type(m).__name__} adapter"
-            raise ValueError(
+            raise TensorParallelError(
                 f"{name}: {what} around a layer split {style.kind}-wise is not built under "
                 f"AutoTP (plain LoRA is); keep the layer whole with tp_plan={{"
                 f"{names.logical[name]!r}: 'replicate'}} or use plain LoRA"
@@ -198,12 +199,12 @@ def adapter_entries(
             continue
         base = m.get_submodule("base_layer")
         if split and not _is_layer(base):
-            raise ValueError(
+            raise TensorParallelError(
                 f"{name}: LoRA around a {type(base).__name__} split {style.kind}-wise is not "
                 "built under AutoTP (Linear, Conv1D and Embedding are)"
             )
         if style.kind == "embedding" and sequence_parallel:
-            raise ValueError(
+            raise TensorParallelError(
                 f"{name}: LoRA around an embedding split over the vocabulary is not built "
                 "under sequence_parallel (its output holds a share of the sequence); leave "
                 "the embedding out of target_modules or turn sequence_parallel off"
@@ -257,7 +258,7 @@ def check_user_entries(
         for k in known:
             under = PlanEntry(_under(k.prefix, e.pattern), e.style, e.source)
             if k.prefix and any(under.matches(c) for c in candidates):
-                raise ValueError(
+                raise TensorParallelError(
                     f"tp_plan[{e.pattern!r}] matches no module or parameter: its names are "
                     f"from the model given ({type(model).__name__}), a wrapper's prefix "
                     f"included; for {k.describe()} write {under.pattern!r}"

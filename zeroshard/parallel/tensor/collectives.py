@@ -27,6 +27,7 @@ import weakref
 import torch
 
 from zeroshard.distributed.comm import Comm
+from zeroshard.parallel.tensor.slices import TensorParallelError
 
 # -- tensor helpers along one dim -----------------------------------------------------
 
@@ -52,7 +53,7 @@ def _reduce_scatter_along(x: torch.Tensor, comm: Comm, dim: int) -> torch.Tensor
         return x
     shape = list(x.shape)
     if shape[dim] % w:
-        raise ValueError(f"dim {dim} of size {shape[dim]} does not divide by {w} ranks")
+        raise TensorParallelError(f"dim {dim} of size {shape[dim]} does not divide by {w} ranks")
     chunks = x.reshape(*shape[:dim], w, shape[dim] // w, *shape[dim + 1 :]).movedim(dim, 0)
     chunks = chunks.contiguous()
     shape[dim] //= w
@@ -67,7 +68,7 @@ def _split_along(x: torch.Tensor, comm: Comm, dim: int) -> torch.Tensor:
     if w == 1:
         return x
     if x.shape[dim] % w:
-        raise ValueError(f"dim {dim} of size {x.shape[dim]} does not divide by {w} ranks")
+        raise TensorParallelError(f"dim {dim} of size {x.shape[dim]} does not divide by {w} ranks")
     n = x.shape[dim] // w
     return x.narrow(dim, comm.rank * n, n).contiguous()
 

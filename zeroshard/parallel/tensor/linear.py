@@ -35,6 +35,7 @@ from zeroshard.parallel.tensor.collectives import (
     split_to_tp,
 )
 from zeroshard.parallel.tensor.slices import (
+    TensorParallelError,
     TPSlice,
     even_slice,
     mark_partial_grad,
@@ -114,14 +115,14 @@ class ColumnParallelLinear(_ParallelLinear):
         if tp_input is not None and (
             tp_input.comm is not comm or tp_input.sequence_parallel != sequence_parallel
         ):
-            raise ValueError("tp_input must have this layer's comm and sequence_parallel")
+            raise TensorParallelError("tp_input must have this layer's comm and sequence_parallel")
         self.tp_input = tp_input or TPInput(
             comm, sequence_parallel=sequence_parallel, seq_dim=seq_dim
         )
         shape = (in_features, out_features) if transposed else (out_features, in_features)
         spec = _spec(shape, 1 if transposed else 0, parts, comm)
         if gather_output and len(spec.parts) > 1:
-            raise ValueError("gather_output with fused parts would reorder the outputs")
+            raise TensorParallelError("gather_output with fused parts would reorder the outputs")
         self.in_features, self.out_features = in_features, out_features
         self.gather_output = gather_output
         bound = 1 / math.sqrt(in_features)  # nn.Linear's default init, on the whole fan-in

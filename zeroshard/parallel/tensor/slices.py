@@ -26,8 +26,14 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from zeroshard import ZeroshardError
+
 _SLICE_ATTR = "zeroshard_tp_slice"
 _PARTIAL_ATTR = "zeroshard_tp_partial_grad"
+
+
+class TensorParallelError(ZeroshardError, ValueError):
+    """A model, plan or tensor that tensor parallelism cannot split as asked."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -46,16 +52,20 @@ class TPSlice:
 
     def __post_init__(self) -> None:
         if not 0 <= self.dim < len(self.full_shape):
-            raise ValueError(f"split dim {self.dim} out of range for shape {self.full_shape}")
+            raise TensorParallelError(
+                f"split dim {self.dim} out of range for shape {self.full_shape}"
+            )
         if sum(self.parts) != self.full_shape[self.dim]:
-            raise ValueError(
+            raise TensorParallelError(
                 f"fused parts {self.parts} do not add up to dim {self.dim} of {self.full_shape}"
             )
         bad = [p for p in self.parts if p % self.world]
         if bad:
-            raise ValueError(f"parts {self.parts} do not divide by the TP size {self.world}")
+            raise TensorParallelError(
+                f"parts {self.parts} do not divide by the TP size {self.world}"
+            )
         if not 0 <= self.rank < self.world:
-            raise ValueError(f"rank {self.rank} out of range for TP size {self.world}")
+            raise TensorParallelError(f"rank {self.rank} out of range for TP size {self.world}")
 
     @property
     def local_shape(self) -> tuple[int, ...]:
@@ -76,7 +86,7 @@ class TPSlice:
     def take(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's slice of the whole tensor ``full`` (a new contiguous tensor)."""
         if tuple(full.shape) != self.full_shape:
-            raise ValueError(
+            raise TensorParallelError(
                 f"expected a whole tensor of shape {self.full_shape}, got {full.shape}"
             )
         pieces = [full.narrow(self.dim, a, b - a) for a, b in self.ranges()]
@@ -106,7 +116,7 @@ def sliced_parameter(p: torch.Tensor, spec: TPSlice) -> nn.Parameter:
 def assemble(locals_: Sequence[torch.Tensor], spec: TPSlice) -> torch.Tensor:
     """The whole tensor from every rank's slice (``locals_`` in TP rank order)."""
     if len(locals_) != spec.world:
-        raise ValueError(f"expected {spec.world} slices, got {len(locals_)}")
+        raise TensorParallelError(f"expected {spec.world} slices, got {len(locals_)}")
     full = locals_[0].new_empty(spec.full_shape)
     for r, local in enumerate(locals_):
         s = TPSlice(
@@ -121,7 +131,7 @@ def assemble(locals_: Sequence[torch.Tensor], spec: TPSlice) -> torch.Tensor:
 
 def mark_sharded(param: torch.Tensor, spec: TPSlice) -> None:
     if tuple(param.shape) != spec.local_shape:
-        raise ValueError(f"parameter of shape {tuple(param.shape)} is not a {spec}")
+        raise TensorParallelError(f"parameter of shape {tuple(param.shape)} is not a {spec}")
     setattr(param, _SLICE_ATTR, spec)
 
 

@@ -20,7 +20,12 @@ from torch import nn
 
 from zeroshard.distributed.comm import Comm
 from zeroshard.parallel.tensor.collectives import reduce_from_tp, reduce_scatter_to_sequence
-from zeroshard.parallel.tensor.slices import even_slice, mark_sharded, sliced_parameter
+from zeroshard.parallel.tensor.slices import (
+    TensorParallelError,
+    even_slice,
+    mark_sharded,
+    sliced_parameter,
+)
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
@@ -73,9 +78,11 @@ def vocab_parallel_cross_entropy(
     whose target is not ``ignore_index``), "sum" or "none".
     """
     if reduction not in ("mean", "sum", "none"):
-        raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
+        raise TensorParallelError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
     if logits.shape[:-1] != target.shape:
-        raise ValueError(f"logits {tuple(logits.shape)} and target {tuple(target.shape)} disagree")
+        raise TensorParallelError(
+            f"logits {tuple(logits.shape)} and target {tuple(target.shape)} disagree"
+        )
     start = comm.rank * logits.shape[-1] if vocab_start is None else vocab_start
     flat = _VocabParallelCrossEntropy.apply(
         logits.reshape(-1, logits.shape[-1]), target.reshape(-1), comm, start, ignore_index
@@ -130,7 +137,7 @@ class VocabParallelEmbedding(nn.Module):
     def from_embedding(cls, emb: nn.Embedding, comm: Comm, **kw) -> VocabParallelEmbedding:
         """This rank's rows of an unsplit ``nn.Embedding`` (weights copied)."""
         if emb.max_norm is not None or emb.scale_grad_by_freq or emb.sparse:
-            raise ValueError(
+            raise TensorParallelError(
                 "VocabParallelEmbedding does not support max_norm, scale_grad_by_freq or sparse"
             )
         new = cls(emb.num_embeddings, emb.embedding_dim, comm, padding_idx=emb.padding_idx,

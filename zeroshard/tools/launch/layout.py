@@ -12,10 +12,12 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
+from zeroshard import ZeroshardError
+
 DEFAULT_MULTINODE_PORT = 29500
 
 
-class LaunchError(Exception):
+class LaunchError(ZeroshardError):
     """A mistake in the launch command or hostfile; printed as one line, exit status 2."""
 
 

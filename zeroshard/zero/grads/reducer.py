@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from zeroshard import ArgumentError, InternalError, UsageError
 from zeroshard.distributed.comm import Comm, Handle
 from zeroshard.distributed.device import host_apart
 from zeroshard.offload.staging import HostStager
@@ -131,7 +132,7 @@ class GradReducer:
         self._rs_via = reduce_scatter_via or comm.reduce_scatter_path(flat.device)
         self.replicate = replicate if replicate is not None and replicate.world_size > 1 else None
         if self.replicate is not None and not flat.partitioned:
-            raise ValueError("internal: replicated reduction needs a sharded layout")
+            raise ArgumentError("internal: replicated reduction needs a sharded layout")
         # gradients are averaged over every rank that produced one
         self._contributors = comm.world_size * (self.replicate.world_size if self.replicate else 1)
         self._on_bucket_ready = on_bucket_ready
@@ -276,7 +277,7 @@ class GradReducer:
         if p.grad is None:
             return
         if not self._in_backward:
-            raise RuntimeError(
+            raise UsageError(
                 "a gradient arrived outside engine.backward(): call engine.backward(loss) "
                 "(which scales, accumulates and reduces across ranks), not loss.backward(), "
                 "then engine.step()"
@@ -284,7 +285,7 @@ class GradReducer:
         bucket = self._bucket_of[pi]
         if bucket.launched:
             name = f"parameter {pi} (shape {tuple(p.shape)})"
-            raise RuntimeError(
+            raise UsageError(
                 f"{name} received a gradient after its bucket was already reduced in this "
                 "backward; a parameter must receive its gradient once per backward "
                 "(reentrant checkpointing or a second backward through it?)"
@@ -475,7 +476,7 @@ class GradReducer:
         reduction (the pipeline engine sums tied parameters' copies into it). A
         parameter with no gradient yet gets zeros and counts as having one."""
         if self.sharded:
-            raise RuntimeError("internal: local_grad needs full (unsharded) gradients")
+            raise InternalError("internal: local_grad needs full (unsharded) gradients")
         view = self._views[pi]
         assert view is not None  # full gradients: every parameter has its slot
         if pi not in self._window_filled:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from zeroshard import ArgumentError, InternalError
 from zeroshard.offload.store import MemoryShard
 from zeroshard.zero.layout.partition import FlatLayout
 
@@ -54,7 +55,7 @@ class FlatParams:
         value_of=None,
     ) -> None:
         if layout.numels != tuple(p.numel() for p in params):
-            raise ValueError("layout does not match the parameters")
+            raise ArgumentError("layout does not match the parameters")
         self.params, self.group_of, self.hyperparams = params, group_of, hyperparams
         self.shapes = [tuple(p.shape) for p in params]  # stage 3 swaps in placeholders
         rank = rank if layout.world_size > 1 else 0  # unsharded: every rank owns it all
@@ -138,5 +139,5 @@ class FlatParams:
         """The whole (padded) segment in the full buffer."""
         seg = self.layout.segments[segment]
         if self.full is None:
-            raise RuntimeError("FlatParams.segment_view: sharded parameters keep no full buffer")
+            raise InternalError("FlatParams.segment_view: sharded parameters keep no full buffer")
         return self.full[seg.start : seg.start + seg.numel]

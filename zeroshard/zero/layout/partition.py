@@ -17,6 +17,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from zeroshard import ArgumentError
+
 
 @dataclass(frozen=True)
 class Segment:
@@ -103,11 +105,11 @@ class FlatLayout:
         align: int = 1,
     ) -> None:
         if world_size < 1:
-            raise ValueError(f"world_size must be >= 1, got {world_size}")
+            raise ArgumentError(f"world_size must be >= 1, got {world_size}")
         if align < 1:
-            raise ValueError(f"align must be >= 1, got {align}")
+            raise ArgumentError(f"align must be >= 1, got {align}")
         if any(n < 0 for n in numels):
-            raise ValueError("parameter sizes must be >= 0")
+            raise ArgumentError("parameter sizes must be >= 0")
         self.numels = tuple(int(n) for n in numels)
         self.world_size = world_size
         self.align = align
@@ -134,7 +136,7 @@ class FlatLayout:
     def _check_groups(self, groups: Sequence[Sequence[int]]) -> None:
         flat = [p for g in groups for p in g]
         if flat != list(range(len(self.numels))):
-            raise ValueError("segments must list every parameter once, in layout order")
+            raise ArgumentError("segments must list every parameter once, in layout order")
 
     @property
     def used_numel(self) -> int:
@@ -176,7 +178,9 @@ class FlatLayout:
         lo = min(self.param_offset[p] for p in members)
         hi = max(self.param_offset[p] + self.numels[p] for p in members)
         if hi - lo != sum(self.numels[p] for p in members):
-            raise ValueError(f"parameters {list(members)} are not contiguous in segment {segment}")
+            raise ArgumentError(
+                f"parameters {list(members)} are not contiguous in segment {segment}"
+            )
         c_lo, c_hi = seg.chunk_range(rank)
         lo, hi = max(lo, c_lo), min(hi, c_hi)
         if lo >= hi:

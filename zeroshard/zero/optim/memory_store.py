@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from zeroshard import ArgumentError
 from zeroshard.distributed.device import runtime
 from zeroshard.offload.placement import Placement
 from zeroshard.runtime.precision import DtypePolicy
@@ -333,7 +334,7 @@ def build_memory_states(
         inner = factory(groups)
     else:
         if len(client.param_groups) != len(groups):
-            raise ValueError("internal: param group count changed")
+            raise ArgumentError("internal: param group count changed")
         for cg, g in zip(client.param_groups, groups, strict=True):
             cg["params"] = g["params"]
         client.state.clear()

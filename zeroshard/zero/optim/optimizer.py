@@ -28,6 +28,7 @@ import math
 
 import torch
 
+from zeroshard import NonFiniteError, UsageError
 from zeroshard.distributed.comm import Comm
 from zeroshard.runtime.precision import DtypePolicy, LossScaler
 from zeroshard.zero.grads.reducer import GradReducer
@@ -190,7 +191,7 @@ class ShardedOptimizer:
 
     def step(self, closure=None) -> None:
         """Refused: the engine steps (at accumulation boundaries, after reducing)."""
-        raise RuntimeError(
+        raise UsageError(
             "optimizer.step() on a zeroshard optimizer: call engine.step() after "
             "engine.backward(loss); it steps at accumulation boundaries, once gradients "
             "are reduced across ranks"
@@ -216,7 +217,7 @@ class ShardedOptimizer:
         if self.overflow:
             self.scaler.update(overflow=True)
             if self.nonfinite == "raise":
-                raise FloatingPointError(
+                raise NonFiniteError(
                     "non-finite gradients or loss (inf/nan) on some rank; no step was "
                     'applied (nonfinite_gradients: "raise"; "skip" skips such steps)'
                 )

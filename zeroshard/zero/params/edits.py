@@ -30,6 +30,8 @@ from collections.abc import Sequence
 
 import torch
 
+from zeroshard import ArgumentError
+
 _DATA = torch.Tensor.data  # the C property
 _WATCHED: dict[type, type] = {}
 
@@ -131,7 +133,7 @@ def view_again(param: torch.Tensor, view: torch.Tensor, name: str) -> None:
     with torch._C.DisableTorchFunctionSubclass():
         value = _DATA.__get__(param)  # type: ignore[attr-defined]  # (the descriptor, see above)
         if value.shape != view.shape or value.dtype != view.dtype:
-            raise ValueError(
+            raise ArgumentError(
                 f"parameter {name!r} was given a tensor of shape {tuple(value.shape)} and "
                 f"dtype {value.dtype} (p.data = ...), but the engine laid it out as "
                 f"{tuple(view.shape)} {view.dtype}: assign values of the same shape and "

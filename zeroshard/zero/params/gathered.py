@@ -15,14 +15,21 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from zeroshard.zero.params.init import Init, sealing_init
 
-if TYPE_CHECKING:
-    from zeroshard.runtime.engine import Engine
+
+class GatherOwner(Protocol):
+    """What ``GatheredParameters`` asks of the engine that owns a parameter (the engine
+    registers itself; this module does not import it: the engine sits above zero/)."""
+
+    def open_gathered(self, params: list[torch.Tensor]) -> None: ...
+
+    def close_gathered(self, params: list[torch.Tensor], modifier_rank: int | None) -> None: ...
+
 
 # id(parameter) -> (weakref to it, weakref to the engine owning it). Set by the engine;
 # lets the DeepSpeed-style context manager find the shards from the parameters alone.
@@ -30,7 +37,7 @@ if TYPE_CHECKING:
 _OWNER: dict[int, tuple[weakref.ref, weakref.ref]] = {}
 
 
-def register_owner(params: Iterable[torch.nn.Parameter], owner) -> None:
+def register_owner(params: Iterable[torch.nn.Parameter], owner: GatherOwner) -> None:
     for k in [k for k, (p, o) in _OWNER.items() if p() is None or o() is None]:
         del _OWNER[k]
     for p in params:
@@ -43,7 +50,7 @@ def unregister_owner(owner) -> None:
         del _OWNER[k]
 
 
-def owner_of(param: torch.Tensor) -> Engine | None:
+def owner_of(param: torch.Tensor) -> GatherOwner | None:
     """The engine managing ``param``, or None."""
     entry = _OWNER.get(id(param))
     if entry is None or entry[0]() is not param:
@@ -76,7 +83,7 @@ class GatheredParameters:
     ):
         self.params = _as_list(params) if enabled else []
         self.modifier_rank = modifier_rank
-        self._by_owner: dict[int, tuple[Engine, list[torch.Tensor]]] = {}
+        self._by_owner: dict[int, tuple[GatherOwner, list[torch.Tensor]]] = {}
         self._sealed: list[tuple[Init, torch.Tensor]] = []  # built under zero.Init
         for p in {id(p): p for p in self.params}.values():
             owner = owner_of(p)

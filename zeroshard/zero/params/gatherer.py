@@ -91,6 +91,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from zeroshard import ZeroshardError
 from zeroshard.distributed.comm import Comm, Handle
 from zeroshard.zero.layout.flat import FlatParams
 from zeroshard.zero.params.edits import WholeEdits, moved, take_edits, view_again
@@ -104,7 +105,7 @@ from zeroshard.zero.params.hooks import (
 from zeroshard.zero.params.whole import segments_of
 
 
-class GatherMismatchError(RuntimeError):
+class GatherMismatchError(ZeroshardError, RuntimeError):
     """Ranks would gather different stage-3 units (raised on every rank)."""
 
 

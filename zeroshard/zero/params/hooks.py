@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import torch
 
+from zeroshard import ZeroshardError
+
 
 class PreBackward(torch.autograd.Function):
     """Identity in forward; in backward, gathers a module's units before its backward runs."""
@@ -90,7 +92,7 @@ def wrap_outputs(output, gatherer, units: tuple[int, ...]):
     return output
 
 
-class PartitionedParameterError(RuntimeError):
+class PartitionedParameterError(ZeroshardError, RuntimeError):
     """A stage-3 parameter used while only this rank's shard of it is held."""
 
 

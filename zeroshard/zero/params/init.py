@@ -43,6 +43,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.hooks import RemovableHandle
 
+from zeroshard import NotBuiltError, UsageError
 from zeroshard.distributed.comm import Comm
 from zeroshard.distributed.device import runtime
 from zeroshard.distributed.process_group import default_device, init_distributed
@@ -142,18 +143,18 @@ class Init:
         **kwargs,
     ) -> None:
         if module is not None:
-            raise NotImplementedError(
+            raise NotBuiltError(
                 "zero.Init(module=...): partitioning a built model is done by initialize() "
                 "with a stage-3 config"
             )
         refused = {k: v for k, v in kwargs.items() if v not in (None, False)}
         if refused:
-            raise NotImplementedError(
+            raise NotBuiltError(
                 f"zero.Init: {', '.join(sorted(refused))} is not built yet in zeroshard"
             )
         remote = str(remote_device).lower() if remote_device is not None else "none"
         if remote not in ("none", "cpu", "cuda"):
-            raise NotImplementedError(
+            raise NotBuiltError(
                 f"zero.Init(remote_device={remote_device!r}): only None, 'cpu' and the "
                 "compute device are built; NVMe-partitioned construction is not built yet"
             )
@@ -262,7 +263,7 @@ class Init:
         """``t``'s entry; ``t`` must be sealed by this ``zero.Init``."""
         entry = self.lookup(t)
         if entry is None:
-            raise RuntimeError("zero.Init: the tensor is not a parameter sealed by this context")
+            raise UsageError("zero.Init: the tensor is not a parameter sealed by this context")
         return entry
 
     def hidden(self, t: torch.Tensor) -> Sealed | None:

@@ -17,6 +17,7 @@ from collections.abc import Iterable
 
 from torch import nn
 
+from zeroshard import ArgumentError
 from zeroshard.config import DEFAULT_LEAF_CLASSES
 
 
@@ -41,7 +42,7 @@ def set_z3_leaf_modules(
     classes = list(leaf_module_classes)
     marked = [m for m in model.modules() if _class_matches(m, classes)]
     if raise_if_not_found and not marked:
-        raise ValueError(f"set_z3_leaf_modules: no module of {classes} in the model")
+        raise ArgumentError(f"set_z3_leaf_modules: no module of {classes} in the model")
     for m in marked:
         m._z3_leaf = True  # type: ignore[assignment]
     return marked
