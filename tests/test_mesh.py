@@ -105,7 +105,7 @@ def _offload(z: dict) -> dict:
 
 
 def _worker(rank: int, world: int, cases: list[dict], ckpt: str) -> dict:
-    from test_parity import _worker as parity_worker
+    from parity import run_cases as parity_worker
 
     out: dict[str, Any] = {"parity": parity_worker(rank, world, cases), "ledger": {}}
     for case in cases[:4]:
