@@ -1380,7 +1380,7 @@ WIRED_ELSEWHERE = {
     "zero_optimization.cpu_offload": "json_compat",
     "zero_optimization.cpu_offload_param": "json_compat",
     "zero_optimization.cpu_offload_use_pin_memory": "json_compat",
-    # Config.__post_init__ checks it equals gradient_accumulation_steps (config.py)
+    # Config.__post_init__ checks it equals gradient_accumulation_steps (config/training.py)
     "pipeline.micro_batches": "Config.__post_init__",
 }
 

@@ -1,5 +1,5 @@
-"""Tensor parallelism (zeroshard/parallel/tensor/collectives.py, tensor/autotp.py): on 2 gloo ranks the
-split model's loss and every gradient (re-assembled from the shards) equal the unsplit
+"""Tensor parallelism (zeroshard/parallel/tensor/collectives.py, tensor/autotp.py): on 2
+gloo ranks the split model's loss and every gradient (re-assembled from the shards) equal the unsplit
 single-process model's to 2e-5 in fp32; the ledger equals Megatron's formulas; the
 parameter bytes per rank are divided by the TP size; bad layouts are refused by name.
 """

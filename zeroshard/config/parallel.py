@@ -68,7 +68,8 @@ def _partition_spelling(value: Any, at: str) -> None:
 class PipelineConfig(Section):
     """``pipeline``: DeepSpeed's pipeline section (the model is a
     ``zeroshard.pipe.PipelineModule``), plus zeroshard's schedule choice. The engine is
-    ``zeroshard/parallel/pipeline/engine.py``; schedules ``zeroshard/parallel/pipeline/schedules.py``."""
+    ``zeroshard/parallel/pipeline/engine.py``; schedules
+    ``zeroshard/parallel/pipeline/schedules.py``."""
 
     # fmt: off
     stages: int | None = key(None, doc="Pipeline stages; null or 'auto' (DeepSpeed's default): the PipelineModule's num_stages. Must agree with it.", min=1)

@@ -19,8 +19,8 @@ Streams, events, pinned buffers and copies go through the device seam
 (``zeroshard/distributed/device.py``). When the compute device is the CPU there is nothing to move
 and :meth:`submit` adds or copies at once, unless ``ZEROSHARD_STAGE_ON_CPU=1`` is set:
 then the queue is used with synchronous copies (the events are ``None``), so CPU-only
-tests run the same bookkeeping, deferral and ordering as a GPU run; under a fake
-runtime (``zeroshard/distributed/fake_device.py``) they run the side stream and its events too.
+tests run the same bookkeeping, deferral and ordering as a GPU run; under a fake runtime
+(``zeroshard/distributed/fake_device.py``) they run the side stream and its events too.
 """
 
 from __future__ import annotations

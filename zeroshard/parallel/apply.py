@@ -3,8 +3,8 @@ order: tensor parallelism first (AutoTP slices each rank's whole copy), then seq
 parallelism, then (by the engine) ZeRO over the data-parallel axis.
 
 Issues no collectives itself; the layers it installs communicate in training over the
-mesh's ``tp`` and ``sp`` groups (``tensor/collectives.py``, ``sequence/attention.py``: two all-reduces of
-b·s·h per transformer layer each way for TP; four all-to-alls of b·s·h/sp per layer
+mesh's ``tp`` and ``sp`` groups (``tensor/collectives.py``, ``sequence/attention.py``: two
+all-reduces of b·s·h per transformer layer each way for TP; four all-to-alls of b·s·h/sp per layer
 forward for Ulysses). Under sequence parallelism every rank of an ``sp`` group gets the
 same batch from the data loader; a pre-forward hook keeps this rank's share of each
 sequence (and, for Hugging Face causal LMs, passes labels shifted over the whole

@@ -1,5 +1,5 @@
-"""How the engine is assembled from the config (a mixin of :class:`zeroshard.runtime.engine.Engine`):
-the ZeRO stage as a :class:`Sharding`, the flat layout (gradient buckets at stages 0-2,
+"""How the engine is assembled from the config (a mixin of
+:class:`zeroshard.runtime.engine.Engine`): the ZeRO stage as a :class:`Sharding`, the flat layout (gradient buckets at stages 0-2,
 module units at stage 3), the shard and optimizer-state stores, the tensor-parallel
 gradient bookkeeping, the scheduler and the data loader.
 

@@ -1,8 +1,8 @@
 """`zeroshard report`: what this machine offers zeroshard (like DeepSpeed's ``ds_report``).
 
 Versions, backends, devices, dtype support (tested with tiny matmuls), the peak matmul
-FLOP/s of each device per dtype (:func:`~zeroshard.monitor.flops.peak_flops`, the denominator of the flops
-profiler's MFU), CPU, RAM, fused AdamW and, with ``--nvme-path``, a directory's
+FLOP/s of each device per dtype (:func:`~zeroshard.monitor.flops.peak_flops`, the
+denominator of the flops profiler's MFU), CPU, RAM, fused AdamW and, with ``--nvme-path``, a directory's
 sequential write/read speed. A failing probe reads
 "unavailable: <reason>" and the rest still prints; ``--json`` for machines. No collectives.
 """

@@ -15,8 +15,8 @@ chooses the rendezvous:
 Nothing is started on other machines (no ssh/pdsh): like torchrun, the same command is run
 on every node.
 
-Failures: every worker runs under a small bootstrap (``python -m zeroshard.tools.launch.worker``)
-that records an uncaught exception into torchelastic's per-worker error file. The agent polls
+Failures: every worker runs under a small bootstrap (``python -m
+zeroshard.tools.launch.worker``) that records an uncaught exception into torchelastic's per-worker error file. The agent polls
 the workers every 0.1 s; when one exits non-zero it stops the rest (SIGTERM, then SIGKILL
 after ``--shutdown-timeout``) and this module prints the root-cause rank with its exception
 and traceback, exiting with that rank's exit code; a rank that lost its connection to a peer
@@ -29,9 +29,9 @@ so signals to the launcher's process group alone would not reach them.
 
 Restarts and preemption: ``--max-restarts N`` lets torchrun restart the whole worker group
 up to N times after a failure (the script resumes with ``zeroshard.resume`` or the config's
-``checkpoint.dir``). Workers preempted by SIGTERM that saved a checkpoint and exited (see
-``zeroshard.checkpoint.preemption``) leave a marker in a run directory this launcher owns; when every
-local worker did, the launcher exits 0 after a SIGTERM instead of 143.
+``checkpoint.dir``). Workers preempted by SIGTERM that saved a checkpoint and exited
+(see ``zeroshard.checkpoint.preemption``) leave a marker in a run directory this launcher
+owns; when every local worker did, the launcher exits 0 after a SIGTERM instead of 143.
 """
 
 from __future__ import annotations
