@@ -183,7 +183,15 @@ def decode_rows(args) -> dict[str, float]:
         with torch.device(dev):
             model = GPT(cfg)
         model.load_state_dict(base.state_dict())
-        quant = {"quant": {"enabled": True, "weight": {"num_bits": bits}}} if bits else {}
+        # int4: the largest group size dividing every in_features (d 1856 = 64 x 29 in
+        # the 1B preset refuses the default 128 by name)
+        group = next(
+            g
+            for g in (128, 64, 32)
+            if cfg.d_model % g == 0 and (cfg.mlp_ratio * cfg.d_model) % g == 0
+        )
+        weight = {"num_bits": bits, "group_size": group} if bits == 4 else {"num_bits": bits}
+        quant = {"quant": {"enabled": True, "weight": weight}} if bits else {}
         conf = {"dtype": "bf16", "max_out_tokens": 32 + args.new, **quant}
         eng = zeroshard.init_inference(model, conf)
         rates[name] = decode_rate(lambda n, e=eng: e.generate(prompt, max_new_tokens=n), args.new)

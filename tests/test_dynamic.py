@@ -996,3 +996,21 @@ def test_graph_walk_names_the_parameters_a_backward_reaches():
     assert reached_leaves([h.sum()]) is None
     h = checkpoint(model.gate, model.first(x), True, use_reentrant=False)
     assert id(model.gate.extra.weight) in (reached_leaves([h.sum()]) or ())
+
+
+def test_graph_walk_finds_every_parameter_of_a_deep_graph() -> None:
+    """The walk before a stage-3 backward (zero/grads/reached.py) must reach every parameter
+    the graph holds: a missed one is counted as arrived and its bucket reduced without
+    it. Found on an H200 (torch 2.11), where dropped node objects were freed and their
+    ids reused by others: two-rank stage-3 runs raised 'received a gradient after its
+    bucket was already reduced'."""
+    from zeroshard.zero.grads.reached import reached_leaves
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        *(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8)) for _ in range(60))
+    )
+    loss = model(torch.randn(4, 8)).square().sum()
+    reached = reached_leaves([loss])
+    assert reached is not None
+    assert {id(p) for p in model.parameters()} <= reached

@@ -26,15 +26,20 @@ def reached_leaves(roots: list[torch.Tensor]) -> set[int] | None:
     when the graph holds a node that may reach tensors it does not show (reentrant
     activation checkpointing), so that nothing can be ruled out."""
     stack = [t.grad_fn for t in roots if t.grad_fn is not None]
-    seen: set[int] = set()
+    # id -> node: the Python object of a C++ graph node may be made on demand and freed
+    # once dropped, and a freed object's id is reused; holding each visited node keeps
+    # its id from naming another node (which the walk would then skip, subtree and all)
+    seen: dict[int, object] = {}
     reached: set[int] = set()
+    leaves: list[torch.Tensor] = []  # held likewise: ids of live objects only
     while stack:
         node = stack.pop()
         if node is None or id(node) in seen:
             continue
-        seen.add(id(node))
+        seen[id(node)] = node
         leaf = getattr(node, "variable", None)  # AccumulateGrad
         if leaf is not None:
+            leaves.append(leaf)
             reached.add(id(leaf))
             continue
         forward = getattr(node, "_forward_cls", None)  # a custom Function's node

@@ -129,6 +129,7 @@ class GradReducer:
     ) -> None:
         self.flat, self.comm, self.dtype = flat, comm, dtype
         self._count_unreached = count_unreached
+        self._walk_missed: set[int] = set()  # counted as arrived by the last walk
         self._rs_via = reduce_scatter_via or comm.reduce_scatter_path(flat.device)
         self.replicate = replicate if replicate is not None and replicate.world_size > 1 else None
         if self.replicate is not None and not flat.partitioned:
@@ -227,6 +228,7 @@ class GradReducer:
         and the tensors backward starts from (for ``count_unreached``)."""
         self._boundary = boundary
         self._in_backward = True
+        self._walk_missed = set()
         if self._reduced and self.flat.partitioned and not self.sharded:
             self._restate_owned()
         if self._count_unreached and roots is not None and self.communicates_now:
@@ -239,6 +241,7 @@ class GradReducer:
         for pi, p in enumerate(self.flat.params):
             if self.flat.group_of[pi] >= 0 and id(p) not in reached:
                 self._bucket_of[pi].ready.add(pi)
+                self._walk_missed.add(pi)
         self._launch_in_order(upto=None)
 
     def _restate_owned(self) -> None:
@@ -285,6 +288,13 @@ class GradReducer:
         bucket = self._bucket_of[pi]
         if bucket.launched:
             name = f"parameter {pi} (shape {tuple(p.shape)})"
+            if pi in self._walk_missed and pi in bucket.ready:
+                raise InternalError(
+                    f"{name} received a gradient that the walk of the autograd graph before "
+                    f"backward (zero/grads/reached.py) did not foresee, so its bucket was "
+                    f"reduced without it; a zeroshard bug (torch {torch.__version__}): please "
+                    "report it"
+                )
             raise UsageError(
                 f"{name} received a gradient after its bucket was already reduced in this "
                 "backward; a parameter must receive its gradient once per backward "
