@@ -37,8 +37,8 @@ def run_one(policy: str, seq: int, steps: int, preset: str = "25M") -> dict:
     from torch.utils._pytree import tree_flatten
 
     from zeroshard.checkpointing import apply_activation_checkpointing
-    from zeroshard.memory import activation_bytes
     from zeroshard.models import GPT, Block, GPTConfig
+    from zeroshard.monitor.memory import activation_bytes
 
     torch.set_num_threads(1)
     cfg = GPTConfig.preset(preset, seq_len=seq)

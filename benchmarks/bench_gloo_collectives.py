@@ -24,7 +24,7 @@ SIZES = (250_000, 6_553_600, 25_000_000)  # fp32 elements: ~1 MiB, 25 MiB, 95 Mi
 
 
 def _ops(n: int, rank: int, world: int) -> dict:
-    from zeroshard.comm import Comm
+    from zeroshard.distributed.comm import Comm
 
     comm = Comm()
     x, out, full, scratch = torch.randn(n), torch.empty(n // world), torch.empty(n), torch.empty(n)

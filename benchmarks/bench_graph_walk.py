@@ -1,5 +1,5 @@
 """What stage 3's walk of the autograd graph before each backward costs
-(``zeroshard/zero/reached.py``: the parameters the backward reaches), against the
+(``zeroshard/zero/grads/reached.py``: the parameters the backward reaches), against the
 backward it precedes, on GPT-2 shapes from transformers (random weights).
 
     python benchmarks/bench_graph_walk.py [--layers 12 24 48] [--width 256] [--rounds 5]
@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from zeroshard.zero.reached import reached_leaves
+from zeroshard.zero.grads.reached import reached_leaves
 
 
 def _median(fn, rounds: int) -> float:

@@ -212,7 +212,7 @@ def deepspeed_system(spec, rank: int):
 
 def zeroshard_system(spec, rank: int):
     import zeroshard
-    from zeroshard.parallel.pipeline_engine import PipelineEngine
+    from zeroshard.parallel.pipeline.engine import PipelineEngine
 
     try:
         from zeroshard.pipe import LayerSpec, PipelineModule

@@ -7,7 +7,7 @@
 equal layers (two per stage; one per model chunk for ``interleaved_1f1b`` with 2 virtual
 stages), ``--microbatches`` micro-batches per ``train_batch``, for each schedule. Every rank
 keeps ``engine.pipeline_trace`` of each timed batch; the traces of one batch on all ranks
-are joined and ``zeroshard.parallel.pipeline_plot.bubble_fractions`` gives each stage's idle
+are joined and ``zeroshard.parallel.pipeline.plot.bubble_fractions`` gives each stage's idle
 share of the batch's span (time in sends and receives counts as idle). The table gives the
 mean over stages, median over timed batches and rounds, next to
 ``theoretical_bubble`` (1F1B and GPipe ``(p-1)/(m+p-1)``, interleaved ``(p-1)/(v m+p-1)``,
@@ -111,7 +111,7 @@ def worker(spec_path: str, rank: int) -> None:
     import torch.distributed as dist
 
     import zeroshard
-    from zeroshard.parallel.pipeline_engine import PipelineEngine
+    from zeroshard.parallel.pipeline.engine import PipelineEngine
     from zeroshard.pipe import LayerSpec, PipelineModule
 
     with open(spec_path) as f:
@@ -211,7 +211,7 @@ def run_once(spec: dict, timeout: float) -> dict:
 
 def main(argv=None) -> int:
     sys.path.insert(0, ROOT)  # this checkout's zeroshard, as the workers get it
-    from zeroshard.parallel.pipeline_plot import bubble_fractions, plot_timeline, theoretical_bubble
+    from zeroshard.parallel.pipeline.plot import bubble_fractions, plot_timeline, theoretical_bubble
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--layer", choices=("matmul", "sleep"), default="matmul")

@@ -253,7 +253,7 @@ def peak(dev_name: str) -> tuple[float, str]:
     for key, value in PEAK_BF16.items():
         if key in dev_name:
             return value, "spec dense bf16"
-    from zeroshard.report import peak_flops
+    from zeroshard.monitor.flops import peak_flops
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     return peak_flops(dev, "bf16"), "measured matmul"

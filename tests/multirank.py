@@ -27,7 +27,7 @@ def _entry(rank: int, world_size: int, tmp: str, fn, args) -> None:
     faulthandler.enable(open(os.path.join(tmp, f"fault{rank}.txt"), "w"), all_threads=True)  # noqa: SIM115
     torch.set_num_threads(1)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
-    from zeroshard.distributed import default_backend, default_device
+    from zeroshard.distributed.process_group import default_backend, default_device
 
     try:
         backend = default_backend()

@@ -19,6 +19,7 @@ import torch.nn.functional as F  # noqa: F401  (kept for case authors)
 from zeroshard.models import GPT, GPTConfig
 
 SEQ = 16
+PINNED_CPU = {"device": "cpu", "pin_memory": True}  # an offload section
 TOL = 2e-5  # parity tolerance against the fp32 reference (losses, parameters, norms)
 BF16_TOL = (2e-3, 1.5e-2, 1e-2)  # bf16 runs against the same fp32 reference
 LR, LR_NODECAY, WD = 1e-3, 2e-3, 0.1
@@ -201,8 +202,34 @@ def l2_param_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> flo
     return sum((a[k].float() - b[k].float()).square().sum().item() for k in a) ** 0.5
 
 
+def run_cases(rank: int, world: int, cases: list[dict]) -> list[dict]:
+    """Each case trained on this rank and its single-process reference: losses, norms and
+    parameter distances for :func:`assert_parity` (a ``multirank.run`` job)."""
+    out = []
+    for case in cases:
+        ref_norms: list[float] = []
+        norms: list[float] = []
+        ref_losses, ref_params = reference(case, world, ref_norms)
+        losses, engine = train(case, rank, world, norms)
+        params, initial = full_params(engine), initial_params(case)
+        out.append(
+            {
+                "case": case,
+                "losses": losses,
+                "ref_losses": ref_losses,
+                "norms": norms,
+                "ref_norms": ref_norms,
+                "param_diff": max_param_diff(params, ref_params),
+                "movement": max_param_diff(ref_params, initial),
+                "update_err": l2_param_diff(params, ref_params)
+                / l2_param_diff(ref_params, initial),
+            }
+        )
+    return out
+
+
 def assert_parity(cases: list[dict], results: list, world: int) -> None:
-    """Each case's per-rank results (``test_parity._worker``'s) match the reference:
+    """Each case's per-rank results (:func:`run_cases`'s) match the reference:
     mean loss per step, final parameters, the pre-clip global norm of clipping cases;
     and the reference moved far more than the tolerance (a lost step cannot pass)."""
     failures = []

@@ -143,7 +143,7 @@ def train(rank: int, world: int, case: dict) -> dict:
     """One rank of the pipeline run; returns its losses and the max difference of its
     stage's parameters (gathered whole over tensor parallelism) to the reference."""
     import zeroshard
-    from zeroshard.parallel.pipeline_engine import PipelineEngine
+    from zeroshard.parallel.pipeline.engine import PipelineEngine
 
     torch.manual_seed(0)
     model = build(case, case["stages"])
@@ -198,7 +198,7 @@ def train(rank: int, world: int, case: dict) -> dict:
 
 def gather_whole(engine, name: str, p: torch.Tensor) -> torch.Tensor:
     """``p`` whole: tensor-parallel slices gathered over the stage's tp group."""
-    from zeroshard.parallel.slices import assemble, tp_slice_of
+    from zeroshard.parallel.tensor.slices import assemble, tp_slice_of
 
     spec = tp_slice_of(p)
     if spec is None:

@@ -1,5 +1,5 @@
 """Activation checkpointing and offload (zeroshard.checkpointing,
-zeroshard.activation_offload): gradients equal the plain run with dropout on, memory
+zeroshard.activation.offload): gradients equal the plain run with dropout on, memory
 actually drops, the DeepSpeed config section is honoured. Single process except the
 engine test (one rank)."""
 
@@ -15,16 +15,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from zeroshard import activation_offload, checkpointing, device
-from zeroshard.checkpointing import (
+from zeroshard.activation import checkpointing
+from zeroshard.activation import offload as activation_offload
+from zeroshard.activation.checkpointing import (
     apply_activation_checkpointing,
     apply_activation_offload,
     checkpoint,
     configure,
 )
-from zeroshard.fake_device import FakeRuntime
-from zeroshard.memory import ActivationTracker, activation_bytes
+from zeroshard.distributed import device
+from zeroshard.distributed.fake_device import FakeRuntime
 from zeroshard.models import GPT, Block, GPTConfig
+from zeroshard.monitor.memory import ActivationTracker, activation_bytes
 
 TOL = 1e-6
 

@@ -19,115 +19,11 @@ import parity
 import pytest
 import torch
 from logs import ListHandler
-
-ROWS = 6  # global batch: divisible by 1, 2 and 3 ranks
-CPU = {"device": "cpu"}
-
-
-def _config(case: dict, world: int) -> dict:
-    cfg = {
-        "train_batch_size": ROWS,
-        "optimizer": case.get(
-            "optimizer", {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.1}}
-        ),
-        "gradient_clipping": 1.0,
-        "zero_optimization": {
-            "stage": case["stage"],
-            "reduce_bucket_size": 3000,
-            "allgather_bucket_size": 3000,
-            "stage3_param_persistence_threshold": 0,
-            **case.get("zero", {}),
-        },
-        "steps_per_print": 10**6,
-    }
-    if case.get("scheduler", True):
-        cfg["scheduler"] = {
-            "type": "WarmupLR",
-            "params": {"warmup_num_steps": 4, "warmup_max_lr": 1e-3},
-        }
-    if case.get("dtype") == "fp16":
-        cfg["fp16"] = {
-            "enabled": True,
-            "initial_scale_power": 6,
-            "loss_scale_window": 3,
-            "hysteresis": 1,
-        }
-    if case.get("dtype") == "bf16":
-        cfg["bf16"] = {"enabled": True}
-    return cfg
-
-
-def _engine(case: dict, world: int):
-    import zeroshard
-
-    model = parity.build_model(case)
-    engine, *_ = zeroshard.initialize(
-        model=model, model_parameters=parity.param_groups(model), config=_config(case, world)
-    )
-    return engine
-
-
-def _train(engine, rank: int, world: int, steps: range) -> list[float]:
-    micro = ROWS // world
-    losses = []
-    for step in steps:
-        x, y = (t.to(engine.device) for t in parity.batch(step, ROWS))
-        loss = engine(x[rank * micro : (rank + 1) * micro], y[rank * micro : (rank + 1) * micro])
-        engine.backward(loss)
-        engine.step()
-        total = loss.detach().clone()
-        torch.distributed.all_reduce(total)
-        losses.append(total.item() / world)
-    return losses
-
-
-RESUME_CASES: list[dict[str, Any]] = [
-    {"stage": 0},
-    {"stage": 1},
-    {"stage": 2},
-    {"stage": 3},
-    {"stage": 2, "zero": {"offload_optimizer": CPU}},
-    {"stage": 3, "zero": {"offload_optimizer": CPU, "offload_param": CPU}},
-    {"stage": 1, "dtype": "fp16"},
-    {"stage": 3, "dtype": "bf16"},
-    # dropout: the resumed run draws the same masks only if the checkpoint restored
-    # each rank's RNG state (a fresh process starts from the build seed)
-    {"stage": 2, "dropout": 0.2},
-    # SGD keeps no state until its first step: a fresh engine must still take the
-    # saved momentum_buffer
-    {"stage": 2, "optimizer": {"type": "SGD", "params": {"lr": 1e-2, "momentum": 0.9}}},
-]
-
-
-def _resume_phase(
-    rank: int, world: int, phase: str, root: str, cases: list[dict] | None = None
-) -> list:
-    """One phase of the resume check for ``cases`` (default RESUME_CASES)."""
-    out: list[dict | None] = []
-    for i, case in enumerate(RESUME_CASES if cases is None else cases):
-        ckpt = os.path.join(root, f"case{i}")
-        engine = _engine(case, world)
-        if phase == "straight":
-            losses = _train(engine, rank, world, range(10))[5:]
-        elif phase == "first":
-            _train(engine, rank, world, range(5))
-            engine.save_checkpoint(ckpt, client_state={"epoch": 3})
-            out.append(None)
-            continue
-        else:
-            _, client = engine.load_checkpoint(ckpt)
-            assert client == {"epoch": 3} and engine.global_steps == 5
-            losses = _train(engine, rank, world, range(5, 10))
-        params = parity.full_params(engine)
-        out.append(
-            {
-                "losses": losses,
-                "params": {k: v.flatten().tolist() for k, v in params.items()},
-                "scale": engine.cur_scale,
-                "lr": engine.get_lr(),
-            }
-        )
-    return out
+from resume import CPU, RESUME_CASES, ROWS
+from resume import config as _config
+from resume import make as _engine
+from resume import resume_phase as _resume_phase
+from resume import train as _train
 
 
 def test_exact_resume(tmp_path) -> None:
@@ -381,7 +277,7 @@ def test_export_round_trip(tmp_path) -> None:
     from safetensors.torch import load_file
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from zeroshard.cli import main as cli
+    from zeroshard.tools.cli import main as cli
 
     multirank.run(_export, 2, str(tmp_path), timeout=300)
     out = str(tmp_path / "model.safetensors")
@@ -481,7 +377,7 @@ def _bad_inputs(rank: int, world: int, root: str) -> dict:
 
     import zeroshard
     from zeroshard.checkpoint.load import CheckpointError
-    from zeroshard.safetensors_io import read_header
+    from zeroshard.checkpoint.safetensors_io import read_header
 
     case = {"stage": 1}
     engine = _engine(case, world)
@@ -582,7 +478,7 @@ def _bad_inputs(rank: int, world: int, root: str) -> dict:
 
 
 def test_bad_checkpoints_fail_clearly(tmp_path, capsys) -> None:
-    from zeroshard.cli import main as cli
+    from zeroshard.tools.cli import main as cli
 
     (tmp_path / "empty").mkdir()
     r = multirank.run(_bad_inputs, 1, str(tmp_path), timeout=300)[0]
@@ -992,7 +888,7 @@ def test_checkpoints_lacking_a_piece_are_refused(tmp_path, capsys) -> None:
     parameter, or give a transposed shape, an extra parameter or a short piece: refused at
     load (same and other world size, stages 0-3, offload) naming the entry, the engine
     untouched, and by `zeroshard convert` (exit 2); the intact checkpoint still loads."""
-    from zeroshard.cli import main as cli
+    from zeroshard.tools.cli import main as cli
 
     root = str(tmp_path)
     saved = multirank.run(_manifest_gaps, 2, root, "save", timeout=300)

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from zeroshard.comm import Comm
+from zeroshard.distributed.comm import Comm
 
 
 def _inputs(rank: int, n: int, dtype: torch.dtype) -> torch.Tensor:

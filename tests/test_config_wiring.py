@@ -17,7 +17,6 @@ from typing import Any
 
 import multirank
 import parity
-import test_parity
 import torch
 from logs import ListHandler
 
@@ -50,7 +49,7 @@ def _logged(fn):
 def _ranks(rank: int, world: int) -> dict:
     import zeroshard
 
-    out: dict = {"parity": test_parity._worker(rank, world, PARITY)}
+    out: dict = {"parity": parity.run_cases(rank, world, PARITY)}
     # what the reducer does with the two keys, and the buckets of reduce_bucket_size 0
     for i, case in enumerate(PARITY):
         _, engine = parity.train({**case, "steps": 1}, rank, world)

@@ -21,14 +21,13 @@ from __future__ import annotations
 from typing import Any
 
 import multirank
+import offload_paths
 import parity
 import pytest
-import test_checkpoint
-import test_device_seam
+import resume
 import torch
-from test_offload import CPU
-from test_parity import _worker
 
+CPU = parity.PINNED_CPU  # the offload sections
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
@@ -89,12 +88,12 @@ def _cases(tmp) -> list[dict]:
 
 def test_parity_on_cuda_one_rank(tmp_path) -> None:
     cases = _cases(tmp_path)
-    parity.assert_parity(cases, multirank.run(_worker, 1, cases, timeout=600), 1)
+    parity.assert_parity(cases, multirank.run(parity.run_cases, 1, cases, timeout=600), 1)
 
 
 def test_parity_on_cuda_two_ranks_sharing_the_gpu(tmp_path) -> None:
     cases: list[dict[str, Any]] = [c for c in _cases(tmp_path) if c["stage"] > 0]
-    parity.assert_parity(cases, multirank.run(_worker, 2, cases, timeout=600), 2)
+    parity.assert_parity(cases, multirank.run(parity.run_cases, 2, cases, timeout=600), 2)
 
 
 def test_offload_takes_the_pinned_stream_path() -> None:
@@ -103,18 +102,18 @@ def test_offload_takes_the_pinned_stream_path() -> None:
     the pinned fp32 shard is the master, no write-back), gradient chunks through pinned
     buffers on the side stream. test_device_seam.py checks the same on the CPU with a
     fake device runtime."""
-    rows = multirank.run(test_device_seam.offload_path, 1, timeout=300)[0]
-    test_device_seam.check_offload_path(rows, gpu=True)
+    rows = multirank.run(offload_paths.offload_path, 1, timeout=300)[0]
+    offload_paths.check_offload_path(rows, gpu=True)
 
 
 # The cases run on the H100 (2026-11-23). The dropout case came later: attention dropout
 # under deterministic algorithms is not yet checked on a GPU.
-_CUDA_RESUME = [c for c in test_checkpoint.RESUME_CASES if not c.get("dropout")]
+_CUDA_RESUME = [c for c in resume.RESUME_CASES if not c.get("dropout")]
 
 
 def _resume(rank: int, world: int, phase: str, root: str) -> list:
     torch.use_deterministic_algorithms(True)
-    return test_checkpoint._resume_phase(rank, world, phase, root, _CUDA_RESUME)
+    return resume.resume_phase(rank, world, phase, root, _CUDA_RESUME)
 
 
 @pytest.mark.parametrize("world", [1, 2])
@@ -137,7 +136,7 @@ def test_write_back_casts_on_the_device() -> None:
     """fp32 masters in pinned memory into bf16 parameters: uploaded as they are, piece
     by piece through one device buffer, cast there; exactly ``values.to(bf16)``."""
     from zeroshard.offload.store import MemoryShard
-    from zeroshard.zero.partition import FlatLayout
+    from zeroshard.zero.layout.partition import FlatLayout
 
     # a device buffer of 1000 elements: several pieces, a ragged last one
     shard = MemoryShard.empty(

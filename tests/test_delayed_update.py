@@ -60,7 +60,7 @@ def delayed_reference(
     Returns per-step losses and the final masters (every step applied); ``after``
     large: the exact (undelayed) run. Steps in ``skip`` are skipped (inf/nan); after
     steps in ``landed`` a sync point (an eval forward) lands the step in flight."""
-    from zeroshard.schedulers import build_scheduler
+    from zeroshard.runtime.schedulers import build_scheduler
 
     work, master = parity.build_model(case), parity.build_model(case)
     lr = case.get("lr", parity.LR)

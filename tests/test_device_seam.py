@@ -1,16 +1,16 @@
 """The GPU code paths of offload and streaming, on the CPU, through the device seam's
-fake runtime (zeroshard/device.py, zeroshard/fake_device.py): it claims the CPU as an
-accelerator apart from host memory, runs side-stream copies only once something waits
-for them, and logs every copy, record and wait in order.
+fake runtime (zeroshard/distributed/device.py, zeroshard/distributed/fake_device.py): it
+claims the CPU as an accelerator apart from host memory, runs side-stream copies only
+once something waits for them, and logs every copy, record and wait in order.
 
 Each test asserts the order a GPU run must follow and, because late copies would leave
 stale values behind, parity with the single-process fp32 reference as well:
 
-* gradient staging to the host (zero/gradients.py, offload/staging.py): the side stream
+* gradient staging to the host (zero/grads/reducer.py, offload/staging.py): the side stream
   waits for compute before it copies a reduced chunk out of a staging bucket, records
   an event, and the compute stream waits on that event before the bucket is filled
   again; the host waits on it before backward ends;
-* the offloaded step's write-back (zero/states.py): per segment, the host steps the
+* the offloaded step's write-back (zero/optim/memory_store.py): per segment, the host steps the
   masters, then their upload is issued (before the next segment's step, so it
   overlaps it); one event after the last upload, waited for by the host before the
   next step rewrites the masters. The uploads are on the compute stream, so compute
@@ -24,16 +24,16 @@ One spawn of two ranks (gloo) runs every engine case.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 from typing import Any
 
 import multirank
 import parity
 import torch
+from offload_paths import check_offload_path, offload_path
 
-from zeroshard import device
-from zeroshard.fake_device import FakeRuntime
+from zeroshard.distributed import device
+from zeroshard.distributed.fake_device import FakeRuntime
 
 Z = "zero_optimization"
 CPU = {"device": "cpu", "pin_memory": True}
@@ -126,77 +126,6 @@ def _engine_worker(rank: int, world: int) -> dict:
         }
     out["offload_path"] = offload_path(rank, world, fake=True)
     return out
-
-
-def offload_path(rank: int, world: int, fake: bool = False) -> list[dict]:
-    """How CPU optimizer offload runs at stages 1-3 (and stage 3 with the parameters
-    offloaded too): where masters and gradients are, whether the step writes back
-    segment by segment, what went through the side stream. On a GPU (test_cuda.py), or
-    on the CPU under the fake runtime."""
-    out = []
-    for stage, params_off in ((1, False), (2, False), (3, False), (3, True)):
-        extra: dict[str, Any] = {"offload_optimizer": CPU}
-        if stage == 3:
-            extra["stage3_param_persistence_threshold"] = 0
-        if params_off:
-            extra["offload_param"] = CPU
-        case = {"stage": stage, "steps": 2, "gas": 2, "micro": 1, "extra": {Z: extra}}
-        with device.use(FakeRuntime()) if fake else contextlib.nullcontext():
-            _, engine = parity.train(case, rank, world)
-        opt, stager = engine.optimizer.states, engine.reducer._stager
-        store = engine.flat.store.buffer
-        lo, hi = store.data_ptr(), store.data_ptr() + store.numel() * store.element_size()
-        out.append(
-            {
-                "stage": stage,
-                "params_offloaded": params_off,
-                "device": str(engine.device),
-                "param_on": str(next(engine.module.parameters()).device),
-                "masters_on": sorted({str(m.device) for m in opt.masters}),
-                "masters_pinned": all(m.is_pinned() for m in opt.masters),
-                "masters_are_shard": all(lo <= m.data_ptr() < hi for m in opt.masters),
-                "grads_on": sorted({str(g.device) for g in engine.reducer.grad_chunks}),
-                "separate": opt.separate,
-                "pipelined": opt.pipelined,
-                "side_stream": stager is not None and stager._stream is not None,
-                "stager_pinned": stager is not None
-                and all(b.is_pinned() for b in stager.buffers()),
-                "moved": stager.submitted if stager is not None else 0,
-                "pending": stager.pending if stager is not None else -1,
-                "buckets": len(engine.reducer._buckets),  # segments with gradients
-                "by_location": engine.memory_stats()["by_location"],
-            }
-        )
-    return out
-
-
-def check_offload_path(rows: list[dict], gpu: bool) -> None:
-    """What :func:`offload_path` must find (``gpu``: on CUDA, with page-locked memory)."""
-    assert len(rows) == 4, rows
-    for r in rows:
-        if gpu:
-            assert r["device"] == "cuda:0" and r["param_on"].startswith("cuda"), r
-        # masters (and moments) in host memory, page-locked on a GPU: the source of the
-        # copies back; the gradient shard is in host memory too, written by the host
-        # from the staging buffers, so it needs no pinning
-        assert r["masters_on"] == ["cpu"] and r["grads_on"] == ["cpu"], r
-        assert r["masters_pinned"] == gpu, r
-        if r["params_offloaded"]:
-            # stage 3 with the parameters in host memory too: the fp32 shard *is* the
-            # master (one host copy, no write-back; gathers cast on the device)
-            assert r["masters_are_shard"] and not r["separate"] and not r["pipelined"], r
-        else:
-            assert r["separate"] and r["pipelined"] and not r["masters_are_shard"], r
-        # gradient chunks left the device through the staging buffers on the side
-        # stream: each bucket once per micro-step (stages 2, 3) or at the boundary (1)
-        assert r["side_stream"] and r["stager_pinned"] == gpu and r["pending"] == 0, r
-        per_step = r["buckets"] * (1 if r["stage"] == 1 else 2)
-        assert r["moved"] == 2 * per_step, r
-        # memory_stats places them truthfully: the optimizer side on the host; the
-        # parameters on the device unless offloaded
-        if gpu:
-            assert r["by_location"]["cpu"] > 0, r
-            assert r["params_offloaded"] or r["by_location"].get("cuda:0", 0) > 0, r
 
 
 # -- assertions on the log ---------------------------------------------------------------

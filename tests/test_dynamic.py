@@ -843,7 +843,7 @@ def _master_bits(rank: int, world: int, stage: int) -> dict:
 def _released_reads(rank: int, world: int, **zero) -> dict:
     """What a released stage-3 parameter (and its ``.data``) answers outside forward."""
     import zeroshard
-    from zeroshard.zero.hooks import PartitionedParameterError
+    from zeroshard.zero.params.hooks import PartitionedParameterError
 
     torch.manual_seed(0)
     model = Net()
@@ -979,11 +979,11 @@ def test_released_parameter_answers_metadata_and_refuses_values(outside):
 
 
 def test_graph_walk_names_the_parameters_a_backward_reaches():
-    """zero/reached.py: what the stage-3 reducer counts as arrived before backward; a
+    """zero/grads/reached.py: what the stage-3 reducer counts as arrived before backward; a
     reentrant checkpoint hides the parameters inside it, so nothing is ruled out."""
     from torch.utils.checkpoint import checkpoint
 
-    from zeroshard.zero.reached import reached_leaves
+    from zeroshard.zero.grads.reached import reached_leaves
 
     torch.manual_seed(0)
     model = GatedLM("linear")
@@ -999,12 +999,12 @@ def test_graph_walk_names_the_parameters_a_backward_reaches():
 
 
 def test_graph_walk_finds_every_parameter_of_a_deep_graph() -> None:
-    """The walk before a stage-3 backward (zero/reached.py) must reach every parameter
+    """The walk before a stage-3 backward (zero/grads/reached.py) must reach every parameter
     the graph holds: a missed one is counted as arrived and its bucket reduced without
     it. Found on an H200 (torch 2.11), where dropped node objects were freed and their
     ids reused by others: two-rank stage-3 runs raised 'received a gradient after its
     bucket was already reduced'."""
-    from zeroshard.zero.reached import reached_leaves
+    from zeroshard.zero.grads.reached import reached_leaves
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(

@@ -18,7 +18,7 @@ BIG = 10**9  # one bucket: padding is negligible against the tolerance
 # A small reduce bucket (the model has about 28k parameters), no smaller than its largest
 # parameter (4096), so that every gradient staging buffer is at most one bucket.
 SMALL = 5000
-ALIGN = 16  # zeroshard.engine_build._ALIGN: chunks are multiples of 16 elements
+ALIGN = 16  # zeroshard.runtime.build._ALIGN: chunks are multiples of 16 elements
 
 
 def _psi(engine) -> int:
@@ -215,7 +215,7 @@ def _check_ledger_and_memory(lm: dict, world: int) -> None:
     assert m2["grads"] <= 4 * psi / world + bucket + pad
     assert m2["params"] >= 4 * psi  # stage 2 keeps whole parameters
     # Stage 2, small bucket: the owned gradient shard plus the staging pool. Per
-    # zero/gradients.py a staging buffer is one segment (at most one bucket here, as no
+    # zero/grads/reducer.py a staging buffer is one segment (at most one bucket here, as no
     # parameter is larger than SMALL) and the pool holds at most two: the bucket being
     # filled and the one whose reduce-scatter is in flight (overlap_comm). Padding: each
     # segment and staging buffer is rounded up to N x ALIGN elements (at most ALIGN per
@@ -328,7 +328,7 @@ def test_fused_grad_scale_edge_cases() -> None:
 def test_nccl_with_more_local_ranks_than_gpus_is_a_clear_error(monkeypatch) -> None:
     import torch.distributed as dist
 
-    from zeroshard.distributed import init_distributed
+    from zeroshard.distributed.process_group import init_distributed
 
     if dist.is_initialized():
         pytest.skip("a process group already exists in this process")

@@ -14,7 +14,7 @@ SEEDS = os.path.join(ROOT, "examples", "seeds")
 
 
 def _launch(*argv: str, timeout: int = 300) -> str:
-    cmd = [sys.executable, "-m", "zeroshard.cli", *argv]
+    cmd = [sys.executable, "-m", "zeroshard.tools.cli", *argv]
     out = subprocess.run(
         cmd,
         cwd=ROOT,

@@ -353,7 +353,7 @@ def checkpoint_faults(tmp_path_factory):
 def test_corrupt_checkpoints_fail_load_and_convert(checkpoint_faults, capsys) -> None:
     """Each corruption fails load on both ranks and `zeroshard convert` (exit 2), naming
     the file and the tensor (or manifest key); a failed load leaves the engine as it was."""
-    from zeroshard.cli import main as cli
+    from zeroshard.tools.cli import main as cli
 
     root, spawned = checkpoint_faults
     tmp_path = root / "integrity"
@@ -535,7 +535,7 @@ class Launch:
         env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
         env["PYTHONUNBUFFERED"] = "1"
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "zeroshard.cli", *args],
+            [sys.executable, "-m", "zeroshard.tools.cli", *args],
             cwd=ROOT,
             env=env,
             stdout=subprocess.PIPE,

@@ -13,7 +13,7 @@ import torch
 from logs import ListHandler
 
 from zeroshard.config import ConfigError, load_config
-from zeroshard.first_batch import rows_of
+from zeroshard.runtime.first_batch import rows_of
 
 GAS_ONLY = {
     "train_batch_size": 0,

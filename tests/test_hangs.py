@@ -29,7 +29,7 @@ def test_a_call_on_one_rank_ends_in_a_report(tmp_path, call, where_blocked, time
     flag = ["--comm-timeout", "3"] if timeout_from == "flag" else []
     start = time.monotonic()
     res = subprocess.run(
-        [sys.executable, "-m", "zeroshard.cli", "run", "--nproc", "2", *flag, str(SCRIPT), call,
+        [sys.executable, "-m", "zeroshard.tools.cli", "run", "--nproc", "2", *flag, str(SCRIPT), call,
          str(tmp_path / "ckpt"), timeout_from],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=100,
     )  # fmt: skip
@@ -49,7 +49,7 @@ def test_a_rank_stalled_after_steps_is_reported_where_it_stopped(how):
     names its last collective (not "never reached a zeroshard call")."""
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
     res = subprocess.run(
-        [sys.executable, "-m", "zeroshard.cli", "run", "--nproc", "2", "--shutdown-timeout", "2",
+        [sys.executable, "-m", "zeroshard.tools.cli", "run", "--nproc", "2", "--shutdown-timeout", "2",
          str(ROOT / "tests" / "scripts" / "stall_after_steps.py"), how],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=100,
     )  # fmt: skip

@@ -171,7 +171,7 @@ import sys, types, importlib.machinery
 fake = types.ModuleType("deepspeed")
 fake.__file__ = "/site-packages/deepspeed/__init__.py"
 sys.modules["deepspeed"] = fake  # a real DeepSpeed already imported
-from zeroshard.integrations.deepspeed_alias import AliasError, register
+from zeroshard.compat.deepspeed_alias import AliasError, register
 try:
     register()
 except AliasError as e:
@@ -201,7 +201,7 @@ def test_alias_refuses_to_shadow_or_come_late() -> None:
 def test_launcher_flag_parses(flag: str) -> None:
     import argparse
 
-    from zeroshard.launcher import add_arguments
+    from zeroshard.tools.launch.launcher import add_arguments
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)

@@ -40,7 +40,7 @@ def _launch(
     launcher, the script then importing zeroshard.as_deepspeed itself."""
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    cmd = [sys.executable, "-m", "zeroshard.cli", "run", "--nproc", "2", "--as-deepspeed"]
+    cmd = [sys.executable, "-m", "zeroshard.tools.cli", "run", "--nproc", "2", "--as-deepspeed"]
     if torchrun:
         cmd = [
             sys.executable,

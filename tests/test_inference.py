@@ -220,7 +220,7 @@ def test_checkpoint_records_model_config(tmp_path) -> None:
 
 def test_generate_command(tmp_path, capsys) -> None:
     """`zeroshard generate` on a quantized export, and its exit status on bad input."""
-    from zeroshard.cli import main
+    from zeroshard.tools.cli import main
 
     eng = init_inference(_gpt(tie_embeddings=False), dtype=torch.int8)
     path = eng.save_quantized(str(tmp_path / "q.safetensors"))
@@ -245,7 +245,7 @@ def test_generate_command_tensor_parallel(tmp_path) -> None:
     import sys
 
     path = init_inference(_gpt()).save_quantized(str(tmp_path / "m.safetensors"))
-    cmd = [sys.executable, "-m", "zeroshard.cli", "generate", "--checkpoint", path,
+    cmd = [sys.executable, "-m", "zeroshard.tools.cli", "generate", "--checkpoint", path,
            "--prompt", "abc", "--max-new-tokens", "8"]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     one = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)

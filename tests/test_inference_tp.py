@@ -15,7 +15,7 @@ import pytest
 import torch
 from tp_parity import tiny_llama
 
-from zeroshard.comm import Comm
+from zeroshard.distributed.comm import Comm
 from zeroshard.inference.tensor_parallel import check_same_weights, shard_for_inference
 from zeroshard.models import GPT, GPTConfig
 
@@ -252,7 +252,7 @@ def test_generate_cli_nproc2_and_offload_print_the_same_text(tmp_path):
         p + bytes(r[width:]).decode("utf-8", errors="replace") + "\n" + "-" * 40 + "\n"
         for p, r in zip(prompts, rows, strict=True)
     )
-    base = [sys.executable, "-m", "zeroshard.cli", "generate", "--checkpoint", path,
+    base = [sys.executable, "-m", "zeroshard.tools.cli", "generate", "--checkpoint", path,
             "--prompt", prompts[0], "--prompt", prompts[1], "--max-new-tokens", "12"]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "ZEROSHARD_PROGRESS": "0"}
     runs = {

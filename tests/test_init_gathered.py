@@ -100,8 +100,8 @@ def _train(model, ref, forward, stage, rank, world, steps=3) -> tuple[float, flo
 def _plain(rank, world) -> dict:
     import zeroshard
     from zeroshard.zero import GatheredParameters
-    from zeroshard.zero.hooks import PartitionedParameterError
-    from zeroshard.zero.init import sealing_init
+    from zeroshard.zero.params.hooks import PartitionedParameterError
+    from zeroshard.zero.params.init import sealing_init
 
     out: dict[str, Any] = {}
     eager = _gpt(5)
@@ -248,7 +248,7 @@ def _hf(rank, world, path) -> dict:
     from transformers.integrations import deepspeed as hf_ds
 
     from zeroshard.zero import GatheredParameters
-    from zeroshard.zero.init import is_sealed
+    from zeroshard.zero.params.init import is_sealed
 
     _deepspeed_shim()
     out: dict[str, Any] = {}

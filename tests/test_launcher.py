@@ -19,11 +19,11 @@ from typing import Any
 
 import pytest
 
-from zeroshard.launcher import LaunchError, add_arguments, parse_hostfile, plan_layout
+from zeroshard.tools.launch.launcher import LaunchError, add_arguments, parse_hostfile, plan_layout
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "tests" / "scripts"
-ZEROSHARD = [sys.executable, "-m", "zeroshard.cli"]
+ZEROSHARD = [sys.executable, "-m", "zeroshard.tools.cli"]
 PIPES: dict[str, Any] = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE}
 
 
@@ -266,7 +266,7 @@ def test_usage_errors():
 def test_c10d_rendezvous_is_hosted_by_node_zero():
     # with node ranks known, node 0's launcher hosts the c10d store whatever the start
     # order of the launchers (two "nodes" on one machine would otherwise race for it)
-    from zeroshard.launcher import torchrun_argv
+    from zeroshard.tools.launch.launcher import torchrun_argv
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)

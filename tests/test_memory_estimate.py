@@ -6,7 +6,7 @@ import multirank
 import pytest
 import torch
 
-from zeroshard.memory import activation_bytes, estimate, paper_bytes
+from zeroshard.monitor.memory import activation_bytes, estimate, paper_bytes
 
 GB = 10**9
 
@@ -118,8 +118,8 @@ def _peak_activation_bytes(cfg, policy: str, batch: int) -> int:
     forward + backward that are alive at once (saved for backward, live activations,
     gradients in flight), with the parameters and their gradient buffers excluded."""
     from zeroshard.checkpointing import apply_activation_checkpointing
-    from zeroshard.memory import ActivationTracker
     from zeroshard.models import GPT, Block
+    from zeroshard.monitor.memory import ActivationTracker
 
     torch.manual_seed(0)
     model = GPT(cfg)
@@ -157,7 +157,7 @@ def test_activation_estimate_within_15_percent(policy: str, tied: bool) -> None:
 
 # -- the CLI ------------------------------------------------------------------------------
 def _cli(capsys, *argv: str) -> tuple[int, str]:
-    from zeroshard.cli import main
+    from zeroshard.tools.cli import main
 
     code = main(list(argv))
     return code, capsys.readouterr().out

@@ -13,7 +13,7 @@ import multirank
 import parity
 import pytest
 
-from zeroshard.parallel.mesh import AXES, Mesh, MeshError, MeshShape
+from zeroshard.distributed.mesh import AXES, Mesh, MeshError, MeshShape
 
 TOL = parity.TOL
 SHARD = 2  # zero_optimization.mics_shard_size: 4 ranks = 2 replicas x 2 shards
@@ -105,7 +105,7 @@ def _offload(z: dict) -> dict:
 
 
 def _worker(rank: int, world: int, cases: list[dict], ckpt: str) -> dict:
-    from test_parity import _worker as parity_worker
+    from parity import run_cases as parity_worker
 
     out: dict[str, Any] = {"parity": parity_worker(rank, world, cases), "ledger": {}}
     for case in cases[:4]:

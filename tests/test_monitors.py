@@ -80,7 +80,17 @@ def test_every_monitor_on_two_ranks(tmp_path) -> None:
         "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
     }
     script = os.path.join(ROOT, "tests", "scripts", "monitored.py")
-    cmd = [sys.executable, "-m", "zeroshard.cli", "run", "--nproc", "2", script, "--out", str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "zeroshard.tools.cli",
+        "run",
+        "--nproc",
+        "2",
+        script,
+        "--out",
+        str(out),
+    ]
     run = subprocess.run(
         cmd + (["--comet"] if comet else []),
         cwd=tmp_path,
@@ -163,7 +173,7 @@ def test_every_monitor_on_two_ranks(tmp_path) -> None:
 
     # zeroshard plot: PNGs that open and are not blank
     plot = subprocess.run(
-        [sys.executable, "-m", "zeroshard.cli", "plot", str(out / "csv" / "job")],
+        [sys.executable, "-m", "zeroshard.tools.cli", "plot", str(out / "csv" / "job")],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -258,7 +268,7 @@ def test_bandwidths_are_deepspeeds() -> None:
 def test_comms_logger_records_from_the_ledger() -> None:
     from types import SimpleNamespace
 
-    from zeroshard.comm import Ledger, OpEvent
+    from zeroshard.distributed.ledger import Ledger, OpEvent
     from zeroshard.monitor.comms import CommsLogger
 
     lines: list[str] = []
@@ -334,7 +344,7 @@ def test_step_line_handler(capsys, monkeypatch) -> None:
 
 def test_progress_bars(capsys, monkeypatch) -> None:
     pytest.importorskip("tqdm")
-    from zeroshard.progress import progress
+    from zeroshard.monitor.progress import progress
 
     items = [1, 2, 3]
     monkeypatch.setenv("ZEROSHARD_PROGRESS", "0")
@@ -351,7 +361,7 @@ def test_plot_of_synthetic_run(tmp_path) -> None:
     pytest.importorskip("matplotlib")
     pytest.importorskip("PIL")
     from zeroshard.monitor.csv import CSVWriter
-    from zeroshard.plot import plot_run
+    from zeroshard.tools.plot import plot_run
 
     writer = CSVWriter(str(tmp_path))
     for i in range(1, 21):
@@ -371,7 +381,7 @@ def test_plot_of_synthetic_run(tmp_path) -> None:
 
 
 def test_peak_flops_is_measured() -> None:
-    from zeroshard.report import peak_flops
+    from zeroshard.monitor.flops import peak_flops
 
     torch.set_num_threads(1)
     peak = peak_flops("cpu", "fp32", seconds=0.05)

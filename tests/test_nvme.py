@@ -14,7 +14,6 @@ import parity
 import pytest
 import rss
 import torch
-from test_parity import _worker
 
 
 def _nvme(path: str, **extra) -> dict:
@@ -62,7 +61,7 @@ def test_nvme_parity(tmp_path) -> None:
             },
         },
     ]
-    parity.assert_parity(cases, multirank.run(_worker, 2, cases, timeout=600), 2)
+    parity.assert_parity(cases, multirank.run(parity.run_cases, 2, cases, timeout=600), 2)
     assert not os.listdir(tmp_path / "a"), "swap files left behind after a clean exit"
 
 

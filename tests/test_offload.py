@@ -13,9 +13,8 @@ from typing import Any
 import multirank
 import parity
 import pytest
-from test_parity import _worker
 
-CPU = {"device": "cpu", "pin_memory": True}
+CPU = parity.PINNED_CPU
 
 
 def _cases() -> list[dict]:
@@ -124,7 +123,7 @@ def test_offloaded_stage3_keeps_one_fp32_host_copy() -> None:
 
 def test_offload_parity_two_ranks() -> None:
     cases = _cases()
-    parity.assert_parity(cases, multirank.run(_worker, 2, cases, timeout=600), 2)
+    parity.assert_parity(cases, multirank.run(parity.run_cases, 2, cases, timeout=600), 2)
 
 
 def test_hybrid_cpu_adamw_one_rank() -> None:
@@ -139,7 +138,7 @@ def test_hybrid_cpu_adamw_one_rank() -> None:
             "extra": {"zero_optimization": {"offload_optimizer": CPU}},
         }
     ]
-    parity.assert_parity(cases, multirank.run(_worker, 1, cases, timeout=300), 1)
+    parity.assert_parity(cases, multirank.run(parity.run_cases, 1, cases, timeout=300), 1)
 
 
 @pytest.mark.slow

@@ -17,7 +17,7 @@ def _run(rank: int, world: int) -> dict:
     torch.set_num_threads(1)
     import zeroshard
     from zeroshard.models import GPT, GPTConfig
-    from zeroshard.zero.whole import WholeParams
+    from zeroshard.zero.params.whole import WholeParams
 
     out: dict[str, Any] = {}
     for stage in (1, 2):

@@ -101,30 +101,6 @@ def _cases() -> list[dict]:
     return cases
 
 
-def _worker(rank: int, world: int, cases: list[dict]) -> list[dict]:
-    out = []
-    for case in cases:
-        ref_norms: list[float] = []
-        norms: list[float] = []
-        ref_losses, ref_params = parity.reference(case, world, ref_norms)
-        losses, engine = parity.train(case, rank, world, norms)
-        params, initial = parity.full_params(engine), parity.initial_params(case)
-        out.append(
-            {
-                "case": case,
-                "losses": losses,
-                "ref_losses": ref_losses,
-                "norms": norms,
-                "ref_norms": ref_norms,
-                "param_diff": parity.max_param_diff(params, ref_params),
-                "movement": parity.max_param_diff(ref_params, initial),
-                "update_err": parity.l2_param_diff(params, ref_params)
-                / parity.l2_param_diff(ref_params, initial),
-            }
-        )
-    return out
-
-
 def _clip_failures(case: dict, per_rank: list[dict]) -> list[str]:
     """A clipping case must report the pre-clip global norm on every step and rank, equal
     to the reference's, and that norm must exceed the threshold on some step."""
@@ -146,7 +122,7 @@ def _clip_failures(case: dict, per_rank: list[dict]) -> list[str]:
 @pytest.mark.parametrize("world", [pytest.param(2, marks=pytest.mark.slow), 3])
 def test_stage_parity(world: int) -> None:
     cases = _cases()
-    results = multirank.run(_worker, world, cases, timeout=600)
+    results = multirank.run(parity.run_cases, world, cases, timeout=600)
     failures = []
     for i, case in enumerate(cases):
         per_rank = [r[i] for r in results]
@@ -203,7 +179,7 @@ def test_low_precision_parity() -> None:
     dtype's resolution (bf16 keeps 8 mantissa bits, fp16 11), tightly enough that a
     missing or wrongly scaled update fails."""
     cases = _low_cases()
-    results = multirank.run(_worker, 2, cases, timeout=600)
+    results = multirank.run(parity.run_cases, 2, cases, timeout=600)
     failures = []
     for i, case in enumerate(cases):
         per_rank = [r[i] for r in results]

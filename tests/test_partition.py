@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from zeroshard.zero.partition import FlatLayout, greedy_segments
+from zeroshard.zero.layout.partition import FlatLayout, greedy_segments
 
 
 def _random_numels(rng: random.Random, n: int) -> list[int]:
@@ -83,7 +83,7 @@ def test_owned_span_requires_contiguous_members() -> None:
 def test_stage3_persistence_thresholds() -> None:
     """numel <= stage3_param_persistence_threshold stays whole (DeepSpeed's rule), while
     the persistent total fits stage3_model_persistence_threshold."""
-    from zeroshard.zero.segments import unit_segments
+    from zeroshard.zero.layout.segments import unit_segments
 
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4), torch.nn.Linear(4, 8))
     groups = [{"params": list(model.parameters())}]
@@ -103,7 +103,7 @@ def test_stage3_persistence_thresholds() -> None:
 def test_gpt_presets_are_buildable() -> None:
     """Every built-in GPT preset splits d_model evenly into heads (checked without
     building the big ones)."""
-    from zeroshard.models import _PRESETS
+    from zeroshard.models.gpt import PRESETS
 
-    for name, (_, n_head, d_model) in _PRESETS.items():
+    for name, (_, n_head, d_model) in PRESETS.items():
         assert d_model % n_head == 0, name

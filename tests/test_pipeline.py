@@ -10,7 +10,7 @@ import pipeline_cases as pc
 import pytest
 from multirank import run
 
-from zeroshard.parallel.pipeline_p2p import HEADER_LEN
+from zeroshard.parallel.pipeline.p2p import HEADER_LEN
 
 SCHEDULES: list[dict[str, Any]] = [
     {"schedule": "gpipe"},

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from zeroshard.parallel.pipeline_plot import (
+from zeroshard.parallel.pipeline.plot import (
     bubble_fractions,
     main,
     mean_bubble,

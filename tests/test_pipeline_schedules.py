@@ -7,8 +7,8 @@ import torch
 from torch import nn
 
 from zeroshard.config import ConfigError, load_config
-from zeroshard.parallel.pipeline_module import partition_layers
-from zeroshard.parallel.schedules import (
+from zeroshard.parallel.pipeline.module import partition_layers
+from zeroshard.parallel.pipeline.schedules import (
     Action,
     ScheduleError,
     build_schedule,
@@ -197,8 +197,8 @@ def test_config_section() -> None:
 
 # -- bad input --------------------------------------------------------------------------
 def test_bad_models_and_configs_are_named() -> None:
-    from zeroshard.api import _split
-    from zeroshard.parallel.pipeline_module import check_config as _check_module
+    from zeroshard.api import as_pipeline_module as _split
+    from zeroshard.parallel.pipeline.module import check_config as _check_module
 
     def cfg(**pipe):
         zero = pipe.pop("zero", 1)

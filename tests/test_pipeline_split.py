@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from zeroshard.parallel.pipeline_split import (
+from zeroshard.parallel.pipeline.split import (
     PipelineSplit,
     TiedLayer,
     causal_lm_loss,
@@ -194,7 +194,7 @@ def test_causal_lm_loss_ignores_and_shifts():
 
 @pytest.mark.parametrize("tied", [False, True])
 def test_pipeline_module_stages_in_sequence_equal_model(tied):
-    from zeroshard.parallel.pipeline_split import pipeline_module
+    from zeroshard.parallel.pipeline.split import pipeline_module
 
     model = tiny_llama(tied=tied)
     ids, labels, inputs = _batch(padded=True)
@@ -255,7 +255,7 @@ def _parity_reference(case: dict) -> tuple[list[float], dict]:
 
 def _parity_rank(rank: int, world: int, cases: list[dict]) -> list:
     import zeroshard
-    from zeroshard.parallel.pipeline_engine import PipelineEngine
+    from zeroshard.parallel.pipeline.engine import PipelineEngine
 
     results = []
     for case in cases:

@@ -11,14 +11,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from zeroshard import report
+from zeroshard.tools import report
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def zeroshard(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "zeroshard.cli", *args],
+        [sys.executable, "-m", "zeroshard.tools.cli", *args],
         cwd=ROOT,
         capture_output=True,
         text=True,

@@ -1,4 +1,4 @@
-"""Tests for zeroshard.schedulers.
+"""Tests for zeroshard.runtime.schedulers.
 
 ``tests/data/lr_schedules_reference.json`` holds lr (and, for OneCycle with Adam, betas)
 sequences produced by DeepSpeed 0.19.8's own ``deepspeed.runtime.lr_schedules`` classes
@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from zeroshard.schedulers import (
+from zeroshard.runtime.schedulers import (
     SCHEDULERS,
     LRRangeTest,
     OneCycle,

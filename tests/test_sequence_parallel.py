@@ -1,4 +1,4 @@
-"""Sequence parallelism (zeroshard/parallel/sequence.py, ring_attention.py): Ulysses and
+"""Sequence parallelism (zeroshard/parallel/sequence/attention.py, sequence/ring.py): Ulysses and
 ring attention on gloo ranks. Each rank runs its share of every sequence; the loss
 (summed over ranks' shares) and the gradients (reduced over the sequence-parallel
 ranks, as the engine's data-parallel reduction does) equal the unsplit single-process
@@ -18,11 +18,15 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from tp_parity import F32, TOL, grad_diffs, run_fwd_bwd, tiny_llama, twin
 
-from zeroshard.comm import Comm
+from zeroshard.distributed.comm import Comm
 from zeroshard.models import GPT, GPTConfig
-from zeroshard.parallel.autotp import apply_tensor_parallel
-from zeroshard.parallel.ring_attention import ring_attention, zigzag_positions
-from zeroshard.parallel.sequence import apply_ring_attention, apply_ulysses, shard_sequence
+from zeroshard.parallel.sequence.attention import (
+    apply_ring_attention,
+    apply_ulysses,
+    shard_sequence,
+)
+from zeroshard.parallel.sequence.ring import ring_attention, zigzag_positions
+from zeroshard.parallel.tensor.autotp import apply_tensor_parallel
 
 B, S = 2, 16
 

@@ -1,5 +1,5 @@
-"""Tensor parallelism (zeroshard/parallel/tensor.py, autotp.py): on 2 gloo ranks the
-split model's loss and every gradient (re-assembled from the shards) equal the unsplit
+"""Tensor parallelism (zeroshard/parallel/tensor/collectives.py, tensor/autotp.py): on 2
+gloo ranks the split model's loss and every gradient (re-assembled from the shards) equal the unsplit
 single-process model's to 2e-5 in fp32; the ledger equals Megatron's formulas; the
 parameter bytes per rank are divided by the TP size; bad layouts are refused by name.
 """
@@ -24,12 +24,12 @@ from tp_parity import (
     twin,
 )
 
-from zeroshard.comm import Comm
+from zeroshard.distributed.comm import Comm
 from zeroshard.models import GPT, GPTConfig
-from zeroshard.parallel.autotp import apply_tensor_parallel, sync_partial_grads
-from zeroshard.parallel.linear import ColumnParallelLinear, RowParallelLinear
-from zeroshard.parallel.slices import TPSlice, assemble
-from zeroshard.parallel.vocab import VocabParallelEmbedding, vocab_parallel_cross_entropy
+from zeroshard.parallel.tensor.autotp import apply_tensor_parallel, sync_partial_grads
+from zeroshard.parallel.tensor.linear import ColumnParallelLinear, RowParallelLinear
+from zeroshard.parallel.tensor.slices import TPSlice, assemble
+from zeroshard.parallel.tensor.vocab import VocabParallelEmbedding, vocab_parallel_cross_entropy
 
 B, S = 2, 8
 

@@ -12,6 +12,7 @@ from typing import Any
 import multirank
 import pytest
 import torch
+from tp_parity import whole_params as _whole
 
 TOL = 2e-5
 DP = 2  # every case: 4 ranks = 2 data-parallel x 2 (tensor or sequence) parallel
@@ -106,26 +107,6 @@ def _reference(case: dict):
         opt.step()
         opt.zero_grad()
     return {n: p.detach().clone() for n, p in model.named_parameters()}, norms
-
-
-def _whole(engine) -> dict[str, torch.Tensor]:
-    """Every parameter, whole: ZeRO-gathered, then the tensor-parallel slices assembled
-    (through a Comm of its own, so the engine's ledger is untouched)."""
-    from zeroshard.comm import Comm
-    from zeroshard.parallel.slices import assemble, tp_slice_of
-    from zeroshard.zero import GatheredParameters
-
-    verify = Comm(engine.mesh.comm("tp").group)
-    out = {}
-    model = engine.module
-    with GatheredParameters(list(model.parameters())):
-        for name, p in model.named_parameters():
-            t = p.detach().float().clone()
-            spec = tp_slice_of(p)
-            if spec is not None:
-                t = assemble(verify.all_gather_object(t), spec)
-            out[name] = t
-    return out
 
 
 def _run(case: dict, rank: int, world: int) -> dict:

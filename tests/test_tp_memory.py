@@ -13,10 +13,10 @@ L, H, S, B, V = 4, 128, 256, 2, 256
 
 def _kept(rank: int, world: int) -> dict:
     torch.set_num_threads(1)
-    from zeroshard.comm import Comm
-    from zeroshard.memory import ActivationTracker
+    from zeroshard.distributed.comm import Comm
     from zeroshard.models import GPT, GPTConfig
-    from zeroshard.parallel.autotp import apply_tensor_parallel
+    from zeroshard.monitor.memory import ActivationTracker
+    from zeroshard.parallel.tensor.autotp import apply_tensor_parallel
 
     out = {}
     for name, tp, msp in (("none", 1, False), ("tp2", 2, False), ("tp2-megatron-sp", 2, True)):
@@ -34,7 +34,7 @@ def _kept(rank: int, world: int) -> dict:
 
 @pytest.mark.slow
 def test_activation_bytes_per_rank_under_tensor_parallelism() -> None:
-    from zeroshard.memory import activation_bytes
+    from zeroshard.monitor.memory import activation_bytes
 
     measured = multirank.run(_kept, 2, timeout=300)[0]
     for name, tp, msp in (("none", 1, False), ("tp2", 2, False), ("tp2-megatron-sp", 2, True)):

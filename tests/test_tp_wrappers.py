@@ -21,7 +21,7 @@ import pytest
 import torch
 from tp_parity import TOL, grad_diffs, param_diffs, twin
 
-from zeroshard.parallel.autotp import apply_tensor_parallel, sync_partial_grads
+from zeroshard.parallel.tensor.autotp import apply_tensor_parallel, sync_partial_grads
 
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
@@ -193,7 +193,7 @@ def _ids(seed: int) -> torch.Tensor:
 
 
 def _apply_cases(rank: int, world: int) -> dict:
-    from zeroshard.comm import Comm
+    from zeroshard.distributed.comm import Comm
 
     comm, vcomm, out = Comm(), Comm(), {}
     for key, (build, loss_fn, must_split) in CASES.items():
@@ -328,7 +328,7 @@ def _steps(engine, case: dict, first: int, count: int) -> list[float]:
 
 
 def _engine_case(case: dict) -> dict:
-    from test_tp_engine import _whole
+    from tp_parity import whole_params as _whole
 
     ref, ref_norms = _reference(case)
     engine = _engine(case)
@@ -346,7 +346,7 @@ def _wrapped_checkpoint(rank: int, root: str) -> dict:
     """A peft LoRA Llama saved at tp2 x dp2 (ZeRO-3): the export holds whole tensors
     under the wrapper's global names; dp4 loads it bitwise and continues within 2e-5."""
     from safetensors.torch import load_file
-    from test_tp_engine import _whole
+    from tp_parity import whole_params as _whole
 
     from zeroshard.checkpoint.export import export_checkpoint
 

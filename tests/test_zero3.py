@@ -506,7 +506,7 @@ def _reuse_off_path(rank, world, **zero):
     step after a forward with no backward (the shards change while units are kept).
     Returns the losses, the gatherer's counters after each probe, and a digest."""
     import zeroshard
-    from zeroshard.zero.parameters import ParamGatherer
+    from zeroshard.zero.params.gatherer import ParamGatherer
 
     torch.manual_seed(0)
     model = Chain()
@@ -554,7 +554,7 @@ def _threshold_boundary(rank, world):
     """Which parameters a threshold equal to their size makes persistent (DeepSpeed:
     ``numel <= stage3_param_persistence_threshold``)."""
     import zeroshard
-    from zeroshard.zero.parameters import ParamGatherer
+    from zeroshard.zero.params.gatherer import ParamGatherer
 
     torch.manual_seed(0)
     model = Chain()

@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
-from zeroshard.comm import Comm
-from zeroshard.parallel.slices import assemble, tp_slice_of
+from zeroshard.distributed.comm import Comm
+from zeroshard.parallel.tensor.slices import assemble, tp_slice_of
 
 TOL = 2e-5
 F32 = 4
@@ -86,3 +86,21 @@ def tiny_llama(**kw):
                bos_token_id=0, eos_token_id=1, pad_token_id=None, use_cache=False)  # fmt: skip
     cfg.update(kw)
     return LlamaForCausalLM(LlamaConfig(**cfg)).float()
+
+
+def whole_params(engine) -> dict[str, torch.Tensor]:
+    """Every parameter, whole: ZeRO-gathered, then the tensor-parallel slices assembled
+    (through a Comm of its own, so the engine's ledger is untouched)."""
+    from zeroshard.zero import GatheredParameters
+
+    verify = Comm(engine.mesh.comm("tp").group)
+    out = {}
+    model = engine.module
+    with GatheredParameters(list(model.parameters())):
+        for name, p in model.named_parameters():
+            t = p.detach().float().clone()
+            spec = tp_slice_of(p)
+            if spec is not None:
+                t = assemble(verify.all_gather_object(t), spec)
+            out[name] = t
+    return out

@@ -21,27 +21,61 @@ __version__ = "0.1.0"
 if TYPE_CHECKING:  # the type checker sees the real types of the lazily imported names
     from zeroshard import accelerator, comm, ops, pipe, utils, zero
     from zeroshard.api import add_config_arguments, initialize
-    from zeroshard.distributed import init_distributed
-    from zeroshard.engine import DeepSpeedEngine
+    from zeroshard.checkpoint.resume import resume
+    from zeroshard.compat.deepspeed_names import tp_model_init
+    from zeroshard.distributed.process_group import init_distributed
     from zeroshard.inference import init_inference
-    from zeroshard.integrations.deepspeed_names import tp_model_init
-    from zeroshard.restart import resume
+    from zeroshard.runtime.engine import DeepSpeedEngine
+
+
+class ZeroshardError(Exception):
+    """The root of the errors zeroshard raises: ``except zeroshard.ZeroshardError`` catches
+    each of them. Every one also keeps the standard base it has always had (``ValueError``,
+    ``RuntimeError``...), so ``except ValueError`` catches what it did."""
+
+
+class ArgumentError(ZeroshardError, ValueError):
+    """A bad argument to a zeroshard function or class, where no narrower error fits."""
+
+
+class UsageError(ZeroshardError, RuntimeError):
+    """A call the current state does not allow: wrong order, a destroyed engine, a
+    gradient outside ``engine.backward()``, a process started without its environment."""
+
+
+class InternalError(ZeroshardError, RuntimeError):
+    """An invariant of zeroshard's own does not hold: a bug to report."""
+
+
+class NotBuiltError(ZeroshardError, NotImplementedError):
+    """A DeepSpeed feature or option zeroshard has not built (yet)."""
+
+
+class NonFiniteError(ZeroshardError, FloatingPointError):
+    """Non-finite (inf/NaN) gradients or loss where the config says to stop."""
+
 
 _LAZY = {
     "initialize": "zeroshard.api",
     "add_config_arguments": "zeroshard.api",
-    "init_distributed": "zeroshard.distributed",
-    "resume": "zeroshard.restart",
+    "init_distributed": "zeroshard.distributed.process_group",
+    "resume": "zeroshard.checkpoint.resume",
     "init_inference": "zeroshard.inference",
-    "DeepSpeedEngine": "zeroshard.engine",
-    "tp_model_init": "zeroshard.integrations.deepspeed_names",
+    "DeepSpeedEngine": "zeroshard.runtime.engine",
+    "tp_model_init": "zeroshard.compat.deepspeed_names",
 }
 
 # as deepspeed.<name>: zeroshard.comm.get_rank(), zeroshard.accelerator.get_accelerator(), ...
 _SUBMODULES = ("zero", "utils", "comm", "pipe", "accelerator", "ops")
 
 __all__ = [
+    "ArgumentError",
     "DeepSpeedEngine",
+    "InternalError",
+    "NonFiniteError",
+    "NotBuiltError",
+    "UsageError",
+    "ZeroshardError",
     "__version__",
     "accelerator",
     "add_config_arguments",

@@ -1,6 +1,6 @@
 """``initialize`` and the argparse helper: the DeepSpeed-compatible entry points.
 
-Communication: initializes ``torch.distributed`` if needed (see ``distributed.py``);
+Communication: initializes ``torch.distributed`` if needed (see ``distributed/process_group.py``);
 the engine then broadcasts rank 0's initial parameters.
 """
 
@@ -14,14 +14,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from zeroshard import ArgumentError, NotBuiltError
 from zeroshard.config import ConfigError, load_config
-from zeroshard.distributed import default_device, init_distributed
-from zeroshard.engine import Engine
-from zeroshard.optim import hyperparams
-from zeroshard.parallel.mesh import Mesh, MeshShape
-from zeroshard.parallel.pipeline_engine import PipelineEngine
-from zeroshard.parallel.pipeline_module import PipelineModule
-from zeroshard.zero.optimizer import ShardedOptimizer
+from zeroshard.distributed.mesh import Mesh, MeshShape
+from zeroshard.distributed.process_group import default_device, init_distributed
+from zeroshard.parallel.pipeline.engine import PipelineEngine
+from zeroshard.parallel.pipeline.module import PipelineModule
+from zeroshard.runtime.engine import Engine
+from zeroshard.runtime.optim import hyperparams
+from zeroshard.zero.optim.optimizer import ShardedOptimizer
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -118,22 +119,22 @@ def _collect_groups(module: nn.Module, optimizer, model_parameters, opt_cfg):
     for gi, g in enumerate(groups):
         for p in g["params"]:
             if id(p) not in owned:
-                raise ValueError(
+                raise ArgumentError(
                     f"initialize: param group {gi} holds a tensor that is not a parameter of the model"
                 )
             if id(p) in seen:
-                raise ValueError(
+                raise ArgumentError(
                     f"initialize: a parameter appears in more than one param group (group {gi})"
                 )
             seen.add(id(p))
     return groups, client
 
 
-def _split(model: nn.Module, cfg) -> PipelineModule:
+def as_pipeline_module(model: nn.Module, cfg) -> PipelineModule:
     """A model that is not a PipelineModule, cut by the Hugging Face decoder splitter
-    (``parallel/pipeline_split.py``; it takes an ``nn.Sequential`` too)."""
+    (``parallel/pipeline/split.py``; it takes an ``nn.Sequential`` too)."""
     virtual = cfg.pipeline.virtual_stages or 1
-    from zeroshard.parallel.pipeline_split import split_for_pipeline
+    from zeroshard.parallel.pipeline.split import split_for_pipeline
 
     split = split_for_pipeline(model)  # an nn.Sequential or a known family, else ValueError
     return PipelineModule(
@@ -173,9 +174,9 @@ def initialize(
     JSON path (or comes from ``args.deepspeed_config``).
     """
     if model is None:
-        raise ValueError("initialize: model is required")
+        raise ArgumentError("initialize: model is required")
     if mesh_param is not None:
-        raise NotImplementedError(
+        raise NotBuiltError(
             "initialize: mesh_param is not built yet in zeroshard; give the parallel sizes "
             "in the config (zero_optimization.mics_shard_size) or pass mpu="
         )
@@ -212,7 +213,7 @@ def initialize(
     if cfg.pipeline_stages > 1 or module_stages is not None:
         engine_class = PipelineEngine
         if module_stages is None:
-            model = _split(model, cfg)
+            model = as_pipeline_module(model, cfg)
         model_parameters = _stage_parameters(model, model_parameters)
     groups, client = _collect_groups(model, optimizer, model_parameters, cfg.optimizer)
     engine = engine_class(
@@ -226,7 +227,7 @@ def initialize(
         collate_fn=collate_fn,
     )
     if cfg.checkpoint.dir:  # resume from it; save there on SIGTERM
-        from zeroshard.restart import auto_resume
+        from zeroshard.checkpoint.resume import auto_resume
 
         auto_resume(engine, cfg.checkpoint.dir)
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler

@@ -4,9 +4,9 @@ Put it before any ``transformers`` / ``accelerate`` import (or launch with ``zer
 run --as-deepspeed``, which does it in every worker). Then ``TrainingArguments(deepspeed=
 "ds_config.json")`` and ``Accelerator(deepspeed_plugin=...)`` train with zeroshard. It
 refuses (raises) if a real DeepSpeed is installed. See
-``zeroshard.integrations.deepspeed_alias`` for how.
+``zeroshard.compat.deepspeed_alias`` for how.
 """
 
-from zeroshard.integrations.deepspeed_alias import register
+from zeroshard.compat.deepspeed_alias import register
 
 register()

@@ -1,18 +1,4 @@
-"""DeepSpeed's ``deepspeed.utils`` names that user code reaches for. No communication."""
+"""``zeroshard.utils``: DeepSpeed's ``deepspeed.utils`` names (see ``compat/utils.py``)."""
 
-from __future__ import annotations
-
-import logging
-
-from zeroshard.comm import is_initialized
-from zeroshard.zero.leaves import set_z3_leaf_modules, unset_z3_leaf_modules, z3_leaf_module
-
-logger = logging.getLogger("zeroshard")  # deepspeed.utils.logger (the Trainer sets its level)
-
-__all__ = [
-    "is_initialized",
-    "logger",
-    "set_z3_leaf_modules",
-    "unset_z3_leaf_modules",
-    "z3_leaf_module",
-]
+from zeroshard.compat.utils import *  # noqa: F403
+from zeroshard.compat.utils import __all__  # noqa: F401

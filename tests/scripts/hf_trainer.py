@@ -111,7 +111,7 @@ result: dict = {}
 targs = args("run1")
 model = GPT2LMHeadModel.from_pretrained(base_model_dir())
 if STAGE == 3:
-    from zeroshard.zero.init import is_sealed
+    from zeroshard.zero.params.init import is_sealed
 
     result["zero_init"] = all(is_sealed(p) for p in model.parameters())
 t1 = Recording(model=model, args=targs, train_dataset=DATA)

@@ -33,7 +33,7 @@ from zeroshard.checkpoint.format import (
     parameter_names,
     piece_key,
 )
-from zeroshard.safetensors_io import DTYPES
+from zeroshard.checkpoint.safetensors_io import DTYPES
 
 #: the elementwise state a built-in optimizer makes in its first step, by class name
 #: (a class or any of its bases); ``max_exp_avg_sq`` with ``amsgrad`` only

@@ -18,9 +18,9 @@ import torch
 
 from zeroshard.checkpoint.format import exchange, raise_if_failed, write_text_atomic
 from zeroshard.checkpoint.load import PieceReader, read_manifest, resolve_path, scan_files
+from zeroshard.checkpoint.safetensors_io import DTYPES, StreamWriter, dtype_size
 from zeroshard.checkpoint.save import CheckpointSaveError
-from zeroshard.progress import progress
-from zeroshard.safetensors_io import DTYPES, StreamWriter, dtype_size
+from zeroshard.monitor.progress import progress
 
 MODEL_KEY = "zeroshard_model"  # safetensors metadata: the model's description (JSON)
 DTYPE_ARGS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}

@@ -14,14 +14,16 @@ import contextlib
 import os
 import secrets
 
+from zeroshard import ZeroshardError
+
 MANIFEST = "manifest.json"
 
 
-class CheckpointError(ValueError):
+class CheckpointError(ZeroshardError, ValueError):
     """A checkpoint that cannot be loaded; the message names the file or parameters."""
 
 
-class CheckpointSaveError(RuntimeError):
+class CheckpointSaveError(ZeroshardError, RuntimeError):
     """A save that failed on some rank; raised on every rank, and nothing was published."""
 
 
@@ -41,7 +43,7 @@ def param_record(flat, i: int) -> dict:
     """What a checkpoint records about flat parameter ``i``: its whole shape (a
     tensor-parallel slice's full shape), its param group (-1: frozen, saved without
     optimizer state) and, when split, the split (dim, fused parts, TP size)."""
-    from zeroshard.parallel.slices import tp_slice_of
+    from zeroshard.parallel.tensor.slices import tp_slice_of
 
     spec = tp_slice_of(flat.params[i])
     out = {"shape": list(spec.full_shape if spec else flat.shapes[i]), "group": flat.group_of[i]}

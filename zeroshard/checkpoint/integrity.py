@@ -17,13 +17,15 @@ import zlib
 
 import torch
 
-from zeroshard.safetensors_io import DTYPES, header_checksums
+from zeroshard import ZeroshardError
+from zeroshard.checkpoint.format import CheckpointError
+from zeroshard.checkpoint.safetensors_io import DTYPES, header_checksums
 
 _CHUNK = 16 << 20  # bytes read at a time (a multiple of every element size)
 _FLOAT8 = {n for n in ("F8_E4M3", "F8_E5M2") if n in DTYPES}
 
 
-class IntegrityError(ValueError):
+class IntegrityError(ZeroshardError, ValueError):
     """A file whose bytes are not what was saved, or hold non-finite values."""
 
 
@@ -125,22 +127,22 @@ def _count_nonfinite(chunk: memoryview, dtype: str) -> int:
 
 def _int(value, what: str, minimum: int = 0) -> int:
     if type(value) is not int or value < minimum:
-        raise ValueError(f"{what} must be an integer >= {minimum}, got {value!r}")
+        raise CheckpointError(f"{what} must be an integer >= {minimum}, got {value!r}")
     return value
 
 
 def _number(value, what: str, minimum: float | None = None, *, above: bool = False) -> float:
     if type(value) not in (int, float) or not math.isfinite(value):
-        raise ValueError(f"{what} must be a finite number, got {value!r}")
+        raise CheckpointError(f"{what} must be a finite number, got {value!r}")
     if minimum is not None and (value <= minimum if above else value < minimum):
-        raise ValueError(f"{what} must be {'>' if above else '>='} {minimum}, got {value!r}")
+        raise CheckpointError(f"{what} must be {'>' if above else '>='} {minimum}, got {value!r}")
     return float(value)
 
 
 def _no_nan(obj, what: str) -> None:
     """No NaN anywhere in a JSON value (inf is allowed: schedulers start best = inf)."""
     if isinstance(obj, float) and math.isnan(obj):
-        raise ValueError(f"{what} is NaN")
+        raise CheckpointError(f"{what} is NaN")
     if isinstance(obj, dict):
         for k, v in obj.items():
             _no_nan(v, f"{what}[{k!r}]")
@@ -166,17 +168,17 @@ def check_values(m: dict) -> None:
     _int(m.get("version"), "version", 1)
     world = _int(m["world_size"], "world_size", 1)
     if world != len(m["files"]):
-        raise ValueError(f"world_size {world} but {len(m['files'])} files listed")
+        raise CheckpointError(f"world_size {world} but {len(m['files'])} files listed")
     stage = _int(m.get("zero_stage", 0), "zero_stage")
     if stage > 3:
-        raise ValueError(f"zero_stage must be 0-3, got {stage}")
+        raise CheckpointError(f"zero_stage must be 0-3, got {stage}")
     if m.get("compute_dtype", "F32") not in DTYPES:
-        raise ValueError(f"compute_dtype {m.get('compute_dtype')!r} is not a dtype")
+        raise CheckpointError(f"compute_dtype {m.get('compute_dtype')!r} is not a dtype")
     for key, value in m["counters"].items():
         _int(value, f"counters.{key}")
     for i, group in enumerate(m["optimizer"]["groups"]):
         if not isinstance(group, dict):
-            raise ValueError(f"optimizer.groups[{i}] must be an object")
+            raise CheckpointError(f"optimizer.groups[{i}] must be an object")
         for key, value in group.items():
             what = f"optimizer.groups[{i}].{key}"
             values = value if isinstance(value, list) else [value]  # betas, eps pairs
@@ -186,9 +188,9 @@ def check_values(m: dict) -> None:
                     low, above = _GROUP_RANGES[key]
                     _number(v, at, low, above=above)
                 elif key == "betas" and _number(v, at, 0.0) >= 1.0:
-                    raise ValueError(f"{at} must be < 1, got {v!r}")
+                    raise CheckpointError(f"{at} must be < 1, got {v!r}")
                 elif isinstance(v, float) and not math.isfinite(v):
-                    raise ValueError(f"{at} must be finite, got {v!r}")
+                    raise CheckpointError(f"{at} must be finite, got {v!r}")
     scaler = m["loss_scaler"]
     if "scale" in scaler:
         _number(scaler["scale"], "loss_scaler.scale", 0.0, above=True)

@@ -30,6 +30,7 @@ import torch
 from safetensors import safe_open
 
 from zeroshard.checkpoint.format import exchange, parameter_names, piece_key, raise_if_failed
+from zeroshard.checkpoint.safetensors_io import DTYPE_NAMES, DTYPES
 from zeroshard.checkpoint.shards import ShardAccess
 
 # the checks live in validate.py; re-exported so imports from here keep working
@@ -42,9 +43,8 @@ from zeroshard.checkpoint.validate import (
     scan_files,
     validate,
 )
-from zeroshard.parallel.slices import TPSlice, assemble, tp_slice_of
-from zeroshard.progress import progress
-from zeroshard.safetensors_io import DTYPE_NAMES, DTYPES
+from zeroshard.monitor.progress import progress
+from zeroshard.parallel.tensor.slices import TPSlice, assemble, tp_slice_of
 
 
 def _same_split(saved: dict, entry: dict, spec: TPSlice) -> bool:

@@ -16,11 +16,13 @@ from typing import Any
 
 from torch import nn
 
+from zeroshard import ZeroshardError
+
 GPT_CLASS = "zeroshard.models.GPT"
 HF_CLASS = "transformers"
 
 
-class ModelConfigError(ValueError):
+class ModelConfigError(ZeroshardError, ValueError):
     """A checkpoint whose model cannot be built (the message names the file)."""
 
 

@@ -24,6 +24,8 @@ import socket
 import time
 import unicodedata
 
+from zeroshard.checkpoint.format import CheckpointError
+
 LATEST = "latest"
 LOCK = ".zeroshard.lock"
 _MAX_TAG = 255
@@ -62,7 +64,7 @@ def check_tag(tag, what: str = "tag") -> str:
     """``tag`` if it is a plain tag, else ValueError saying why."""
     problem = tag_problem(tag)
     if problem:
-        raise ValueError(f"{what} {tag!r} is not allowed: {problem}")
+        raise CheckpointError(f"{what} {tag!r} is not allowed: {problem}")
     return tag
 
 

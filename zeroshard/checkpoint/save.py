@@ -32,9 +32,11 @@ from dataclasses import replace
 
 import torch
 
+from zeroshard import NotBuiltError
 from zeroshard.checkpoint.format import (
     MANIFEST,
     PARAMS_META,
+    CheckpointError,
     CheckpointSaveError,
     exchange,
     file_name,
@@ -56,11 +58,11 @@ from zeroshard.checkpoint.paths import (
     tmp_dir,
     trash_name,
 )
+from zeroshard.checkpoint.safetensors_io import DTYPE_NAMES, StreamWriter
 from zeroshard.checkpoint.shards import OwnedPiece, ShardAccess
-from zeroshard.parallel.mesh import AXES
-from zeroshard.parallel.slices import tp_slice_of
-from zeroshard.progress import progress
-from zeroshard.safetensors_io import DTYPE_NAMES, StreamWriter
+from zeroshard.distributed.mesh import AXES
+from zeroshard.monitor.progress import progress
+from zeroshard.parallel.tensor.slices import tp_slice_of
 
 
 def _rng_tensors() -> dict[str, torch.Tensor]:
@@ -80,7 +82,7 @@ def whole_tensors(engine, exclude_frozen: bool = False) -> dict[str, tuple[torch
     for name, p in engine.module.named_parameters():
         if id(p) not in in_flat and not exclude_frozen:
             if tp_slice_of(p) is not None:
-                raise NotImplementedError(
+                raise NotBuiltError(
                     f"save_checkpoint: {name!r} is a frozen tensor-parallel slice outside "
                     "ZeRO's layout (stages 0-2); saving it is not built yet: use stage 3, "
                     "where frozen parameters are in the layout"
@@ -178,7 +180,7 @@ def save(
         if rank == 0:
             os.makedirs(save_dir, exist_ok=True)
             if os.path.islink(final):
-                raise ValueError(f"{final} is a symlink; refusing to replace it")
+                raise CheckpointError(f"{final} is a symlink; refusing to replace it")
             clear_stale(save_dir, tag)
             save_id = new_save_id()
             make_tmp_dir(save_dir, tag, save_id)

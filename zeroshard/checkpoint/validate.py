@@ -26,9 +26,9 @@ from zeroshard.checkpoint.coverage import check_files_agree, check_optimizer_fit
 from zeroshard.checkpoint.format import MANIFEST, CheckpointError, parameter_names, piece_key
 from zeroshard.checkpoint.integrity import check_order, check_save_id, check_values, scan_file
 from zeroshard.checkpoint.paths import LATEST, inside, tag_problem
+from zeroshard.checkpoint.safetensors_io import DTYPES, read_header, read_header_raw
 from zeroshard.checkpoint.shards import ShardAccess
-from zeroshard.parallel.slices import tp_slice_of
-from zeroshard.safetensors_io import DTYPES, read_header, read_header_raw
+from zeroshard.parallel.tensor.slices import tp_slice_of
 
 log = logging.getLogger("zeroshard")
 
@@ -176,36 +176,38 @@ def scan_files(
 def _check_structure(m: dict) -> None:
     """Types of everything load and export read from the manifest."""
     if not isinstance(m["files"], list) or not m["files"]:
-        raise ValueError("'files' must be a non-empty list")
+        raise CheckpointError("'files' must be a non-empty list")
     for e in m["files"]:
         if not isinstance(e["name"], str) or not isinstance(e["bytes"], int):
-            raise ValueError(f"bad 'files' entry {e!r}")
+            raise CheckpointError(f"bad 'files' entry {e!r}")
     nfiles = len(m["files"])
     kinds = m["kinds"]
     if not isinstance(kinds, list) or "param" not in kinds:
-        raise ValueError("'kinds' must be a list holding 'param'")
+        raise CheckpointError("'kinds' must be a list holding 'param'")
     for name, e in m["params"].items():
         if e["dtype"] not in DTYPES or not isinstance(e["group"], int):
-            raise ValueError(f"params[{name!r}]: bad dtype or group")
+            raise CheckpointError(f"params[{name!r}]: bad dtype or group")
         if not all(isinstance(d, int) and d >= 0 for d in e["shape"]):
-            raise ValueError(f"params[{name!r}]: bad shape {e['shape']!r}")
+            raise CheckpointError(f"params[{name!r}]: bad shape {e['shape']!r}")
         _check_tiling(name, e, nfiles)
     for name, e in m["whole"].items():
         if e["dtype"] not in DTYPES or not all(isinstance(d, int) for d in e["shape"]):
-            raise ValueError(f"whole[{name!r}]: bad dtype or shape")
+            raise CheckpointError(f"whole[{name!r}]: bad dtype or shape")
     for alias, name in m.get("aliases", {}).items():
         if name not in m["params"]:
-            raise ValueError(f"alias {alias!r} names {name!r}, which is not saved")
+            raise CheckpointError(f"alias {alias!r} names {name!r}, which is not saved")
     if not isinstance(m["optimizer"]["groups"], list):
-        raise ValueError("'optimizer.groups' must be a list")
+        raise CheckpointError("'optimizer.groups' must be a list")
     for g in m["optimizer"]["groups"]:
         float(g["step"])
     ngroups = len(m["optimizer"]["groups"])
     for name, e in m["params"].items():
         if e["group"] >= ngroups:
-            raise ValueError(f"params[{name!r}]: group {e['group']}, but {ngroups} groups saved")
+            raise CheckpointError(
+                f"params[{name!r}]: group {e['group']}, but {ngroups} groups saved"
+            )
     if not isinstance(m["counters"], dict) or not isinstance(m["loss_scaler"], dict):
-        raise ValueError("'counters' and 'loss_scaler' must be objects")
+        raise CheckpointError("'counters' and 'loss_scaler' must be objects")
     int(m["world_size"])
 
 
@@ -223,16 +225,16 @@ def _check_tiling(name: str, e: dict, nfiles: int) -> None:
             and sum(split["parts"]) == e["shape"][split["dim"]]
         )
         if not ok or any(p % world for p in split["parts"]):
-            raise ValueError(f"params[{name!r}]: bad tensor-parallel split {split!r}")
+            raise CheckpointError(f"params[{name!r}]: bad tensor-parallel split {split!r}")
     for t in range(world):
         covered = 0
         mine = [p for p in e["pieces"] if (p[3] if len(p) > 3 else 0) == t]
         for rank, lo, hi, *_ in sorted(mine, key=lambda x: x[1]):
             if not (0 <= rank < nfiles) or lo != covered or hi <= lo:
-                raise ValueError(f"params[{name!r}]: pieces {e['pieces']!r} do not tile it")
+                raise CheckpointError(f"params[{name!r}]: pieces {e['pieces']!r} do not tile it")
             covered = hi
         if covered != numel // world:
-            raise ValueError(f"params[{name!r}]: pieces cover {covered} of {numel // world}")
+            raise CheckpointError(f"params[{name!r}]: pieces cover {covered} of {numel // world}")
 
 
 def _check_pieces(path: str, manifest: dict, headers: list[dict]) -> None:

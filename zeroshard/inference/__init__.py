@@ -5,7 +5,7 @@ tensor-parallel inference and ZeRO-Inference weight streaming.
 Modules: ``config.py`` (the config schema), ``engine.py`` (the engine), ``quantize.py``
 (quantized Linear), ``kv_cache.py`` and ``generate.py`` (decoding), ``weights.py``
 (loading checkpoints and safetensors, saving quantized weights), ``tensor_parallel.py``,
-``streaming.py``, ``cli.py`` (``zeroshard generate``).
+``streaming.py``; ``zeroshard generate`` is ``tools/generate.py``.
 """
 
 from __future__ import annotations

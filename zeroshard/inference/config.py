@@ -17,7 +17,8 @@ from typing import Any
 
 import torch
 
-from zeroshard._config_schema import (
+from zeroshard import ZeroshardError
+from zeroshard.config.schema import (
     INERT,
     NOT_BUILT,
     ConfigError,
@@ -49,6 +50,10 @@ _DTYPE_SPELLINGS = {
     "int8": "int8",
     "torch.int8": "int8",
 }
+
+
+class InferenceError(ZeroshardError, ValueError):
+    """A model, prompt or option that inference cannot serve as asked."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -162,7 +167,7 @@ def load_inference_config(
             raise ConfigError("init_inference", "give keyword arguments or an InferenceConfig, not both")  # fmt: skip
         return config, Reading(InferenceConfig)
     if isinstance(config, str):
-        from zeroshard._config_json import read_config_file
+        from zeroshard.config.jsonc import read_config_file
 
         data = dict(read_config_file(config))
     else:

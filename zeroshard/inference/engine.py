@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from zeroshard._config_schema import ConfigError
-from zeroshard.inference.config import InferenceConfig, load_inference_config
+from zeroshard.config.schema import ConfigError
+from zeroshard.inference.config import InferenceConfig, InferenceError, load_inference_config
 from zeroshard.inference.generate import Sampling, generate_tokens, pad_prompts
 from zeroshard.inference.quantize import QuantLinear, quantize_model, weight_bytes
 
@@ -89,7 +89,7 @@ class InferenceEngine:
     def _apply_tensor_parallel(self) -> None:
         import torch.distributed as dist
 
-        from zeroshard.distributed import init_distributed
+        from zeroshard.distributed.process_group import init_distributed
         from zeroshard.inference.tensor_parallel import inference_mesh, shard_for_inference
 
         n = self.config.tp_size
@@ -215,7 +215,7 @@ class InferenceEngine:
         Hugging Face models take the rest of their ``generate()`` keywords too."""
         ids = input_ids if input_ids is not None else inputs
         if ids is None:
-            raise ValueError("generate: give the prompt tokens (inputs or input_ids)")
+            raise InferenceError("generate: give the prompt tokens (inputs or input_ids)")
         stops = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id or ())
         pad = pad_token_id if pad_token_id is not None else (stops[0] if stops else 0)
         device = self._device()
@@ -228,7 +228,7 @@ class InferenceEngine:
             attention_mask = attention_mask.to(device)
         limit = self.config.max_out_tokens
         if ids.shape[1] + max_new_tokens > limit:
-            raise ValueError(
+            raise InferenceError(
                 f"a prompt of {ids.shape[1]} tokens plus max_new_tokens={max_new_tokens} is "
                 f"over max_out_tokens={limit}; ask for fewer tokens or raise max_out_tokens"
             )

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from zeroshard.inference.config import InferenceError
 from zeroshard.inference.kv_cache import KVCache
 
 
@@ -27,11 +28,11 @@ class Sampling:
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+            raise InferenceError(f"temperature must be >= 0, got {self.temperature}")
         if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+            raise InferenceError(f"top_k must be >= 0, got {self.top_k}")
         if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise InferenceError(f"top_p must be in (0, 1], got {self.top_p}")
 
     @property
     def greedy(self) -> bool:
@@ -59,7 +60,7 @@ def next_token(logits: torch.Tensor, s: Sampling, generator: torch.Generator | N
 def pad_prompts(prompts: Sequence[Sequence[int]], pad_id: int, device=None):
     """Left-pad token lists into (ids [batch, T], valid [batch, T])."""
     if not prompts or any(len(p) == 0 for p in prompts):
-        raise ValueError("every prompt needs at least one token")
+        raise InferenceError("every prompt needs at least one token")
     width = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), width), pad_id, dtype=torch.long, device=device)
     valid = torch.zeros(len(prompts), width, dtype=torch.bool, device=device)
@@ -73,12 +74,14 @@ def check_left_padded(valid: torch.Tensor) -> None:
     """Padding must come before each row's tokens (as Hugging Face decoders want too)."""
     v = valid.long()
     if bool((v[:, 1:] < v[:, :-1]).any()):
-        raise ValueError(
+        raise InferenceError(
             "attention_mask has padding after real tokens; pad prompts on the left "
             "(tokenizer.padding_side = 'left'), or pass a list of token lists"
         )
     if bool((v.sum(1) == 0).any()):
-        raise ValueError("a prompt in the batch has no real tokens (its attention_mask is all 0)")
+        raise InferenceError(
+            "a prompt in the batch has no real tokens (its attention_mask is all 0)"
+        )
 
 
 @torch.no_grad()
@@ -106,19 +109,19 @@ def generate_tokens(
     check_left_padded(valid)
     padded = not bool(valid.all())
     if padded and not hasattr(model, "blocks"):
-        raise ValueError(
+        raise InferenceError(
             "prompts of different lengths need a model that takes padding: the built-in GPT "
             "or a Hugging Face model; give this model prompts of one length"
         )
     total = t0 + max_new_tokens
     if max_len is not None and total > max_len:
-        raise ValueError(
+        raise InferenceError(
             f"a prompt of {t0} tokens plus max_new_tokens={max_new_tokens} is {total} tokens, "
             f"over max_out_tokens={max_len}; ask for fewer tokens or raise max_out_tokens"
         )
     seq_limit = getattr(getattr(model, "cfg", None), "seq_len", None)
     if seq_limit is not None and total > seq_limit:
-        raise ValueError(
+        raise InferenceError(
             f"a prompt of {t0} tokens plus max_new_tokens={max_new_tokens} is {total} tokens; "
             f"the model's position table holds {seq_limit} (GPTConfig.seq_len)"
         )

@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import torch
 
+from zeroshard import ZeroshardError
 
-class CacheFullError(ValueError):
+
+class CacheFullError(ZeroshardError, ValueError):
     """More tokens than the cache was sized for."""
 
 

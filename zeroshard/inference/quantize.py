@@ -31,10 +31,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from zeroshard import ZeroshardError
+
 COMPUTE_DTYPE = torch.bfloat16
 
 
-class QuantizationError(ValueError):
+class QuantizationError(ZeroshardError, ValueError):
     """A layer that cannot be quantized as asked (the message names it)."""
 
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from zeroshard.inference.config import InferenceError
 from zeroshard.offload.nvme import ALIGN, SwapSpace, aligned_empty, round_up
 
 DEVICES = ("cpu", "nvme")
@@ -41,11 +42,11 @@ class StreamConfig:
     def __post_init__(self) -> None:
         where = "zero.offload_param"
         if self.device not in DEVICES:
-            raise ValueError(f"{where}.device: {self.device!r} is not one of {DEVICES}")
+            raise InferenceError(f"{where}.device: {self.device!r} is not one of {DEVICES}")
         if self.device == "nvme" and not self.nvme_path:
-            raise ValueError(f'{where}.nvme_path: needed with "device": "nvme"')
+            raise InferenceError(f'{where}.nvme_path: needed with "device": "nvme"')
         if self.buffer_count < 2:
-            raise ValueError(
+            raise InferenceError(
                 f"{where}.buffer_count: {self.buffer_count}; streaming needs at least 2 "
                 "(one unit computing while the next is read)"
             )
@@ -68,26 +69,26 @@ def stream_config(zero: dict) -> StreamConfig:
     "pin_memory"}``. ``buffer_size`` and ``max_in_cpu`` are accepted with a note (buffers
     are sized to the largest layer); the stage-3 gather tuning keys mean nothing here."""
     if not isinstance(zero, dict):
-        raise ValueError(f"zero: expected an object, got {type(zero).__name__}")
+        raise InferenceError(f"zero: expected an object, got {type(zero).__name__}")
     unknown = set(zero) - {"stage", "offload_param"} - _INERT_ZERO
     if unknown:
-        raise ValueError(
+        raise InferenceError(
             f"zero.{sorted(unknown)[0]}: not a ZeRO-Inference key; weight streaming reads "
             "zero.stage (3) and zero.offload_param"
         )
     if zero.get("stage") != 3:
-        raise ValueError(
+        raise InferenceError(
             f"zero.stage: ZeRO-Inference streams weights at stage 3, got {zero.get('stage')!r}"
         )
     off = zero.get("offload_param")
     if not isinstance(off, dict) or off.get("device") in (None, "none"):
-        raise ValueError(
+        raise InferenceError(
             'zero.offload_param: say where the weights live, {"device": "cpu"} or '
             '{"device": "nvme", "nvme_path": "/local_nvme"}'
         )
     unknown = set(off) - _OFFLOAD_KEYS
     if unknown:
-        raise ValueError(f"zero.offload_param.{sorted(unknown)[0]}: not an offload_param key")
+        raise InferenceError(f"zero.offload_param.{sorted(unknown)[0]}: not an offload_param key")
     for k in sorted(set(zero) & _INERT_ZERO) + [
         f"offload_param.{k}" for k in ("buffer_size", "max_in_cpu") if k in off
     ]:
@@ -195,7 +196,7 @@ def safetensors_init(
         if name not in where:
             raise KeyError(f"{path}: no tensor {name!r} (the model's parameter) in {files}")
         if where[name][1] != list(named[name].shape):
-            raise ValueError(
+            raise InferenceError(
                 f"{path}: tensor {name!r} has shape {where[name][1]}, the model's parameter "
                 f"{list(named[name].shape)}"
             )
@@ -222,7 +223,7 @@ def empty_model_from(path: str) -> nn.Module:
     if os.path.isdir(path) and any(
         os.path.exists(os.path.join(path, n)) for n in ("latest", "manifest.json")
     ):
-        raise ValueError(
+        raise InferenceError(
             f"{path}: a zeroshard checkpoint; weights stream from a safetensors export: "
             f"write one with `zeroshard convert {path} OUT` and pass OUT"
         )
@@ -232,7 +233,7 @@ def empty_model_from(path: str) -> nn.Module:
         try:
             from accelerate import init_empty_weights
         except ImportError as exc:
-            raise ValueError(
+            raise InferenceError(
                 "streaming a transformers model builds it with empty parameters through "
                 "accelerate's init_empty_weights(): pip install accelerate"
             ) from exc

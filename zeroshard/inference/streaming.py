@@ -44,7 +44,9 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from zeroshard.device import runtime
+from zeroshard import UsageError
+from zeroshard.distributed.device import runtime
+from zeroshard.inference.config import InferenceError
 from zeroshard.inference.stream_store import (  # noqa: F401  (StreamConfig, stream_config: re-exported)
     MemorySource,
     StreamConfig,
@@ -178,7 +180,7 @@ class StreamedWeights:
         if ld is None:
             self.stats.on_demand += 1
             if not self._start(i, demand=True):
-                raise RuntimeError(
+                raise UsageError(
                     f"zero.offload_param.buffer_count: all {self.config.buffer_count} "
                     f"buffers hold units in use when {self.units[i].name} starts (units "
                     "nested deeper than the pool); raise buffer_count"
@@ -290,13 +292,13 @@ def stream_weights(
         return None
     on_meta = any(p.is_meta for p in params)
     if on_meta and init is None:
-        raise ValueError(
+        raise InferenceError(
             "stream_weights: the model is on the meta device; pass init(unit_name, module) "
             "to fill each unit, or build it with real weights"
         )
     if on_meta and any(b.is_meta for b in model.buffers()):
         name = next(n for n, b in model.named_buffers() if b.is_meta)
-        raise ValueError(
+        raise InferenceError(
             f"stream_weights: buffer {name} is on the meta device; only parameters are "
             "streamed, so buffers must be real: build the model with parameters only on "
             "meta (accelerate's init_empty_weights() does that)"
@@ -337,7 +339,7 @@ def stream_weights(
                 u.slots.append(Slot(where[id(p)], tuple(p.shape), p.dtype, param=new_of[id(p)]))
             for attr, t in kernel_tensors(m):
                 if on_meta:
-                    raise ValueError(f"stream_weights: {u.name} holds quantized layers on meta")
+                    raise InferenceError(f"stream_weights: {u.name} holds quantized layers on meta")
                 u.slots.append(Slot(total, tuple(t.shape), t.dtype, owner=m, attr=attr))
                 values[total] = t
                 total += round_up(t.numel() * t.element_size())

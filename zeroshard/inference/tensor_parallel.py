@@ -1,6 +1,6 @@
 """Tensor-parallel inference: a model's layers split over ranks that generate together.
 
-:func:`shard_for_inference` reuses the training AutoTP (``parallel/autotp.py``): the
+:func:`shard_for_inference` reuses the training AutoTP (``parallel/tensor/autotp.py``): the
 same plans (the built-in GPT's, transformers GPT-2's, Llama's own ``base_model_tp_plan``,
 or a ``tp_plan`` override), the same checks (heads, key/value heads or a vocabulary that
 do not divide by the TP size are refused before anything changes, naming the module and
@@ -36,10 +36,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from zeroshard.comm import Comm
-from zeroshard.parallel.autotp import TPSharding, apply_tensor_parallel
-from zeroshard.parallel.linear import ColumnParallelLinear, RowParallelLinear
-from zeroshard.parallel.mesh import Mesh, MeshShape
+from zeroshard.config.schema import ConfigError
+from zeroshard.distributed.comm import Comm
+from zeroshard.distributed.mesh import Mesh, MeshShape
+from zeroshard.inference.config import InferenceError
+from zeroshard.parallel.tensor.autotp import TPSharding, apply_tensor_parallel
+from zeroshard.parallel.tensor.linear import ColumnParallelLinear, RowParallelLinear
 
 
 @dataclass
@@ -66,7 +68,7 @@ def inference_mesh(tp_size: int, device_type: str = "cpu") -> Mesh:
 
     world = dist.get_world_size() if dist.is_initialized() else 1
     if tp_size < 1 or world % tp_size:
-        raise ValueError(
+        raise ConfigError(
             f"tensor_parallel.tp_size: {tp_size} does not divide the world size {world}; "
             f"launch a multiple of {tp_size} ranks (zeroshard generate --nproc {tp_size})"
         )
@@ -104,7 +106,7 @@ def check_same_weights(model: nn.Module, comm: Comm) -> None:
             continue
         names0 = dict(digests[0])
         diff = next((n for n, d in theirs if names0.get(n) != d), "the list of parameter names")
-        raise ValueError(
+        raise InferenceError(
             f"tensor-parallel inference: rank {r} of the tensor-parallel group holds "
             f"different weights than rank 0 ({diff} differs); every rank must load the "
             "same checkpoint (or build the model under the same seed) before sharding"
@@ -128,7 +130,9 @@ def shard_for_inference(
     try:
         sharding = apply_tensor_parallel(model, comm, tp_plan=tp_plan)
     except ValueError as exc:  # training's key -> inference's key in the suggested fix
-        raise ValueError(str(exc).replace("an autotp_size", "a tensor_parallel.tp_size")) from exc
+        raise InferenceError(
+            str(exc).replace("an autotp_size", "a tensor_parallel.tp_size")
+        ) from exc
     model.train(was_training)
     return TPInference(comm=comm, sharding=sharding)
 
@@ -162,7 +166,7 @@ def quantize_sharded(
         if bits == 4 and w.shape[1] % group_size:  # type: ignore[index]
             t = layer.comm.world_size  # type: ignore[union-attr]
             whole = w.shape[1] * (t if isinstance(layer, RowParallelLinear) else 1)  # type: ignore[index, operator]
-            raise ValueError(
+            raise InferenceError(
                 f"{name}: int4 group_size {group_size} does not divide this rank's "
                 f"{w.shape[1]} input features ({whole} split over tensor_parallel.tp_size "  # type: ignore[index]
                 f"{t}); choose a quant.weight.group_size that divides {w.shape[1]}, or leave "  # type: ignore[index]

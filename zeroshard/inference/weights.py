@@ -20,6 +20,7 @@ from torch import nn
 
 from zeroshard.checkpoint.export import MODEL_KEY
 from zeroshard.checkpoint.model_config import ModelConfigError, build_model, describe_model
+from zeroshard.inference.config import InferenceError
 from zeroshard.inference.quantize import QuantLinear, linear_weight_bias
 
 QUANT_KEY = "zeroshard_quant"
@@ -85,7 +86,9 @@ def quantized_shells(model: nn.Module, spec: dict) -> None:
             continue
         wb = linear_weight_bias(module)
         if wb is None:
-            raise ValueError(f"quantized weights name {name!r}, not a Linear layer of this model")
+            raise InferenceError(
+                f"quantized weights name {name!r}, not a Linear layer of this model"
+            )
         weight, bias = wb
         shell = QuantLinear(weight.shape[1], weight.shape[0], bits=spec["bits"],
                             group_size=spec["group_size"], symmetric=spec["symmetric"],
@@ -114,7 +117,7 @@ def load_weights(model: nn.Module, path: str) -> None:
             quantized_shells(model, json.loads(meta[QUANT_KEY]))
     result = model.load_state_dict(state, strict=False)
     if result.missing_keys or result.unexpected_keys:
-        raise ValueError(
+        raise InferenceError(
             f"{path}: weights do not match the model: missing {result.missing_keys[:5]}, "
             f"unexpected {result.unexpected_keys[:5]}"
         )
@@ -125,7 +128,7 @@ def save_quantized(model: nn.Module, path: str) -> str:
     layers = {n: m for n, m in model.named_modules() if isinstance(m, QuantLinear)}
     formats = {(m.bits, m.group_size if m.bits == 4 else 0, m.symmetric) for m in layers.values()}
     if len(formats) > 1:
-        raise ValueError(f"save_quantized: layers use several formats {sorted(formats)}")
+        raise InferenceError(f"save_quantized: layers use several formats {sorted(formats)}")
     state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
     seen: dict[int, str] = {}
     for k in list(state):  # safetensors stores no shared tensors: keep a tie's first name

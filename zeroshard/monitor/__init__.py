@@ -3,5 +3,6 @@
 ``engine.monitor`` is a :class:`~zeroshard.monitor.hub.EngineMonitor`; the modules here
 are its parts (see each docstring for what it writes and which collectives it issues).
 Optional packages (tensorboard, wandb, comet_ml) are imported only when their section
-is enabled.
+is enabled. Also here: what a rank's memory holds, measured and predicted (``memory``),
+and the progress bars of the library's long work (``progress``).
 """

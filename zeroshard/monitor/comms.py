@@ -2,7 +2,7 @@
 calls, bytes, latency, algorithm bandwidth and bus bandwidth.
 
 It observes the mesh's ledger (``Ledger.observers``): each completed collective arrives
-as an :class:`~zeroshard.comm.OpEvent`. No collectives of its own.
+as an :class:`~zeroshard.distributed.ledger.OpEvent`. No collectives of its own.
 
 Bandwidths are DeepSpeed's (``deepspeed/utils/comms_logging.py``, after nccl-tests'
 PERFORMANCE.md), in Gbps (1e9 bits/s), for a group of n ranks and a time t:
@@ -32,10 +32,11 @@ from collections import defaultdict, deque
 from datetime import datetime
 from typing import TYPE_CHECKING
 
-from zeroshard._config_monitors import COMM_OPS
+from zeroshard import NotBuiltError, UsageError
+from zeroshard.config.monitors import COMM_OPS
 
 if TYPE_CHECKING:
-    from zeroshard.comm import Ledger, OpEvent
+    from zeroshard.distributed.ledger import Ledger, OpEvent
 
 _ACTIVE: list[weakref.ref] = []  # the latest logger, for zeroshard.comm.log_summary()
 KEEP = 1000  # latencies kept per op and size for the averages (counts, totals: all calls)
@@ -169,13 +170,13 @@ class CommsLogger:
 def log_summary(show_straggler: bool = False, return_dict: bool = False) -> dict | None:
     """The table of the latest engine's comms logger (see :func:`zeroshard.comm.log_summary`)."""
     if show_straggler:
-        raise NotImplementedError(
+        raise NotBuiltError(
             "log_summary(show_straggler=True): the straggler breakdown is not built yet in "
             "zeroshard"
         )
     logger = _ACTIVE[0]() if _ACTIVE else None
     if logger is None:
-        raise RuntimeError(
+        raise UsageError(
             "log_summary: no engine records collectives; enable the config's comms_logger "
             '("comms_logger": {"enabled": true})'
         )

@@ -10,7 +10,7 @@ and the next backward. As in DeepSpeed, the profiled step is the one that starts
 
 Model FLOPs = 3 x forward FLOPs (backward = 2 x forward, recomputation not counted: the
 MFU convention of the PaLM paper; 6·N·tokens for a transformer's matmuls). MFU = model
-FLOPs per second / the device's peak, measured by :func:`zeroshard.report.peak_flops`
+FLOPs per second / the device's peak, measured by :func:`peak_flops`
 (a large matmul in the compute dtype, as ``zeroshard report`` shows it). The iteration
 latency behind TFLOPS and MFU is the previous step's (the profiler slows its own step);
 per-module latencies are measured in the profiled step, with hooks (and a device
@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from zeroshard.device import runtime
+from zeroshard.distributed.device import runtime
 
 if TYPE_CHECKING:
     from torch.utils.flop_counter import FlopCounterMode
@@ -230,3 +230,46 @@ class FlopsProfiler:
             }
             for _, name, m in self._rows()
         }
+
+
+_PEAK_CACHE: dict[tuple[str, str], float] = {}
+
+
+def peak_flops(device: str = "cpu", dtype: str = "fp32", seconds: float = 0.25) -> float:
+    """The best measured FLOP/s of a square matmul on ``device`` in ``dtype`` ("fp32",
+    "bf16" or "fp16") with this process's threads: sizes from 256 up (to 8192 on GPUs,
+    2048 on CPUs, while one product takes under ``seconds / 4``), then the fastest size
+    for about ``seconds``. Cached per (device, dtype) for the process."""
+    key = (str(device), dtype)
+    if key in _PEAK_CACHE:
+        return _PEAK_CACHE[key]
+    dev = torch.device(device)
+    dt = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    sync = runtime(dev).synchronize
+
+    def timed(a, b) -> float:
+        sync(dev)
+        t0 = time.perf_counter()
+        a @ b
+        sync(dev)
+        return time.perf_counter() - t0
+
+    # small products run far below peak (measured on CPU: 1 GFLOP/s at 256, 25 at 1024),
+    # so the size grows while the rate does, and one product stays under seconds / 4
+    n, cap, rates = 256, 8192 if dev.type == "cuda" else 2048, {}
+    while True:
+        a, b = torch.randn(n, n, device=dev).to(dt), torch.randn(n, n, device=dev).to(dt)
+        timed(a, b)  # warm-up
+        once = timed(a, b)
+        rates[n] = once
+        if once >= seconds / 4 or n >= cap:
+            break
+        n *= 2
+    n = max(rates, key=lambda k: k**3 / rates[k])
+    a, b = torch.randn(n, n, device=dev).to(dt), torch.randn(n, n, device=dev).to(dt)
+    best, spent = rates[n], 0.0
+    while spent < seconds:
+        t = timed(a, b)
+        best, spent = min(best, t), spent + t
+    _PEAK_CACHE[key] = 2 * n**3 / best
+    return _PEAK_CACHE[key]

@@ -281,7 +281,7 @@ class EngineMonitor:
         )
 
     def _profile(self, engine, flops: FlopsProfiler, step_s: float) -> None:
-        from zeroshard.report import peak_flops
+        from zeroshard.monitor.flops import peak_flops
 
         flops.stop()
         dtype = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(engine.policy.compute, "fp32")

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from zeroshard.device import runtime
+from zeroshard.distributed.device import runtime
 
 MICRO = ("fwd_microstep", "bwd_microstep", "bwd_inner_microstep", "bwd_allreduce_microstep", "step_microstep")  # fmt: skip
 GLOBAL = ("fwd", "bwd", "bwd_inner", "bwd_allreduce", "step")

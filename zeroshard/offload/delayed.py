@@ -47,11 +47,17 @@ from collections.abc import Set as AbstractSet
 
 import torch
 
-from zeroshard.zero.states import MemoryStates
+from zeroshard import ZeroshardError
+from zeroshard.offload.nvme import OffloadError
+from zeroshard.zero.optim.memory_store import MemoryStates
+
+
+class DelayedStepError(ZeroshardError, RuntimeError):
+    """The delayed optimizer step, run in its thread, failed (the cause is chained)."""
 
 
 class DelayedUpdate:
-    """The memory store of ``zero/states.py`` with its step run one step late.
+    """The memory store of ``zero/optim/memory_store.py`` with its step run one step late.
 
     Answers the same protocol (``step``, ``read``/``write``, ``kinds``, ...); every call
     that touches masters or states waits for the step in flight first (the engine does
@@ -61,7 +67,7 @@ class DelayedUpdate:
 
     def __init__(self, states: MemoryStates, *, after: int) -> None:
         if not states.separate:
-            raise ValueError("internal: the delayed update needs masters apart from parameters")
+            raise OffloadError("internal: the delayed update needs masters apart from parameters")
         self.states, self.after = states, after
         self.armed = False
         #: a step was launched whose values the engine has not re-assembled yet
@@ -135,7 +141,7 @@ class DelayedUpdate:
         if self._error is not None:
             error, self._error = self._error, None
             self._written = True
-            raise RuntimeError("zeroshard: the delayed optimizer step failed") from error
+            raise DelayedStepError("zeroshard: the delayed optimizer step failed") from error
         if self._written:
             return False
         self.states.write_masters()  # the next step waits for their uploads (GPU)

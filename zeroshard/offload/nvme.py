@@ -24,8 +24,15 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+from zeroshard import ZeroshardError
+
 ALIGN = 4096
 _PREFIX = "zeroshard-swap-"
+
+
+class OffloadError(ZeroshardError, ValueError):
+    """Offloaded state that cannot be placed or moved as asked (swap buffers, swap
+    file I/O, the delayed update's stores)."""
 
 
 def round_up(n: int, multiple: int = ALIGN) -> int:
@@ -48,7 +55,7 @@ class BufferPool:
 
     def __init__(self, count: int, nbytes: int, what: str) -> None:
         if count < 1:
-            raise ValueError(f"{what.replace('size', 'count')}: must be >= 1, got {count}")
+            raise OffloadError(f"{what.replace('size', 'count')}: must be >= 1, got {count}")
         self.count, self.nbytes, self.what = count, round_up(nbytes), what
         self._free: list[torch.Tensor] = []
         self._lent: dict[int, torch.Tensor] = {}  # data_ptr -> whole buffer
@@ -59,7 +66,7 @@ class BufferPool:
         when all ``count`` buffers are lent out."""
         need = round_up(nbytes)
         if need > self.nbytes:
-            raise ValueError(
+            raise OffloadError(
                 f"{self.what}: a swap transfer needs {need} bytes but buffers hold "
                 f"{self.nbytes}; raise {self.what}"
             )
@@ -138,9 +145,9 @@ class SwapFile:
     def _check(self, buf: torch.Tensor, offset: int) -> int:
         n = buf.numel() * buf.element_size()
         if offset % ALIGN or n % ALIGN or buf.data_ptr() % ALIGN:
-            raise ValueError(f"{self.path}: unaligned swap I/O (offset {offset}, {n} bytes)")
+            raise OffloadError(f"{self.path}: unaligned swap I/O (offset {offset}, {n} bytes)")
         if offset + n > self.nbytes:
-            raise ValueError(f"{self.path}: I/O past the end ({offset + n} > {self.nbytes})")
+            raise OffloadError(f"{self.path}: I/O past the end ({offset + n} > {self.nbytes})")
         return n
 
     def read(self, buf: torch.Tensor, offset: int) -> None:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from zeroshard.device import host_apart, runtime
+from zeroshard.distributed.device import host_apart, runtime
 
 _CPU = torch.device("cpu")
 

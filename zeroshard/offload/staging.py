@@ -16,11 +16,11 @@ So the host-side accumulation of bucket *k* runs while the device reduces bucket
 and computes the rest of backward; host memory used is ``depth`` buffers of one chunk.
 
 Streams, events, pinned buffers and copies go through the device seam
-(``zeroshard/device.py``). When the compute device is the CPU there is nothing to move
+(``zeroshard/distributed/device.py``). When the compute device is the CPU there is nothing to move
 and :meth:`submit` adds or copies at once, unless ``ZEROSHARD_STAGE_ON_CPU=1`` is set:
 then the queue is used with synchronous copies (the events are ``None``), so CPU-only
-tests run the same bookkeeping, deferral and ordering as a GPU run; under a fake
-runtime (``zeroshard/fake_device.py``) they run the side stream and its events too.
+tests run the same bookkeeping, deferral and ordering as a GPU run; under a fake runtime
+(``zeroshard/distributed/fake_device.py``) they run the side stream and its events too.
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ from collections import deque
 
 import torch
 
-from zeroshard.device import STAGE_ON_CPU_ENV, host_apart, runtime, stage_on_cpu
+from zeroshard.distributed.device import host_apart, runtime, stage_on_cpu
+from zeroshard.distributed.env import STAGE_ON_CPU_ENV
 
 __all__ = ["STAGE_ON_CPU_ENV", "HostStager", "stage_on_cpu"]
 

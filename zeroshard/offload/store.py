@@ -2,7 +2,7 @@
 CUDA) or an NVMe swap file. No communication.
 
 Both stores answer one protocol, the one the optimizer-state stores
-(``zero/states.py``) answer too, so the flat parameters, the sharded optimizer and
+(``zero/optim/memory_store.py``) answer too, so the flat parameters, the sharded optimizer and
 checkpoints never ask where a shard is:
 
 * ``kinds``: the kinds of state held (here ``("param",)``);
@@ -29,9 +29,9 @@ from __future__ import annotations
 
 import torch
 
-from zeroshard.device import runtime
+from zeroshard.distributed.device import runtime
 from zeroshard.offload.nvme import BufferPool, SwapFile, aligned_empty
-from zeroshard.zero.partition import FlatLayout
+from zeroshard.zero.layout.partition import FlatLayout
 
 # Elements of the device buffer that host values pass through when their dtype differs
 # from the destination's (64 MiB of fp32).

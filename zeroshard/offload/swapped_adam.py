@@ -10,7 +10,7 @@ while this one steps; with ``pipeline_write`` its writes finish while the next o
 steps; RAM holds only the buffer sets (3 buffers of one sub-group each).
 
 It is the NVMe store of the shard-store protocol (``offload/store.py``, and
-``zero/states.py`` for the memory one): ``step(reducer, factor)``, ``kinds``,
+``zero/optim/memory_store.py`` for the memory one): ``step(reducer, factor)``, ``kinds``,
 ``read``/``write`` of a kind at shard positions, ``buffers()`` and ``disk_bytes()``;
 and it quacks like a torch optimizer where schedulers need it to (``param_groups``).
 """
@@ -24,10 +24,11 @@ from concurrent.futures import Future
 import torch
 from torch.optim.adam import adam as adam_functional
 
+from zeroshard.config.schema import ConfigError
+from zeroshard.monitor.progress import progress
 from zeroshard.offload.nvme import ALIGN, SwapSpace, aligned_empty
-from zeroshard.progress import progress
-from zeroshard.zero.edits import take_edits
-from zeroshard.zero.flat import FlatParams
+from zeroshard.zero.layout.flat import FlatParams
+from zeroshard.zero.params.edits import take_edits
 
 _KEYS = ("master", "exp_avg", "exp_avg_sq")
 
@@ -51,7 +52,7 @@ class SwappedAdam:
         self.param_groups = [dict(h) for h in flat.hyperparams]
         for g in self.param_groups:
             if g.get("amsgrad"):
-                raise ValueError(
+                raise ConfigError(
                     "optimizer.params.amsgrad: not supported with NVMe optimizer offload"
                 )
         self.state: dict = {}
@@ -108,7 +109,7 @@ class SwappedAdam:
 
     def refresh(self, segments: list[int]) -> None:
         """Parameters of ``segments`` were changed from outside: the masters take the
-        changed values (``zero/edits.py``: unchanged elements keep their fp32 bits)."""
+        changed values (``zero/params/edits.py``: unchanged elements keep their fp32 bits)."""
         for s in segments:
             seg = self.flat.layout.segments[s]
             master = self.read("master", seg.shard_start, seg.shard_start + seg.chunk)

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import torch
 
+from zeroshard.config.schema import ConfigError
 from zeroshard.offload.nvme import BufferPool, SwapSpace
 from zeroshard.offload.store import SwapShard
 from zeroshard.offload.swapped_adam import SwappedAdam
-from zeroshard.zero.flat import FlatParams
-from zeroshard.zero.partition import FlatLayout
+from zeroshard.zero.layout.flat import FlatParams
+from zeroshard.zero.layout.partition import FlatLayout
 
 
 class EngineSwaps:
@@ -36,7 +37,7 @@ class EngineSwaps:
         # buffer_size (elements) bounds a buffer; none is larger than the largest chunk
         largest = max((seg.chunk for seg in layout.segments), default=0)
         if largest > off.buffer_size:
-            raise ValueError(
+            raise ConfigError(
                 f"zero_optimization.offload_param.buffer_size: {off.buffer_size} elements "
                 f"is smaller than this rank's largest parameter chunk ({largest}); "
                 "raise it or lower stage3_prefetch_bucket_size / reduce_bucket_size"
@@ -48,7 +49,7 @@ class EngineSwaps:
         """Adam/AdamW over ``flat``'s shard with its state in swap files under ``path``."""
         zc, opt = self.config.zero_optimization, self.config.optimizer
         if opt is None or opt.type == "SGD":
-            raise ValueError(
+            raise ConfigError(
                 "zero_optimization.offload_optimizer.device: NVMe offload needs the config's "
                 'optimizer to be Adam or AdamW (e.g. "optimizer": {"type": "AdamW"})'
             )

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import torch
 
+from zeroshard import NotBuiltError
+
 
 class _TorchFusedAdam(torch.optim.Adam):
     def __init__(self, params, lr, betas, eps, weight_decay, amsgrad, decoupled, bias_correction):
         if not bias_correction:
-            raise NotImplementedError(
+            raise NotBuiltError(
                 f"{type(self).__name__}(bias_correction=False) is not built yet in zeroshard"
             )
         super().__init__(

@@ -3,8 +3,8 @@ order: tensor parallelism first (AutoTP slices each rank's whole copy), then seq
 parallelism, then (by the engine) ZeRO over the data-parallel axis.
 
 Issues no collectives itself; the layers it installs communicate in training over the
-mesh's ``tp`` and ``sp`` groups (``tensor.py``, ``sequence.py``: two all-reduces of
-b·s·h per transformer layer each way for TP; four all-to-alls of b·s·h/sp per layer
+mesh's ``tp`` and ``sp`` groups (``tensor/collectives.py``, ``sequence/attention.py``: two
+all-reduces of b·s·h per transformer layer each way for TP; four all-to-alls of b·s·h/sp per layer
 forward for Ulysses). Under sequence parallelism every rank of an ``sp`` group gets the
 same batch from the data loader; a pre-forward hook keeps this rank's share of each
 sequence (and, for Hugging Face causal LMs, passes labels shifted over the whole
@@ -20,17 +20,19 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from zeroshard.comm import Comm
-from zeroshard.parallel.autotp import TPSharding, apply_tensor_parallel
-from zeroshard.parallel.mesh import Mesh
-from zeroshard.parallel.sequence import (
+from zeroshard import ArgumentError
+from zeroshard.config.schema import ConfigError
+from zeroshard.distributed.comm import Comm
+from zeroshard.distributed.mesh import Mesh
+from zeroshard.parallel.sequence.attention import (
     SEQ_DIM,
     apply_ring_attention,
     apply_ulysses,
     is_transformers_model,
     shard_sequence,
 )
-from zeroshard.parallel.slices import has_partial_grad, tp_slice_of
+from zeroshard.parallel.tensor.autotp import TPSharding, apply_tensor_parallel
+from zeroshard.parallel.tensor.slices import has_partial_grad, tp_slice_of
 
 
 @dataclass
@@ -81,7 +83,7 @@ def parallelize(model: nn.Module, mesh: Mesh, config) -> Parallelized:
     else:
         for name in ("sequence_parallel", "vocab_parallel_lm_head"):
             if getattr(tp_cfg, name):
-                raise ValueError(
+                raise ConfigError(
                     f"tensor_parallel.{name}: acts inside the tensor-parallel group; set "
                     "tensor_parallel.autotp_size > 1 too"
                 )
@@ -116,7 +118,7 @@ def _shard_inputs(model: nn.Module, comm: Comm, load_balanced: bool):
                 valid = (shifted != -100).sum()
                 kwargs["num_items_in_batch"] = valid / comm.world_size
         if hf and kwargs.get("attention_mask") is not None:
-            raise ValueError(
+            raise ArgumentError(
                 "sequence parallelism: attention_mask is not supported (causal attention "
                 "over unpadded sequences only); pass batches without padding"
             )

@@ -5,9 +5,12 @@ Public (DeepSpeed-compatible) names: ``Init``, ``GatheredParameters``,
 here: external reads are found by the gatherer).
 """
 
-from zeroshard.zero.external import register_external_parameter, unregister_external_parameter
-from zeroshard.zero.gathered import GatheredParameters
-from zeroshard.zero.init import Init
+from zeroshard.zero.params.external import (
+    register_external_parameter,
+    unregister_external_parameter,
+)
+from zeroshard.zero.params.gathered import GatheredParameters
+from zeroshard.zero.params.init import Init
 
 __all__ = [
     "GatheredParameters",

@@ -1,0 +1,219 @@
+# ruff: noqa: RUF009  (fields are made by key(), which returns a dataclasses.field)
+"""DeepSpeed sections for features zeroshard does not build, each a frozen kw_only
+dataclass whose fields are DeepSpeed's keys (see :mod:`zeroshard.config.schema`), so an
+unknown or misspelled key is an error naming it, as everywhere else. Part of
+:mod:`zeroshard.config`'s ``Config``. No collectives, no devices.
+
+Key names and defaults are DeepSpeed 0.19's: ``compile/config.py`` (``compile``, and the
+``enabled``/``backend``/``kwargs`` of its 0.14 form), ``runtime/config.py``
+(``hybrid_engine``, ``torch_autocast``), ``autotuning/``, ``module_inject/auto_ep_config.py``
+(``expert_parallel``), ``runtime/data_pipeline/`` (``data_efficiency``). Each section's
+switch is refused when on ("not built yet"); its other keys mean nothing while it is off
+(inert, reported when set). Sections DeepSpeed 0.19 removed (its config refuses them)
+take only ``{"enabled": false}`` here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, make_dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from zeroshard.config.schema import INERT, NOT_BUILT, Section, key
+
+
+def _off(section: str, switch: str = "enabled") -> Any:
+    return INERT(f"read only with {section}.{switch} true, which is not built yet")
+
+
+def _on_anywhere(value: Any) -> bool:
+    """Whether a JSON object, or one nested in it, says ``"enabled": true``."""
+    if not isinstance(value, Mapping):
+        return False
+    return value.get("enabled") is True or any(_on_anywhere(v) for v in value.values())
+
+
+# fmt: off
+@dataclass(frozen=True, kw_only=True)
+class CompileConfig(Section):
+    """``compile``: DeepSpeed 0.19's DeepCompile settings, and the 0.14 form's torch.compile
+    switch. ``engine.compile()`` is DeepSpeed's way to compile, and zeroshard's."""
+
+    enabled: bool = key(False, NOT_BUILT("torch.compile via the config"), doc="DeepSpeed 0.14: torch.compile the model (zeroshard: call engine.compile()).")
+    backend: str = key("inductor", _off("compile"), doc="DeepSpeed 0.14: torch.compile's backend.")
+    kwargs: dict[str, Any] | None = key(None, _off("compile"), doc="DeepSpeed 0.14: torch.compile's keyword arguments.")
+    deepcompile: bool = key(False, NOT_BUILT("DeepCompile"), doc="Turn on DeepCompile.")
+    autoep_non_moe: bool = key(False, INERT("no expert parallelism (AutoEP)"), doc="Compile the callable parents of AutoEP layers.")
+    free_activation: bool = key(False, _off("compile", "deepcompile"), doc="Free activations eagerly.")
+    free_activation_threshold: int = key(10 * 1024 * 1024, _off("compile", "deepcompile"), doc="Bytes from which an activation is freed eagerly.", min=0)
+    offload_activation: bool = key(False, _off("compile", "deepcompile"), doc="Offload saved activations to pinned host memory.")
+    offload_activation_pin_memory: bool = key(True, _off("compile", "deepcompile"), doc="Pin the activation offload buffers.")
+    offload_opt_states: bool = key(False, _off("compile", "deepcompile"), doc="Offload optimizer states during forward/backward.")
+    double_buffer: bool = key(True, _off("compile", "deepcompile"), doc="Double buffering.")
+    symmetric_memory: bool = key(False, _off("compile", "deepcompile"), doc="Symmetric memory.")
+    debug_log: bool = key(False, _off("compile", "deepcompile"), doc="Dump the graphs.")
+    offload_parameters: bool = key(False, _off("compile", "deepcompile"), doc="Offload parameters.")
+    sync_before_reduce: bool = key(False, _off("compile", "deepcompile"), doc="Synchronize before a reduction.")
+    sync_after_reduce: bool = key(False, _off("compile", "deepcompile"), doc="Synchronize after a reduction.")
+    sync_before_allgather: bool = key(False, _off("compile", "deepcompile"), doc="Synchronize before an all-gather.")
+    sync_after_allgather: bool = key(False, _off("compile", "deepcompile"), doc="Synchronize after an all-gather.")
+    keep_int_input_tensors: bool = key(True, _off("compile", "deepcompile"), doc="Keep int input tensors' values.")
+    keep_all_input_tensors: bool = key(False, _off("compile", "deepcompile"), doc="Keep every input tensor's values.")
+    passes: list[str] | None = key(None, _off("compile", "deepcompile"), doc="DeepCompile passes ('z1', 'z3', 'autosp', 'autotp').")
+
+
+@dataclass(frozen=True, kw_only=True)
+class HybridEngineConfig(Section):
+    """``hybrid_engine``: DeepSpeed-Chat's training/generation engine."""
+
+    enabled: bool = key(False, NOT_BUILT("the hybrid (RLHF) engine"), doc="Turn on the hybrid engine.")
+    max_out_tokens: int = key(512, _off("hybrid_engine"), doc="Most tokens generated.", above=0)
+    inference_tp_size: int = key(1, _off("hybrid_engine"), doc="Tensor-parallel size of generation.", min=1)
+    release_inference_cache: bool = key(False, _off("hybrid_engine"), doc="Free the KV cache after generation.")
+    pin_parameters: bool = key(True, _off("hybrid_engine"), doc="Pin gathered parameters.")
+    tp_gather_partition_size: int = key(8, _off("hybrid_engine"), doc="Layers gathered at a time.", min=1)
+    enable_cuda_graph: bool = key(False, _off("hybrid_engine"), doc="CUDA graphs for generation.")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TorchAutocastConfig(Section):
+    """``torch_autocast``: mixed precision by ``torch.autocast`` (zeroshard: fp16/bf16)."""
+
+    enabled: bool = key(False, NOT_BUILT("torch.autocast mixed precision"), doc="Turn on torch.autocast.")
+    dtype: str | None = key(None, _off("torch_autocast"), doc="The autocast dtype.")
+    lower_precision_safe_modules: list[str] | None = key(None, _off("torch_autocast"), doc="Module classes run in the lower precision.")
+
+
+@dataclass(frozen=True, kw_only=True)
+class AutotuningConfig(Section):
+    """``autotuning``: DeepSpeed's autotuner (launched by ``deepspeed --autotuning``)."""
+
+    enabled: bool = key(False, NOT_BUILT("the autotuner"), doc="Turn on autotuning.")
+    fast: bool = key(True, _off("autotuning"), doc="Tune only the micro-batch size and ZeRO stage.")
+    results_dir: str = key("autotuning_results", _off("autotuning"), doc="Where results go.")
+    exps_dir: str = key("autotuning_exps", _off("autotuning"), doc="Where experiments go.")
+    overwrite: bool = key(True, _off("autotuning"), doc="Overwrite earlier results.")
+    start_profile_step: int = key(3, _off("autotuning"), doc="First profiled step.", min=0)
+    end_profile_step: int = key(5, _off("autotuning"), doc="Last profiled step.", min=0)
+    metric_path: str | None = key(None, _off("autotuning"), doc="Where the metric is written.")
+    tuner_type: str = key("gridsearch", _off("autotuning"), doc="The search.", choices=("gridsearch", "random", "model_based"))
+    tuner_early_stopping: int = key(5, _off("autotuning"), doc="Trials without improvement before stopping.", min=0)
+    tuner_num_trials: int = key(50, _off("autotuning"), doc="Most trials.", min=1)
+    arg_mappings: dict[str, Any] | None = key(None, _off("autotuning"), doc="Config keys -> script arguments.")
+    max_train_batch_size: int | None = key(None, _off("autotuning"), doc="Largest global batch tried.", min=1)
+    min_train_batch_size: int = key(1, _off("autotuning"), doc="Smallest global batch tried.", min=1)
+    max_train_micro_batch_size_per_gpu: int = key(1024, _off("autotuning"), doc="Largest micro-batch tried.", min=1)
+    min_train_micro_batch_size_per_gpu: int = key(1, _off("autotuning"), doc="Smallest micro-batch tried.", min=1)
+    num_tuning_micro_batch_sizes: int = key(3, _off("autotuning"), doc="Micro-batch sizes tried.", min=1)
+    mp_size: int = key(1, _off("autotuning"), doc="Model-parallel size.", min=1)
+    metric: str = key("throughput", _off("autotuning"), doc="What is optimized.", choices=("latency", "throughput", "flops"))
+    model_info: dict[str, Any] | None = key(None, _off("autotuning"), doc="The model's size and shape.")
+    model_info_path: str | None = key(None, _off("autotuning"), doc="Where the model info is written.")
+
+
+_EP = _off("expert_parallel")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExpertParallelConfig(Section):
+    """``expert_parallel``: DeepSpeed's AutoEP (expert parallelism for MoE models)."""
+
+    enabled: bool = key(False, NOT_BUILT("expert parallelism (AutoEP)"), doc="Turn on AutoEP.")
+    autoep_size: int = key(1, _EP, doc="Expert-parallel degree.", min=1)
+    expert_tensor_parallel_size: int = key(1, _EP, doc="Tensor-parallel degree inside experts.", min=1)
+    validate_folding_routing: bool = key(False, _EP, doc="Check the folded routing.")
+    async_split_plan: bool = key(False, _EP, doc="Plan the token split asynchronously.")
+    preset_model: str | None = key(None, _EP, doc="A known MoE model family.")
+    moe_layer_pattern: str | None = key(None, _EP, doc="MoE layer name pattern.")
+    expert_pattern: str | None = key(None, _EP, doc="Experts' name pattern.")
+    router_pattern: str | None = key(None, _EP, doc="Router name pattern.")
+    use_grouped_mm: bool = key(True, _EP, doc="Grouped matmuls for experts.")
+    disable_triton_grouped_mm: bool = key(False, _EP, doc="No Triton grouped matmul.")
+    route_norm: bool | None = key(None, _EP, doc="Normalize routing weights.")
+    route_scale: float = key(1.0, _EP, doc="Routing weight scale.")
+    score_apply: str = key("auto", _EP, doc="Where scores apply.", auto=True)
+    combine_impl: str = key("auto", _EP, doc="Combine implementation.", auto=True)
+    row_weighting_impl: str = key("auto", _EP, doc="Row weighting implementation.", auto=True)
+    gate_up_impl: str = key("separate", _EP, doc="Gate/up projection layout.")
+    comm_backend: str = key("comm", _EP, doc="All-to-all backend.")
+    comm_num_sm: int = key(12, _EP, doc="SMs for communication.", min=1)
+    comm_qp_margin: int = key(4, _EP, doc="Queue-pair margin.", min=0)
+    comm_max_tokens_per_rank: int = key(0, _EP, doc="Most tokens per rank (0: any).", min=0)
+    num_expert_groups: int | None = key(None, _EP, doc="Expert groups.", min=1)
+    num_limited_groups: int | None = key(None, _EP, doc="Groups a token may reach.", min=1)
+    score_func: str = key("auto", _EP, doc="Router score function.", auto=True)
+    top_k: object | None = key("auto", _EP, doc="Experts per token (a number, or 'auto').", auto=True)
+    load_balance_coeff: object | None = key(None, _EP, doc="Load-balance loss coefficient.")
+    routed_scaling_factor: object | None = key("auto", _EP, doc="Routed experts' scale (a number, or 'auto').", auto=True)
+    expert_w1: str | None = key(None, _EP, doc="Experts' first weight name.")
+    expert_w2: str | None = key(None, _EP, doc="Experts' second weight name.")
+    expert_w3: str | None = key(None, _EP, doc="Experts' third weight name (null: fused).")
+    num_experts_attr: str | None = key(None, _EP, doc="Attribute holding the expert count.")
+    top_k_attr: str | None = key(None, _EP, doc="Attribute holding top-k.")
+    has_shared_experts: bool | None = key(None, _EP, doc="Whether the model has shared experts.")
+    shared_experts_pattern: str | None = key(None, _EP, doc="Shared experts' name pattern.")
+    shared_experts_gate_pattern: str | None = key(None, _EP, doc="Shared experts' gate pattern.")
+    expert_activation: str | None = key(None, _EP, doc="Experts' activation.")
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataEfficiencyConfig(Section):
+    """``data_efficiency``: curriculum data sampling and random-LTD data routing (their
+    own ``enabled`` switches, at any depth, are refused when on: DeepSpeed reads them
+    whatever the top switch says)."""
+
+    enabled: bool = key(False, NOT_BUILT("the data efficiency library"), doc="Turn on data efficiency.")
+    seed: int = key(1234, _off("data_efficiency"), doc="Seed of the data sampler.", min=0)
+    data_sampling: dict[str, Any] | None = key(None, NOT_BUILT("curriculum data sampling (data_efficiency)", _on_anywhere), doc="Curriculum learning and dynamic batching.")
+    data_routing: dict[str, Any] | None = key(None, NOT_BUILT("random-LTD data routing (data_efficiency)", _on_anywhere), doc="Random layerwise token dropping.")
+# fmt: on
+
+
+def removed(cls_name: str, name: str, feature: str) -> type:
+    """A section DeepSpeed 0.19 removed (its config refuses it): only its ``enabled``
+    switch is read here, refused when true; any other key is an error saying so."""
+    note = f"DeepSpeed 0.19 removed {feature}, and zeroshard does not build it"
+    namespace = {
+        "__module__": __name__,
+        "__doc__": f"``{name}``: {feature}, removed in DeepSpeed 0.19.",
+        "UNKNOWN": f"{note}; only '{name}': {{\"enabled\": false}} is accepted",
+    }
+    field = key(False, NOT_BUILT(feature), doc=f"Turn on {feature} (removed in DeepSpeed 0.19).")
+    return make_dataclass(
+        cls_name,
+        [("enabled", bool, field), ("UNKNOWN", ClassVar[str])],
+        bases=(Section,),
+        namespace=namespace,
+        frozen=True,
+        kw_only=True,
+    )
+
+
+if TYPE_CHECKING:  # the checker's view of the classes removed() makes
+
+    class _Removed(Section):
+        enabled: bool
+
+    AmpConfig = _Removed
+    ElasticityConfig = _Removed
+    EigenvalueConfig = _Removed
+    QuantizeTrainingConfig = _Removed
+    CurriculumLearningConfig = _Removed
+    ProgressiveLayerDropConfig = _Removed
+    NebulaConfig = _Removed
+else:
+    AmpConfig = removed("AmpConfig", "amp", "Apex AMP")
+    ElasticityConfig = removed("ElasticityConfig", "elasticity", "elastic training")
+    EigenvalueConfig = removed("EigenvalueConfig", "eigenvalue", "eigenvalue computation")
+    QuantizeTrainingConfig = removed(
+        "QuantizeTrainingConfig", "quantize_training", "quantization-aware training (MoQ)"
+    )
+    CurriculumLearningConfig = removed(
+        "CurriculumLearningConfig",
+        "curriculum_learning",
+        "the legacy top-level curriculum learning (use data_efficiency.data_sampling)",
+    )
+    ProgressiveLayerDropConfig = removed(
+        "ProgressiveLayerDropConfig", "progressive_layer_drop", "progressive layer drop"
+    )
+    NebulaConfig = removed("NebulaConfig", "nebula", "the Nebula checkpoint engine")

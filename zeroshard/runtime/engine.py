@@ -1,0 +1,574 @@
+"""The training engine: forward, scaled backward, and the step at accumulation boundaries.
+
+The engine orchestrates strategy objects chosen once from the config and holds no
+stage-specific branches: what is sharded (:class:`Sharding`) decides the flat layout's
+world size, the gradient reducer's mode and, at stage 3, the parameter gatherer.
+
+It works on a :class:`~zeroshard.distributed.mesh.Mesh`: ZeRO shards over the mesh's
+``zero_shard`` group and replicates shards across ``zero_replicate`` (hybrid sharding,
+MiCS / HSDP); the data loader splits batches over ``dp``; ranks that share a tensor,
+sequence or pipeline group see the same batch.
+
+How it is assembled from the config (layout, stores, scheduler, loader) is in
+``build.py``; the methods integrations call on a DeepSpeed engine are in
+``hf_methods.py``.
+
+Communication it issues itself: at construction, one broadcast per parameter and
+buffer over the ``replicas`` group (its first rank's initial values; see
+``build.py``). Everything else
+comes from the reducer (backward) and the sharded optimizer (step); see their module
+docstrings. With ``offload_optimizer.delayed_update`` the all-gather of the updated
+parameters (stages 1-2) moves from the end of ``step()`` to the next step boundary, or
+to the first earlier call that needs the parameters (``offload/delayed.py``).
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from zeroshard import ArgumentError, UsageError
+from zeroshard.config.schema import ConfigError
+from zeroshard.distributed import watchdog
+from zeroshard.distributed.mesh import Mesh
+from zeroshard.distributed.process_group import default_device, local_rank
+from zeroshard.monitor.hub import EngineMonitor
+from zeroshard.monitor.memory import measure
+from zeroshard.offload.placement import Placement
+from zeroshard.offload.swaps import EngineSwaps
+from zeroshard.runtime.build import (
+    EngineBuild,
+    Sharding,
+    cast_floating,
+    move_module,
+    nonfinite_policy,
+)
+from zeroshard.runtime.first_batch import FirstBatchSize, not_learned
+from zeroshard.runtime.hf_methods import DeepSpeedEngineCompat
+from zeroshard.runtime.precision import DtypePolicy, LossScaler
+from zeroshard.zero.grads.reducer import GradReducer
+from zeroshard.zero.optim.optimizer import ShardedOptimizer
+from zeroshard.zero.params.gathered import register_owner, unregister_owner
+from zeroshard.zero.params.gatherer import ParamGatherer
+from zeroshard.zero.params.leaves import find_leaves
+from zeroshard.zero.params.whole import WholeParams
+
+if TYPE_CHECKING:
+    from zeroshard.checkpoint.preemption import Preemption
+
+log = logging.getLogger("zeroshard")
+
+# the live engine of each model, so a second initialize() tears the first one down
+_ENGINES: weakref.WeakKeyDictionary[nn.Module, weakref.ref] = weakref.WeakKeyDictionary()
+
+
+class Engine(EngineBuild, DeepSpeedEngineCompat, nn.Module):
+    """What ``zeroshard.initialize`` returns first; call it like the model.
+
+    ``engine.config`` is the DeepSpeed config as a dict (as DeepSpeed's engine has it);
+    the parsed, typed one is ``engine.parsed_config``."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        config,
+        mesh: Mesh,
+        *,
+        param_groups: list[dict],
+        client_optimizer: torch.optim.Optimizer | None = None,
+        lr_scheduler=None,
+        training_data=None,
+        collate_fn=None,
+    ) -> None:
+        super().__init__()
+        self.module = module
+        self._config = config
+        self.mesh = mesh
+        self.comm = mesh.comm("world")  # every rank: checkpoints' agreement, barriers
+        self._watchdog = watchdog.start(config.comm_timeout)
+        self.global_steps = 0
+        self._check_agreement(module, config)
+        self.device = default_device()
+        self.monitor = EngineMonitor(config, mesh, self.device)  # first: bad input fails here
+        self.policy = DtypePolicy.from_config(config)
+        self.placement = Placement.from_config(config.zero_optimization, self.device)
+        self.sharding = Sharding.for_stage(config.zero_optimization.stage)
+        if mesh.size("zero_replicate") > 1 and not self.sharding.optimizer:
+            raise ConfigError(
+                "zero_optimization.mics_shard_size: hybrid sharding needs ZeRO stage 1, 2 or 3 "
+                "(stage 0 shards nothing)"
+            )
+        # what ZeRO shards over, and the groups its collectives run in
+        shard_comm = mesh.comm("zero_shard")
+        replicas = mesh.comm("replicas")
+        self.micro_steps = 0
+        self.global_steps = 0
+        self.global_samples = 0
+        self.skipped_steps = 0
+        self._step_applied = False
+        self._backwards_in_window = 0  # backward() calls since the last boundary step
+        self._loss_finite: torch.Tensor | None = None  # every loss of this window finite
+        previous = _ENGINES[module]() if module in _ENGINES else None
+        if previous is not None and not previous.destroyed:
+            log.warning(
+                "zeroshard: initialize() on a model another engine manages; that engine "
+                "is destroyed first (call engine.destroy() yourself to silence this)"
+            )
+            previous.destroy()
+        _ENGINES[module] = weakref.ref(self)
+        self.destroyed = False
+        self.preemption: Preemption | None = None  # set by Preemption.enable()
+        move_module(module, self.device, self.policy.compute)
+        self._installed: list[RemovableHandle | FirstBatchSize] = []
+        if self.policy.compute != torch.float32:
+            cast = module.register_forward_pre_hook(self._cast_inputs, with_kwargs=True)
+            self._installed.append(cast)
+        if config.train_micro_batch_size_per_gpu is None:  # see zeroshard/runtime/first_batch.py
+            self._installed.append(
+                FirstBatchSize(module, self.comm, self.device, self._micro_batch_seen)
+            )
+        param_groups = self._parallelize(param_groups)
+        self._swaps = EngineSwaps(config, self.comm.rank)
+        self._swap_spaces = self._swaps.spaces  # nvme_path -> this rank's swap directory
+        self.flat, persistent = self._flatten(param_groups)
+        zc = config.zero_optimization
+        reduce_comm = shard_comm if self.flat.partitioned else replicas
+        if self.sharding.parameters and self.flat.partitioned:
+            # gradients are reduced in a group of their own: in backward the gathers and
+            # the reductions each keep one order on every rank, but how they interleave
+            # differs when a parameter gets a gradient on some ranks only (a leaf module)
+            reduce_comm = mesh.twin("zero_shard")
+        if self.sharding.parameters:
+            self.params = ParamGatherer(
+                self.flat,
+                shard_comm,
+                replicas,
+                module,
+                persistent=persistent,
+                prefetch_numel=int(zc.stage3_prefetch_bucket_size),
+                max_live_numel=int(zc.stage3_max_live_parameters),
+                max_reuse_numel=int(zc.stage3_max_reuse_distance),
+                leaves=find_leaves(module, zc.leaf_module),
+                check_every_pass=zc.enable_sanity_checks,
+            )
+        else:
+            if zc.overlap_param_gather and mesh.size("pp") > 1:
+                raise ConfigError(
+                    "zero_optimization.overlap_param_gather with pipeline stages is not "
+                    "built yet; leave it out with a pipeline section"
+                )
+            self.params = WholeParams(
+                self.flat, shard_comm, replicas, module, overlap=zc.overlap_param_gather
+            )
+        registration = {id(p): i for i, p in enumerate(module.parameters())}
+        # as DeepSpeed: prescaling divides by the world size first, else by the factor
+        predivide = config.gradient_predivide_factor
+        if config.prescale_gradients:
+            predivide = mesh.size("replicas")
+        self.reducer = GradReducer(
+            self.flat,
+            reduce_comm,
+            replicate=mesh.comm("zero_replicate"),
+            dtype=self.policy.grad,
+            sharded=self.sharding.gradients,
+            overlap=zc.overlap_comm or not self.sharding.optimizer,
+            registration_index=registration,
+            predivide=predivide,
+            on_bucket_ready=self.params.free_if_idle,
+            accum_device=self.placement.optimizer if self.placement.offload_optimizer else None,
+            reduce_scatter_via={None: None, True: "native", False: "all_reduce"}[zc.reduce_scatter],
+            count_unreached=self.sharding.parameters and reduce_comm.world_size > 1,
+        )
+        self.loss_scaler = LossScaler.from_config(config.fp16)
+        self.optimizer = ShardedOptimizer(
+            self.flat,
+            self.reducer,
+            self._optimizer_states(client_optimizer),
+            shard_comm,
+            policy=self.policy,
+            scaler=self.loss_scaler,
+            tp=self._tp_grads(),
+            clip=config.gradient_clipping,
+            nonfinite=nonfinite_policy(config),
+        )
+        #: offload_optimizer.delayed_update: the store stepping one step late, else None
+        self._delayed = self.optimizer.states if zc.offload_optimizer.delayed_update else None
+        register_owner(module.parameters(), self)
+        # parameters frozen now: unfreezing one later needs a new initialize()
+        laid_out = {
+            id(p) for p, g in zip(self.flat.params, self.flat.group_of, strict=True) if g >= 0
+        }
+        self._frozen = [
+            (name, p)
+            for name, p in module.named_parameters()
+            if not p.requires_grad and id(p) not in laid_out
+        ]
+        self.lr_scheduler = self._make_scheduler(lr_scheduler)
+        self.training_dataloader = self._make_loader(training_data, collate_fn)
+        if "activation_checkpointing" in config.raw:  # as DeepSpeed: configures checkpoint()
+            from zeroshard.activation import checkpointing
+
+            checkpointing.configure(deepspeed_config=config.activation_checkpointing)
+        if self.comm.rank == 0:
+            for key, reason in config.inert:
+                log.warning("zeroshard: config key %s has no effect here: %s", key, reason)
+
+    def _micro_batch_seen(self, rows: int) -> None:
+        """The config left the micro-batch size out: take the first batch's ``rows``."""
+        self._config = replace(
+            self._config, train_micro_batch_size_per_gpu=rows, micro_batch_from_data=False
+        )
+        if self.monitor.throughput is not None:
+            self.monitor.throughput.batch_size = self.train_batch_size()
+        if self.comm.rank == 0:  # a warning, so that it shows by default, as config notes do
+            log.warning(
+                "zeroshard: train_micro_batch_size_per_gpu is not in the config; taken from "
+                "the first batch: %d (train_batch_size %d = %d x gradient_accumulation_steps "
+                "%d x %d data-parallel ranks)",
+                rows,
+                self.train_batch_size(),
+                rows,
+                self.gradient_accumulation_steps(),
+                self._config.dp_world_size,
+            )
+
+    def _cast_inputs(self, module, args, kwargs):
+        dtype = self.policy.compute
+        return cast_floating(args, dtype), cast_floating(kwargs, dtype)
+
+    # -- teardown ---------------------------------------------------------------------
+    def destroy(self) -> None:
+        """Remove every hook this engine installed and free its buffers (DeepSpeed's
+        name). The module keeps its parameters, whole (stage 3 gathers them back unit by
+        unit), as plain tensors: it trains as plain torch or goes to ``initialize``
+        again. The engine is unusable afterwards."""
+        if self.destroyed:
+            return
+        self._land_delayed()
+        self.reducer.remove_hooks()
+        self.params.remove()
+        self._parallel.remove()
+        for h in self._installed:
+            h.remove()
+        self._installed.clear()
+        unregister_owner(self)
+        for p in self.module.parameters():
+            p.grad = None
+        self._swaps.close()
+        self.monitor.close()
+        self.destroyed = True
+        if self.module in _ENGINES and _ENGINES[self.module]() is self:
+            del _ENGINES[self.module]
+        # drop the buffers (the parameters at stages 0-2 keep their views of the flat one);
+        # the attributes stay typed as live: a destroyed engine refuses every call (_enter)
+        self._delayed = None
+        for name in ("reducer", "optimizer", "flat", "params"):
+            setattr(self, name, None)
+
+    def _leave(self, publish: bool = False) -> None:
+        """Tell the watchdog the call returned (``publish``: report it now, once a step)."""
+        if self._watchdog is not None:
+            self._watchdog.leave(self.global_steps, publish)
+
+    def _enter(self, phase: str) -> None:
+        """Refuse a destroyed engine; tell the watchdog which call this rank is in."""
+        if self.destroyed:
+            raise UsageError(
+                "this zeroshard engine was destroyed (engine.destroy(), or initialize() "
+                "called again on its model); use the engine the latest initialize() returned"
+            )
+        if self._watchdog is not None:
+            self._watchdog.enter(phase, self.global_steps)
+        if phase != "forward":  # overlap_param_gather: forward waits layer by layer
+            self.params.settle()
+        if phase not in ("forward", "backward", "step"):  # step lands at its boundary
+            self._land_delayed()
+
+    def _land_delayed(self) -> None:
+        """offload_optimizer.delayed_update: wait for the optimizer step in flight, write
+        its masters into the parameters and re-assemble them (stages 1-2: all-gather)."""
+        d = getattr(self, "_delayed", None)
+        if d is None or not d.in_flight:
+            return
+        if self.params.edited():
+            log.warning(
+                "zeroshard: parameters were changed in place while a delayed optimizer "
+                "step was in flight (offload_optimizer.delayed_update); the step's values "
+                "overwrite the change (use GatheredParameters(..., modifier_rank=...))"
+            )
+        d.wait()
+        self.params.after_step()
+        d.in_flight = False
+
+    def wait_param_gather(self) -> None:
+        """With ``zero_optimization.overlap_param_gather``: wait until the parameters
+        updated by the last ``step()`` are whole (before reading them outside the engine;
+        the next forward and every engine call do it themselves)."""
+        self._enter("wait_param_gather")
+
+    # -- the training loop --------------------------------------------------------------
+    def forward(self, *args, **kwargs):
+        self._enter("forward")
+        if not (torch.is_grad_enabled() and self.module.training):
+            self._land_delayed()  # evaluation sees the latest update
+        self.monitor.forward_start(self, args, kwargs)
+        out = self.module(*args, **kwargs)
+        self.monitor.forward_end()
+        self._leave()
+        return out
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        """Whether the current micro-step ends the accumulation window: what
+        ``set_gradient_accumulation_boundary`` said last, else the micro-step count."""
+        if self._boundary_override is not None:
+            return self._boundary_override
+        return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
+
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True):
+        """Backward of ``loss / accumulation steps`` (times the fp16 loss scale); on the
+        reducing micro-steps, gradients are reduced while backward runs."""
+        self._enter("backward")
+        for name, p in self._frozen:
+            if p.requires_grad:
+                raise UsageError(
+                    f"parameter {name!r} was frozen (requires_grad=False) when initialize() "
+                    "ran and now requires grad: zeroshard laid out its gradient and optimizer "
+                    "storage then. Call engine.destroy() and initialize() again after "
+                    "changing requires_grad, or unfreeze it before initialize()"
+                )
+        finite = torch.isfinite(loss.detach()).all()  # read at the step (no sync here)
+        self._loss_finite = finite if self._loss_finite is None else self._loss_finite & finite
+        scaled = loss
+        gas = self.gradient_accumulation_steps()
+        if scale_wrt_gas and gas > 1:
+            scaled = scaled / gas
+        if self.loss_scaler.scale != 1.0:
+            scaled = scaled * self.loss_scaler.scale
+        self.monitor.backward_start(loss, gas)
+        if self._delayed is not None:  # the step in flight has copied the last gradients
+            self._delayed.release_gradients()
+        self.reducer.begin(self.is_gradient_accumulation_boundary(), [scaled])
+        self.params.begin_backward()
+        try:
+            scaled.backward(retain_graph=retain_graph)
+            self.monitor.backward_inner_end()
+            self.reducer.finish()
+        finally:
+            self.params.end_backward()
+        self.monitor.backward_end()
+        self._backwards_in_window += 1
+        self._leave()
+        return loss
+
+    def step(self, lr_kwargs: dict | None = None) -> None:
+        """Count a micro-step; at the accumulation boundary, update the model."""
+        self._enter("step")
+        if self._config.train_batch_size is None:
+            raise not_learned()
+        self.monitor.step_start()
+        self._step_applied = False
+        boundary = self.is_gradient_accumulation_boundary()
+        if boundary:
+            self._land_delayed()
+            if self._delayed is not None:
+                self._delayed.armed = self.global_steps >= self._delayed.after
+            # e.g. p.clamp_() after the last step: the masters take it (zero/params/edits.py)
+            self.optimizer.refresh_masters(self.params.take_edits())
+            loss_finite = self._loss_finite is None or bool(self._loss_finite)
+            self._loss_finite = None
+            self._step_applied = self.optimizer.apply_step(loss_finite)
+            if self._step_applied:
+                if self._delayed is None or not self._delayed.in_flight:
+                    self.params.after_step()
+                if self.lr_scheduler is not None:
+                    self.lr_scheduler.step(**(lr_kwargs or {}))
+            else:
+                self.skipped_steps += 1
+                if self.comm.rank == 0:
+                    what = (
+                        "fp16 overflow" if self.loss_scaler.dynamic else "inf/nan gradients or loss"
+                    )
+                    log.warning(
+                        "zeroshard: step %d skipped on every rank (%s on some rank; %d "
+                        "skipped so far)%s",
+                        self.global_steps + 1,
+                        what,
+                        self.skipped_steps,
+                        f"; loss scale now {self.loss_scaler.scale:g}"
+                        if self.loss_scaler.dynamic
+                        else "",
+                    )
+            self.reducer.zero_grad()
+            self._backwards_in_window = 0
+            self.global_steps += 1
+            self.global_samples += self.train_batch_size()
+        self.monitor.step_end(self, boundary)
+        self.micro_steps += 1
+        if self.preemption is not None and boundary:
+            self.preemption.at_step_boundary(self)  # SIGTERM: save, exit 0
+        self._leave(publish=True)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Start a new accumulation window: every ``param.grad`` is unset (gradients
+        live in the engine's buffers); ``set_to_none=False`` (zeroed tensors) is refused."""
+        if not set_to_none:
+            raise ArgumentError(
+                "engine.zero_grad(set_to_none=False): the engine keeps gradients in its own "
+                "buffers and unsets param.grad; zeroed param.grad tensors are not built"
+            )
+        self.reducer.zero_grad()
+
+    # -- checkpoints ------------------------------------------------------------------
+    def save_checkpoint(
+        self,
+        save_dir: str,
+        tag: str | None = None,
+        client_state: dict | None = None,
+        save_latest: bool = True,
+        exclude_frozen_parameters: bool = False,
+    ) -> bool:
+        """Write a universal checkpoint to ``save_dir/tag`` (default ``global_step<N>``).
+        ``exclude_frozen_parameters``: leave out parameters that get no gradient (load it
+        with ``load_module_strict=False``: they keep the model's values)."""
+        self._enter("save_checkpoint")
+        from zeroshard.checkpoint.save import save
+
+        if self._backwards_in_window:
+            log.warning("zeroshard: saving mid-accumulation; the partial gradients are not saved")
+        tag = str(tag) if tag is not None else f"global_step{self.global_steps}"
+        save(self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
+        return True
+
+    def load_checkpoint(
+        self,
+        load_dir: str,
+        tag: str | None = None,
+        load_module_strict: bool = True,
+        load_optimizer_states: bool = True,
+        load_lr_scheduler_states: bool = True,
+        load_module_only: bool = False,
+        *,
+        verify: bool = True,
+        allow_nonfinite: bool = False,
+    ) -> tuple[str, dict]:
+        """Load a checkpoint saved at any world size / stage; returns (path, client_state).
+        ``verify``: check every byte against its checksum; ``allow_nonfinite``: accept
+        NaN/inf values (see ``zeroshard.checkpoint.load.load_checkpoint``)."""
+        self._enter("load_checkpoint")
+        from zeroshard.checkpoint.load import load_checkpoint
+
+        return load_checkpoint(
+            self,
+            load_dir,
+            tag,
+            strict=load_module_strict,
+            optimizer_states=load_optimizer_states,
+            scheduler_states=load_lr_scheduler_states,
+            module_only=load_module_only,
+            verify=verify,
+            allow_nonfinite=allow_nonfinite,
+        )
+
+    def save_16bit_model(self, save_dir: str, save_filename: str = "model.safetensors") -> bool:
+        """Write the whole model (working dtype) as one safetensors file from rank 0."""
+        self._enter("save_16bit_model")
+        from zeroshard.checkpoint.export import save_16bit
+
+        save_16bit(self, save_dir, save_filename)
+        return True
+
+    # -- zero.GatheredParameters support ----------------------------------------------
+    def open_gathered(self, params: list[torch.Tensor]) -> None:
+        self._land_delayed()
+        self.params.open(params)
+
+    def close_gathered(self, params: list[torch.Tensor], modifier_rank: int | None) -> None:
+        # edits to whole parameters first (this rank's, made inside the block or before)
+        self.optimizer.refresh_masters(self.params.take_edits())
+        self.optimizer.refresh_masters(self.params.close(params, modifier_rank))
+        self.params.mark_clean()
+
+    # -- DeepSpeed-compatible accessors ---------------------------------------------
+    def train_batch_size(self) -> int:
+        return self._config.train_batch_size
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self._config.train_micro_batch_size_per_gpu
+
+    def gradient_accumulation_steps(self) -> int:
+        return self._config.gradient_accumulation_steps
+
+    def get_lr(self) -> list[float]:
+        return [g["lr"] for g in self.optimizer.param_groups]
+
+    def get_global_grad_norm(self) -> float | None:
+        return self.optimizer.global_grad_norm
+
+    def was_step_applied(self) -> bool:
+        return self._step_applied
+
+    def zero_optimization_stage(self) -> int:
+        return self._config.zero_optimization.stage
+
+    def fp16_enabled(self) -> bool:
+        return self._config.fp16.enabled
+
+    def bfloat16_enabled(self) -> bool:
+        return self._config.bf16.enabled
+
+    @property
+    def config(self) -> dict:
+        """The DeepSpeed config as a dict, as given ("auto" values filled), like
+        DeepSpeed's ``engine.config`` (``engine.config["zero_optimization"]["stage"]``)."""
+        return self._config.raw
+
+    @property
+    def parsed_config(self):
+        """The typed :class:`~zeroshard.config.Config` this engine was built from."""
+        return self._config
+
+    @property
+    def cur_scale(self) -> float:
+        return self.loss_scaler.scale
+
+    loss_scale = cur_scale
+
+    @property
+    def global_rank(self) -> int:
+        return self.comm.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.comm.world_size
+
+    @property
+    def dp_world_size(self) -> int:
+        """Ranks that see different samples (the batch rule's data-parallel size)."""
+        return self.mesh.size("dp")
+
+    @property
+    def local_rank(self) -> int:
+        """This process's rank on its node (the launcher's ``LOCAL_RANK``)."""
+        return local_rank()
+
+    # -- the ledger and the memory report -------------------------------------------
+    def comm_stats(self, by_axis: bool = False) -> dict:
+        """``{op: {"calls", "bytes", "seconds"}}`` on this rank since the last reset;
+        with ``by_axis``, ``{axis: {op: {...}}}`` (axes and groups of the mesh)."""
+        return self.comm.ledger.by_axis() if by_axis else self.comm.ledger.snapshot()
+
+    def reset_comm_stats(self) -> None:
+        self.comm.ledger.reset()
+
+    def memory_stats(self) -> dict:
+        """Bytes of the persistent buffers this rank holds, by kind and by location."""
+        return measure(self)
+
+
+DeepSpeedEngine = Engine  # DeepSpeed's name (accelerate unwraps models by it)

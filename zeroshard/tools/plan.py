@@ -1,0 +1,136 @@
+"""`zeroshard plan`: the layout that fits the device memory with the least communication.
+
+    zeroshard plan --device-memory 24GiB --nproc 2 --model 25M --seq 1024 --micro-batch 4
+
+Candidates are every stage x offload (NVMe only at stage 3, with the parameter shard
+offloaded too) for the chosen precision; each is judged by the estimator. Among those
+that fit, the order is: least inter-rank communication per step, then least offload
+traffic (none < CPU < NVMe), then most free device memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from zeroshard.monitor.memory import POLICIES, PRECISIONS, Estimate, estimate
+from zeroshard.tools.convert import parse_size
+from zeroshard.tools.estimate import (
+    activations,
+    add_parallel_arguments,
+    bucket_numel,
+    facts_from_args,
+    tp_numel,
+)
+
+_OFFLOAD_RANK = {"none": 0, "cpu": 1, "nvme": 2}
+
+
+def candidates(
+    facts: dict,
+    nproc: int,
+    nnodes: int,
+    precision: str,
+    act: int,
+    bucket: int,
+    *,
+    tp: int = 1,
+    sp: int = 1,
+    tp_numel: int = 0,
+) -> list[Estimate]:
+    out = []
+    for stage in range(4):
+        for off in ("none", "cpu", "nvme"):
+            if (off != "none" and stage == 0) or (off == "nvme" and stage < 3):
+                continue
+            out.append(
+                estimate(
+                    facts["params"],
+                    nproc,
+                    nnodes,
+                    stage=stage,
+                    precision=precision,
+                    offload=off,
+                    offload_params=off == "nvme",
+                    bucket_numel=bucket,
+                    largest_unit=facts.get("largest_unit", 0),
+                    activations=act,
+                    tp=tp,
+                    sp=sp,
+                    tp_activation_numel=tp_numel,
+                )
+            )
+    return out
+
+
+def choose(
+    cands: list[Estimate], device_memory: int, cpu_memory: int | None = None
+) -> list[Estimate]:
+    """The candidates that fit, best first."""
+    fits = [
+        e
+        for e in cands
+        if e.device <= device_memory
+        and (cpu_memory is None or e.by_location.get("cpu", 0) <= cpu_memory)
+    ]
+    return sorted(fits, key=lambda e: (e.comm_bytes_per_step, _OFFLOAD_RANK[e.offload], e.device))
+
+
+def _describe(e: Estimate, device_memory: int) -> str:
+    gib = 2**30
+    return (
+        f"stage {e.stage}, offload {e.offload}: {e.device / gib:.2f} GiB on the device of "
+        f"{device_memory / gib:.2f} ({e.model_states / gib:.2f} model states, "
+        f"{e.activations / gib:.2f} activations), {e.comm_bytes_per_step / gib:.2f} GiB "
+        f"exchanged per step"
+    )
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.description = __doc__.splitlines()[0]
+    src = parser.add_mutually_exclusive_group(required=True)
+    src.add_argument("--params", type=float)
+    src.add_argument("--model", help="GPT preset or module:function")
+    parser.add_argument("--device-memory", type=parse_size, required=True, help="e.g. 24GiB")
+    parser.add_argument("--cpu-memory", type=parse_size, default=None, help="per rank")
+    parser.add_argument("--nproc", type=int, default=1)
+    parser.add_argument("--nnodes", type=int, default=1)
+    parser.add_argument("--precision", choices=list(PRECISIONS), default="bf16")
+    parser.add_argument("--seq", type=int, default=0)
+    parser.add_argument("--micro-batch", type=int, default=1)
+    parser.add_argument("--checkpointing", choices=POLICIES, default="none")
+    parser.add_argument(
+        "--bucket", type=float, default=None, help="reduce_bucket_size (default: zeroshard's)"
+    )
+    add_parallel_arguments(parser)
+
+
+def main(args: argparse.Namespace) -> int:
+    facts = facts_from_args(args)
+    act, act_line = activations(facts, args, args.precision)
+    print(act_line)
+    cands = candidates(
+        facts,
+        args.nproc,
+        args.nnodes,
+        args.precision,
+        act,
+        bucket_numel(args.bucket, args.precision),
+        tp=args.tp,
+        sp=args.sp,
+        tp_numel=tp_numel(facts, args),
+    )
+    ranked = choose(cands, args.device_memory, args.cpu_memory)
+    if not ranked:
+        print("nothing fits: reduce the micro-batch, turn on --checkpointing full, or add ranks")
+        return 1
+    best = ranked[0]
+    print("plan: " + _describe(best, args.device_memory))
+    why = (
+        "it fits and no layout that fits exchanges fewer bytes"
+        if len(ranked) == 1 or ranked[1].comm_bytes_per_step > best.comm_bytes_per_step
+        else "it fits, exchanges as few bytes as any layout that fits, and offloads least"
+    )
+    print(f"why: {why}")
+    if len(ranked) > 1:
+        print("runner-up: " + _describe(ranked[1], args.device_memory))
+    return 0
