@@ -15,6 +15,7 @@ own to its ranks. ``ZEROSHARD_TEST_START=spawn`` starts fresh interpreters inste
 
 from __future__ import annotations
 
+import atexit
 import gc
 import json
 import multiprocessing
@@ -82,6 +83,11 @@ def _entry(rank: int, world_size: int, tmp: str, fn, args, env=None, cwd=None) -
         with open(os.path.join(tmp, f"error{rank}.txt"), "w") as f:
             f.write(traceback.format_exc())
         raise
+    finally:
+        if START != "spawn":
+            # a forked child leaves through os._exit, which skips atexit: run the exit
+            # handlers a spawned interpreter runs (swap directories, watchdogs)
+            atexit._run_exitfuncs()
 
 
 def run(fn, world_size: int, *args, timeout: float = 300.0) -> list:
