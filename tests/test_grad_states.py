@@ -212,3 +212,18 @@ def test_illegal_orders_are_named_errors(walked):
         inside = e["step inside a backward"]
         assert inside[0] == "InternalError", (stage, inside)
         assert "from (BACKWARD_REDUCING) on FINALIZE" in inside[1], (stage, inside)
+
+
+def test_tables_stay_inside_each_mode() -> None:
+    """No process: a sharded window never holds local sums, a full one never an
+    accumulated shard, and every action is one the reducer runs."""
+    from zeroshard.zero.grads.states import WINDOW, Mode, Window
+
+    full = {Window.EMPTY, Window.LOCAL, Window.REDUCED}
+    sharded = {Window.EMPTY, Window.ACCUMULATED}
+    actions = {states.NONE, states.RESTATE, states.REDUCE, states.ZERO, states.CLEAR}
+    for (mode, state, _), (nxt, action) in WINDOW.items():
+        allowed = sharded if mode is Mode.SHARDED else full
+        assert {state, nxt} <= allowed, (mode, state, nxt)
+        assert action in actions
+        assert action != states.RESTATE or mode is Mode.PARTITIONED
