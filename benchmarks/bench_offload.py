@@ -153,7 +153,7 @@ def _zeroshard(
     def step() -> None:
         # norm and flags (with clipping), the store's step and its write-back; the
         # reduced gradients stay until the next window, so the step can be repeated
-        assert opt.apply_step(), "the step was skipped"
+        assert opt.apply_step(engine.reducer.finalize()), "the step was skipped"
         _sync()
 
     step()

@@ -9,7 +9,13 @@ torch, at stages 0-3 on 2 and 3 gloo ranks (one spawn per world size):
 * a rank whose backward reaches no parameter (an empty batch's constant loss): it still
   takes part in the reduction and must step with the others' average, not zeros;
 * three backwards before one step with the boundary set, unset, set again
-  (``set_gradient_accumulation_boundary``, as accelerate calls it).
+  (``set_gradient_accumulation_boundary``, as accelerate calls it);
+* two backwards, the boundary set then unset, then set again and a step with no backward
+  after it: the step reduces the window's local sums first (before, stage 0 ranks
+  stepped on their own unreduced sums and diverged, stage 1 stepped on zeros);
+* two backwards before one step, the first with ranks > 0 idle: a slot that got nothing
+  before the first reduction holds the others' gradient after it, and the second
+  backward adds to it (before, stages 0-1 overwrote it on the idle ranks).
 
 The reducer divides a gradient by the number of ranks while it copies it into its bucket
 (issue 20); these are the arrivals where that division must not be applied twice or
@@ -57,8 +63,9 @@ def _data(step: int, k: int, rows: int):
 def _losses(model, step: int, kind: str, rows: slice, world: int):
     """The losses of one step, each with the batch of every rank (reference) or this
     rank's rows; "twice": two backwards, "reentrant": one, "accum": three micro-steps,
-    "toggle": three backwards, the middle one with the boundary unset."""
-    n = {"twice": 2, "reentrant": 1, "accum": 3, "idle": 1, "toggle": 3}[kind]
+    "toggle": three backwards, the middle one with the boundary unset; "toggle_step":
+    two, the second with it unset; "idle_first": two."""
+    n = {"twice": 2, "reentrant": 1, "accum": 3, "idle": 1, "toggle": 3}.get(kind, 2)
     out = []
     for k in range(n):
         x, y = _data(step, k, MICRO * world)
@@ -78,6 +85,9 @@ def _reference(world: int, kind: str):
         if kind == "idle":  # only rank 0's rows contribute; the average is over every rank
             x, y = _data(step, 0, MICRO * world)
             losses, scale = [model(x[:MICRO], y[:MICRO])], 1 / world
+        if kind == "idle_first":  # the first backward: only rank 0's rows
+            x, y = _data(step, 0, MICRO * world)
+            losses[0] = model(x[:MICRO], y[:MICRO]) / world
         sum(losses).mul(scale).backward()
         if step == STEPS - 1:
             grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
@@ -106,18 +116,23 @@ def _train(rank: int, world: int, stage: int, kind: str):
     grads = {}
     for step in range(STEPS):
         losses = _losses(engine, step, kind, rows, world)
-        if kind == "idle" and rank > 0:  # no parameter gets a gradient on this rank
-            losses = [torch.zeros((), requires_grad=True)]
+        if kind in ("idle", "idle_first") and rank > 0:  # no parameter gets a gradient
+            losses[0] = torch.zeros((), requires_grad=True)
         for k, loss in enumerate(losses):
             if kind == "toggle":  # boundary, not, boundary (as accelerate could set it)
                 engine.set_gradient_accumulation_boundary(k != 1)
+            if kind == "toggle_step":  # boundary, not; then boundary and a step
+                engine.set_gradient_accumulation_boundary(k == 0)
             engine.backward(loss)
             last = k == len(losses) - 1
-            if last and step == STEPS - 1 and stage == 0:  # param.grad holds the average
+            if last and step == STEPS - 1 and stage == 0 and kind != "toggle_step":
+                # param.grad holds the average
                 grads = {
                     n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None
                 }
             if kind == "accum" or last:
+                if kind == "toggle_step":
+                    engine.set_gradient_accumulation_boundary(True)
                 engine.step()
     with GatheredParameters(list(model.parameters())):
         params = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -131,7 +146,8 @@ def _worker(rank: int, world: int, cases: list) -> list[dict]:
         got, grads = _train(rank, world, stage, kind)
         diffs = {n: (got[n] - ref[n]).abs().max().item() for n in ref}
         diffs |= {f"{n}.grad": (g - ref_grads[n]).abs().max().item() for n, g in grads.items()}
-        if stage == 0 and not (kind == "idle" and rank > 0):  # idle: no .grad was set
+        # idle: no .grad was set; toggle_step: none read (unreduced after backward)
+        if stage == 0 and not (kind == "idle" and rank > 0) and kind != "toggle_step":
             diffs["grads present"] = float(set(grads) != set(ref_grads))
         out.append(diffs)
     return out
@@ -144,8 +160,8 @@ def _worker(rank: int, world: int, cases: list) -> list[dict]:
 CASES = [
     (stage, kind)
     for stage in (0, 1, 2, 3)
-    for kind in ("twice", "reentrant", "accum", "idle", "toggle")
-    if (stage, kind) not in ((3, "reentrant"), (3, "idle"))
+    for kind in ("twice", "reentrant", "accum", "idle", "toggle", "toggle_step", "idle_first")
+    if (stage, kind) not in ((3, "reentrant"), (3, "idle"), (3, "idle_first"))
 ]
 
 

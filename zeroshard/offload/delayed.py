@@ -50,6 +50,7 @@ import torch
 from zeroshard import ZeroshardError
 from zeroshard.offload.nvme import OffloadError
 from zeroshard.zero.optim.memory_store import MemoryStates
+from zeroshard.zero.optim.store import StepGrads
 
 
 class DelayedStepError(ZeroshardError, RuntimeError):
@@ -80,20 +81,20 @@ class DelayedUpdate:
         self._copied.set()
 
     # -- the step -----------------------------------------------------------------------
-    def step(self, reducer, factor: float, unused: AbstractSet[int] = frozenset()) -> None:
+    def step(self, grads: StepGrads, factor: float, unused: AbstractSet[int] = frozenset()) -> None:
         """Exact step (not armed), or copy the gradients and start the step in a thread."""
         self.wait()
         if not self.armed:
-            self.states.step(reducer, factor, unused)
+            self.states.step(grads, factor, unused)
             return
         st = self.states
         # GPU: the uploads of the last landed masters may still be running; the thread
         # waits for them before it rewrites the masters (the host goes on at once)
-        uploading, st._uploaded = st._uploaded, None
+        uploading = st.take_upload_event()
         if self._grads is None:  # (a segment of frozen parameters has no gradient)
             self._grads = [
                 torch.empty(g.shape, dtype=m.dtype, device=m.device)
-                for m, g in zip(st.masters, reducer.grad_chunks, strict=True)
+                for m, g in zip(st.masters, grads.chunks, strict=True)
             ]
         self._copied.clear()
         twin = object.__new__(type(st.inner))
@@ -106,7 +107,7 @@ class DelayedUpdate:
         self.in_flight = True
         self._thread = threading.Thread(
             target=self._run,
-            args=(twin, list(reducer.grad_chunks), factor, frozenset(unused), uploading),
+            args=(twin, list(grads.chunks), factor, frozenset(unused), uploading),
             name="zeroshard-delayed-update",
         )
         self._thread.start()

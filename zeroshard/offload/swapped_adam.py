@@ -10,7 +10,7 @@ while this one steps; with ``pipeline_write`` its writes finish while the next o
 steps; RAM holds only the buffer sets (3 buffers of one sub-group each).
 
 It is the NVMe store of the shard-store protocol (``offload/store.py``, and
-``zero/optim/memory_store.py`` for the memory one): ``step(reducer, factor)``, ``kinds``,
+``zero/optim/memory_store.py`` for the memory one): ``step(grads, factor)``, ``kinds``,
 ``read``/``write`` of a kind at shard positions, ``buffers()`` and ``disk_bytes()``;
 and it quacks like a torch optimizer where schedulers need it to (``param_groups``).
 """
@@ -28,6 +28,7 @@ from zeroshard.config.schema import ConfigError
 from zeroshard.monitor.progress import progress
 from zeroshard.offload.nvme import ALIGN, SwapSpace, aligned_empty
 from zeroshard.zero.layout.flat import FlatParams
+from zeroshard.zero.optim.store import StepGrads
 from zeroshard.zero.params.edits import take_edits
 
 _KEYS = ("master", "exp_avg", "exp_avg_sq")
@@ -98,14 +99,13 @@ class SwappedAdam:
     def init_state(self, zero_grads) -> None:
         """The moments start as zeros in their files already."""
 
-    def step(self, reducer, factor: float, unused: AbstractSet[int] = frozenset()) -> None:
-        """Step on the reducer's gradient shard scaled by ``factor``, skipping the parameters
+    def step(self, grads: StepGrads, factor: float, unused: AbstractSet[int] = frozenset()) -> None:
+        """Step on the reduced gradient shard ``grads`` (``grads.range(a, b)``: positions
+        ``[a, b)`` of it) scaled by ``factor``, skipping the parameters
         in ``unused``; each sub-group's new masters go into the parameter store as soon
         as they are computed."""
         store = self.flat.store
-        self.swapped_step(
-            reducer.grad_range, factor, lambda a, b, m: store.write("param", a, m), unused
-        )
+        self.swapped_step(grads.range, factor, lambda a, b, m: store.write("param", a, m), unused)
 
     def refresh(self, segments: list[int]) -> None:
         """Parameters of ``segments`` were changed from outside: the masters take the

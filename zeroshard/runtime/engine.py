@@ -144,8 +144,9 @@ class Engine(EngineBuild, DeepSpeedEngineCompat, nn.Module):
             # the reductions each keep one order on every rank, but how they interleave
             # differs when a parameter gets a gradient on some ranks only (a leaf module)
             reduce_comm = mesh.twin("zero_shard")
+        on_bucket_ready = None
         if self.sharding.parameters:
-            self.params = ParamGatherer(
+            gatherer = ParamGatherer(
                 self.flat,
                 shard_comm,
                 replicas,
@@ -157,6 +158,7 @@ class Engine(EngineBuild, DeepSpeedEngineCompat, nn.Module):
                 leaves=find_leaves(module, zc.leaf_module),
                 check_every_pass=zc.enable_sanity_checks,
             )
+            self.params, on_bucket_ready = gatherer, gatherer.free_if_idle
         else:
             if zc.overlap_param_gather and mesh.size("pp") > 1:
                 raise ConfigError(
@@ -180,7 +182,8 @@ class Engine(EngineBuild, DeepSpeedEngineCompat, nn.Module):
             overlap=zc.overlap_comm or not self.sharding.optimizer,
             registration_index=registration,
             predivide=predivide,
-            on_bucket_ready=self.params.free_if_idle,
+            # stage 3: a unit's parameters are freed once its gradients are in
+            on_bucket_ready=on_bucket_ready,
             accum_device=self.placement.optimizer if self.placement.offload_optimizer else None,
             reduce_scatter_via={None: None, True: "native", False: "all_reduce"}[zc.reduce_scatter],
             count_unreached=self.sharding.parameters and reduce_comm.world_size > 1,
@@ -188,9 +191,11 @@ class Engine(EngineBuild, DeepSpeedEngineCompat, nn.Module):
         self.loss_scaler = LossScaler.from_config(config.fp16)
         self.optimizer = ShardedOptimizer(
             self.flat,
-            self.reducer,
             self._optimizer_states(client_optimizer),
             shard_comm,
+            grad_comm=reduce_comm,
+            zero_grads=self.reducer.grad_chunks,
+            clear_grads=self.reducer.zero_grad,
             policy=self.policy,
             scaler=self.loss_scaler,
             tp=self._tp_grads(),
@@ -358,6 +363,10 @@ class Engine(EngineBuild, DeepSpeedEngineCompat, nn.Module):
         try:
             scaled.backward(retain_graph=retain_graph)
             self.monitor.backward_inner_end()
+        except BaseException:
+            self.reducer.abandon()  # no backward runs any more; the window keeps its state
+            raise
+        else:
             self.reducer.finish()
         finally:
             self.params.end_backward()
@@ -382,7 +391,8 @@ class Engine(EngineBuild, DeepSpeedEngineCompat, nn.Module):
             self.optimizer.refresh_masters(self.params.take_edits())
             loss_finite = self._loss_finite is None or bool(self._loss_finite)
             self._loss_finite = None
-            self._step_applied = self.optimizer.apply_step(loss_finite)
+            grads = self.reducer.finalize()  # reduces a window of local sums first
+            self._step_applied = self.optimizer.apply_step(grads, loss_finite)
             if self._step_applied:
                 if self._delayed is None or not self._delayed.in_flight:
                     self.params.after_step()

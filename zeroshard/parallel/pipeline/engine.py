@@ -196,6 +196,9 @@ class PipelineEngine(Engine):
         self.params.begin_backward()
         try:
             run()
+        except BaseException:
+            self.reducer.abandon()
+            raise
         finally:
             self.params.end_backward()
         self.reducer.finish()
@@ -296,8 +299,7 @@ class PipelineEngine(Engine):
             return
         for comm, indices in self._ties:
             comm.all_reduce_many([self.reducer.local_grad(pi) for pi in indices])
-        self.reducer.begin(True)
-        self.reducer.finish()
+        self.reducer.flush()
 
     def _mean_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
         """The last stage's mean loss, averaged over data-parallel ranks, on every rank."""

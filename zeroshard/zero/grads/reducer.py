@@ -24,11 +24,15 @@ Two modes, chosen once from what is sharded:
   gradient shard. Memory: the shard plus the staging pool (about two buckets).
 
 Either way :attr:`GradReducer.grad_chunks` ``[segment]`` is the reduced,
-averaged gradient of this rank's chunk, what the sharded optimizer consumes.
+averaged gradient of this rank's chunk, what the sharded optimizer consumes, once
+:meth:`GradReducer.finalize` ran. The reducer's states (backward phase, accumulation
+window, buckets, slots) and their legal moves are tables in ``zero/grads/states.py``;
+every change of state goes through them.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -37,7 +41,10 @@ from zeroshard import ArgumentError, InternalError, UsageError
 from zeroshard.distributed.comm import Comm, Handle
 from zeroshard.distributed.device import host_apart
 from zeroshard.offload.staging import HostStager
+from zeroshard.zero.grads import states
 from zeroshard.zero.grads.reached import reached_leaves
+from zeroshard.zero.grads.result import ReducedGrads
+from zeroshard.zero.grads.states import BucketState, Event, Mode, Phase, Slot, Window
 from zeroshard.zero.layout.flat import FlatParams
 
 # reductions in flight at once, at most: each holds a staging bucket (stages 2-3) and a
@@ -47,18 +54,22 @@ _IN_FLIGHT = 2
 
 class _Pool:
     """Buffers of one size, at most :data:`_IN_FLIGHT` of them: with none free and all
-    made, ``take`` completes the oldest pending reduction (which gives its back)."""
+    made, ``take`` returns None (the owner completes its oldest pending reduction, which
+    gives its buffer back, and asks again)."""
 
     def __init__(self, numel: int, dtype: torch.dtype, device: torch.device) -> None:
         self.numel, self.dtype, self.device = numel, dtype, device
         self.free: list[torch.Tensor] = []
         self.made = 0
 
-    def take(self, reducer: GradReducer) -> torch.Tensor:
-        while not self.free and self.made >= _IN_FLIGHT and reducer._pending:
-            reducer._complete_oldest()
+    def take(self) -> torch.Tensor | None:
         if self.free:
             return self.free.pop()
+        if self.made >= _IN_FLIGHT:
+            return None
+        return self.make()
+
+    def make(self) -> torch.Tensor:
         self.made += 1
         return torch.empty(self.numel, dtype=self.dtype, device=self.device)
 
@@ -70,7 +81,7 @@ class _Bucket:
     slots: dict[int, tuple[int, int]]  # param index -> (lo, hi) within the segment
     trainable: int  # how many of its parameters receive gradients
     ready: set[int] = field(default_factory=set)
-    launched: bool = False
+    state: BucketState = BucketState.EMPTY
     staging: torch.Tensor | None = None
     scratch: torch.Tensor | None = None  # the reduce-scatter's receive buffer, if any
     direct: bool = False  # reduced straight into the owned gradient shard
@@ -138,11 +149,16 @@ class GradReducer:
         self._contributors = comm.world_size * (self.replicate.world_size if self.replicate else 1)
         self._on_bucket_ready = on_bucket_ready
         self.sharded, self.overlap, self.predivide = sharded, overlap, predivide
+        self.mode = (
+            Mode.SHARDED if sharded else Mode.PARTITIONED if flat.partitioned else Mode.REPLICATED
+        )
+        self.phase = Phase.IDLE
+        self.window = Window.EMPTY
+        #: called with (machine, key) on every move: the transition-table test records them
+        self.on_transition: Callable[[str, tuple], None] | None = None
         # divided by ``_pre`` on the way into the bucket, by ``_post`` after the reduction
         self._pre = predivide if predivide != 1.0 else float(self._contributors)
         self._post = self._contributors / self._pre
-        self._boundary = True
-        self._in_backward = False  # between begin() and finish(): engine.backward runs
         self._hooks = []
         # (bucket, handle, phase): "reduce" over ``comm``, then "replicate" (hybrid only)
         self._pending: list[tuple[_Bucket, Handle, str]] = []
@@ -156,13 +172,11 @@ class GradReducer:
         self._scratch = _Pool(
             comm.reduce_scatter_scratch(staging_numel, self._rs_via), dtype, flat.device
         )
-        self._accumulated = False  # whether grad_shard already holds a micro-step
-        self._reduced = False  # whether full gradients were reduced in this window
-        self._window_filled: set[int] = set()  # params that got a gradient in this window
-        # full-gradient slots already divided by ``_pre`` (their window's only gradient
-        # arrived at the boundary and was divided while copied in), until their bucket
-        # launches; ``param.grad`` is pointed at the slot then
-        self._scaled: set[int] = set()
+        # parameters that got a gradient on this rank in this window (data for the
+        # step's unused-parameter check, not a state: the window never depends on it)
+        self.arrived: set[int] = set()
+        # full gradients: what each parameter's slot of the buffer holds
+        self._slots = [Slot.EMPTY] * len(flat.params)
         own = flat.rank
         self.grad_full: torch.Tensor | None = None
         self.grad_shard: torch.Tensor | None = None
@@ -222,17 +236,42 @@ class GradReducer:
                 continue
             self._hooks.append(p.register_post_accumulate_grad_hook(self._make_hook(pi)))
 
+    # -- states -------------------------------------------------------------------------
+    def _move_window(self, event: Event) -> None:
+        """The window's move on ``event`` (every rank makes the same calls): its action
+        runs in the state it leaves (a reduction's first micro-step writes the shard),
+        then the state changes."""
+        nxt, action = states.step("window", (self.mode, self.window, event), self.on_transition)
+        self._run(action)
+        self.window = nxt
+
+    def _move_phase(self, event: Event) -> None:
+        self.phase = states.step("phase", (self.phase, event), self.on_transition)
+
+    def _move_bucket(self, b: _Bucket, event: Event) -> None:
+        b.state = states.step("bucket", (b.state, event), self.on_transition)
+
+    def _move_slot(self, pi: int, event: Event) -> Slot:
+        """Slot ``pi``'s move; returns the state it left."""
+        was = self._slots[pi]
+        self._slots[pi] = states.step("slot", (was, event), self.on_transition)
+        return was
+
     # -- backward -----------------------------------------------------------------------
     def begin(self, boundary: bool, roots: list[torch.Tensor] | None = None) -> None:
         """Called before each backward: whether this micro-step ends an accumulation,
         and the tensors backward starts from (for ``count_unreached``)."""
-        self._boundary = boundary
-        self._in_backward = True
+        reducing = self.sharded or boundary
+        self._move_phase(Event.BEGIN_REDUCING if reducing else Event.BEGIN_LOCAL)
         self._walk_missed = set()
-        if self._reduced and self.flat.partitioned and not self.sharded:
-            self._restate_owned()
+        self._move_window(Event.BEGIN)
         if self._count_unreached and roots is not None and self.communicates_now:
             self._count_unreached_as_arrived(roots)
+
+    def abandon(self) -> None:
+        """The backward between :meth:`begin` and :meth:`finish` raised: no backward
+        runs any more (a gradient arriving now is refused). The window keeps its state."""
+        self._move_phase(Event.ABANDON)
 
     def _count_unreached_as_arrived(self, roots: list[torch.Tensor]) -> None:
         reached = reached_leaves(roots)
@@ -240,7 +279,7 @@ class GradReducer:
             return
         for pi, p in enumerate(self.flat.params):
             if self.flat.group_of[pi] >= 0 and id(p) not in reached:
-                self._bucket_of[pi].ready.add(pi)
+                self._arrive(self._bucket_of[pi], pi)
                 self._walk_missed.add(pi)
         self._launch_in_order(upto=None)
 
@@ -255,11 +294,10 @@ class GradReducer:
         self._full_grads().zero_()
         for c, saved in zip(self._device_chunks, owned, strict=True):
             c.copy_(saved)
-        self._reduced = False  # raw again: gradients accumulate into it until reduced
 
     @property
     def communicates_now(self) -> bool:
-        return self.sharded or self._boundary
+        return self.phase is Phase.BACKWARD_REDUCING
 
     def _full_grads(self) -> torch.Tensor:
         assert self.grad_full is not None  # full-gradient mode (stages 0-1, or accumulating)
@@ -279,14 +317,14 @@ class GradReducer:
     def _on_grad(self, pi: int, p: torch.Tensor) -> None:
         if p.grad is None:
             return
-        if not self._in_backward:
+        if self.phase is Phase.IDLE:
             raise UsageError(
                 "a gradient arrived outside engine.backward(): call engine.backward(loss) "
                 "(which scales, accumulates and reduces across ranks), not loss.backward(), "
                 "then engine.step()"
             )
         bucket = self._bucket_of[pi]
-        if bucket.launched:
+        if bucket.state in (BucketState.LAUNCHED, BucketState.REPLICATING, BucketState.DONE):
             name = f"parameter {pi} (shape {tuple(p.shape)})"
             if pi in self._walk_missed and pi in bucket.ready:
                 raise InternalError(
@@ -300,28 +338,32 @@ class GradReducer:
                 "backward; a parameter must receive its gradient once per backward "
                 "(reentrant checkpointing or a second backward through it?)"
             )
+        self.arrived.add(pi)
         if not self.sharded:
             view = self._views[pi]
             assert view is not None  # full gradients: every parameter has its slot
-            if p.grad.data_ptr() != view.data_ptr():  # a fresh gradient tensor
-                if pi in self._scaled:  # a second gradient in this backward
-                    view.add_(p.grad.div(self._pre))
-                    p.grad = None  # the slot is divided: no in-place accumulation
-                elif pi in self._window_filled:
-                    view.add_(p.grad)
-                    p.grad = view if self._zero_copy else None
-                elif self.communicates_now and p.grad.dtype == view.dtype:
-                    # the window's only gradient: divided on the way in (one pass);
-                    # param.grad points at the slot once its bucket is launched
-                    torch.div(p.grad, self._pre, out=view)
-                    self._scaled.add(pi)
-                    p.grad = None
-                else:  # first contribution of this accumulation window: overwrite
-                    view.copy_(p.grad)
-                    p.grad = view if self._zero_copy else None
-            self._window_filled.add(pi)
+            held = self._slots[pi]
+            if p.grad.data_ptr() == view.data_ptr():  # autograd accumulated in place
+                self._move_slot(pi, Event.ARRIVE if held is Slot.EMPTY else Event.ARRIVE_AGAIN)
+            elif held is Slot.DIVIDED:  # a second gradient in this backward
+                self._move_slot(pi, Event.ARRIVE_AGAIN)
+                view.add_(p.grad.div(self._pre))
+                p.grad = None  # the slot is divided: no in-place accumulation
+            elif held is Slot.RAW:
+                self._move_slot(pi, Event.ARRIVE_AGAIN)
+                view.add_(p.grad)
+                p.grad = view if self._zero_copy else None
+            elif self.communicates_now and p.grad.dtype == view.dtype:
+                # the window's only gradient: divided on the way in (one pass);
+                # param.grad points at the slot once its bucket is launched
+                self._move_slot(pi, Event.ARRIVE_DIVIDED)
+                torch.div(p.grad, self._pre, out=view)
+                p.grad = None
+            else:  # first contribution of this accumulation window: overwrite
+                self._move_slot(pi, Event.ARRIVE)
+                view.copy_(p.grad)
+                p.grad = view if self._zero_copy else None
         else:
-            self._window_filled.add(pi)
             staging = self._staging_for(bucket)
             lo, hi = bucket.slots[pi]
             slot = staging[lo:hi].view_as(p.grad)
@@ -336,11 +378,15 @@ class GradReducer:
             p.grad = None
         if not self.communicates_now:
             return
-        bucket.ready.add(pi)
+        self._arrive(bucket, pi)
         if len(bucket.ready) == bucket.trainable:
             if self._on_bucket_ready is not None:
                 self._on_bucket_ready(bucket.segment)
             self._launch_in_order(upto=None)
+
+    def _arrive(self, bucket: _Bucket, pi: int) -> None:
+        self._move_bucket(bucket, Event.ARRIVE)
+        bucket.ready.add(pi)
 
     def _launch_in_order(self, upto: int | None) -> None:
         """Launch complete buckets in global order (all of them when ``upto`` is None
@@ -355,7 +401,7 @@ class GradReducer:
     def _launch(self, b: _Bucket) -> None:
         g = self.flat
         seg = g.layout.segments[b.segment]
-        b.launched = True
+        self._move_bucket(b, Event.LAUNCH)
         if self.sharded:
             src = self._staging_for(b)[: seg.numel]
             for pi, (lo, hi) in b.slots.items():  # parameters that got no gradient
@@ -365,20 +411,20 @@ class GradReducer:
         else:
             src = self._full_grads()[seg.start : seg.start + seg.numel]
             for pi, (lo, hi) in b.slots.items():
-                if pi not in self._window_filled:  # stale values: no gradient this window
+                was = self._move_slot(pi, Event.LAUNCH)
+                if was is Slot.EMPTY:  # stale values: no gradient this window
                     src[lo:hi].zero_()
-                elif pi in self._scaled:  # once: a later backward adds raw gradients
-                    self._scaled.discard(pi)
+                elif was is Slot.DIVIDED:  # once: a later backward adds raw gradients
                     if self._zero_copy:
                         self.flat.params[pi].grad = self._views[pi]
                 else:  # accumulated over micro-steps (or cast in): divided here
                     src[lo:hi].div_(self._pre)
         if g.partitioned:
             if self._scratch.numel and self.comm.world_size > 1:
-                b.scratch = self._scratch.take(self)
+                b.scratch = self._take(self._scratch)
             # the window's first reduction of a sharded bucket lands in the owned shard
             # itself (no copy out of the staging bucket afterwards)
-            b.direct = self.sharded and self._direct_ok and not self._accumulated
+            b.direct = self.sharded and self._direct_ok and self.window is Window.EMPTY
             out = self.grad_chunks[b.segment] if b.direct else self._own(b, src)
             handle = self.comm.reduce_scatter(
                 out, src, async_op=True, via=self._rs_via, scratch=b.scratch
@@ -395,6 +441,13 @@ class GradReducer:
         chunk = self.flat.layout.segments[b.segment].chunk
         return src[self.flat.rank * chunk : (self.flat.rank + 1) * chunk]
 
+    def _take(self, pool: _Pool) -> torch.Tensor:
+        """A buffer of ``pool``; with all of them in flight, the oldest pending
+        reduction is completed first (it gives its buffer back)."""
+        while (buf := pool.take()) is None and self._pending:
+            self._complete_oldest()
+        return buf if buf is not None else pool.make()
+
     def _complete_oldest(self) -> None:
         b, handle, phase = self._pending.pop(0)
         handle.wait()
@@ -407,7 +460,10 @@ class GradReducer:
             # hybrid sharding: the reduced chunk is summed across the replicas next
             own = self._own(b, self._staged(b) if self.sharded else self._full_grads()[seg.start :])
             self._pending.insert(0, (b, self.replicate.all_reduce(own, async_op=True), "replicate"))
+            self._move_bucket(b, Event.REPLICATE)
             return
+        self._move_bucket(b, Event.COMPLETE)
+        accumulate = self.window is not Window.EMPTY  # the shard holds a micro-step
         post = self._post
         chunk = self.grad_chunks[b.segment]
         if self.sharded:
@@ -417,10 +473,10 @@ class GradReducer:
             if b.direct:  # already in place
                 pass
             elif self._stager is not None:
-                event = self._stager.submit(reduced, chunk, accumulate=self._accumulated)
+                event = self._stager.submit(reduced, chunk, accumulate=accumulate)
                 if event is not None:
                     self._staging_events[id(b.staging)] = event
-            elif self._accumulated:
+            elif accumulate:
                 chunk.add_(reduced)
             else:
                 chunk.copy_(reduced)
@@ -438,7 +494,7 @@ class GradReducer:
         if b.staging is None:
             # double-buffered: a bucket fills while the previous one's reduction is in
             # flight; a third waits for the oldest reduction
-            b.staging = self._staging.take(self)
+            b.staging = self._take(self._staging)
             event = self._staging_events.pop(id(b.staging), None)
             if event is not None and self._stager is not None:
                 # its last chunk may still be on its way to the host
@@ -447,23 +503,64 @@ class GradReducer:
         return b.staging
 
     def finish(self) -> None:
-        """After backward: launch what is left (in order) and wait for everything."""
-        self._in_backward = False
-        if not self.communicates_now:
-            return
+        """After backward: a reducing backward launches what is left (in order) and
+        waits for everything."""
+        reducing = self.communicates_now
+        self._move_phase(Event.FINISH)
+        event = Event.FINISH_REDUCING if reducing else Event.FINISH_LOCAL
+        self._move_window(event)
+
+    def flush(self) -> None:
+        """Reduce this window's local sums now (stages 0-1: every bucket, in order, on
+        every rank); nothing to do once reduced, or with sharded gradients (reduced
+        every backward). The pipeline engine calls it after its batch's backwards."""
+        self._move_phase(Event.FLUSH)
+        self._move_window(Event.FLUSH)
+
+    def finalize(self) -> ReducedGrads:
+        """Before a step reads :attr:`grad_chunks`: a window holding unreduced local
+        sums is reduced first (the boundary set again after a backward without it); a
+        window in which no reduction ran means zero gradients (the buffers hold the last
+        window's). Decided by the window, which every rank moves together, not by this
+        rank's arrivals: a rank whose backward reached no parameter still holds the
+        others' reduced gradients. Returns them, for the optimizer's step."""
+        self._move_phase(Event.FINALIZE)
+        self._move_window(Event.FINALIZE)
+        groups = (self.comm,) if self.replicate is None else (self.comm, self.replicate)
+        return ReducedGrads(
+            flat=self.flat, chunks=self.grad_chunks, arrived=frozenset(self.arrived), groups=groups
+        )
+
+    def _run(self, action: str) -> None:
+        """Run a window move's action."""
+        if action == states.RESTATE:
+            self._restate_owned()
+        elif action == states.REDUCE:
+            self._reduce_rest()
+        elif action == states.ZERO:
+            for buf in (self.grad_full, self.grad_shard):
+                if buf is not None:
+                    buf.zero_()
+        elif action == states.CLEAR:
+            self.arrived.clear()
+            self._slots = [Slot.EMPTY] * len(self.flat.params)
+            for pi, p in enumerate(self.flat.params):
+                if self.flat.group_of[pi] >= 0:
+                    p.grad = None
+        elif action != states.NONE:
+            raise InternalError(f"gradient reducer: unknown action {action!r}")
+
+    def _reduce_rest(self) -> None:
+        """Launch every bucket not launched yet, in the global order, and wait for all."""
         self._launch_in_order(upto=len(self._buckets))
         while self._pending:
             self._complete_oldest()
         if self._stager is not None:
             self._stager.drain()
         for b in self._buckets:
+            self._move_bucket(b, Event.RESET)
             b.ready.clear()
-            b.launched = False
         self._next = 0
-        if self.sharded:
-            self._accumulated = True
-        else:
-            self._reduced = True
 
     # -- step boundary ------------------------------------------------------------------
     def zero_grad(self) -> None:
@@ -473,74 +570,22 @@ class GradReducer:
         slot (``param.grad`` is unset so autograd hands over a fresh tensor), slots of
         parameters that get no gradient are zeroed when their bucket is reduced, and the
         owned shard is overwritten by the window's first reduction."""
-        self._accumulated = self._reduced = False
-        self._window_filled.clear()
-        self._scaled.clear()
-        for pi, p in enumerate(self.flat.params):
-            if self.flat.group_of[pi] >= 0:
-                p.grad = None
+        self._move_phase(Event.ZERO_GRAD)
+        self._move_window(Event.ZERO_GRAD)
 
     def local_grad(self, pi: int) -> torch.Tensor:
         """Parameter ``pi``'s gradient accumulated on this rank in this window, not yet
         reduced (full-gradient mode only): a view to edit in place before the boundary's
         reduction (the pipeline engine sums tied parameters' copies into it). A
         parameter with no gradient yet gets zeros and counts as having one."""
-        if self.sharded:
-            raise InternalError("internal: local_grad needs full (unsharded) gradients")
+        self._move_phase(Event.TIED)
+        self._move_window(Event.TIED)
         view = self._views[pi]
         assert view is not None  # full gradients: every parameter has its slot
-        if pi not in self._window_filled:
+        if self._move_slot(pi, Event.TIED) is Slot.EMPTY:
             view.zero_()
-            self._window_filled.add(pi)
+        self.arrived.add(pi)
         return view
-
-    def grad_pieces(self, a: int, b: int) -> list[torch.Tensor]:
-        """This rank's reduced gradient at shard positions ``[a, b)``, one piece per
-        segment: views of the chunks (zeros where a segment holds only frozen
-        parameters)."""
-        parts = []
-        for seg in self.flat.layout.segments:
-            lo, hi = max(a, seg.shard_start), min(b, seg.shard_start + seg.chunk)
-            if lo < hi:
-                chunk = self.grad_chunks[seg.index]
-                if chunk.numel():
-                    parts.append(chunk[lo - seg.shard_start : hi - seg.shard_start])
-                else:
-                    parts.append(torch.zeros(hi - lo, dtype=chunk.dtype, device=chunk.device))
-        return parts
-
-    def grad_range(self, a: int, b: int) -> torch.Tensor:
-        """:meth:`grad_pieces` as one tensor (a view when it lies in one segment)."""
-        parts = self.grad_pieces(a, b)
-        return parts[0] if len(parts) == 1 else torch.cat(parts)
-
-    def unused_everywhere(self, bad: bool = False, extra=None) -> tuple[set[int], bool]:
-        """Trainable parameters that got no gradient on any rank in this accumulation
-        window, and whether ``bad`` holds on any rank: one all-reduce (max) of a byte per
-        trainable parameter, plus one, over every rank that reduces gradients (and over
-        ``extra.comm``, the tensor-parallel group, when given). Torch skips a parameter
-        whose ``grad`` is None; a parameter used on some ranks only is stepped, its
-        gradient averaged with zeros, as DDP does."""
-        flat = self.flat
-        trainable = [pi for pi in range(len(flat.params)) if flat.group_of[pi] >= 0]
-        filled = self._window_filled
-        flags = torch.tensor([*(pi in filled for pi in trainable), bad], dtype=torch.uint8)
-        flags = flags.to(flat.device)
-        for comm in (self.comm, self.replicate, extra.comm if extra is not None else None):
-            if comm is not None:
-                comm.all_reduce(flags, op="max")
-        *used, any_bad = flags.tolist()
-        return {pi for pi, u in zip(trainable, used, strict=True) if not u}, bool(any_bad)
-
-    def ensure_defined(self) -> None:
-        """Before a step: a window in which no reduction ran means zero gradients (the
-        buffers hold the last window's). Decided by the reductions, which every rank
-        runs together, not by this rank's arrivals: a rank whose backward reached no
-        parameter still holds the others' reduced gradients."""
-        if not (self._reduced or self._accumulated):
-            for buf in (self.grad_full, self.grad_shard):
-                if buf is not None:
-                    buf.zero_()
 
     def remove_hooks(self) -> None:
         for h in self._hooks:

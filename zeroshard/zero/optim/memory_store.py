@@ -3,7 +3,7 @@ No communication.
 
 This is the memory store of the shard-store protocol (``offload/store.py``): ``kinds``,
 ``read(kind, a, b)`` / ``write(kind, a, values)`` at shard positions, ``buffers()``,
-``disk_bytes()``, plus ``step(reducer, factor)``. Its NVMe counterpart is
+``disk_bytes()``, plus ``step(grads, factor)``. Its NVMe counterpart is
 :class:`~zeroshard.offload.swapped_adam.SwappedAdam`; the sharded optimizer and
 checkpoints use either through the protocol.
 
@@ -30,6 +30,7 @@ from zeroshard.distributed.device import runtime
 from zeroshard.offload.placement import Placement
 from zeroshard.runtime.precision import DtypePolicy
 from zeroshard.zero.layout.flat import FlatParams
+from zeroshard.zero.optim.store import StepGrads
 from zeroshard.zero.params.edits import take_edits
 
 _EAGER_STATE = (torch.optim.Adam, torch.optim.AdamW)
@@ -154,13 +155,19 @@ class MemoryStates:
             for m in group["params"]:
                 m.grad = None
 
-    def step(self, reducer, factor: float, unused: AbstractSet[int] = frozenset()) -> None:
-        """Step on ``reducer.grad_chunks`` scaled by ``factor``; write back if separate.
-        Parameters in ``unused`` are skipped (:meth:`prepare_step`)."""
+    def take_upload_event(self) -> Any:
+        """The event after the last non-blocking uploads of the masters (None if none
+        is pending); the caller waits on it before rewriting the masters."""
+        event, self._uploaded = self._uploaded, None
+        return event
+
+    def step(self, grads: StepGrads, factor: float, unused: AbstractSet[int] = frozenset()) -> None:
+        """Step on ``grads.chunks`` (the reduced gradient chunks) scaled by ``factor``;
+        write back if separate. Parameters in ``unused`` are skipped (:meth:`prepare_step`)."""
         if self._uploaded is not None:  # never in practice: backward synced long ago
             self.rt.sync_event(self._uploaded)
             self._uploaded = None
-        folded = self.prepare_step(self.inner, reducer.grad_chunks, factor, unused)
+        folded = self.prepare_step(self.inner, list(grads.chunks), factor, unused)
         try:
             if self.pipelined:
                 self._step_and_write_back_by_segment()

@@ -25,13 +25,14 @@ both answer one protocol (``step``, ``read``/``write`` of a kind of state, ``buf
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 
 import torch
 
 from zeroshard import NonFiniteError, UsageError
 from zeroshard.distributed.comm import Comm
 from zeroshard.runtime.precision import DtypePolicy, LossScaler
-from zeroshard.zero.grads.reducer import GradReducer
+from zeroshard.zero.grads.result import ReducedGrads
 from zeroshard.zero.layout.flat import FlatParams
 
 
@@ -102,29 +103,56 @@ class PipelineGrads:
         return bool(flag.item())
 
 
+def unused_and_bad(
+    grads: ReducedGrads, bad: bool = False, extra: Comm | None = None
+) -> tuple[set[int], bool]:
+    """Trainable parameters that got no gradient on any rank in this accumulation
+    window, and whether ``bad`` holds on any rank: one all-reduce (max) of a byte per
+    trainable parameter, plus one, over every group the gradients were averaged over
+    (and over ``extra``, the tensor-parallel group, when given). Torch skips a parameter
+    whose ``grad`` is None; a parameter used on some ranks only is stepped, its gradient
+    averaged with zeros, as DDP does."""
+    flat = grads.flat
+    trainable = [pi for pi in range(len(flat.params)) if flat.group_of[pi] >= 0]
+    filled = grads.arrived
+    flags = torch.tensor([*(pi in filled for pi in trainable), bad], dtype=torch.uint8)
+    flags = flags.to(flat.device)
+    for comm in (*grads.groups, extra):
+        if comm is not None:
+            comm.all_reduce(flags, op="max")
+    *used, any_bad = flags.tolist()
+    return {pi for pi, u in zip(trainable, used, strict=True) if not u}, bool(any_bad)
+
+
 class ShardedOptimizer:
     """Unscale, check overflow, clip by global norm, then step the state store.
 
     ``states`` is a :class:`~zeroshard.zero.optim.memory_store.MemoryStates` or a
     :class:`~zeroshard.offload.swapped_adam.SwappedAdam`; its ``param_groups`` are
-    exposed so schedulers and users can change ``lr``.
+    exposed so schedulers and users can change ``lr``. It steps on the gradients it is
+    handed (:meth:`apply_step`); ``grad_comm`` is the group they are reduced over,
+    ``zero_grads`` the still-zero gradient chunks the states are initialized on, and
+    ``clear_grads`` what :meth:`zero_grad` calls (the engine's reducer starts a window).
     """
 
     def __init__(
         self,
         flat: FlatParams,
-        reducer: GradReducer,
         states,
         comm: Comm,
         *,
+        grad_comm: Comm,
+        zero_grads: Sequence[torch.Tensor],
+        clear_grads: Callable[[], None],
         policy: DtypePolicy,
         scaler: LossScaler,
         clip: float = 0.0,
         nonfinite: str = "skip",
         tp: TensorParallelGrads | None = None,
     ) -> None:
-        self.flat, self.reducer, self.states = flat, reducer, states
+        self.flat, self.states = flat, states
         self.comm, self.policy, self.scaler = comm, policy, scaler
+        self.grad_comm, self._clear_grads = grad_comm, clear_grads
         self.tp = tp
         self.pipeline: PipelineGrads | None = None  # set by the pipeline engine
         self.clip = clip
@@ -132,7 +160,7 @@ class ShardedOptimizer:
         self.nonfinite = "skip" if scaler.dynamic else nonfinite
         self.global_grad_norm: float | None = None
         self.overflow = False
-        states.init_state(reducer.grad_chunks)
+        states.init_state(list(zero_grads))
 
     @property
     def inner(self):
@@ -153,19 +181,19 @@ class ShardedOptimizer:
         holds the same all-reduced gradient, so that each rank sums the squares of its
         1/N share only (N times fewer bytes read; the flags' all-reduce combines the
         finiteness, an all-reduce the norm). None otherwise."""
-        comm = self.reducer.comm
+        comm = self.grad_comm
         if self.flat.partitioned or self.tp is not None or self.pipeline is not None:
             return None
         return comm if comm.world_size > 1 else None
 
-    def _local_sum_of_squares(self) -> torch.Tensor:
+    def _local_sum_of_squares(self, grads: ReducedGrads) -> torch.Tensor:
         """This rank's part of the squared global norm (tensor-parallel replicas of a
         parameter counted once), on the device, fp32."""
-        chunks = self.reducer.grad_chunks
+        chunks = list(grads.chunks)
         replicated = self._replicated_over()
         if replicated is not None:  # this rank's share of the whole gradient
             total, n, r = self.flat.layout.shard_numel, replicated.world_size, replicated.rank
-            chunks = self.reducer.grad_pieces(total * r // n, total * (r + 1) // n)
+            chunks = grads.pieces(total * r // n, total * (r + 1) // n)
         if self.tp is not None:
             local = self.tp.local_sum_of_squares(chunks)
         elif chunks:
@@ -197,14 +225,15 @@ class ShardedOptimizer:
             "are reduced across ranks"
         )
 
-    def apply_step(self, loss_finite: bool = True) -> bool:
-        """One optimizer step on the reduced gradients; False if skipped: inf/nan in the
-        gradients or the loss on some rank (fp16: an overflow, which also lowers the
-        loss scale), unless the policy is "apply" ("raise": an error on every rank)."""
-        self.reducer.ensure_defined()
+    def apply_step(self, grads: ReducedGrads, loss_finite: bool = True) -> bool:
+        """One optimizer step on the reduced gradients ``grads`` (the reducer's
+        ``finalize()``); False if skipped: inf/nan in the gradients or the loss on some
+        rank (fp16: an overflow, which also lowers the loss scale), unless the policy is
+        "apply" ("raise": an error on every rank)."""
         if self.tp is not None:
-            self.tp.sum_partial(self.reducer.grad_chunks, self.flat.device)
-        local = self._local_sum_of_squares() if self.clip > 0 or self.nonfinite != "apply" else None
+            self.tp.sum_partial(list(grads.chunks), self.flat.device)
+        needs_norm = self.clip > 0 or self.nonfinite != "apply"
+        local = self._local_sum_of_squares(grads) if needs_norm else None
         bad = self.nonfinite != "apply" and not (
             loss_finite and local is not None and bool(torch.isfinite(local))
         )
@@ -212,7 +241,8 @@ class ShardedOptimizer:
             bad = self.pipeline.any_stage(bad, self.flat.device)  # an overflow anywhere
         # one all-reduce for both: which parameters got gradients, and whether any rank
         # saw a non-finite value
-        unused, self.overflow = self.reducer.unused_everywhere(bad, extra=self.tp)
+        tp = self.tp.comm if self.tp is not None else None
+        unused, self.overflow = unused_and_bad(grads, bad, extra=tp)
         self.global_grad_norm = None
         if self.overflow:
             self.scaler.update(overflow=True)
@@ -228,7 +258,7 @@ class ShardedOptimizer:
             assert local is not None  # computed above when clipping
             norm = self.global_grad_norm = self._global_norm(local) * inv_scale
             factor *= min(1.0, self.clip / (norm + 1e-6))
-        self.states.step(self.reducer, factor, unused)
+        self.states.step(grads, factor, unused)
         self.scaler.update(overflow=False)
         return True
 
@@ -246,4 +276,4 @@ class ShardedOptimizer:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Gradients are owned by the engine's reducer; cleared after each step."""
-        self.reducer.zero_grad()
+        self._clear_grads()

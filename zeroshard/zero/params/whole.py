@@ -150,9 +150,6 @@ class WholeParams:
         for p in self.flat.params:
             unwatch(p)
 
-    def free_if_idle(self, segment: int) -> None:
-        pass
-
     def open(self, params: list[torch.Tensor]) -> None:
         """Parameters are whole already (once gathers in flight have landed)."""
         self.settle()

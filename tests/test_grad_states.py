@@ -1,0 +1,229 @@
+"""The gradient reducer's transition tables (zeroshard/zero/grads/states.py), walked by
+real engines on 4 gloo ranks (one spawn): stages 0, 1, 2, 3 and hybrid stage 1 (2
+replicas x 2 shards, for the replicas' all-reduce). Each engine runs the same call
+sequence, the orders a user (or accelerate, or the pipeline engine) makes: steps with
+no backward, two backwards per step, the boundary unset and set again, a step right
+after an unset backward, zero_grad mid-window, a backward that raises, the pipeline's
+flush and tied-gradient sums. Every move is recorded; the test asserts that every row
+of every table was taken (a row no sequence reaches is dead, or the walk is missing a
+case) and that each illegal order a tired user makes ends in a named error. Removing
+a row from a table makes the walk raise InternalError at that row (mutation check).
+The numbers of these orders are checked against torch in test_grad_arrivals.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import multirank
+import pytest
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from zeroshard.zero.grads import states
+
+WORLD = 4
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(4, 4)
+        self.fc2 = nn.Linear(4, 2)
+        self.extra = nn.Parameter(torch.zeros(2))  # used only when asked
+
+    def forward(self, x, *, extra: bool = False, reentrant: bool = False):
+        h = self.fc1(x)
+        if reentrant:  # fc1 inside a reentrant checkpoint and again outside: two arrivals
+            h = checkpoint(self.fc1, h, use_reentrant=True)
+        out = self.fc2(torch.tanh(h))
+        return out + self.extra if extra else out
+
+
+class _Boom(torch.autograd.Function):
+    """Identity forward; its backward raises (a backward that fails on every rank)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        raise ArithmeticError("boom")
+
+
+def _key(machine: str, key: tuple) -> str:
+    return machine + ":" + ",".join(k.name for k in key)
+
+
+def _error(fn) -> list[str]:
+    try:
+        fn()
+    except Exception as exc:  # the type and message are what the test checks
+        return [type(exc).__name__, str(exc)]
+    return ["no error", ""]
+
+
+def _walk(rank: int, stage: int, mics: int) -> dict:
+    import zeroshard
+
+    torch.manual_seed(0)
+    model = Net()
+    zc = {"stage": stage, "stage3_param_persistence_threshold": 0, "mics_shard_size": mics}
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 1,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+        "zero_optimization": zc,
+        "steps_per_print": 10**6,
+    }
+    engine, *_ = zeroshard.initialize(
+        model=model, model_parameters=model.parameters(), config=config
+    )
+    r = engine.reducer
+    seen: set[str] = set()
+    r.on_transition = lambda machine, key: seen.add(_key(machine, key))
+    x = torch.randn(2, 4, generator=torch.Generator().manual_seed(rank))
+    full = not r.sharded
+
+    def loss(**kw):
+        return engine(x, **kw).pow(2).mean()
+
+    def boundary(b: bool) -> None:
+        engine.set_gradient_accumulation_boundary(b)
+
+    engine.zero_grad()  # EMPTY -> EMPTY
+    boundary(True)
+    engine.step()  # a step with no backward: zero gradients
+    engine.backward(loss())  # reduces; ``extra`` got nothing: its slot is zeroed
+    engine.backward(loss(extra=True))  # a second backward after the reduction
+    engine.step()
+    boundary(False)
+    engine.backward(loss())  # local sums
+    engine.backward(loss())
+    boundary(True)
+    engine.backward(loss())  # reduces the window's local sums
+    engine.step()
+    boundary(False)
+    engine.backward(loss())
+    boundary(True)
+    engine.step()  # right after an unset backward: the step reduces first
+    boundary(False)
+    engine.backward(loss())
+    engine.zero_grad()  # drops the window's local sums
+    # the pipeline engine's calls: flush after its backwards, tied gradients before
+    r.flush()
+    r.flush()
+    engine.zero_grad()
+    engine.backward(loss())
+    r.flush()
+    engine.zero_grad()
+    if full:
+        r.local_grad(0)
+        engine.backward(loss())
+        r.local_grad(0)
+        engine.zero_grad()
+    if stage < 3:  # stage 3 reduces fc1's unit at its first arrival (refused by name)
+        boundary(True)
+        engine.backward(loss(reentrant=True))
+        engine.step()
+    for b in (False, True):  # a backward that raises on every rank, then a new window
+        boundary(b)
+        # ``extra`` used: stage 3's graph walk launches no bucket before the raise
+        with contextlib.suppress(ArithmeticError):
+            engine.backward(_Boom.apply(loss(extra=True)))
+        engine.zero_grad()
+    boundary(True)
+    engine.backward(loss())
+    engine.step()
+
+    # orders a tired user makes, each a named error; the reducer goes on afterwards
+    errors = {
+        "loss.backward()": _error(lambda: loss().backward()),
+        "finish without begin": _error(r.finish),
+    }
+    engine.zero_grad()
+    r.begin(True)
+    errors["begin twice"] = _error(lambda: r.begin(True))
+    r.abandon()
+    engine.backward(loss())
+    errors["local_grad after the reduction"] = _error(lambda: r.local_grad(0))
+    errors["step inside a backward"] = _error(lambda: _step_inside(engine, loss))
+    engine.zero_grad()
+    engine.backward(loss())
+    engine.step()
+    return {"seen": sorted(seen), "errors": errors}
+
+
+def _step_inside(engine, loss) -> None:
+    """The step's finalize from a gradient hook, while backward runs (before any
+    parameter's gradient: nothing is launched)."""
+    out = loss(extra=True)
+    out.register_hook(lambda g: engine.reducer.finalize())
+    engine.backward(out)
+
+
+CASES = [(0, -1), (1, -1), (2, -1), (3, -1), (1, 2)]
+
+
+def _worker(rank: int, world: int) -> list[dict]:
+    return [_walk(rank, stage, mics) for stage, mics in CASES]
+
+
+@pytest.fixture(scope="module")
+def walked():
+    return multirank.run(_worker, WORLD, timeout=600)
+
+
+def _rows() -> set[str]:
+    return {_key(m, k) for m, table in states.MACHINES.items() for k in table}
+
+
+def test_every_transition_is_taken(walked):
+    seen = {k for per_case in walked for case in per_case for k in case["seen"]}
+    missing = sorted(_rows() - seen)
+    assert not missing, f"rows no engine sequence reached: {missing}"
+    assert seen <= _rows()
+
+
+def test_each_mode_takes_its_window_rows(walked):
+    """Per mode, the walk takes every window row of that mode."""
+    for (stage, mics), case in zip(CASES, walked[0], strict=True):
+        mode = {0: "REPLICATED", 1: "PARTITIONED"}.get(stage, "SHARDED")
+        want = {r for r in _rows() if r.startswith(f"window:{mode},")}
+        assert want <= set(case["seen"]), (stage, mics, sorted(want - set(case["seen"])))
+
+
+def test_illegal_orders_are_named_errors(walked):
+    for (stage, _), case in zip(CASES, walked[0], strict=True):
+        e = case["errors"]
+        assert e["loss.backward()"][0] == "UsageError", e
+        assert "outside engine.backward()" in e["loss.backward()"][1]
+        assert e["finish without begin"][0] == "InternalError", e
+        assert "no phase transition from (IDLE) on FINISH" in e["finish without begin"][1]
+        assert e["begin twice"][0] == "InternalError", e
+        assert "on BEGIN_REDUCING" in e["begin twice"][1]
+        tied = e["local_grad after the reduction"]
+        assert tied[0] == "InternalError", e
+        mode = "SHARDED, ACCUMULATED" if stage >= 2 else "PARTITIONED, REDUCED"
+        mode = "REPLICATED, REDUCED" if stage == 0 else mode
+        assert f"no window transition from ({mode}) on TIED" in tied[1], (stage, tied)
+        inside = e["step inside a backward"]
+        assert inside[0] == "InternalError", (stage, inside)
+        assert "from (BACKWARD_REDUCING) on FINALIZE" in inside[1], (stage, inside)
+
+
+def test_tables_stay_inside_each_mode() -> None:
+    """No process: a sharded window never holds local sums, a full one never an
+    accumulated shard, and every action is one the reducer runs."""
+    from zeroshard.zero.grads.states import WINDOW, Mode, Window
+
+    full = {Window.EMPTY, Window.LOCAL, Window.REDUCED}
+    sharded = {Window.EMPTY, Window.ACCUMULATED}
+    actions = {states.NONE, states.RESTATE, states.REDUCE, states.ZERO, states.CLEAR}
+    for (mode, state, _), (nxt, action) in WINDOW.items():
+        allowed = sharded if mode is Mode.SHARDED else full
+        assert {state, nxt} <= allowed, (mode, state, nxt)
+        assert action in actions
+        assert action != states.RESTATE or mode is Mode.PARTITIONED
