@@ -795,7 +795,7 @@ def _run_and_resume(rank: int, world: int, root: str) -> dict:
     except RuntimeError:
         pass
     mark("failed")
-    out["latest_after_failure"] = open(os.path.join(ckpt, "latest")).read().strip()
+    out["latest_after_failure"] = Path(ckpt, "latest").read_text().strip()
     # 4. a fresh run into the same directory: the earlier run's files move to previous/
     engine = launch(steps=3)
     engine.destroy()
@@ -810,7 +810,7 @@ def _run_and_resume(rank: int, world: int, root: str) -> dict:
     mark("before_crash")
     # 5. resumed from step 2: the rows of step 3 are dropped, the run goes on to step 4
     engine = launch()
-    path, _ = zeroshard.resume(engine, crash)
+    zeroshard.resume(engine, crash)
     _train(engine, rank, world, range(2, 4))
     engine.destroy()
     mark("resumed")
@@ -820,7 +820,7 @@ def _run_and_resume(rank: int, world: int, root: str) -> dict:
     out["resumed_lr_x"] = csv_x(mine, "lr")
     out["archived"] = sorted(os.listdir(os.path.join(mine, "previous")))
     out["archived_files"] = sorted(os.listdir(os.path.join(mine, "previous", out["archived"][0])))  # fmt: skip
-    out["run_json"] = json.loads(open(os.path.join(mine, "run.json")).read())
+    out["run_json"] = json.loads(Path(mine, "run.json").read_text())
     # 6. resuming the checkpoint.dir run (step 6) into a directory of another run
     engine = launch({"checkpoint": {"dir": ckpt}})
     _train(engine, rank, world, range(6, 7))
