@@ -108,7 +108,9 @@ def _where(tb) -> str:
         return "at start-up"
 
     def at(frame) -> str:
-        return f"{os.path.relpath(frame.filename)}:{frame.lineno} in {frame.name}"
+        name = os.path.relpath(frame.filename)
+        name = frame.filename if name.startswith("..") else name
+        return f"{name}:{frame.lineno} in {frame.name}"
 
     script = [f for f in frames if f.filename == frames[0].filename]
     text = f"at {at(script[-1])}"
