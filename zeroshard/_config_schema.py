@@ -4,7 +4,8 @@ of :mod:`zeroshard.config`; no collectives, no devices.
 A section is a frozen kw_only dataclass (a :class:`Section`) whose fields are made with
 :func:`key`; a field's metadata is its whole schema: JSON name (``under`` a sub-object
 such as ``params``), aliases, range, choices, doc and status. :func:`read_section` reads
-a JSON object into a section, recursively; :func:`schema_keys` lists every key. Rules:
+a JSON object into a section, recursively, collecting every problem before one
+:class:`ConfigError` reports them all; :func:`schema_keys` lists every key. Rules:
 
 * unknown keys are errors, with "did you mean" or the section the key belongs to (or
   the section's ``UNKNOWN`` text: why it reads no other key);
