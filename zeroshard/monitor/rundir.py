@@ -30,6 +30,7 @@ import json
 import os
 import time
 from collections.abc import Callable
+from typing import Any
 
 RUN_FILE = "run.json"
 ARCHIVE = "previous"
@@ -175,13 +176,13 @@ def open_run(directory: str, step: int, samples: int) -> str | None:
     saying what was done with an earlier run's files, None if there were none."""
     os.makedirs(directory, exist_ok=True)
     names = _run_files(directory)
-    record = {"started": _now(), "first_step": step + 1}
+    record: dict[str, Any] = {"started": _now(), "first_step": step + 1}
     if not names:
         _write_run(directory, record)
         return None
     if step > 0 and _holds_step(directory, step, samples) is not False:
         dropped = _cut(directory, step, samples)
-        run = _read_run(directory) or record
+        run: dict[str, Any] = _read_run(directory) or record
         run.setdefault("resumes", []).append({"step": step, "samples": samples, "time": _now()})
         _write_run(directory, run)
         past = f"; {dropped} rows past it dropped" if dropped else ""

@@ -12,6 +12,8 @@ cores, 0.4 ms of it CPU).
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class TensorBoardWriter:
     """Writes ``(tag, value, step)`` events as TensorBoard scalars in ``log_dir``; the
@@ -22,7 +24,7 @@ class TensorBoardWriter:
 
         self._make = SummaryWriter
         self.log_dir = log_dir
-        self.writer = None
+        self.writer: Any = None  # a SummaryWriter from start() on
         self.pending: list[tuple[str, float, int]] = []
 
     def start(self, purge_step: int | None = None) -> None:
