@@ -805,6 +805,7 @@ def _run_and_resume(rank: int, world: int, root: str) -> dict:
     crash = os.path.join(root, "crash")
     engine = launch(steps=2)
     engine.save_checkpoint(crash)
+    out["at_save"] = steps_in(runs) if rank == 0 else None  # a save flushes the files
     _train(engine, rank, world, range(2, 3))
     engine.destroy()
     mark("before_crash")
@@ -871,6 +872,7 @@ def test_resume_says_what_it_did_and_runs_keep_their_own_files(tmp_path) -> None
     moved = [m for m in r0["fresh"] if m.startswith(f"zeroshard: {runs} held an earlier run: moved to {runs}/previous/run-")]  # fmt: skip
     assert len(moved) == 1 and r0["fresh_steps"] == [1, 2, 3], r0["fresh"]
     # resumed at step 2 after a crash at step 3: step 3's rows dropped, each step once
+    assert r0["at_save"] == [1, 2]
     assert r0["resumed"][0] == f"zeroshard: resumed from {tmp_path}/crash/global_step2 (step 2, 8 samples)"  # fmt: skip
     assert any(m.startswith(f"zeroshard: resumed at step 2: {runs} continues this run's files; ") for m in r0["resumed"]), r0["resumed"]  # fmt: skip
     for r in (r0, r1):  # rank 1 writes its own directory (all_ranks) by the same rules

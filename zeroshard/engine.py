@@ -448,6 +448,9 @@ class Engine(EngineBuild, DeepSpeedEngineCompat, nn.Module):
         tag = str(tag) if tag is not None else f"global_step{self.global_steps}"
         save(self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
         self.checkpointed_step = self.global_steps
+        # the monitor files hold every step up to the checkpoint: a run resumed from it
+        # after a kill finds its step there and continues them (monitor/rundir.py)
+        self.monitor.flush()
         return True
 
     def load_checkpoint(

@@ -11,7 +11,8 @@ the start (a line that jumps back). Here, when a rank is about to write its firs
   ``previous/run-<its start time>/`` inside the directory (nothing is deleted), and the
   new run writes where DeepSpeed would;
 * a resumed run (from a checkpoint's step N) and the files of the run it resumes (their
-  metrics hold step N): the run continues them. Rows past the checkpoint, written by the
+  metrics hold step N; a save flushes them, so they do after a kill): the run continues
+  them. Rows past the checkpoint, written by the
   attempt that died after it, are dropped, since the resumed run does those steps again:
   ``metrics.jsonl`` records after step N, CSV rows after the checkpoint's sample count
   (``train_loss``, logged at the samples *before* its step, from that count on).
