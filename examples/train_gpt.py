@@ -15,7 +15,6 @@ rank's memory. The script adds only the held-out loss.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sysconfig
 from pathlib import Path
@@ -24,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 import zeroshard
+from zeroshard.config import read_config_file
 from zeroshard.models import GPT, GPTConfig
 
 
@@ -55,7 +55,7 @@ def main() -> None:
         parser.error("give the config: --deepspeed_config PATH (or --deepspeed PATH)")
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
 
-    config = json.loads(Path(config_path).read_text())
+    config = read_config_file(config_path)  # JSON with DeepSpeed's comments allowed
     if args.run_dir is not None:
         path = Path(args.run_dir)
         config["csv_monitor"] = {"enabled": True, "output_path": str(path.parent), "job_name": path.name}  # fmt: skip
