@@ -7,7 +7,8 @@
 A DeepSpeed-style loop: ``initialize``, then ``engine(batch)``, ``engine.backward``,
 ``engine.step``. The library does the watching: rank 0 prints a step line every
 ``steps_per_print`` steps, the config's ``csv_monitor`` writes DeepSpeed's CSV files and
-``metrics.jsonl`` into ``runs/demo`` (``--run-dir`` moves them), and
+``metrics.jsonl`` into ``runs/demo`` (``--run-dir`` moves them; a rerun first moves the
+earlier run's files to ``runs/demo/previous/``), and
 ``engine.monitor.print_summary`` ends the run with throughput, communication and each
 rank's memory. The script adds only the held-out loss.
 """

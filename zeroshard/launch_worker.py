@@ -44,26 +44,30 @@ _PR_SET_PDEATHSIG = 1
 
 class StderrTail:
     """A stand-in for ``sys.stderr`` that writes through and remembers the last lines
-    written, so that a rank's failure can be quoted (argparse prints its error, then
-    exits 2)."""
+    written (with when), so that a rank's failure can be quoted (argparse prints its
+    error, then exits 2)."""
 
     def __init__(self, stream) -> None:
         self._stream = stream
-        self._lines: collections.deque[str] = collections.deque(maxlen=8)
+        self._lines: collections.deque[tuple[float, str]] = collections.deque(maxlen=8)
         self._partial = ""
 
     def write(self, text: str) -> int:
         written = self._stream.write(text)
         *done, self._partial = (self._partial + text).split("\n")
-        self._lines.extend(line for line in done if line.strip())
+        now = time.monotonic()
+        self._lines.extend((now, line.strip()) for line in done if line.strip())
         self._partial = self._partial[-4096:]
         return written
 
-    def last_line(self) -> str:
-        """The last non-blank line written, '' if none."""
+    def last_line(self, within: float = 5.0) -> str:
+        """The last non-blank line written in the last ``within`` seconds, '' if none (an
+        older line is not what the exit is about)."""
         if self._partial.strip():
             return self._partial.strip()
-        return self._lines[-1].strip() if self._lines else ""
+        if self._lines and time.monotonic() - self._lines[-1][0] <= within:
+            return self._lines[-1][1]
+        return ""
 
     def __getattr__(self, name: str):  # fileno, flush, isatty, buffer, encoding, ...
         return getattr(self._stream, name)
