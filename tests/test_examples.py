@@ -104,20 +104,16 @@ def test_seed003_zero_stages(stage: int) -> None:
 
 
 def test_demo_runs_briefly(tmp_path) -> None:
-    out = _launch(
-        "run",
-        "--nproc",
-        "2",
-        "examples/train_gpt.py",
-        "--deepspeed_config",
-        "examples/ds_config_demo.json",
-        "--model",
-        "tiny",
-        "--steps",
-        "5",
-        "--run-dir",
-        str(tmp_path / "demo"),
-    )
+    """The demo in DeepSpeed's spelling (the launcher passes --local_rank=N, the config
+    comes as --deepspeed PATH); its first line counts the whole model, not ZeRO-3's
+    shards. (A rerun into the same directory: test_faults' run-directory test.)"""
+    from zeroshard.models import GPT, GPTConfig
+
+    argv = ["--num_gpus", "2", "examples/train_gpt.py", "--deepspeed", "examples/ds_config_demo.json"]  # fmt: skip
+    argv += ["--model", "tiny", "--run-dir", str(tmp_path / "demo")]
+    out = _launch(*argv, "--steps", "5")
+    n_params = sum(p.numel() for p in GPT(GPTConfig.preset("tiny", seq_len=128)).parameters())
+    assert f"GPT tiny: {n_params / 1e6:.2f}M params, seq 128, micro 8 x gas 1 x 2 ranks, ZeRO stage 3" in out, out  # fmt: skip
     assert "trained 5 steps" in out and "rank 1 memory" in out and "held-out loss" in out
     assert len((tmp_path / "demo" / "metrics.jsonl").read_text().splitlines()) == 5
     assert (tmp_path / "demo" / "Train_Samples_train_loss.csv").exists()

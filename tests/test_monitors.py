@@ -121,7 +121,8 @@ def test_every_monitor_on_two_ranks(tmp_path) -> None:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     tb = out / "tb" / "job"
-    assert sorted(os.listdir(tb))[0].startswith("events.out.tfevents") and len(os.listdir(tb)) == 1
+    events_files = [n for n in os.listdir(tb) if n != "run.json"]  # run.json: when it started
+    assert len(events_files) == 1 and events_files[0].startswith("events.out.tfevents")
     acc = EventAccumulator(str(tb))
     acc.Reload()
     tags = set(acc.Tags()["scalars"])
@@ -387,3 +388,69 @@ def test_peak_flops_is_measured() -> None:
     peak = peak_flops("cpu", "fp32", seconds=0.05)
     assert 1e8 < peak < 1e13  # a CPU core: between 0.1 GFLOP/s and 10 TFLOP/s
     assert peak_flops("cpu", "fp32") == peak  # cached
+
+
+def test_plot_never_joins_two_runs(tmp_path) -> None:
+    """Files that hold runs one after another (DeepSpeed's CSV monitor appends; so did
+    zeroshard before a run got its own directory) and a row torn by a kill: the charts
+    draw the last run only, and say so."""
+    pytest.importorskip("matplotlib")
+    from zeroshard.tools.plot import plot_run, read_csv, read_metrics
+
+    rows = ["step,train_loss"] + [f"{8 * i},{5.0 / (i + 1)}" for i in range(150)]
+    again = ["step,train_loss"] + [
+        f"{8 * i},{4.0 / (i + 1)}" for i in range(80)
+    ]  # DeepSpeed's repeated header
+    (tmp_path / "Train_Samples_train_loss.csv").write_text("\n".join(rows + again) + "\n7")  # fmt: skip
+    records = [{"step": s, "samples_per_s": 1.0} for s in [*range(1, 151), *range(1, 81)]]
+    text = "".join(json.dumps(r) + "\n" for r in records) + '{"step": 81, "samp'
+    (tmp_path / "metrics.jsonl").write_text(text)
+    notes: list[str] = []
+    xs, ys = read_csv(str(tmp_path / "Train_Samples_train_loss.csv"), notes)
+    assert xs == [8.0 * i for i in range(80)] and ys[0] == 4.0
+    steps = [r["step"] for r in read_metrics(str(tmp_path / "metrics.jsonl"), notes)]
+    assert steps == list(range(1, 81))
+    assert notes == [
+        f"{tmp_path}/Train_Samples_train_loss.csv holds 2 runs one after another: drawing the last (80 of 230 rows)",
+        f"{tmp_path}/metrics.jsonl holds 2 runs one after another: drawing the last (80 of 230 rows)",
+    ]
+    notes.clear()
+    assert sorted(os.path.basename(p) for p in plot_run(str(tmp_path), notes=notes)) == ["loss.png", "throughput.png"]  # fmt: skip
+    assert len(notes) == 2
+
+
+def test_run_directory_rules(tmp_path) -> None:
+    """zeroshard.monitor.rundir without processes: a fresh run moves an earlier run's
+    files (and only run files), a resume continues its own with the rows past the
+    checkpoint dropped (a torn row too), a resume into another run's files moves them."""
+    from zeroshard.monitor.rundir import open_run
+
+    d = tmp_path / "job"
+    assert open_run(str(d), 0, 0) is None and sorted(os.listdir(d)) == ["run.json"]
+
+    def write_run(last_step: int, torn: bool = False) -> None:
+        loss = "".join(f"{8 * (s - 1)},{1.0 / s}\n" for s in range(1, last_step + 1))
+        lr = "".join(f"{8 * s},0.001\n" for s in range(1, last_step + 1))
+        (d / "Train_Samples_train_loss.csv").write_text("step,train_loss\n" + loss + ("99,0." if torn else ""))  # fmt: skip
+        (d / "Train_Samples_lr.csv").write_text("step,lr\n" + lr)
+        (d / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in range(1, last_step + 1)))  # fmt: skip
+
+    write_run(5, torn=True)
+    (d / "notes.txt").write_text("mine")  # a user's file
+    (d / "rank1").mkdir()  # another rank's directory
+    said = open_run(str(d), 3, 24)  # resumed from step 3 (24 samples)
+    assert said == f"zeroshard: resumed at step 3: {d} continues this run's files; 6 rows past it dropped"  # fmt: skip
+    assert _csv(str(d / "Train_Samples_train_loss.csv")) == [["step", "train_loss"], ["0", "1.0"], ["8", "0.5"], ["16", str(1 / 3)]]  # fmt: skip
+    assert [r[0] for r in _csv(str(d / "Train_Samples_lr.csv"))] == ["step", "8", "16", "24"]
+    assert (d / "metrics.jsonl").read_text().splitlines() == ['{"step": 1}', '{"step": 2}', '{"step": 3}']  # fmt: skip
+    assert json.loads((d / "run.json").read_text())["resumes"][0]["step"] == 3
+    said = open_run(str(d), 0, 0)  # a fresh run
+    assert said is not None and said.startswith(f"zeroshard: {d} held an earlier run: moved to {d}/previous/run-")  # fmt: skip
+    (archived,) = os.listdir(d / "previous")
+    moved = sorted(os.listdir(d / "previous" / archived))
+    assert moved == ["Train_Samples_lr.csv", "Train_Samples_train_loss.csv", "metrics.jsonl", "run.json"]  # fmt: skip
+    assert sorted(os.listdir(d)) == ["notes.txt", "previous", "rank1", "run.json"]
+    write_run(2)
+    said = open_run(str(d), 9, 72)  # resumed at step 9: these files never reached it
+    assert said is not None and f"{d} held another run (without step 9): moved to" in said
+    assert len(os.listdir(d / "previous")) == 2

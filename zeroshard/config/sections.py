@@ -436,5 +436,5 @@ class CheckpointConfig(Section):
     use_node_local_storage: bool = key(False, NOT_BUILT("node-local checkpoint storage"), doc="Save per node.")
     parallel_write_pipeline_stage: bool = key(False, INERT("every rank writes its own pieces, so every pipeline stage writes in parallel already"), doc="Writes per pipeline stage.", name="parallel_write.pipeline_stage")
     writer: dict[str, Any] | None = key(None, INERT("checkpoints have one writer (safetensors)"), doc="DeepSpeed's writer settings.")
-    dir: str | None = key(None, doc="zeroshard: the job's checkpoint directory: initialize() resumes from its latest, and SIGTERM saves there at the next step boundary and exits 0.", nullable=True, check=_non_empty)
+    dir: str | None = key(None, doc="zeroshard: the job's checkpoint directory: initialize() resumes from its latest and says so (created, with a warning, when missing: a first launch), SIGTERM saves there at the next step boundary and exits 0, and engine.destroy() saves the run's last step there.", nullable=True, check=_non_empty)
     # fmt: on

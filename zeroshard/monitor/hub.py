@@ -101,6 +101,8 @@ class EngineMonitor:
         self._last_boundary: float | None = None
         self._last_step_s: float | None = None
         self.records: list[StepRecord] = []  # the latest record (step line, summary)
+        self._run_open = False  # the output directories settled (at the first event)
+        self._engine: weakref.ref | None = None  # its counters, for events before a step
         self.totals = {"steps": 0, "seconds": 0.0, "samples": 0, "tokens": 0}
         self.closed = False
         atexit.register(_close_at_exit, weakref.ref(self))  # files flushed without destroy()
@@ -108,6 +110,18 @@ class EngineMonitor:
             echo(_dump(config))
 
     # -- called by the engine ------------------------------------------------------------
+    def bind(self, engine) -> None:
+        """The engine whose counters say where the run starts (0, or a resumed step)."""
+        self._engine = weakref.ref(engine)
+
+    def _open_run(self, step: int, samples: int) -> None:
+        """Before the first event: settle the output directories (an earlier run's files
+        are moved, a resumed run's continued; rank 0 says which)."""
+        self._run_open = True
+        for line in self.events.open_run(step, samples):
+            if self.rank == 0:
+                echo(line)
+
     def _count(self, event) -> None:
         self._step_comm[event.op] = self._step_comm.get(event.op, 0) + event.nbytes
 
@@ -213,6 +227,8 @@ class EngineMonitor:
         start = self._window_start or self._last_boundary or now
         step_s, self._last_boundary = now - start, now
         steps, samples = engine.global_steps, engine.global_samples
+        if not self._run_open:  # the run started before this step
+            self._open_run(steps - 1, samples - engine.train_batch_size())
         due = self.every is not None and steps % self.every == 0
         show = due and self.rank == 0 and self.step_handler is not None
         gather = self.gather_memory and (steps == 1 or due)  # the same on every rank
@@ -308,6 +324,9 @@ class EngineMonitor:
     def write_events(self, event_list: list[tuple[str, float, int]]) -> None:
         """DeepSpeed's ``engine.monitor.write_events``: ``(tag, value, samples)`` events
         to every writer of this rank."""
+        if not self._run_open:
+            engine = self._engine() if self._engine is not None else None
+            self._open_run(*((engine.global_steps, engine.global_samples) if engine else (0, 0)))
         self.events.write_events(event_list)
 
     def summary(self) -> StepRecord | None:

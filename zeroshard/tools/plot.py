@@ -11,6 +11,12 @@ step). Written next to them (or into ``--out``), each only when its data is ther
 * ``comm.png``: rank 0's bytes per collective and step;
 * ``timers.png``: forward, backward and step milliseconds (with ``wall_clock_breakdown``).
 
+One run per chart: zeroshard gives each run its directory (an earlier run's files move to
+``previous/``, see ``zeroshard.monitor.rundir``), but files written by DeepSpeed or by an
+older zeroshard append run after run. Where a file's x (samples, or the step) goes back,
+a new run started: only the last run is drawn, and a note says how many earlier ones the
+file holds. A last line torn by a kill is skipped.
+
 No collectives; reads files only.
 """
 
@@ -23,24 +29,47 @@ import os
 from collections import defaultdict
 
 
-def read_csv(path: str) -> tuple[list[float], list[float]]:
-    xs, ys = [], []
+def _whole_lines(path: str) -> list[str]:
+    """The lines of a file, less a last one without its newline (torn by a kill)."""
     with open(path, newline="") as f:
-        for row in csv.reader(f):
-            if len(row) == 2 and row[0] != "step":
-                xs.append(float(row[0]))
-                ys.append(float(row[1]))
-    return xs, ys
+        return f.read().split("\n")[:-1]
 
 
-def read_metrics(path: str) -> list[dict]:
+def _last_run(items: list, key, path: str, notes: list[str] | None) -> list:
+    """The items after the last place where ``key`` goes back (a new run started)."""
+    starts = [i for i in range(1, len(items)) if key(items[i]) < key(items[i - 1])]
+    if starts and notes is not None:
+        notes.append(
+            f"{path} holds {len(starts) + 1} runs one after another: drawing the last "
+            f"({len(items) - starts[-1]} of {len(items)} rows)"
+        )
+    return items[starts[-1] :] if starts else items
+
+
+def read_csv(path: str, notes: list[str] | None = None) -> tuple[list[float], list[float]]:
+    """The (x, y) rows of a DeepSpeed CSV file's last run (see the module docstring)."""
+    rows = []
+    for row in csv.reader(_whole_lines(path)):
+        if len(row) == 2 and row[0] != "step":
+            try:
+                rows.append((float(row[0]), float(row[1])))
+            except ValueError:
+                continue
+    rows = _last_run(rows, lambda r: r[0], path, notes)
+    return [x for x, _ in rows], [y for _, y in rows]
+
+
+def read_metrics(path: str, notes: list[str] | None = None) -> list[dict]:
+    """The records of ``metrics.jsonl``'s last run (see the module docstring)."""
     out = []
-    with open(path) as f:
-        for line in f:
-            line = line.strip()
-            if line:
-                out.append(json.loads(line))
-    return out
+    for line in _whole_lines(path):
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and isinstance(record.get("step"), int):
+            out.append(record)
+    return _last_run(out, lambda r: r["step"], path, notes)
 
 
 def _figure(title: str, xlabel: str, ylabel: str):
@@ -65,8 +94,9 @@ def _save(fig, ax, path: str, written: list[str]) -> None:
     written.append(path)
 
 
-def plot_run(run_dir: str, out_dir: str | None = None) -> list[str]:
-    """Write the charts of ``run_dir``; returns the PNG paths written."""
+def plot_run(run_dir: str, out_dir: str | None = None, notes: list[str] | None = None) -> list[str]:  # fmt: skip
+    """Write the charts of ``run_dir``; returns the PNG paths written. ``notes`` gets a
+    line for each file that holds several runs (the last is drawn)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -80,7 +110,7 @@ def plot_run(run_dir: str, out_dir: str | None = None) -> list[str]:
     for name, (file, title, ylabel) in series.items():
         path = os.path.join(run_dir, file)
         if os.path.exists(path):
-            xs, ys = read_csv(path)
+            xs, ys = read_csv(path, notes)
             if xs:
                 fig, ax = _figure(title, "samples", ylabel)
                 ax.plot(xs, ys, marker="." if len(xs) < 50 else None)
@@ -96,11 +126,11 @@ def plot_run(run_dir: str, out_dir: str | None = None) -> list[str]:
     if present:
         fig, ax = _figure("wall-clock breakdown per step (rank 0)", "samples", "ms")
         for label, path in present.items():
-            ax.plot(*read_csv(path), label=label)
+            ax.plot(*read_csv(path, notes), label=label)
         _save(fig, ax, os.path.join(out_dir, "timers.png"), written)
     metrics_path = os.path.join(run_dir, "metrics.jsonl")
     if os.path.exists(metrics_path):
-        written += _plot_metrics(read_metrics(metrics_path), out_dir)
+        written += _plot_metrics(read_metrics(metrics_path, notes), out_dir)
     return written
 
 
@@ -155,7 +185,10 @@ def main(args: argparse.Namespace) -> int:
     except ImportError:
         print("zeroshard plot: needs matplotlib: pip install matplotlib (or zeroshard[monitor])")
         return 2
-    written = plot_run(args.run_dir, args.out)
+    notes: list[str] = []
+    written = plot_run(args.run_dir, args.out, notes)
+    for note in notes:
+        print(f"zeroshard plot: {note}")
     if not written:
         print(f"zeroshard plot: no CSV or metrics files in {args.run_dir!r}")
         return 1
