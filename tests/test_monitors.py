@@ -332,6 +332,41 @@ def test_step_line_handler(capsys, monkeypatch) -> None:
     assert capsys.readouterr().out == ""
 
 
+def _timer_lines(rank: int, world: int) -> dict:
+    import zeroshard
+    from zeroshard.models import GPT, GPTConfig
+
+    lines: list[str] = []
+    handler = ListHandler(lines, messages=True)
+    logging.getLogger("zeroshard.monitor").addHandler(handler)
+    counts = {}
+    for gas in (1, 2):
+        model = GPT(GPTConfig.preset("tiny", seq_len=8))
+        config = {
+            "train_micro_batch_size_per_gpu": 2,
+            "gradient_accumulation_steps": gas,
+            "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+            "wall_clock_breakdown": True,
+        }
+        engine, *_ = zeroshard.initialize(model=model, config=config)
+        for _ in range(3 * gas):  # three optimizer steps
+            ids = torch.randint(0, 256, (2, 9))
+            engine.backward(engine(ids[:, :-1], ids[:, 1:]))
+            engine.step()
+        engine.destroy()  # prints what is held
+        text = "\n".join(lines)
+        counts[gas] = [text.count("| fwd_microstep: "), text.count("| fwd: ")]
+        lines.clear()
+    return counts
+
+
+def test_wall_clock_lines_per_step() -> None:
+    # DeepSpeed 0.19: the micro-step line every micro-step, the step line at each
+    # boundary; without accumulation the micro-step line would repeat the step line
+    (counts,) = multirank.run(_timer_lines, 1, timeout=180)
+    assert counts == {"1": [0, 3], "2": [6, 3]}
+
+
 def test_progress_bars(capsys, monkeypatch) -> None:
     pytest.importorskip("tqdm")
     from zeroshard.progress import progress
