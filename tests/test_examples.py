@@ -13,11 +13,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SEEDS = os.path.join(ROOT, "examples", "seeds")
 
 
-def _launch(*argv: str, timeout: int = 300) -> str:
+def _launch(*argv: str, timeout: int = 300, cwd: str = ROOT) -> str:
     cmd = [sys.executable, "-m", "zeroshard.cli", *argv]
     out = subprocess.run(
         cmd,
-        cwd=ROOT,
+        cwd=cwd,
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -54,18 +54,27 @@ CASES = [
         ],
         "method A equivalent: 4 steps",
     ),
-    pytest.param(  # the Trainer itself, on zeroshard through the alias (slow: imports it)
-        ["--num_gpus", "2", "--as-deepspeed", "examples/seeds/seed001_method_a.py"],
-        "'train_loss'",
+    pytest.param(  # the docstring's other spelling of the same launch
+        ["run", "--nproc", "2", "examples/seeds/seed001_method_b.py"],
+        "seed001 method B: 1 optimizer step",
         marks=pytest.mark.slow,
     ),
+]
+METHOD_A = ["--num_gpus", "2", "--as-deepspeed", "examples/seeds/seed001_method_a.py"]
+STAGES = (1, 2, 3)
+#: every command these tests launch, as the examples' docstrings print them (the doc-test
+#: checks that each printed command is one of these)
+LAUNCHED = ["zeroshard " + " ".join(getattr(c, "values", c)[0]) for c in CASES] + [
+    "zeroshard " + " ".join(METHOD_A),
+    "python examples/seeds/seed001_method_b.py",
+    *(f"zeroshard run --nproc 2 examples/seeds/seed003_zero.py --stage {s}" for s in STAGES),
 ]
 
 
 def _case_id(argv) -> str:  # a list of str, from a tuple or a pytest.param
-    if "--as-deepspeed" in argv:
-        return "method_a_trainer"
-    return "method_a" if "--deepspeed" in argv else argv[-1]
+    if "--deepspeed" in argv:
+        return "method_a"
+    return argv[-1] + (" (run)" if argv[0] == "run" and argv[-1].endswith("method_b.py") else "")
 
 
 @pytest.mark.parametrize(
@@ -94,8 +103,19 @@ def test_seed001_method_b_one_rank_without_launcher() -> None:
     assert "seed001 method B: 1 optimizer step(s) after 10 micro-steps" in out.stdout
 
 
+@pytest.mark.slow  # the Trainer itself, on zeroshard through the alias (slow: imports it)
+def test_seed001_method_a_trainer_writes_under_runs(tmp_path) -> None:
+    # from another folder, as printed: the Trainer's output_dir lands in that folder's
+    # runs/, not in an out/ beside whatever the user had there
+    os.symlink(os.path.join(ROOT, "examples"), tmp_path / "examples")
+    out = _launch(*METHOD_A, cwd=str(tmp_path))
+    assert "'train_loss'" in out, out[-3000:]
+    assert not (tmp_path / "out").exists()
+    assert (tmp_path / "runs" / "seed001_method_a").is_dir()
+
+
 @pytest.mark.parametrize(
-    "stage", [pytest.param(1, marks=pytest.mark.slow), pytest.param(2, marks=pytest.mark.slow), 3]
+    "stage", [pytest.param(s, marks=pytest.mark.slow) if s < 3 else s for s in STAGES]
 )
 def test_seed003_zero_stages(stage: int) -> None:
     pytest.importorskip("transformers")
