@@ -43,7 +43,8 @@ def stdlib_bytes(limit: int) -> torch.Tensor:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="small", help="GPT preset (tiny, small, 25M, 100M, ...)")
+    default_model = os.environ.get("ZEROSHARD_EXAMPLE_MODEL", "small")  # the doc-tests: tiny
+    parser.add_argument("--model", default=default_model, help="GPT preset (tiny, small, 25M, 100M, ...; default: $ZEROSHARD_EXAMPLE_MODEL or small)")  # fmt: skip
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--run-dir", default=None, help="where csv_monitor writes (default: the config's)")  # fmt: skip

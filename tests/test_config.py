@@ -240,6 +240,19 @@ def test_real_deepspeed_examples_cifar_three_ranks() -> None:
     assert "world size (3)" in str(errors[1])
 
 
+def test_inert_activation_checkpointing_keys_are_accepted_alone() -> None:
+    # DeepSpeed needs partition_activations and number_checkpoints with
+    # contiguous_memory_optimization to size its buffer; zeroshard builds none, so each
+    # key alone is accepted and named once, with its reason, never refused
+    cfg = load_config(_with(activation_checkpointing={"contiguous_memory_optimization": True}))
+    ((path, reason),) = cfg.inert
+    assert path == "activation_checkpointing.contiguous_memory_optimization"
+    assert "DeepSpeed also requires partition_activations and number_checkpoints" in reason
+    both = {"contiguous_memory_optimization": True, "partition_activations": True}
+    cfg = load_config(_with(activation_checkpointing=both))
+    assert sorted(inert_keys(cfg)) == [f"activation_checkpointing.{k}" for k in sorted(both)]
+
+
 def test_real_megatron_zero2_partitioned_activations() -> None:
     # partition_activations is inert without model parallelism (reported at start-up).
     path = REAL / "dse_megatron_ds_zero2_config.json"
@@ -583,20 +596,13 @@ BAD = {
         "activation_checkpointing.number_checkpoints",
         ">= 1",
     ),
-    "contiguous_without_partition": (
-        _with(activation_checkpointing={"contiguous_memory_optimization": True}),
-        "activation_checkpointing.contiguous_memory_optimization",
-        "partition_activations",
-    ),
-    "contiguous_without_number": (
+    "partition_activations_under_tp": (
         _with(
-            activation_checkpointing={
-                "partition_activations": True,
-                "contiguous_memory_optimization": True,
-            }
+            tensor_parallel={"autotp_size": 2},
+            activation_checkpointing={"partition_activations": True},
         ),
-        "activation_checkpointing.number_checkpoints",
-        "contiguous_memory_optimization",
+        "activation_checkpointing.partition_activations",
+        "tensor_parallel.sequence_parallel",
     ),
     "number_checkpoints_fraction": (
         _with(activation_checkpointing={"number_checkpoints": 2.5}),
@@ -1469,9 +1475,6 @@ def test_every_refused_or_inert_switch_does_what_its_status_says() -> None:
             continue  # (keys inside a refused monitor section: the section's own switch)
         flipped = not spec.default if spec.default is not None else True
         config = _config_setting(info, flipped)
-        if info.path == "activation_checkpointing.contiguous_memory_optimization":
-            config["activation_checkpointing"] |= {"partition_activations": True}
-            config["activation_checkpointing"] |= {"number_checkpoints": 2}
         if info.status.kind == "not built":
             assert_not_built(config, info.path)
         else:

@@ -343,6 +343,41 @@ def test_step_line_handler(capsys, monkeypatch) -> None:
     assert capsys.readouterr().out == ""
 
 
+def _timer_lines(rank: int, world: int) -> dict:
+    import zeroshard
+    from zeroshard.models import GPT, GPTConfig
+
+    lines: list[str] = []
+    handler = ListHandler(lines, messages=True)
+    logging.getLogger("zeroshard.monitor").addHandler(handler)
+    counts = {}
+    for gas in (1, 2):
+        model = GPT(GPTConfig.preset("tiny", seq_len=8))
+        config = {
+            "train_micro_batch_size_per_gpu": 2,
+            "gradient_accumulation_steps": gas,
+            "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+            "wall_clock_breakdown": True,
+        }
+        engine, *_ = zeroshard.initialize(model=model, config=config)
+        for _ in range(3 * gas):  # three optimizer steps
+            ids = torch.randint(0, 256, (2, 9))
+            engine.backward(engine(ids[:, :-1], ids[:, 1:]))
+            engine.step()
+        engine.destroy()  # prints what is held
+        text = "\n".join(lines)
+        counts[gas] = [text.count("| fwd_microstep: "), text.count("| fwd: ")]
+        lines.clear()
+    return counts
+
+
+def test_wall_clock_lines_per_step() -> None:
+    # DeepSpeed 0.19: the micro-step line every micro-step, the step line at each
+    # boundary; without accumulation the micro-step line would repeat the step line
+    (counts,) = multirank.run(_timer_lines, 1, timeout=180)
+    assert counts == {"1": [0, 3], "2": [6, 3]}
+
+
 def test_progress_bars(capsys, monkeypatch) -> None:
     pytest.importorskip("tqdm")
     from zeroshard.monitor.progress import progress
@@ -358,27 +393,75 @@ def test_progress_bars(capsys, monkeypatch) -> None:
     assert progress(items, desc="x") is items  # stderr is not a terminal here
 
 
+def _synthetic_run(path) -> None:
+    """20 steps of 8 samples on 2 ranks whose memory is equal (as it is under ZeRO), with
+    tokens/s = 128 x samples/s, two collectives of one size, and the timers."""
+    from zeroshard.monitor.csv import CSVWriter
+
+    writer = CSVWriter(str(path))
+    for i in range(1, 21):
+        events = [("Train/Samples/train_loss", 5.0 / i, 8 * (i - 1)), ("Train/Samples/lr", 1e-3 * min(1, i / 5), 8 * i)]  # fmt: skip
+        events += [(f"Train/Samples/elapsed_time_ms_{t}", 10.0, 8 * i) for t in ("forward", "backward", "backward_allreduce", "step")]  # fmt: skip
+        writer.write_events(events)
+    writer.close()
+    with open(path / "metrics.jsonl", "w") as f:
+        for i in range(1, 21):
+            rec: dict[str, Any] = {"step": i, "samples": 8 * i, "samples_per_s": 100 + i, "tokens_per_s": 128 * (100 + i), "comm": {"all_gather": 1e6, "reduce_scatter": 1e6}}  # fmt: skip
+            if i % 5 == 0:
+                rec["memory_ranks"] = [{"cpu": 1e6 + i * 1e4, "rss": 3e8} for _ in (0, 1)]
+            f.write(json.dumps(rec) + "\n")
+
+
 def test_plot_of_synthetic_run(tmp_path) -> None:
     pytest.importorskip("matplotlib")
     pytest.importorskip("PIL")
-    from zeroshard.monitor.csv import CSVWriter
     from zeroshard.tools.plot import plot_run
 
-    writer = CSVWriter(str(tmp_path))
-    for i in range(1, 21):
-        writer.write_events([("Train/Samples/train_loss", 5.0 / i, 8 * (i - 1)), ("Train/Samples/lr", 1e-3 * min(1, i / 5), 8 * i)])  # fmt: skip
-    writer.close()
-    with open(tmp_path / "metrics.jsonl", "w") as f:
-        for i in range(1, 21):
-            rec = {"step": i, "samples_per_s": 100 + i, "comm": {"all_gather": 1e6, "reduce_scatter": 5e5}}  # fmt: skip
-            if i % 5 == 0:
-                rec["memory_ranks"] = [{"cpu": 1e6 * r + i * 1e4, "rss": 3e8} for r in (1, 2)]
-            f.write(json.dumps(rec) + "\n")
+    _synthetic_run(tmp_path)
     written = plot_run(str(tmp_path))
     names = sorted(os.path.basename(p) for p in written)
-    assert names == ["comm.png", "loss.png", "lr.png", "memory.png", "throughput.png"]
+    assert names == ["comm.png", "loss.png", "lr.png", "memory.png", "throughput.png", "timers.png"]  # fmt: skip
     for path in written:
         _not_blank(path)
+
+
+def test_plots_share_the_samples_axis_and_show_every_series(tmp_path) -> None:
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    from zeroshard.tools.plot import figures
+
+    _synthetic_run(tmp_path)
+    figs = figures(str(tmp_path))
+    try:
+        for name, fig in figs.items():  # one x axis: samples, as DeepSpeed's monitors
+            assert fig.axes[-1].get_xlabel() == "samples", name
+            assert all(len(ax.get_shared_x_axes().get_siblings(ax)) == len(fig.axes) for ax in fig.axes), name  # fmt: skip
+        # throughput: samples/s and tokens/s in panels of their own (on one axis, tokens/s
+        # = 128 x samples/s and the twin axis drew one line over the other)
+        throughput = figs["throughput"].axes
+        assert [ax.get_ylabel() for ax in throughput] == ["samples/s", "tokens/s"]
+        assert [len(ax.get_lines()) for ax in throughput] == [1, 1]
+        assert list(throughput[0].get_lines()[0].get_xdata()) == [8 * i for i in range(1, 21)]
+        # memory: a panel per location; equal ranks told apart by line style and marker
+        memory = figs["memory"].axes
+        assert [ax.get_ylabel() for ax in memory] == ["cpu (MB)", "rss (MB)"]
+        for ax in memory:
+            lines = ax.get_lines()
+            assert [line.get_label() for line in lines] == ["rank 0", "rank 1"]
+            assert list(lines[0].get_ydata()) == list(lines[1].get_ydata())  # they coincide
+            assert _distinct(lines)
+        for name in ("comm", "timers"):  # collectives / timers of equal values
+            assert _distinct(figs[name].axes[0].get_lines()), name
+    finally:
+        for fig in figs.values():
+            plt.close(fig)
+
+
+def _distinct(lines) -> bool:
+    """Each line differs from every other in colour, dashes, marker and marker size."""
+    looks = [(ln.get_color(), ln.get_linestyle(), ln.get_marker(), ln.get_markersize()) for ln in lines]  # fmt: skip
+    return len(lines) > 1 and all(len({look[k] for look in looks}) == len(lines) for k in range(4))
 
 
 def test_peak_flops_is_measured() -> None:

@@ -268,6 +268,16 @@ class Config(Section):
             "train_batch()); leave it out with pipeline stages",
         )
         check(not both, "bf16.enabled", "fp16 and bf16 cannot both be enabled; choose one")
+        check(
+            not (
+                self.activation_checkpointing.partition_activations
+                and self.tensor_parallel.size > 1
+            ),
+            "activation_checkpointing.partition_activations",
+            "splitting the checkpointed inputs over the tensor-parallel ranks is not built yet "
+            "in zeroshard; tensor_parallel.sequence_parallel (Megatron-SP) splits activations "
+            "over them",
+        )
 
     @classmethod
     def json_compat(cls, values: dict, given: dict[str, str], note: Callable[[str, str], None]) -> dict:  # fmt: skip

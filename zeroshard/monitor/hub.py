@@ -197,8 +197,12 @@ class EngineMonitor:
         if self.throughput is not None:
             self.throughput.stop(boundary)
         self._memory("Engine after step")
-        if self.timers is not None and self.timers.micro and self.rank == 0:
-            self._lines.append(self.timers.micro_line())
+        if self.timers is not None and self.timers.micro:
+            # DeepSpeed prints this line every micro-step; with no accumulation it repeats
+            # the step line's numbers under other names, so it is printed only with some
+            line = self.timers.micro_line()  # read (and reset) on every rank alike
+            if self.rank == 0 and engine.gradient_accumulation_steps() > 1:
+                self._lines.append(line)
         due = False
         if boundary:
             due = self._boundary(engine)
@@ -337,6 +341,7 @@ class EngineMonitor:
         """The run so far, printed by rank 0: steps, time, throughput, the last loss and
         step's comm bytes, and every rank's memory. Every rank must call it (one
         ``all_gather_object`` of each rank's ``memory_stats()``)."""
+        self._say()  # the lines held back so far come before the summary
         stats = engine.memory_stats()
         mems = self.comm.all_gather_object({**stats, "rss": rss_bytes()})
         if self.rank != 0:

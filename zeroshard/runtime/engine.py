@@ -216,7 +216,7 @@ class Engine(EngineBuild, DeepSpeedEngineCompat, nn.Module):
         if "activation_checkpointing" in config.raw:  # as DeepSpeed: configures checkpoint()
             from zeroshard.activation import checkpointing
 
-            checkpointing.configure(deepspeed_config=config.activation_checkpointing)
+            checkpointing.configure_from_config(config.activation_checkpointing)
         if self.comm.rank == 0:
             for key, reason in config.inert:
                 log.warning("zeroshard: config key %s has no effect here: %s", key, reason)
