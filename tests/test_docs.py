@@ -46,12 +46,7 @@ README = os.path.join(ROOT, "README.md")
 TIMEOUT_S = 420
 #: command or block id -> why it is expected to fail for now. Strict: once it passes,
 #: the test fails until the entry is removed (delete it after the named work merges).
-PENDING: dict[str, str] = {
-    "zeroshard-3.2": (
-        "issue 29 point 2 (i29a): examples/train_gpt.py under DeepSpeed's launch "
-        "(--local_rank=N, --deepspeed PATH)"
-    ),
-}
+PENDING: dict[str, str] = {}
 
 
 @dataclass
