@@ -204,8 +204,9 @@ def test_readme_blocks_are_all_accounted_for() -> None:
 
 def test_example_docstring_commands_are_launched_by_the_tests() -> None:
     """The commands the examples' docstrings print are the ones the suite runs:
-    tests/test_examples.py launches them as printed, or the README's `make demo` does
-    (its recipe: examples/train_gpt.py and `zeroshard plot runs/demo`)."""
+    tests/test_examples.py launches them as printed, or the README does (a command of
+    its own, or `make demo`'s recipe: examples/train_gpt.py and `zeroshard plot
+    runs/demo`)."""
     import ast
 
     from example_cases import LAUNCHED
@@ -218,6 +219,8 @@ def test_example_docstring_commands_are_launched_by_the_tests() -> None:
         ]
     assert any(c.text.split("#")[0].strip() == "make demo" for _, _, c in STEPS if c is not None)
     launched |= set(demo)
+    # and the README's commands, which the test above runs as printed
+    launched |= {c.text.split("#")[0].strip() for _, b, c in STEPS if c and not (b.skip or c.skip)}  # fmt: skip
     printed = []
     for folder, _, files in os.walk(os.path.join(ROOT, "examples")):
         for name in sorted(files):

@@ -485,7 +485,7 @@ def test_plot_never_joins_two_runs(tmp_path) -> None:
         f"{8 * i},{4.0 / (i + 1)}" for i in range(80)
     ]  # DeepSpeed's repeated header
     (tmp_path / "Train_Samples_train_loss.csv").write_text("\n".join(rows + again) + "\n7")  # fmt: skip
-    records = [{"step": s, "samples_per_s": 1.0} for s in [*range(1, 151), *range(1, 81)]]
+    records = [{"step": s, "samples": 8 * s, "samples_per_s": 1.0} for s in [*range(1, 151), *range(1, 81)]]  # fmt: skip
     text = "".join(json.dumps(r) + "\n" for r in records) + '{"step": 81, "samp'
     (tmp_path / "metrics.jsonl").write_text(text)
     notes: list[str] = []
