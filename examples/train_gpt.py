@@ -1,12 +1,14 @@
 """Train the reference GPT byte-level on the Python standard library's source code.
 
     zeroshard run --nproc 2 examples/train_gpt.py --deepspeed_config examples/ds_config_demo.json
+    zeroshard --num_gpus 2 examples/train_gpt.py --deepspeed examples/ds_config_demo.json
     zeroshard plot runs/demo
 
 A DeepSpeed-style loop: ``initialize``, then ``engine(batch)``, ``engine.backward``,
 ``engine.step``. The library does the watching: rank 0 prints a step line every
 ``steps_per_print`` steps, the config's ``csv_monitor`` writes DeepSpeed's CSV files and
-``metrics.jsonl`` into ``runs/demo`` (``--run-dir`` moves them), and
+``metrics.jsonl`` into ``runs/demo`` (``--run-dir`` moves them; a rerun first moves the
+earlier run's files to ``runs/demo/previous/``), and
 ``engine.monitor.print_summary`` ends the run with throughput, communication and each
 rank's memory. The script adds only the held-out loss.
 """
@@ -14,7 +16,6 @@ rank's memory. The script adds only the held-out loss.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sysconfig
 from pathlib import Path
@@ -23,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 import zeroshard
+from zeroshard.config import read_config_file
 from zeroshard.models import GPT, GPTConfig
 
 
@@ -41,15 +43,21 @@ def stdlib_bytes(limit: int) -> torch.Tensor:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="small", help="GPT preset (tiny, small, 25M, 100M, ...)")
+    default_model = os.environ.get("ZEROSHARD_EXAMPLE_MODEL", "small")  # the doc-tests: tiny
+    parser.add_argument("--model", default=default_model, help="GPT preset (tiny, small, 25M, 100M, ...; default: $ZEROSHARD_EXAMPLE_MODEL or small)")  # fmt: skip
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--run-dir", default=None, help="where csv_monitor writes (default: the config's)")  # fmt: skip
-    zeroshard.add_config_arguments(parser)
+    # DeepSpeed-style launchers (`zeroshard --num_gpus 2 ...`, `deepspeed ...`) pass it
+    parser.add_argument("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)
+    zeroshard.add_config_arguments(parser)  # --deepspeed_config PATH, or --deepspeed PATH
     args = parser.parse_args()
+    config_path = args.deepspeed_config or (args.deepspeed if isinstance(args.deepspeed, str) else None)  # fmt: skip
+    if config_path is None:
+        parser.error("give the config: --deepspeed_config PATH (or --deepspeed PATH)")
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
 
-    config = json.loads(Path(args.deepspeed_config).read_text())
+    config = read_config_file(config_path)  # JSON with DeepSpeed's comments allowed
     if args.run_dir is not None:
         path = Path(args.run_dir)
         config["csv_monitor"] = {"enabled": True, "output_path": str(path.parent), "job_name": path.name}  # fmt: skip
@@ -57,10 +65,10 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     model = GPT(GPTConfig.preset(args.model, seq_len=args.seq))
+    n_params = sum(p.numel() for p in model.parameters())  # whole, before any sharding
     engine, _, _, _ = zeroshard.initialize(model=model, model_parameters=model.parameters(), config=config)  # fmt: skip
     micro = engine.train_micro_batch_size_per_gpu()
     if rank == 0:
-        n_params = sum(p.numel() for p in model.parameters())
         print(
             f"GPT {args.model}: {n_params / 1e6:.2f}M params, seq {args.seq}, micro {micro} x "
             f"gas {engine.gradient_accumulation_steps()} x {world} ranks, ZeRO stage "

@@ -541,14 +541,35 @@ def test_configure_reads_the_section_and_explicit_arguments_win(tmp_path, caplog
         ({"num_checkpoints": 0}, ValueError),
         ({"num_checkpoints": 2.5}, ValueError),
         ({"num_checkpoints": True}, ValueError),
-        ({"contiguous_checkpointing": True, "num_checkpoints": 2}, ValueError),
-        ({"partition_activations": True, "contiguous_checkpointing": True}, ValueError),
     ],
 )
 def test_configure_validates(kwargs: dict, error: type) -> None:
     with pytest.raises(error):
         configure(**kwargs)
     assert checkpointing.settings() == checkpointing.Settings()  # unchanged
+
+
+def test_configure_notes_each_inert_setting_once_on_rank_0(monkeypatch, caplog) -> None:
+    # accepted alone (DeepSpeed would also ask for partition_activations and
+    # num_checkpoints, which only size its buffer), one line per setting, once
+    monkeypatch.setattr(checkpointing, "_noted", set())
+    with caplog.at_level(logging.WARNING, logger="zeroshard.checkpointing"):
+        configure(contiguous_checkpointing=True)
+        configure(contiguous_checkpointing=True, partition_activations=True)
+        configure(partition_activations=True)
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 2, lines
+    assert "contiguous_memory_optimization has no effect" in lines[0]
+    assert "partition_activations has no effect" in lines[1]
+    assert checkpointing.settings().partition_activations
+    monkeypatch.setattr(checkpointing, "_noted", set())
+    monkeypatch.setattr(checkpointing, "_rank", lambda: 1)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="zeroshard.checkpointing"):
+        configure(partition_activations=True)
+    assert caplog.records == []  # other ranks stay quiet
+    configure()
+    assert checkpointing.settings() == checkpointing.Settings()
 
 
 def test_partition_with_model_parallelism_is_refused() -> None:
@@ -598,6 +619,14 @@ def _engine_applies_section(rank: int, world: int) -> dict:
         return to_host(t)
 
     activation_offload.to_host = recording_to_host
+    notes: list[str] = []
+
+    class Notes(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if "partition_activations has no effect" in record.getMessage():
+                notes.append(record.getMessage())
+
+    logging.getLogger("zeroshard").addHandler(Notes())
     weights = []
     for use in (False, True):
         torch.manual_seed(0)
@@ -628,6 +657,7 @@ def _engine_applies_section(rank: int, world: int) -> dict:
         "packed": packed,
         "settings": [s.cpu_checkpointing, s.partition_activations, s.number_checkpoints],
         "diff": _max_diff(*weights),
+        "notes": notes,
     }
 
 
@@ -636,3 +666,4 @@ def test_engine_applies_the_config_section() -> None:
     assert r["settings"] == [True, True, 3]
     assert r["packed"] == [[4, 16]] * 3  # each checkpoint's input went through the offload
     assert r["diff"] <= TOL
+    assert len(r["notes"]) == 1, r["notes"]  # the start-up line, not also configure()'s

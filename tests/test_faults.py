@@ -284,7 +284,7 @@ def _misuse(engine, rank: int, world: int, root: str) -> dict:
     # zeroshard.resume: nothing on a first start, `latest` otherwise
     import zeroshard
 
-    out["resume_empty"] = list(zeroshard.resume(engine, os.path.join(root, "fresh")))
+    out["resume_empty"] = list(zeroshard.resume(engine, os.path.join(root, "fresh"), missing_ok=True))  # fmt: skip
     path, _ = zeroshard.resume(engine, d)
     assert path is not None
     out["resume"] = os.path.relpath(path, root)
@@ -723,3 +723,171 @@ def test_two_nodes_parity_and_node_loss(straight) -> None:
         for node in nodes:
             node.proc.kill()
             node.finish(timeout=30)
+
+
+# -- resume says what it did; a monitor directory belongs to one run (issue 29) ------------
+
+
+def _run_and_resume(rank: int, world: int, root: str) -> dict:
+    """Launches of one job in one process, each a new engine on a new model: what resume
+    says and does (checkpoint.dir, zeroshard.resume), and what each run does to the
+    csv_monitor directory an earlier run wrote."""
+    import logging
+
+    from logs import ListHandler
+
+    import zeroshard
+    from zeroshard.checkpoint.validate import CheckpointError
+
+    said: list[str] = []
+    handler = ListHandler(said, messages=True)
+    logging.getLogger("zeroshard").addHandler(handler)
+    ckpt, runs = os.path.join(root, "ckpt"), os.path.join(root, "runs")
+    base = {
+        "train_batch_size": ROWS,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "csv_monitor": {
+            "enabled": True,
+            "output_path": root,
+            "job_name": "runs",
+            "all_ranks": True,
+        },
+    }
+    out: dict[str, Any] = {}
+
+    def launch(config=None, steps=0, first=0):
+        model = parity.build_model({})
+        engine, *_ = zeroshard.initialize(model=model, model_parameters=parity.param_groups(model), config={**base, **(config or {})})  # fmt: skip
+        _train(engine, rank, world, range(first, first + steps))
+        return engine
+
+    def mark(key):  # the messages since the last mark, on this rank
+        out[key] = said[:]
+        said.clear()
+
+    def steps_in(directory):
+        with open(os.path.join(directory, "metrics.jsonl")) as f:
+            return [json.loads(line)["step"] for line in f]
+
+    def csv_x(directory, name):
+        with open(os.path.join(directory, f"Train_Samples_{name}.csv")) as f:
+            return [float(line.split(",")[0]) for line in f.read().splitlines()[1:]]
+
+    # 1. first launch with checkpoint.dir (missing): it says so, trains 4 steps; the end saves
+    engine = launch({"checkpoint": {"dir": ckpt}}, steps=4)
+    engine.destroy()
+    mark("first")
+    out["first_tags"] = sorted(os.listdir(ckpt))
+    # 2. relaunch: resumes at step 4, says so; the monitor files continue; 2 more steps
+    engine = launch({"checkpoint": {"dir": ckpt}})
+    out["relaunch_at"] = engine.global_steps
+    _train(engine, rank, world, range(4, 6))
+    engine.destroy()
+    mark("relaunch")
+    out["relaunch_steps"] = steps_in(runs) if rank == 0 else None
+    # 3. an exception on its way: destroy() in a `finally` does not save
+    engine = launch({"checkpoint": {"dir": ckpt}}, steps=1, first=6)
+    try:
+        try:
+            raise RuntimeError("boom")
+        finally:
+            engine.destroy()
+    except RuntimeError:
+        pass
+    mark("failed")
+    out["latest_after_failure"] = Path(ckpt, "latest").read_text().strip()
+    # 4. a fresh run into the same directory: the earlier run's files move to previous/
+    engine = launch(steps=3)
+    engine.destroy()
+    mark("fresh")
+    out["fresh_steps"] = steps_in(runs) if rank == 0 else None
+    # ... a checkpoint at step 2, then "killed" at step 3 (files closed, as Ctrl-C does)
+    crash = os.path.join(root, "crash")
+    engine = launch(steps=2)
+    engine.save_checkpoint(crash)
+    out["at_save"] = steps_in(runs) if rank == 0 else None  # a save flushes the files
+    _train(engine, rank, world, range(2, 3))
+    engine.destroy()
+    mark("before_crash")
+    # 5. resumed from step 2: the rows of step 3 are dropped, the run goes on to step 4
+    engine = launch()
+    zeroshard.resume(engine, crash)
+    _train(engine, rank, world, range(2, 4))
+    engine.destroy()
+    mark("resumed")
+    mine = runs if rank == 0 else os.path.join(runs, f"rank{rank}")
+    out["resumed_steps"] = steps_in(mine)
+    out["resumed_loss_x"] = csv_x(mine, "train_loss")
+    out["resumed_lr_x"] = csv_x(mine, "lr")
+    out["archived"] = sorted(os.listdir(os.path.join(mine, "previous")))
+    out["archived_files"] = sorted(os.listdir(os.path.join(mine, "previous", out["archived"][0])))  # fmt: skip
+    out["run_json"] = json.loads(Path(mine, "run.json").read_text())
+    # 6. resuming the checkpoint.dir run (step 6) into a directory of another run
+    engine = launch({"checkpoint": {"dir": ckpt}})
+    _train(engine, rank, world, range(6, 7))
+    engine.monitor.flush()
+    mark("other")
+    out["other_steps"] = steps_in(runs) if rank == 0 else None
+    # 7. resume: a missing directory, an empty one, one without latest, a checkpoint itself
+    for key, where, kwargs in (
+        ("missing", os.path.join(root, "nosuchdir"), {}),
+        ("missing_ok", os.path.join(root, "new"), {"missing_ok": True}),
+        ("empty", os.path.join(root, "new"), {}),
+        ("no_latest", crash, {}),
+        ("tag_dir", os.path.join(ckpt, "global_step4"), {}),
+    ):
+        if key == "no_latest" and rank == 0:
+            os.remove(os.path.join(crash, "latest"))
+        engine.comm.barrier()
+        try:
+            result = zeroshard.resume(engine, where, **kwargs)
+            out[key] = [result[0] and os.path.relpath(result[0], root), engine.global_steps]
+        except CheckpointError as exc:
+            out[key] = str(exc)
+        mark(key + "_said")
+    engine.destroy()
+    logging.getLogger("zeroshard").removeHandler(handler)
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_resume_says_what_it_did_and_runs_keep_their_own_files(tmp_path) -> None:
+    results = multirank.run(_run_and_resume, 2, str(tmp_path), timeout=240)
+    r0, r1 = results
+    ckpt = tmp_path / "ckpt"
+    # a first launch with checkpoint.dir: a warning, then the end of the run saves
+    assert r0["first"][0] == f"zeroshard: no checkpoint in {ckpt}: starting fresh (created it)"
+    assert f"zeroshard: saved the run's last step: {ckpt}/global_step4 (checkpoint.dir)" in r0["first"]  # fmt: skip
+    assert r1["first"] == []  # rank 0 speaks for the job
+    assert r0["first_tags"] == [".zeroshard.lock", "global_step4", "latest"]
+    # the relaunch says where it resumed, continues at step 4, and saves at the end again
+    assert r0["relaunch"][0] == f"zeroshard: resumed from {ckpt}/global_step4 (step 4, 16 samples)"
+    assert r0["relaunch_at"] == 4 and r0["relaunch_steps"] == [1, 2, 3, 4, 5, 6]
+    assert r0["relaunch"][-1].endswith("global_step6 (checkpoint.dir)")
+    # destroy() while an exception propagates saves nothing: latest stays the good save
+    assert r0["latest_after_failure"] == "global_step6"
+    assert not any("saved" in m for m in r0["failed"])
+    # a fresh run into the same directory: the earlier run's files moved, said once
+    runs = tmp_path / "runs"
+    moved = [m for m in r0["fresh"] if m.startswith(f"zeroshard: {runs} held an earlier run: moved to {runs}/previous/run-")]  # fmt: skip
+    assert len(moved) == 1 and r0["fresh_steps"] == [1, 2, 3], r0["fresh"]
+    # resumed at step 2 after a crash at step 3: step 3's rows dropped, each step once
+    assert r0["at_save"] == [1, 2]
+    assert r0["resumed"][0] == f"zeroshard: resumed from {tmp_path}/crash/global_step2 (step 2, 8 samples)"  # fmt: skip
+    assert any(m.startswith(f"zeroshard: resumed at step 2: {runs} continues this run's files; ") for m in r0["resumed"]), r0["resumed"]  # fmt: skip
+    for r in (r0, r1):  # rank 1 writes its own directory (all_ranks) by the same rules
+        assert r["resumed_steps"] == [1, 2, 3, 4]
+        assert r["resumed_loss_x"] == [0.0, 4.0, 8.0, 12.0]  # the samples before each step
+        assert r["resumed_lr_x"] == [4.0, 8.0, 12.0, 16.0]
+        assert r["run_json"]["resumes"][0]["step"] == 2
+        assert "metrics.jsonl" in r["archived_files"] and "Train_Samples_lr.csv" in r["archived_files"]  # fmt: skip
+    assert "rank1" not in r0["archived_files"]  # rank 1's directory is not rank 0's to move
+    # resuming step 6 into a directory holding another run (steps 1-4): moved, not joined
+    assert any(f"{runs} held another run (without step 6): moved to" in m for m in r0["other"])
+    assert r0["other_steps"] == [7]
+    # zeroshard.resume: a mistyped path is an error; missing_ok creates it; empty: warning
+    assert "nosuchdir'): no such directory" in r0["missing"] and "missing_ok=True" in r0["missing"]
+    assert r0["missing_ok"] == [None, 7] and r0["empty"] == [None, 7]
+    assert r0["empty_said"] == [f"zeroshard: no checkpoint in {tmp_path}/new: starting fresh"]
+    assert "holds checkpoints (global_step2) but no 'latest'" in r0["no_latest"], r0["no_latest"]
+    assert r0["tag_dir"] == ["ckpt/global_step4", 4] and r1["tag_dir"] == r0["tag_dir"]

@@ -180,16 +180,82 @@ def test_failing_rank_stops_the_job():
     # the summary names the rank that raised, not the one stopped in the barrier
     assert "FAILED: rank 1 " in res.stderr, res.stderr
     assert "rank 1 error: ValueError: boom-rank-1" in res.stderr
+    # one traceback (the root cause's, in the launcher's summary), not one per rank
+    assert res.stderr.count("Traceback (most recent call last)") == 1, res.stderr
+    assert "zeroshard: also failed: rank 0: " in res.stderr, res.stderr
 
 
 @pytest.mark.timeout(90)
 def test_deepspeed_spelling(tmp_path):
-    res = zeroshard("--num_gpus", "2", "tests/scripts/ok.py", "--deepspeed", "cfg.json")
+    cfg = "examples/ds_config_demo.json"  # the launcher checks it before starting workers
+    res = zeroshard("--num_gpus", "2", "tests/scripts/ok.py", "--deepspeed", cfg)
     assert res.returncode == 0, res.stderr
     lines = ok_lines(res.stdout)
     assert sorted(lines) == [0, 1], res.stdout
     for rank, line in lines.items():  # DeepSpeed passes --local_rank first, then the args
-        assert line.endswith(f"argv=['--local_rank={rank}', '--deepspeed', 'cfg.json']"), line
+        assert line.endswith(f"argv=['--local_rank={rank}', '--deepspeed', '{cfg}']"), line
+
+
+@pytest.mark.timeout(90)
+def test_a_script_exiting_is_quoted_once():
+    """argparse refusing DeepSpeed's --local_rank=N on every rank: the summary quotes
+    the message (not just `SystemExit: 2`), with the script's exit code."""
+    res = zeroshard("--num_gpus", "2", "tests/scripts/args.py", "--flag", "y")
+    assert res.returncode == 2, res.stderr
+    assert re.search(r"^zeroshard: FAILED: rank [01] .* exited with code 2$", res.stderr, re.M)
+    quoted = "error: unrecognized arguments: --local_rank="
+    error = re.search(r"^zeroshard: rank [01] error: (.*)$", res.stderr, re.M)
+    assert error and quoted in error.group(1) and "(exit code 2)" in error.group(1), res.stderr
+    assert re.search(r"^zeroshard: also failed: rank [01]: .*" + quoted, res.stderr, re.M)
+    assert "Traceback" not in res.stderr and "SystemExit" not in res.stderr, res.stderr
+
+
+@pytest.mark.timeout(90)
+def test_config_checked_once_before_any_worker(tmp_path):
+    """Three typos: one report of the three, by the launcher, in a few lines; no worker
+    starts (the script would write a marker). A missing config: one line."""
+    bad = tmp_path / "bad.json"
+    bad.write_text(
+        '{"train_micro_batch_size_per_gpu": 8, "gradient_acumulation_steps": 1,\n'
+        ' "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "betaz": [0.9, 0.95]}},\n'
+        ' "zero_optimization": {"stage": 3, "overlap_com": true}}\n'
+    )
+    marker = tmp_path / "started"
+    script = tmp_path / "train.py"
+    script.write_text(f"open({str(marker)!r}, 'w').close()\n")
+    res = zeroshard("run", "--nproc", "2", str(script), "--deepspeed_config", str(bad))
+    assert res.returncode == 2 and not marker.exists(), res.stderr
+    lines = res.stderr.splitlines()
+    assert lines == [
+        f"zeroshard: error: 3 problems in {bad}:",
+        "  gradient_acumulation_steps: unknown key; did you mean 'gradient_accumulation_steps'?",
+        "  optimizer.params.betaz: unknown key; did you mean 'betas'?",
+        "  zero_optimization.overlap_com: unknown key; did you mean 'overlap_comm'?",
+        "zeroshard: no worker started (the config of --deepspeed_config; --no-config-check "
+        "starts them anyway)",
+    ], res.stderr
+    missing = tmp_path / "nosuch.json"
+    res = zeroshard("--num_gpus", "2", str(script), f"--deepspeed={missing}")
+    assert res.returncode == 2 and not marker.exists(), res.stderr
+    assert res.stderr.splitlines()[0] == f"zeroshard: error: {missing}: config file not found"
+
+
+def test_config_found_on_the_command_line(tmp_path):
+    from zeroshard.tools.launch.config import find_config_arg
+
+    ds = tmp_path / "ds.json"
+    ds.write_text('{"train_batch_size": 8} // a DeepSpeed config')
+    other = tmp_path / "model.json"  # a script's own --config file: not ours to check
+    other.write_text('{"hidden_size": 64}')
+    found = lambda *argv: (c.flag, c.path) if (c := find_config_arg(list(argv))) else None  # noqa: E731
+    assert found("--deepspeed_config", "a.yaml") == ("--deepspeed_config", "a.yaml")
+    assert found("--deepspeed", "--deepspeed_config", "c.json") == ("--deepspeed_config", "c.json")
+    assert found("--deepspeed", "c.json", "--lr", "1") == ("--deepspeed", "c.json")
+    assert found("--deepspeed=c.json") == ("--deepspeed", "c.json")
+    assert found("--deepspeed", "{}") is None  # Hugging Face also takes inline JSON
+    assert found("--config", str(ds)) == ("--config", str(ds))
+    assert found(f"--config={other}") is None and found("--config", "x.yaml") is None
+    assert found("--model", "x.json", "--deepspeed") is None
 
 
 def _free_port() -> int:
@@ -252,6 +318,33 @@ def test_sigterm_stops_all_ranks():
                 os.kill(pid, signal.SIGKILL)
         proc.kill()
         proc.communicate(timeout=30)
+
+
+@pytest.mark.timeout(90)
+def test_ctrl_c_prints_one_line_per_rank():
+    """Ctrl-C (SIGINT to the launcher, which forwards it): each rank says in one line
+    where it was, the launcher says it stopped them; no KeyboardInterrupt tracebacks."""
+    argv = [*ZEROSHARD, "run", "--nproc", "2", "tests/scripts/hang.py"]
+    proc = subprocess.Popen(argv, cwd=ROOT, env=_env(), text=True, **PIPES)
+    assert proc.stdout is not None
+    try:
+        ready = 0
+        deadline = time.monotonic() + 45
+        while ready < 2 and time.monotonic() < deadline:
+            ready += "READY rank=" in proc.stdout.readline()
+        assert ready == 2, "ranks did not start"
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err
+    lines = err.splitlines()
+    assert "Traceback" not in err and len(lines) <= 3, err
+    assert lines[-1] == "zeroshard: stopped by SIGINT; workers stopped", err
+    said = sorted(line.split(":")[0] for line in lines[:-1])
+    assert said in (["[rank0]", "[rank1]"], ["[rank0]"], ["[rank1]"], []), err
+    for line in lines[:-1]:
+        assert re.fullmatch(r"\[rank[01]\]: interrupted at .*hang\.py:\d+ in <module>.*", line), err
 
 
 def test_usage_errors():

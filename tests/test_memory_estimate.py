@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import multirank
 import pytest
 import torch
@@ -168,10 +170,12 @@ def test_cli_estimate_7b_on_4_ranks_prints_the_paper_figures(capsys) -> None:
     assert code == 0
     lines = out.splitlines()
     assert lines[0].startswith("7,000,000,000 parameters on 4 data-parallel ranks")
+    # one unit: the paper's 112 / 49 / 38.5 / 28 GB (10^9 bytes) in GiB, as the table
     assert lines[1].endswith(
-        "stage 0 16Ψ = 112.00, stage 1 4Ψ+12Ψ/N = 49.00, "
-        "stage 2 2Ψ+14Ψ/N = 38.50, stage 3 16Ψ/N = 28.00"
+        "GiB per rank: stage 0 16Ψ = 104.31, stage 1 4Ψ+12Ψ/N = 45.63, "
+        "stage 2 2Ψ+14Ψ/N = 35.86, stage 3 16Ψ/N = 26.08"
     )
+    assert " GB" not in out
     assert lines[2].startswith("activations: not included: a parameter count")
     rows = {}
     for line in lines:
@@ -199,28 +203,125 @@ def test_cli_plan_picks_least_communication_that_fits(capsys) -> None:
         "--precision", "bf16",
     )  # fmt: skip
     assert code == 0, out
-    lines = out.splitlines()
-    assert lines[0].startswith("activations: not included")
+    lines = _plan_lines(out)
+    assert lines["activations"].startswith("activations: not included")
     # stage 0/1 need 112 / 49 GB; stage 2 needs 38.5 GB + two 25 MiB staging buckets
     # (zeroshard's default bucket) and exchanges 2 x 2Ψ bytes per step, stage 3 3 x 2Ψ
-    assert lines[1] == (
+    assert lines["plan"] == (
         "plan: stage 2, offload none: 35.90 GiB on the device of 37.25 (35.86 model states, "
         "0.00 activations), 26.08 GiB exchanged per step"
     )
-    assert lines[2].startswith("why: it fits, exchanges as few bytes as any layout that fits")
-    assert lines[3].startswith("runner-up: stage 2, offload cpu: 13.09 GiB")
+    assert lines["why"].startswith("why: it fits, exchanges as few bytes as any layout that fits")
+    assert lines["runner-up"].startswith("runner-up: stage 2, offload cpu: 13.09 GiB")
     # DeepSpeed's 5e8-element bucket, double-buffered: 2 GB more, and stage 2 no longer fits
     code, out = _cli(
         capsys, "plan", "--params", "7e9", "--nproc", "4", "--device-memory", "40GB",
         "--precision", "bf16", "--bucket", "5e8",
     )  # fmt: skip
-    assert code == 0 and out.splitlines()[1].startswith("plan: stage 2, offload cpu"), out
+    assert code == 0 and _plan_lines(out)["plan"].startswith("plan: stage 2, offload cpu"), out
     code, out = _cli(
         capsys, "plan", "--params", "7e9", "--nproc", "4", "--device-memory", "10GB",
         "--precision", "bf16",
     )  # fmt: skip
     assert code == 0 and "plan: stage 3, offload none: 26.08" not in out
-    assert out.splitlines()[1].startswith("plan: stage 3, offload cpu")
+    assert _plan_lines(out)["plan"].startswith("plan: stage 3, offload cpu")
+
+
+def _plan_lines(out: str) -> dict[str, str]:
+    """`zeroshard plan`'s lines by their first word (the assumptions' activation line
+    under "activations")."""
+    lines: dict[str, str] = {}
+    for line in out.splitlines():
+        word = line.strip().split(":", 1)[0]
+        if word.startswith("activations"):
+            word = "activations"
+        lines.setdefault(word, line.strip())
+    return lines
+
+
+def _pasted_config(out: str) -> dict:
+    """The JSON block `zeroshard plan` ends with, as a user would copy it."""
+    lines = out.splitlines()
+    start = lines.index("ds_config.json for this plan:") + 1
+    end = lines.index("}", start) + 1
+    return json.loads("\n".join(lines[start:end]))
+
+
+@pytest.mark.parametrize(
+    ("argv", "plan", "world"),
+    [
+        (["--params", "7e9", "--nproc", "4", "--device-memory", "40GB"], (2, "none"), 4),
+        (["--params", "7e9", "--nproc", "4", "--device-memory", "10GB"], (3, "cpu"), 4),
+        (
+            ["--params", "7e9", "--nproc", "4", "--device-memory", "10GB", "--cpu-memory", "10GB"],
+            (3, "nvme"),
+            4,
+        ),
+        (
+            [
+                "--model",
+                "25M",
+                "--seq",
+                "512",
+                "--micro-batch",
+                "4",
+                "--nproc",
+                "4",
+                "--device-memory",
+                "24GiB",
+                "--precision",
+                "fp16",
+                "--tp",
+                "2",
+                "--megatron-sp",
+                "--bucket",
+                "1e6",
+            ],
+            (2, "none"),
+            4,
+        ),
+    ],
+)
+def test_cli_plan_states_its_assumptions_and_prints_a_config_that_loads(
+    capsys, argv: list[str], plan: tuple[int, str], world: int
+) -> None:
+    from zeroshard.config import load_config
+
+    code, out = _cli(capsys, "plan", *argv)
+    assert code == 0, out
+    lines = _plan_lines(out)
+    precision = argv[argv.index("--precision") + 1] if "--precision" in argv else "bf16"
+    assert lines["precision"].startswith(f"precision: {precision} (--precision"), out
+    assert lines["optimizer"].startswith("optimizer: Adam/AdamW, fp32 master weights"), out
+    for word in ("model", "ranks", "micro-batch", "gradient bucket", "memory", "activations"):
+        assert word in lines, (word, out)
+    stage, offload = plan
+    assert lines["plan"].startswith(f"plan: stage {stage}, offload {offload}:"), out
+    pasted = _pasted_config(out)
+    cfg = load_config(pasted, world_size=world)  # the loader DeepSpeed users' configs meet
+    assert cfg.zero_optimization.stage == stage
+    assert cfg.zero_optimization.offload_optimizer.device == offload
+    assert cfg.zero_optimization.offload_param.device == ("nvme" if offload == "nvme" else "none")
+    assert cfg.bf16.enabled == (precision == "bf16") and cfg.fp16.enabled == (precision == "fp16")
+    assert cfg.train_micro_batch_size_per_gpu == (4 if "--micro-batch" in argv else 1)
+    if "--tp" in argv:
+        assert cfg.tensor_parallel.size == 2 and cfg.tensor_parallel.sequence_parallel
+        assert cfg.zero_optimization.reduce_bucket_size == 10**6
+    assert not cfg.inert, cfg.inert  # nothing pasted that means nothing here
+
+
+def test_cli_model_not_a_preset_lists_the_presets(capsys) -> None:
+    from zeroshard.models import preset_names
+
+    for command in (["estimate"], ["plan", "--device-memory", "80GB"]):
+        with pytest.raises(SystemExit) as info:
+            _cli(capsys, *command, "--model", "7B", "--nproc", "4")
+        message = str(info.value)
+        assert message.startswith("--model '7B': not a GPT preset (")
+        assert all(name in message for name in preset_names())
+        assert message.endswith("for a parameter count use --params 7e9")
+    with pytest.raises(SystemExit, match="cannot import it: No module named 'no_such_pkg'"):
+        _cli(capsys, "estimate", "--model", "no_such_pkg:build")
 
 
 def test_cli_activations_for_models(capsys, tmp_path, monkeypatch) -> None:

@@ -121,7 +121,8 @@ def test_every_monitor_on_two_ranks(tmp_path) -> None:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     tb = out / "tb" / "job"
-    assert sorted(os.listdir(tb))[0].startswith("events.out.tfevents") and len(os.listdir(tb)) == 1
+    events_files = [n for n in os.listdir(tb) if n != "run.json"]  # run.json: when it started
+    assert len(events_files) == 1 and events_files[0].startswith("events.out.tfevents")
     acc = EventAccumulator(str(tb))
     acc.Reload()
     tags = set(acc.Tags()["scalars"])
@@ -342,6 +343,41 @@ def test_step_line_handler(capsys, monkeypatch) -> None:
     assert capsys.readouterr().out == ""
 
 
+def _timer_lines(rank: int, world: int) -> dict:
+    import zeroshard
+    from zeroshard.models import GPT, GPTConfig
+
+    lines: list[str] = []
+    handler = ListHandler(lines, messages=True)
+    logging.getLogger("zeroshard.monitor").addHandler(handler)
+    counts = {}
+    for gas in (1, 2):
+        model = GPT(GPTConfig.preset("tiny", seq_len=8))
+        config = {
+            "train_micro_batch_size_per_gpu": 2,
+            "gradient_accumulation_steps": gas,
+            "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+            "wall_clock_breakdown": True,
+        }
+        engine, *_ = zeroshard.initialize(model=model, config=config)
+        for _ in range(3 * gas):  # three optimizer steps
+            ids = torch.randint(0, 256, (2, 9))
+            engine.backward(engine(ids[:, :-1], ids[:, 1:]))
+            engine.step()
+        engine.destroy()  # prints what is held
+        text = "\n".join(lines)
+        counts[gas] = [text.count("| fwd_microstep: "), text.count("| fwd: ")]
+        lines.clear()
+    return counts
+
+
+def test_wall_clock_lines_per_step() -> None:
+    # DeepSpeed 0.19: the micro-step line every micro-step, the step line at each
+    # boundary; without accumulation the micro-step line would repeat the step line
+    (counts,) = multirank.run(_timer_lines, 1, timeout=180)
+    assert counts == {"1": [0, 3], "2": [6, 3]}
+
+
 def test_progress_bars(capsys, monkeypatch) -> None:
     pytest.importorskip("tqdm")
     from zeroshard.monitor.progress import progress
@@ -357,27 +393,75 @@ def test_progress_bars(capsys, monkeypatch) -> None:
     assert progress(items, desc="x") is items  # stderr is not a terminal here
 
 
+def _synthetic_run(path) -> None:
+    """20 steps of 8 samples on 2 ranks whose memory is equal (as it is under ZeRO), with
+    tokens/s = 128 x samples/s, two collectives of one size, and the timers."""
+    from zeroshard.monitor.csv import CSVWriter
+
+    writer = CSVWriter(str(path))
+    for i in range(1, 21):
+        events = [("Train/Samples/train_loss", 5.0 / i, 8 * (i - 1)), ("Train/Samples/lr", 1e-3 * min(1, i / 5), 8 * i)]  # fmt: skip
+        events += [(f"Train/Samples/elapsed_time_ms_{t}", 10.0, 8 * i) for t in ("forward", "backward", "backward_allreduce", "step")]  # fmt: skip
+        writer.write_events(events)
+    writer.close()
+    with open(path / "metrics.jsonl", "w") as f:
+        for i in range(1, 21):
+            rec: dict[str, Any] = {"step": i, "samples": 8 * i, "samples_per_s": 100 + i, "tokens_per_s": 128 * (100 + i), "comm": {"all_gather": 1e6, "reduce_scatter": 1e6}}  # fmt: skip
+            if i % 5 == 0:
+                rec["memory_ranks"] = [{"cpu": 1e6 + i * 1e4, "rss": 3e8} for _ in (0, 1)]
+            f.write(json.dumps(rec) + "\n")
+
+
 def test_plot_of_synthetic_run(tmp_path) -> None:
     pytest.importorskip("matplotlib")
     pytest.importorskip("PIL")
-    from zeroshard.monitor.csv import CSVWriter
     from zeroshard.tools.plot import plot_run
 
-    writer = CSVWriter(str(tmp_path))
-    for i in range(1, 21):
-        writer.write_events([("Train/Samples/train_loss", 5.0 / i, 8 * (i - 1)), ("Train/Samples/lr", 1e-3 * min(1, i / 5), 8 * i)])  # fmt: skip
-    writer.close()
-    with open(tmp_path / "metrics.jsonl", "w") as f:
-        for i in range(1, 21):
-            rec = {"step": i, "samples_per_s": 100 + i, "comm": {"all_gather": 1e6, "reduce_scatter": 5e5}}  # fmt: skip
-            if i % 5 == 0:
-                rec["memory_ranks"] = [{"cpu": 1e6 * r + i * 1e4, "rss": 3e8} for r in (1, 2)]
-            f.write(json.dumps(rec) + "\n")
+    _synthetic_run(tmp_path)
     written = plot_run(str(tmp_path))
     names = sorted(os.path.basename(p) for p in written)
-    assert names == ["comm.png", "loss.png", "lr.png", "memory.png", "throughput.png"]
+    assert names == ["comm.png", "loss.png", "lr.png", "memory.png", "throughput.png", "timers.png"]  # fmt: skip
     for path in written:
         _not_blank(path)
+
+
+def test_plots_share_the_samples_axis_and_show_every_series(tmp_path) -> None:
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    from zeroshard.tools.plot import figures
+
+    _synthetic_run(tmp_path)
+    figs = figures(str(tmp_path))
+    try:
+        for name, fig in figs.items():  # one x axis: samples, as DeepSpeed's monitors
+            assert fig.axes[-1].get_xlabel() == "samples", name
+            assert all(len(ax.get_shared_x_axes().get_siblings(ax)) == len(fig.axes) for ax in fig.axes), name  # fmt: skip
+        # throughput: samples/s and tokens/s in panels of their own (on one axis, tokens/s
+        # = 128 x samples/s and the twin axis drew one line over the other)
+        throughput = figs["throughput"].axes
+        assert [ax.get_ylabel() for ax in throughput] == ["samples/s", "tokens/s"]
+        assert [len(ax.get_lines()) for ax in throughput] == [1, 1]
+        assert list(throughput[0].get_lines()[0].get_xdata()) == [8 * i for i in range(1, 21)]
+        # memory: a panel per location; equal ranks told apart by line style and marker
+        memory = figs["memory"].axes
+        assert [ax.get_ylabel() for ax in memory] == ["cpu (MB)", "rss (MB)"]
+        for ax in memory:
+            lines = ax.get_lines()
+            assert [line.get_label() for line in lines] == ["rank 0", "rank 1"]
+            assert list(lines[0].get_ydata()) == list(lines[1].get_ydata())  # they coincide
+            assert _distinct(lines)
+        for name in ("comm", "timers"):  # collectives / timers of equal values
+            assert _distinct(figs[name].axes[0].get_lines()), name
+    finally:
+        for fig in figs.values():
+            plt.close(fig)
+
+
+def _distinct(lines) -> bool:
+    """Each line differs from every other in colour, dashes, marker and marker size."""
+    looks = [(ln.get_color(), ln.get_linestyle(), ln.get_marker(), ln.get_markersize()) for ln in lines]  # fmt: skip
+    return len(lines) > 1 and all(len({look[k] for look in looks}) == len(lines) for k in range(4))
 
 
 def test_peak_flops_is_measured() -> None:
@@ -387,3 +471,69 @@ def test_peak_flops_is_measured() -> None:
     peak = peak_flops("cpu", "fp32", seconds=0.05)
     assert 1e8 < peak < 1e13  # a CPU core: between 0.1 GFLOP/s and 10 TFLOP/s
     assert peak_flops("cpu", "fp32") == peak  # cached
+
+
+def test_plot_never_joins_two_runs(tmp_path) -> None:
+    """Files that hold runs one after another (DeepSpeed's CSV monitor appends; so did
+    zeroshard before a run got its own directory) and a row torn by a kill: the charts
+    draw the last run only, and say so."""
+    pytest.importorskip("matplotlib")
+    from zeroshard.tools.plot import plot_run, read_csv, read_metrics
+
+    rows = ["step,train_loss"] + [f"{8 * i},{5.0 / (i + 1)}" for i in range(150)]
+    again = ["step,train_loss"] + [
+        f"{8 * i},{4.0 / (i + 1)}" for i in range(80)
+    ]  # DeepSpeed's repeated header
+    (tmp_path / "Train_Samples_train_loss.csv").write_text("\n".join(rows + again) + "\n7")  # fmt: skip
+    records = [{"step": s, "samples": 8 * s, "samples_per_s": 1.0} for s in [*range(1, 151), *range(1, 81)]]  # fmt: skip
+    text = "".join(json.dumps(r) + "\n" for r in records) + '{"step": 81, "samp'
+    (tmp_path / "metrics.jsonl").write_text(text)
+    notes: list[str] = []
+    xs, ys = read_csv(str(tmp_path / "Train_Samples_train_loss.csv"), notes)
+    assert xs == [8.0 * i for i in range(80)] and ys[0] == 4.0
+    steps = [r["step"] for r in read_metrics(str(tmp_path / "metrics.jsonl"), notes)]
+    assert steps == list(range(1, 81))
+    assert notes == [
+        f"{tmp_path}/Train_Samples_train_loss.csv holds 2 runs one after another: drawing the last (80 of 230 rows)",
+        f"{tmp_path}/metrics.jsonl holds 2 runs one after another: drawing the last (80 of 230 rows)",
+    ]
+    notes.clear()
+    assert sorted(os.path.basename(p) for p in plot_run(str(tmp_path), notes=notes)) == ["loss.png", "throughput.png"]  # fmt: skip
+    assert len(notes) == 2
+
+
+def test_run_directory_rules(tmp_path) -> None:
+    """zeroshard.monitor.rundir without processes: a fresh run moves an earlier run's
+    files (and only run files), a resume continues its own with the rows past the
+    checkpoint dropped (a torn row too), a resume into another run's files moves them."""
+    from zeroshard.monitor.rundir import open_run
+
+    d = tmp_path / "job"
+    assert open_run(str(d), 0, 0) is None and sorted(os.listdir(d)) == ["run.json"]
+
+    def write_run(last_step: int, torn: bool = False) -> None:
+        loss = "".join(f"{8 * (s - 1)},{1.0 / s}\n" for s in range(1, last_step + 1))
+        lr = "".join(f"{8 * s},0.001\n" for s in range(1, last_step + 1))
+        (d / "Train_Samples_train_loss.csv").write_text("step,train_loss\n" + loss + ("99,0." if torn else ""))  # fmt: skip
+        (d / "Train_Samples_lr.csv").write_text("step,lr\n" + lr)
+        (d / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in range(1, last_step + 1)))  # fmt: skip
+
+    write_run(5, torn=True)
+    (d / "notes.txt").write_text("mine")  # a user's file
+    (d / "rank1").mkdir()  # another rank's directory
+    said = open_run(str(d), 3, 24)  # resumed from step 3 (24 samples)
+    assert said == f"zeroshard: resumed at step 3: {d} continues this run's files; 6 rows past it dropped"  # fmt: skip
+    assert _csv(str(d / "Train_Samples_train_loss.csv")) == [["step", "train_loss"], ["0", "1.0"], ["8", "0.5"], ["16", str(1 / 3)]]  # fmt: skip
+    assert [r[0] for r in _csv(str(d / "Train_Samples_lr.csv"))] == ["step", "8", "16", "24"]
+    assert (d / "metrics.jsonl").read_text().splitlines() == ['{"step": 1}', '{"step": 2}', '{"step": 3}']  # fmt: skip
+    assert json.loads((d / "run.json").read_text())["resumes"][0]["step"] == 3
+    said = open_run(str(d), 0, 0)  # a fresh run
+    assert said is not None and said.startswith(f"zeroshard: {d} held an earlier run: moved to {d}/previous/run-")  # fmt: skip
+    (archived,) = os.listdir(d / "previous")
+    moved = sorted(os.listdir(d / "previous" / archived))
+    assert moved == ["Train_Samples_lr.csv", "Train_Samples_train_loss.csv", "metrics.jsonl", "run.json"]  # fmt: skip
+    assert sorted(os.listdir(d)) == ["notes.txt", "previous", "rank1", "run.json"]
+    write_run(2)
+    said = open_run(str(d), 9, 72)  # resumed at step 9: these files never reached it
+    assert said is not None and f"{d} held another run (without step 9): moved to" in said
+    assert len(os.listdir(d / "previous")) == 2

@@ -5,7 +5,7 @@ Public API (everything else is private)::
     engine, optimizer, loader, scheduler = zeroshard.initialize(model=..., config=...)
     zeroshard.init_distributed()
     zeroshard.add_config_arguments(parser)
-    zeroshard.resume(engine, "ckpt/")   # load ckpt/latest if there is one: (path, client_state)
+    zeroshard.resume(engine, "ckpt/")   # load ckpt/latest, say so: (path, client_state)
     engine = zeroshard.init_inference(model, config)   # engine(x), engine.generate(ids)
 
 Names are imported on first use, so the command-line tools start quickly.

@@ -18,6 +18,8 @@ Differences from the seed, none of them about zeroshard:
   and refuses the seed's values ("Please correct the following DeepSpeed config values
   that mismatch TrainingArguments values: - ds train_batch_size=0 vs hf train_batch_size
   (calculated)=2 ..."), with DeepSpeed as with zeroshard. "auto" is what it asks for;
+* `output_dir` is `runs/seed001_method_a` (the seed's "out" would land in the directory
+  the script is started from; `runs/` is where this repository's examples write);
 * the config file has no `//` comments: transformers reads it with `json.load`, which
   refuses them ("Expecting property name enclosed in double quotes"), with DeepSpeed too.
   (zeroshard's own reader takes them: seed001_method_b_as_printed.py.)
@@ -30,7 +32,7 @@ from transformers import AutoModelForCausalLM, GPT2Config, Trainer, TrainingArgu
 config = GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=256, n_positions=64)
 model = AutoModelForCausalLM.from_config(config)  # the seed: from_pretrained("gpt2")
 args = TrainingArguments(
-    output_dir="out",
+    output_dir=os.path.join("runs", "seed001_method_a"),
     per_device_train_batch_size=1,  # micro-batch
     deepspeed=os.path.join(os.path.dirname(__file__), "seed001_method_a_ds_config.json"),
     num_train_epochs=1,

@@ -1,7 +1,8 @@
 """seeds/001 "실행 방법 A" hands a ds_config to Hugging Face's Trainer
-(`TrainingArguments(deepspeed="ds_config.json")`). The Trainer's DeepSpeed integration
-imports `deepspeed` itself, so it cannot take zeroshard. The equivalent is the loop the
-Trainer runs for you, with zeroshard doing the distributed part:
+(`TrainingArguments(deepspeed="ds_config.json")`). The Trainer itself runs on zeroshard
+with one added step, `--as-deepspeed` (seed001_method_a.py next to this file, and the
+README's "Using it from Hugging Face"). This file is the other way: the loop the Trainer
+runs for you, written against zeroshard's API directly, with no `deepspeed` alias:
 
     zeroshard --num_gpus 2 examples/seeds/seed001_method_a_equivalent.py --deepspeed examples/seeds/seed001_ds_config.json
 

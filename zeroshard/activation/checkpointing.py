@@ -24,18 +24,22 @@ whose :class:`offload_saved_tensors` is re-exported here). No communication.
   ``cpu_checkpointing`` (``checkpoint_in_cpu``)
       what :func:`checkpoint` keeps (its inputs) is offloaded to CPU as above.
   ``partition_activations``
-      accepted, no effect on memory (a warning is logged). DeepSpeed splits the
-      checkpointed inputs across *model-parallel* ranks, which hold identical copies of
-      them. zeroshard has only data parallelism, where every rank's activations are its
-      own: sharding them over the data-parallel ranks would leave each rank holding
-      1/N of N different inputs — the same bytes — plus an all-gather at each
-      recompute. An ``mpu`` with model-parallel world size > 1 is refused.
+      accepted, no effect on memory. DeepSpeed splits the checkpointed inputs across
+      *model-parallel* ranks, which hold identical copies of them. Under pure data
+      parallelism every rank's activations are its own: sharding them over the
+      data-parallel ranks would leave each rank holding 1/N of N different inputs —
+      the same bytes — plus an all-gather at each recompute. An ``mpu`` with
+      model-parallel world size > 1 is refused (not built).
   ``contiguous_memory_optimization``
       accepted, no effect: DeepSpeed copies the partitioned checkpoints into one
-      preallocated buffer to avoid CUDA allocator fragmentation; it requires
-      ``partition_activations`` and ``number_checkpoints`` (checked, as DeepSpeed does).
+      preallocated buffer to avoid CUDA allocator fragmentation (DeepSpeed itself
+      requires ``partition_activations`` and ``number_checkpoints`` with it; zeroshard,
+      which builds no buffer, does not).
   ``number_checkpoints``
       validated (a whole number >= 1); it only sizes that buffer in DeepSpeed.
+
+  The three are named once at start-up with the config's other inert keys (rank 0); a
+  direct :func:`configure` call that sets them logs the same line once per process.
   ``synchronize_checkpoint_boundary``
       the device is synchronized before and after each :func:`checkpoint`.
   ``profile``
@@ -244,30 +248,10 @@ def _mp_world_size(mpu) -> int:
     return 1
 
 
-def configure(
-    mpu_=None,
-    deepspeed_config=None,
-    partition_activations=None,
-    contiguous_checkpointing=None,
-    num_checkpoints=None,
-    checkpoint_in_cpu=None,
-    synchronize=None,
-    profile=None,
-) -> None:
-    """DeepSpeed's ``deepspeed.checkpointing.configure``: read the
-    ``activation_checkpointing`` section of ``deepspeed_config`` (path, dict or parsed
-    config), then let the explicit arguments override it. See the module docstring for
-    what each setting does."""
-    global _settings
+def _settings_from(deepspeed_config: Any, explicit: Mapping[str, Any]) -> Settings:
+    """The section of ``deepspeed_config`` (see :func:`_section`), then the explicit
+    values that are not None, each checked."""
     new = Settings(**(_section(deepspeed_config) or {}))
-    explicit = {
-        "partition_activations": partition_activations,
-        "contiguous_memory_optimization": contiguous_checkpointing,
-        "number_checkpoints": num_checkpoints,
-        "cpu_checkpointing": checkpoint_in_cpu,
-        "synchronize_checkpoint_boundary": synchronize,
-        "profile": profile,
-    }
     for key, value in explicit.items():
         if value is None:
             continue
@@ -285,26 +269,83 @@ def configure(
         new = replace(new, **{key: value})
     if new.number_checkpoints is not None and new.number_checkpoints < 1:
         raise ArgumentError(f"num_checkpoints: must be >= 1, got {new.number_checkpoints}")
-    if new.contiguous_memory_optimization and not new.partition_activations:
-        raise ArgumentError(
-            "contiguous_checkpointing needs partition_activations (as in DeepSpeed)"
+    return new
+
+
+def _check_model_parallel(new: Settings, mpu_) -> None:
+    if new.partition_activations and mpu_ is not None and _mp_world_size(mpu_) > 1:
+        raise NotBuiltError(
+            "partition_activations across model-parallel ranks is not built yet; "
+            "with zeroshard's tensor parallelism, tensor_parallel.sequence_parallel "
+            "(Megatron-SP) splits activations across the tensor-parallel ranks"
         )
-    if new.contiguous_memory_optimization and new.number_checkpoints is None:
-        raise ArgumentError("contiguous_checkpointing needs num_checkpoints (as in DeepSpeed)")
-    if new.partition_activations:
-        if mpu_ is not None and _mp_world_size(mpu_) > 1:
-            raise NotBuiltError(
-                "partition_activations across model-parallel ranks is not built yet; "
-                "with zeroshard's tensor parallelism, tensor_parallel.sequence_parallel "
-                "(Megatron-SP) splits activations across the tensor-parallel ranks"
-            )
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    return int(os.environ.get("RANK", "0"))
+
+
+_noted: set[str] = set()  # inert settings already logged by this process
+
+
+def _note_inert(new: Settings) -> None:
+    """One warning per inert setting in use (the config schema's reason), from rank 0,
+    once per process."""
+    from zeroshard.config import schema_table
+
+    prefix = "activation_checkpointing."
+    for row in schema_table():
+        name = row.path.removeprefix(prefix)
+        if not row.path.startswith(prefix) or row.status.kind != "inert" or name in _noted:
+            continue
+        if getattr(new, name) in (False, None) or _rank() != 0:
+            continue
+        _noted.add(name)
         log.warning(
-            "zeroshard: activation_checkpointing.partition_activations has no effect: "
-            "without an mpu's model parallelism no rank holds a copy of another's "
-            "activations; with tensor_parallel.autotp_size, tensor_parallel."
-            "sequence_parallel (Megatron-SP) is what splits them"
+            "zeroshard: activation checkpointing setting %s has no effect here: %s",
+            name,
+            row.status.text,
         )
+
+
+def configure(
+    mpu_=None,
+    deepspeed_config=None,
+    partition_activations=None,
+    contiguous_checkpointing=None,
+    num_checkpoints=None,
+    checkpoint_in_cpu=None,
+    synchronize=None,
+    profile=None,
+) -> None:
+    """DeepSpeed's ``deepspeed.checkpointing.configure``: read the
+    ``activation_checkpointing`` section of ``deepspeed_config`` (path, dict or parsed
+    config), then let the explicit arguments override it. See the module docstring for
+    what each setting does; the ones that change nothing here are logged once (rank 0)."""
+    global _settings
+    explicit = {
+        "partition_activations": partition_activations,
+        "contiguous_memory_optimization": contiguous_checkpointing,
+        "number_checkpoints": num_checkpoints,
+        "cpu_checkpointing": checkpoint_in_cpu,
+        "synchronize_checkpoint_boundary": synchronize,
+        "profile": profile,
+    }
+    new = _settings_from(deepspeed_config, explicit)
+    _check_model_parallel(new, mpu_)
+    _note_inert(new)
     _settings = new
+
+
+def configure_from_config(section: Any) -> None:
+    """The engine's :func:`configure`: the config's ``activation_checkpointing`` section,
+    whose inert keys the engine's start-up lines already name (so nothing is logged)."""
+    global _settings
+    _settings = _settings_from(section, {})
 
 
 def is_configured() -> bool:

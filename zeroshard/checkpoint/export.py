@@ -13,12 +13,20 @@ import contextlib
 import json
 import math
 import os
+import shutil
 
 import torch
+from safetensors import safe_open
 
-from zeroshard.checkpoint.format import exchange, raise_if_failed, write_text_atomic
+from zeroshard.checkpoint import sources
+from zeroshard.checkpoint.format import (
+    CheckpointError,
+    exchange,
+    raise_if_failed,
+    write_text_atomic,
+)
 from zeroshard.checkpoint.load import PieceReader, read_manifest, resolve_path, scan_files
-from zeroshard.checkpoint.safetensors_io import DTYPES, StreamWriter, dtype_size
+from zeroshard.checkpoint.safetensors_io import DTYPES, StreamWriter, dtype_size, read_header
 from zeroshard.checkpoint.save import CheckpointSaveError
 from zeroshard.monitor.progress import progress
 
@@ -113,12 +121,14 @@ def export_checkpoint(
     *,
     verify: bool = True,
     allow_nonfinite: bool = False,
+    tag: str | None = None,
 ) -> list[str]:
-    """Consolidate a checkpoint (a tag directory, or a directory with ``latest``), after
-    checking every file (checksums unless ``verify=False``; non-finite values unless
-    ``allow_nonfinite``, as :func:`load_checkpoint`)."""
+    """Consolidate a checkpoint (a tag directory, a directory with ``latest``, or the
+    ``tag`` directory in ``ckpt_dir``), after checking every file (checksums unless
+    ``verify=False``; non-finite values unless ``allow_nonfinite``, as
+    :func:`load_checkpoint`)."""
     entries, fetch, manifest = open_checkpoint(
-        ckpt_dir, dtype, verify=verify, allow_nonfinite=allow_nonfinite
+        ckpt_dir, dtype, verify=verify, allow_nonfinite=allow_nonfinite, tag=tag
     )
     metadata = {"format": "pt"}
     if manifest.get("model"):
@@ -132,10 +142,11 @@ def open_checkpoint(
     *,
     verify: bool = True,
     allow_nonfinite: bool = False,
+    tag: str | None = None,
 ):
     """``(entries, fetch, manifest)`` of a checked checkpoint: entries are (name, dtype,
     shape) of every whole tensor, ``fetch(name)`` assembles one from its pieces."""
-    path = resolve_path(ckpt_dir, None)
+    path = resolve_path(ckpt_dir, tag)
     manifest = read_manifest(path, root=ckpt_dir)
     scan_files(
         path,
@@ -174,6 +185,62 @@ def open_checkpoint(
         return reader.get(kind, real, 0, math.prod(shape), torch.float32).view(shape)
 
     return entries, fetch, manifest
+
+
+def export_safetensors(
+    src: str,
+    out: str,
+    dtype: torch.dtype | None = None,
+    max_shard_bytes: int | None = None,
+    *,
+    allow_nonfinite: bool = False,
+) -> list[str]:
+    """Safetensors weights (a Hugging Face folder, a Trainer checkpoint, an export; see
+    :mod:`sources`) written as :func:`export_checkpoint` writes a checkpoint: cast to
+    ``dtype`` (floating tensors), sharded above ``max_shard_bytes``, the model's
+    description in the header (recorded, or from ``config.json``); a folder ``out`` gets
+    the source's ``config.json`` and ``generation_config.json`` too, so it is itself a
+    Hugging Face folder. Every header is checked (tensors tile the data exactly) and,
+    unless ``allow_nonfinite``, every value is finite."""
+    files = sources.safetensors_files(src)
+    entries, where, metadata = [], {}, {"format": "pt"}
+    for file in files:
+        try:
+            header = read_header(file)
+        except ValueError as exc:
+            raise CheckpointError(str(exc)) from exc
+        meta = header.pop("__metadata__", None) or {}
+        if "zeroshard_quant" in meta:
+            raise CheckpointError(f"{file}: quantized weights (save_quantized): nothing to convert")
+        if MODEL_KEY in meta:
+            metadata[MODEL_KEY] = meta[MODEL_KEY]
+        for name, info in header.items():
+            saved = DTYPES[info["dtype"]]
+            want = dtype if dtype is not None and saved.is_floating_point else saved
+            entries.append((name, want, list(info["shape"])))
+            where[name] = file
+    if MODEL_KEY not in metadata:
+        described = sources.hf_description(src)
+        if described is not None:
+            metadata[MODEL_KEY] = json.dumps(described)
+
+    def fetch(name: str) -> torch.Tensor:
+        with safe_open(where[name], framework="pt") as f:
+            t = f.get_tensor(name)
+        if not allow_nonfinite and t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise CheckpointError(
+                f"{where[name]}: tensor {name!r} holds NaN/inf (--allow-nonfinite keeps it)"
+            )
+        return t
+
+    paths = write_weights(out, entries, fetch, max_shard_bytes, metadata)
+    if not out.endswith(".safetensors"):
+        folder = src if os.path.isdir(src) else os.path.dirname(os.path.abspath(src))
+        for name in ("config.json", "generation_config.json"):
+            if os.path.isfile(os.path.join(folder, name)):
+                shutil.copyfile(os.path.join(folder, name), os.path.join(out, name))
+                paths.append(os.path.join(out, name))
+    return paths
 
 
 def save_16bit(engine, save_dir: str, filename: str = "model.safetensors") -> str | None:

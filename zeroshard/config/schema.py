@@ -4,7 +4,8 @@
 A section is a frozen kw_only dataclass (a :class:`Section`) whose fields are made with
 :func:`key`; a field's metadata is its whole schema: JSON name (``under`` a sub-object
 such as ``params``), aliases, range, choices, doc and status. :func:`read_section` reads
-a JSON object into a section, recursively; :func:`schema_keys` lists every key. Rules:
+a JSON object into a section, recursively, collecting every problem before one
+:class:`ConfigError` reports them all; :func:`schema_keys` lists every key. Rules:
 
 * unknown keys are errors, with "did you mean" or the section the key belongs to (or
   the section's ``UNKNOWN`` text: why it reads no other key);
@@ -40,20 +41,54 @@ AUTO = "auto"
 
 
 class ConfigError(ZeroshardError, ValueError):
-    """An invalid config. ``str(err)`` always starts with the dotted key path of the problem.
+    """An invalid config. With one problem, ``str(err)`` starts with the dotted key path of
+    the problem: ``path`` is that key path (for file-level problems, the file name),
+    ``problem`` the rest. ``ConfigError("a.b: problem")`` (one string) is split at the
+    first ``": "``.
 
-    ``path`` is that key path (for file-level problems, the file name), ``problem`` the rest.
-    ``ConfigError("a.b: problem")`` (one string) is split at the first ``": "``.
+    A config read finds every problem of its keys at once: ``errors`` holds them, one
+    ConfigError each (``(err,)`` when there is one); with several, ``path`` and ``problem``
+    are the first's and ``str(err)`` reads "N problems in WHERE:" and then one line per
+    distinct problem, naming every key that has it.
     """
 
-    def __init__(self, path: str, problem: str | None = None) -> None:
+    def __init__(
+        self, path: str, problem: str | None = None, *, others: tuple[ConfigError, ...] = (), where: str = ""
+    ) -> None:  # fmt: skip
         if problem is None:
             path, _, problem = path.partition(": ") if ": " in path else ("", "", path)
-        self.path, self.problem = path, problem
-        super().__init__(f"{path}: {problem}" if path else problem)
+        self.path, self.problem, self.where = path, problem, where
+        self._others = tuple(others)
+        first = f"{path}: {problem}" if path else problem
+        if not self._others:
+            super().__init__(first)
+            return
+        # one line per distinct problem, naming every key that has it
+        keys: dict[str, list[str]] = {}
+        for err in (self, *self._others):
+            keys.setdefault(err.problem, []).append(err.path)
+        lines = [", ".join(p for p in paths if p) + ": " + problem if any(paths) else problem for problem, paths in keys.items()]  # fmt: skip
+        head = f"{1 + len(self._others)} problems in {where or 'the config'}:"
+        super().__init__("\n".join([head, *(f"  {line}" for line in lines)]))
+
+    @property
+    def errors(self) -> tuple[ConfigError, ...]:
+        """Every problem found, each a one-problem ConfigError (this one's first)."""
+        return (ConfigError(self.path, self.problem), *self._others) if self._others else (self,)
+
+    @classmethod
+    def combine(cls, errors: list[ConfigError], where: str = "") -> ConfigError:
+        """One ConfigError reporting ``errors`` (non-empty), in the order found."""
+        flat = [one for err in errors for one in err.errors]
+        first = flat[0]
+        return cls(first.path, first.problem, others=tuple(flat[1:]), where=where)
 
     def __reduce__(self) -> tuple[Any, ...]:  # keep it picklable across processes
-        return (type(self), (self.path, self.problem))
+        return (_rebuild, (type(self), self.path, self.problem, self._others, self.where))
+
+
+def _rebuild(cls: type, path: str, problem: str, others: tuple, where: str) -> ConfigError:
+    return cls(path, problem, others=others, where=where)
 
 
 ConfigError.__module__ = "zeroshard.config"  # its public home, for tracebacks
@@ -227,19 +262,75 @@ def _listed(choices: Any) -> str:
 # -- reading -------------------------------------------------------------------------------
 @dataclass
 class Reading:
-    """One read of a config: the schema root (for "belongs under" hints) and the keys
-    found refused (not built) or inert, as ``(dotted path, feature or reason)``."""
+    """One read of a config: the schema root (for "belongs under" hints), the keys found
+    refused (not built) or inert, as ``(dotted path, feature or reason)``, and the
+    problems found so far (every one is collected; the outermost :func:`read_section`
+    raises them together).
+
+    ``refuse_not_built``: a key asking for a feature that is not built is a problem (else
+    only listed); ``auto_ok``: "auto" anywhere is a value to be filled in (a check made
+    before the Hugging Face integration fills the values in): the key is left out, and
+    its section's cross-key checks are not made."""
 
     root: type
     not_built: list[tuple[str, str]] = field(default_factory=list)
     inert: list[tuple[str, str]] = field(default_factory=list)
+    errors: list[ConfigError] = field(default_factory=list)
+    where: str = ""  # what is read, for the message of several problems (a file name)
+    refuse_not_built: bool = False
+    auto_ok: bool = False
+    depth: int = 0  # nesting of read_section calls: the outermost raises
+    bad_keys: int = 0  # problems that make a section's cross-key checks a guess
+
+    @contextmanager
+    def collecting(self) -> Iterator[None]:
+        """Record a ConfigError raised inside instead of letting it propagate."""
+        try:
+            yield
+        except ConfigError as err:
+            self.errors.append(err)
+            self.bad_keys += 1
+
+
+class _SectionFailed(ZeroshardError):
+    """A nested section had problems (recorded in the Reading): its parent leaves the key
+    out and goes on reading its other keys. Never leaves :func:`read_section`."""
 
 
 def read_section(cls: type, data: Any, path: str, reading: Reading | None = None, **extra: Any) -> Any:  # fmt: skip
     """Read the JSON object ``data`` found at dotted ``path`` into the section ``cls``
-    (``extra``: constructor arguments that are not keys)."""
+    (``extra``: constructor arguments that are not keys). None when the reading's
+    ``auto_ok`` left keys to be filled in.
+
+    Every problem is found before one :class:`ConfigError` reports them all: each key is
+    read on its own (an unknown key, a bad value, a bad nested section do not stop the
+    others). Checks that relate several keys (a section's ``__post_init__``, such as the
+    batch-size rule) run only on a section whose keys read cleanly: judged on a guess,
+    they would report problems the user does not have."""
     reading = reading or Reading(cls)
-    check(isinstance(data, Mapping), path or "config", f"expected an object {{...}}, got {describe(data)}")  # fmt: skip
+    reading.depth += 1
+    failed = False
+    try:
+        section = _read_section(cls, data, path, reading, extra)
+    except _SectionFailed:
+        failed = True
+    finally:
+        reading.depth -= 1
+    if reading.depth == 0 and reading.errors:
+        raise ConfigError.combine(reading.errors, reading.where) from None
+    if failed:
+        if reading.depth == 0:  # no problem, but values to be filled in ("auto")
+            return None
+        raise _SectionFailed
+    return section
+
+
+def _read_section(cls: type, data: Any, path: str, reading: Reading, extra: dict[str, Any]) -> Any:  # fmt: skip
+    bad_before = reading.bad_keys
+    if not isinstance(data, Mapping):
+        with reading.collecting():
+            raise ConfigError(path or "config", f"expected an object {{...}}, got {describe(data)}")  # fmt: skip
+        raise _SectionFailed
     values: dict[str, Any] = {}
     given: dict[str, str] = {}  # attr -> the dotted path written in the config
 
@@ -254,41 +345,62 @@ def read_section(cls: type, data: Any, path: str, reading: Reading | None = None
             check(s.default is not MISSING, join(where, s.path[-1]), f"required{hint}")
             return
         at = given[s.attr] = join(where, names[0])
-        values[s.attr] = value = _value(s, obj[names[0]], at, reading)
+        try:
+            value = _value(s, obj[names[0]], at, reading)
+        except _SectionFailed:
+            return  # its problems are recorded
+        values[s.attr] = value
         status = s.key.status
         if status.kind != "wired" and (status.when(value) if status.when else value != s.default):
-            (reading.not_built if status.kind == "not built" else reading.inert).append((at, status.text))  # fmt: skip
+            if status.kind == "inert":
+                reading.inert.append((at, status.text))
+                return
+            reading.not_built.append((at, status.text))
+            if reading.refuse_not_built:  # a problem, but the value is read: keep checking
+                reading.errors.append(ConfigError(at, f"{status.text} is not built yet in zeroshard"))  # fmt: skip
 
-    # the section's type first: keys marked `only` exist for some types only
+    # the section's type first: keys marked `only` exist for some types only (a bad type:
+    # its parameters cannot be judged, so the section stops at that one problem)
     kind_spec = next((s for s in specs(cls) if s.path == ("type",)), None)
     if kind_spec is not None:
-        read(kind_spec, data)
+        with reading.collecting():
+            read(kind_spec, data)
+        if reading.bad_keys > bad_before:
+            raise _SectionFailed
     kind = values.get("type")
     applies = [s for s in specs(cls) if s.key.only is None or kind in s.key.only]
-    objects: dict[tuple[str, ...], Any] = {
-        (): data
-    }  # JSON objects by their names, e.g. ("params",)
+    objects: dict[tuple[str, ...], Any] = {(): data}  # JSON objects by names, e.g. ("params",)
     for prefix in dict.fromkeys(s.path[:depth] for s in applies for depth in range(1, len(s.path))):  # fmt: skip
         sub = (objects[prefix[:-1]] or {}).get(prefix[-1])
-        check(sub is None or isinstance(sub, Mapping), join(path, ".".join(prefix)), f"expected an object {{...}}, got {describe(sub)}")  # fmt: skip
-        objects[prefix] = sub
+        objects[prefix] = sub if isinstance(sub, Mapping) else None
+        with reading.collecting():
+            check(sub is None or isinstance(sub, Mapping), join(path, ".".join(prefix)), f"expected an object {{...}}, got {describe(sub)}")  # fmt: skip
     for prefix, obj in objects.items():
         for name in obj or ():
-            _check_known(cls, name, prefix, path, applies, kind, reading.root)
+            with reading.collecting():
+                _check_known(cls, name, prefix, path, applies, kind, reading.root)
     for s in applies:
         if s is not kind_spec and objects[s.path[:-1]] is not None:
-            read(s, objects[s.path[:-1]])
-    compat = getattr(cls, "json_compat", None)
-    if compat is not None:
-        values = compat(values, given, lambda at, reason: reading.inert.append((at, reason)))
-    with prefixed(path):
-        return cls(**values, **extra)
+            with reading.collecting():
+                read(s, objects[s.path[:-1]])
+    if reading.bad_keys > bad_before:
+        raise _SectionFailed  # the cross-key checks below would judge a guess
+    with reading.collecting():
+        compat = getattr(cls, "json_compat", None)  # it names keys by their whole path
+        if compat is not None:
+            values = compat(values, given, lambda at, reason: reading.inert.append((at, reason)))
+        with prefixed(path):
+            return cls(**values, **extra)
+    raise _SectionFailed
 
 
 def _value(s: Spec, value: Any, at: str, reading: Reading) -> Any:
     if isinstance(value, str) and value == AUTO:
         if s.key.auto:
             return s.default
+        if reading.auto_ok:  # to be filled in: the section's cross-key checks would guess
+            reading.bad_keys += 1
+            raise _SectionFailed
         raise ConfigError(at, "'auto' is filled in only by the Hugging Face integration; give a value here (or pass one as load_config(..., auto_values={...}))")  # fmt: skip
     if value is None:
         check(s.optional or s.key.nullable, at, "expected a value, got null")

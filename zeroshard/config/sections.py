@@ -389,19 +389,13 @@ class ActivationCheckpointingConfig(Section):
     DeepSpeed's section configures its checkpoint function."""
 
     # fmt: off
-    partition_activations: bool = key(False, INERT("no rank holds a copy of another's activations without an mpu's model parallelism; with AutoTP, tensor_parallel.sequence_parallel splits them"), doc="Split inputs over model-parallel ranks.")
+    partition_activations: bool = key(False, INERT("under pure data parallelism every rank's activations are its own, so there is no copy to split (DeepSpeed splits them over an mpu's model-parallel ranks; with AutoTP, tensor_parallel.sequence_parallel does)"), doc="Split inputs over model-parallel ranks.")
     cpu_checkpointing: bool = key(False, doc="Keep checkpoint() inputs in CPU memory.")
-    contiguous_memory_optimization: bool = key(False, INERT("DeepSpeed's buffer for partitioned activations"), doc="One preallocated buffer.")
+    contiguous_memory_optimization: bool = key(False, INERT("it is DeepSpeed's preallocated buffer for partitioned activations (DeepSpeed also requires partition_activations and number_checkpoints with it)"), doc="One preallocated buffer.")
     number_checkpoints: int | None = key(None, INERT("it only sizes DeepSpeed's contiguous buffer"), doc="Checkpoints, to size it.", min=1)
     synchronize_checkpoint_boundary: bool = key(False, doc="Synchronize the device around checkpoint().")
     profile: bool = key(False, doc="Log the forward time of each checkpoint().")
     # fmt: on
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.contiguous_memory_optimization:
-            check(self.partition_activations, "contiguous_memory_optimization", "needs partition_activations true")  # fmt: skip
-            check(self.number_checkpoints is not None, "number_checkpoints", "contiguous_memory_optimization needs number_checkpoints to size its buffer")  # fmt: skip
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -436,5 +430,5 @@ class CheckpointConfig(Section):
     use_node_local_storage: bool = key(False, NOT_BUILT("node-local checkpoint storage"), doc="Save per node.")
     parallel_write_pipeline_stage: bool = key(False, INERT("every rank writes its own pieces, so every pipeline stage writes in parallel already"), doc="Writes per pipeline stage.", name="parallel_write.pipeline_stage")
     writer: dict[str, Any] | None = key(None, INERT("checkpoints have one writer (safetensors)"), doc="DeepSpeed's writer settings.")
-    dir: str | None = key(None, doc="zeroshard: the job's checkpoint directory: initialize() resumes from its latest, and SIGTERM saves there at the next step boundary and exits 0.", nullable=True, check=_non_empty)
+    dir: str | None = key(None, doc="zeroshard: the job's checkpoint directory: initialize() resumes from its latest and says so (created, with a warning, when missing: a first launch), SIGTERM saves there at the next step boundary and exits 0, and engine.destroy() saves the run's last step there.", nullable=True, check=_non_empty)
     # fmt: on

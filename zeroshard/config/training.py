@@ -5,8 +5,10 @@
 ``/* */`` comments and trailing commas allowed, as with DeepSpeed's hjson), checks every
 key, resolves ``train_batch_size = micro x gradient_accumulation_steps x N`` (any one
 derived from the other two; absent, null or 0 mean "derive it") and returns a
-:class:`Config`. The first problem raises :class:`ConfigError`, whose message starts with
-the dotted key: ``zero_optimization.stage: expected one of 0, 1, 2, 3, got 4``.
+:class:`Config`. Problems raise one :class:`ConfigError` that reports every problem of
+the keys at once (``err.errors``), each starting with its dotted key:
+``zero_optimization.stage: expected one of 0, 1, 2, 3, got 4``. :func:`check_config_file`
+is what ``zeroshard run`` checks before any worker starts (this module imports no torch).
 
 The dataclasses are the schema: each field is one key (``key()``: name, default, range,
 aliases, doc, status), and one reader walks them (``zeroshard.config.schema``). Every
@@ -35,9 +37,7 @@ import operator
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, is_dataclass
-from typing import Any, ClassVar
-
-import torch
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from zeroshard import ArgumentError
 from zeroshard.config import features, monitors, sections
@@ -79,6 +79,9 @@ from zeroshard.config.sections import (
     ZeroConfig,
 )
 
+if TYPE_CHECKING:  # torch is imported where a dtype is asked for: `zeroshard run` checks
+    import torch  # a config before any worker starts, without torch's 1-2 s import
+
 # fmt: off
 __all__ = [
     "DEFAULT_LEAF_CLASSES",
@@ -101,6 +104,7 @@ __all__ = [
     "OptimizerConfig",
     "SchedulerConfig",
     "ZeroConfig",
+    "check_config_file",
     "load_config",
     "read_config",
     "read_config_file",
@@ -149,6 +153,9 @@ class Config(Section):
     # only gradient_accumulation_steps given: leave the micro-batch size None for the engine
     # to take from the first batch (initialize without training_data; not a key)
     micro_batch_from_data: bool = False
+    # False: checked before the ranks exist (zeroshard run's check): the batch-size rule and
+    # the parallel degrees' fit to the world size wait for initialize (not a key)
+    layout_known: bool = True
     optimizer: OptimizerConfig | None = key(None, doc="The optimizer to build; null: pass one to initialize().")
     scheduler: SchedulerConfig | None = key(None, doc="The learning-rate schedule, if any.")
     fp16: FP16Config = _section(FP16Config, "fp16 mixed precision.")
@@ -231,8 +238,10 @@ class Config(Section):
             object.__setattr__(self, "dp_world_size", self._dp_of(self.world_size))
         check(self.dp_world_size >= 1, "dp_world_size", "must be >= 1")
         train, micro, gas = (getattr(self, name) or None for name in _BATCH)  # 0: derive it
-        resolved: tuple[int | None, int | None, int]
-        if self.micro_batch_from_data and train is None and micro is None and gas is not None:
+        resolved: tuple[int | None, int | None, int | None]
+        if not self.layout_known:
+            resolved = (train, micro, gas)  # initialize resolves them for its mesh
+        elif self.micro_batch_from_data and train is None and micro is None and gas is not None:
             resolved = (None, None, gas)  # zeroshard/runtime/first_batch.py fills them in
         else:
             resolved = resolve_batch_sizes(train, micro, gas, self.dp_world_size)
@@ -240,7 +249,9 @@ class Config(Section):
             object.__setattr__(self, name, value)
         mb = self.pipeline.micro_batches
         check(
-            mb is None or mb == self.gradient_accumulation_steps,
+            mb is None
+            or self.gradient_accumulation_steps is None
+            or mb == self.gradient_accumulation_steps,
             "pipeline.micro_batches",
             f"{mb}, but gradient_accumulation_steps is {self.gradient_accumulation_steps} (a "
             "pipeline runs gradient_accumulation_steps micro-batches per train_batch; give one)",
@@ -257,6 +268,16 @@ class Config(Section):
             "train_batch()); leave it out with pipeline stages",
         )
         check(not both, "bf16.enabled", "fp16 and bf16 cannot both be enabled; choose one")
+        check(
+            not (
+                self.activation_checkpointing.partition_activations
+                and self.tensor_parallel.size > 1
+            ),
+            "activation_checkpointing.partition_activations",
+            "splitting the checkpointed inputs over the tensor-parallel ranks is not built yet "
+            "in zeroshard; tensor_parallel.sequence_parallel (Megatron-SP) splits activations "
+            "over them",
+        )
 
     @classmethod
     def json_compat(cls, values: dict, given: dict[str, str], note: Callable[[str, str], None]) -> dict:  # fmt: skip
@@ -283,6 +304,8 @@ class Config(Section):
     @property
     def compute_dtype(self) -> torch.dtype:
         """bf16 if bf16 is enabled, fp16 if fp16 is, else fp32."""
+        import torch
+
         return torch.bfloat16 if self.bf16.enabled else torch.float16 if self.fp16.enabled else torch.float32  # fmt: skip
 
     @property
@@ -312,21 +335,18 @@ def load_config(
     the stages of the PipelineModule being trained (``pipeline.stages`` must agree);
     ``micro_batch_from_data``: a config giving only ``gradient_accumulation_steps`` leaves
     ``train_micro_batch_size_per_gpu`` and ``train_batch_size`` None (the engine takes them
-    from the first batch) instead of being refused. Raises :class:`ConfigError` on the
-    first problem, including a feature that is not built yet.
+    from the first batch) instead of being refused. Raises one :class:`ConfigError`
+    reporting every problem of the keys (``err.errors``), features not built included.
     """
-    config = read_config(
+    return _read(
         source,
+        Reading(Config, refuse_not_built=True),
         dp_world_size=dp_world_size,
         world_size=world_size,
         auto_values=auto_values,
         module_stages=module_stages,
         micro_batch_from_data=micro_batch_from_data,
     )
-    if config.not_built:
-        path, feature = config.not_built[0]
-        raise ConfigError(path, f"{feature} is not built yet in zeroshard")
-    return config
 
 
 def read_config(
@@ -340,6 +360,35 @@ def read_config(
 ) -> Config:
     """:func:`load_config` for tools that inspect configs: a config asking for features
     that are not built is returned, with them in :attr:`Config.not_built`."""
+    return _read(
+        source,
+        Reading(Config),
+        dp_world_size=dp_world_size,
+        world_size=world_size,
+        auto_values=auto_values,
+        module_stages=module_stages,
+        micro_batch_from_data=micro_batch_from_data,
+    )
+
+
+def check_config_file(path: str | os.PathLike[str]) -> None:
+    """What ``zeroshard run`` checks before it starts any worker: the file, every key
+    (features not built refused), and the rules that need no world size. ``"auto"`` reads
+    as the default (the Hugging Face integration fills it in later); the batch-size rule
+    and the parallel degrees' fit to the world size are left to ``initialize``, which knows
+    the mesh (an ``mpu`` may shape it). Raises one :class:`ConfigError` reporting every
+    problem found. Imports no torch."""
+    _read(path, Reading(Config, refuse_not_built=True, auto_ok=True), layout_known=False)
+
+
+def _read(
+    source: Mapping[str, Any] | str | os.PathLike[str],
+    reading: Reading,
+    *,
+    dp_world_size: int = 1,
+    auto_values: Mapping[str, Any] | None = None,
+    **extra: Any,
+) -> Config:
     try:
         world = operator.index(dp_world_size)
     except TypeError:
@@ -347,13 +396,13 @@ def read_config(
     if isinstance(dp_world_size, bool) or world < 1:
         raise ArgumentError(f"dp_world_size must be a positive int, got {dp_world_size!r}")
     if isinstance(source, Mapping):
-        raw, where = copy.deepcopy(dict(source)), "config"
+        raw, where = copy.deepcopy(dict(source)), "the config"
     elif isinstance(source, (str, os.PathLike)):
         raw, where = read_config_file(source), os.fspath(source)
     else:
         raise TypeError(f"config must be a dict or a path, got {type(source).__name__}")
     if not isinstance(raw, dict):
-        raise ConfigError(where, f"expected a JSON object at the top level, got {describe(raw)}")
+        raise ConfigError("config" if isinstance(source, Mapping) else where, f"expected a JSON object at the top level, got {describe(raw)}")  # fmt: skip
     _fill_auto(raw, auto_values or {})
     data = dict(raw)
     if isinstance(data.get("zero_optimization"), bool):  # DeepSpeed's deprecated form
@@ -363,19 +412,19 @@ def read_config(
     pipe = data.get("pipeline")
     if isinstance(pipe, dict) and pipe.get("stages") == AUTO:  # DeepSpeed's default value
         data["pipeline"] = {**pipe, "stages": None}  # the PipelineModule's num_stages
-    reading = Reading(Config)
-    extra = {"raw": raw, "inert": reading.inert, "not_built": reading.not_built}
-    return read_section(
+    reading.where = where
+    config: Config = read_section(
         Config,
         data,
         "",
         reading,
         dp_world_size=world,
-        world_size=world_size,
-        module_stages=module_stages,
-        micro_batch_from_data=micro_batch_from_data,
+        raw=raw,
+        inert=reading.inert,
+        not_built=reading.not_built,
         **extra,
     )
+    return config
 
 
 def _fill_auto(raw: dict[str, Any], auto_values: Mapping[str, Any]) -> None:

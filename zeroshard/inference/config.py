@@ -1,6 +1,6 @@
 # ruff: noqa: RUF009  (fields are made by key(), which returns a dataclasses.field)
 """DeepSpeed's ``init_inference`` config, read through the training config's one schema
-(``_config_schema``): every key is wired, refused ("not built yet") or reported as
+(``zeroshard.config.schema``): every key is wired, refused ("not built yet") or reported as
 meaning nothing here, with the reason. No collectives, no devices.
 
 DeepSpeed's spelling is accepted as a dict, a JSON file, keyword arguments, or both

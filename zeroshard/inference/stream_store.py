@@ -216,20 +216,17 @@ def empty_model_from(path: str) -> nn.Module:
     metadata), with its parameters on the meta device (buffers real), ready to be
     streamed from ``path`` by ``init_inference(model, {"checkpoint": path, "zero": ...})``.
     A transformers model is built under accelerate's ``init_empty_weights()``."""
-    from zeroshard.checkpoint.export import MODEL_KEY
     from zeroshard.checkpoint.model_config import build_model
-    from zeroshard.inference.weights import read_metadata
+    from zeroshard.checkpoint.sources import is_checkpoint
+    from zeroshard.inference.weights import model_description
 
-    if os.path.isdir(path) and any(
-        os.path.exists(os.path.join(path, n)) for n in ("latest", "manifest.json")
-    ):
+    if is_checkpoint(path):
         raise InferenceError(
             f"{path}: a zeroshard checkpoint; weights stream from a safetensors export: "
             f"write one with `zeroshard convert {path} OUT` and pass OUT"
         )
-    meta = read_metadata(path)
-    desc = json.loads(meta[MODEL_KEY]) if MODEL_KEY in meta else None
-    if desc and desc.get("class") == "transformers":
+    desc = model_description(path)  # recorded, or a Hugging Face config.json beside it
+    if desc.get("class") == "transformers":
         try:
             from accelerate import init_empty_weights
         except ImportError as exc:

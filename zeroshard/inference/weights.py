@@ -18,6 +18,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
+from zeroshard.checkpoint import sources
 from zeroshard.checkpoint.export import MODEL_KEY
 from zeroshard.checkpoint.model_config import ModelConfigError, build_model, describe_model
 from zeroshard.inference.config import InferenceError
@@ -26,33 +27,17 @@ from zeroshard.inference.quantize import QuantLinear, linear_weight_bias
 QUANT_KEY = "zeroshard_quant"
 
 
-def _is_checkpoint(path: str) -> bool:
-    return os.path.isdir(path) and any(
-        os.path.exists(os.path.join(path, n)) for n in ("latest", "manifest.json")
-    )
+is_checkpoint = sources.is_checkpoint  # a zeroshard checkpoint, else safetensors weights
 
 
 def _safetensors_files(path: str) -> list[str]:
-    if os.path.isfile(path):
-        return [path]
-    index = os.path.join(path, "model.safetensors.index.json")
-    if os.path.exists(index):
-        with open(index) as f:
-            names = sorted(set(json.load(f)["weight_map"].values()))
-        return [os.path.join(path, n) for n in names]
-    single = os.path.join(path, "model.safetensors")
-    if os.path.exists(single):
-        return [single]
-    raise FileNotFoundError(
-        f"{path}: neither a zeroshard checkpoint (no 'latest' or manifest.json), nor a "
-        "safetensors file, nor a directory with model.safetensors or its index"
-    )
+    return sources.safetensors_files(path)
 
 
 def read_metadata(path: str) -> dict[str, str]:
     """The header metadata of the first safetensors file at ``path``, or of a checkpoint's
     manifest (its ``model`` as ``zeroshard_model``)."""
-    if _is_checkpoint(path):
+    if is_checkpoint(path):
         from zeroshard.checkpoint.load import read_manifest, resolve_path
 
         manifest = read_manifest(resolve_path(path, None), root=path)
@@ -62,17 +47,31 @@ def read_metadata(path: str) -> dict[str, str]:
         return dict(f.metadata() or {})
 
 
-def model_from(path: str) -> nn.Module:
-    """Build the model a checkpoint or safetensors export describes, with its weights
-    (quantized layers included)."""
+def model_description(path: str) -> dict:
+    """What model the weights at ``path`` hold: the description recorded with them
+    (zeroshard checkpoints and exports), else the Hugging Face ``config.json`` beside them
+    (``save_pretrained``, a Trainer's folders); a :class:`ModelConfigError` naming what is
+    missing else."""
     meta = read_metadata(path)
-    if MODEL_KEY not in meta:
-        raise ModelConfigError(
-            f"{path}: no model config recorded (checkpoints and exports record the built-in "
-            "GPT's and Hugging Face models' configs since issue 19; older ones do not): "
-            "build the model yourself and load the weights with init_inference(model, checkpoint=...)"
-        )
-    model = build_model(json.loads(meta[MODEL_KEY]), path)
+    if MODEL_KEY in meta:
+        return json.loads(meta[MODEL_KEY])
+    described = sources.hf_description(path)
+    if described is None:
+        if is_checkpoint(path):
+            raise ModelConfigError(
+                f"{path}: no model config recorded (checkpoints record the built-in GPT's "
+                "and Hugging Face models' configs since issue 19; older ones do not) and no "
+                "config.json beside it: build the model yourself and load the weights with "
+                "init_inference(model, checkpoint=...)"
+            )
+        raise sources.no_model_config(path)
+    return described
+
+
+def model_from(path: str) -> nn.Module:
+    """Build the model a checkpoint, export or Hugging Face folder describes, with its
+    weights (quantized layers included)."""
+    model = build_model(model_description(path), path)
     load_weights(model, path)
     return model
 
@@ -100,7 +99,7 @@ def quantized_shells(model: nn.Module, spec: dict) -> None:
 def load_weights(model: nn.Module, path: str) -> None:
     """Load a checkpoint or safetensors weights into ``model`` (strict: every tensor of
     the model must be there, nothing else)."""
-    if _is_checkpoint(path):
+    if is_checkpoint(path):
         from zeroshard.checkpoint.export import open_checkpoint
 
         entries, fetch, _ = open_checkpoint(path)
@@ -116,11 +115,22 @@ def load_weights(model: nn.Module, path: str) -> None:
         if QUANT_KEY in meta:
             quantized_shells(model, json.loads(meta[QUANT_KEY]))
     result = model.load_state_dict(state, strict=False)
-    if result.missing_keys or result.unexpected_keys:
+    missing = _untied(model, result.missing_keys, state)
+    if missing or result.unexpected_keys:
         raise InferenceError(
-            f"{path}: weights do not match the model: missing {result.missing_keys[:5]}, "
+            f"{path}: weights do not match the model: missing {missing[:5]}, "
             f"unexpected {result.unexpected_keys[:5]}"
         )
+
+
+def _untied(model: nn.Module, missing: list[str], loaded: dict) -> list[str]:
+    """``missing`` less the names of tensors tied to one that was loaded (Hugging Face
+    folders store a tied head once, under the embedding's name)."""
+    names: dict[int, list[str]] = {}
+    for name, t in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:  # fmt: skip
+        names.setdefault(id(t), []).append(name)
+    tied = {n: group for group in names.values() if len(group) > 1 for n in group}
+    return [k for k in missing if not any(other in loaded for other in tied.get(k, ()))]
 
 
 def save_quantized(model: nn.Module, path: str) -> str:

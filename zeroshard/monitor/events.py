@@ -6,6 +6,10 @@ none waits in a collective for one that raised): the writer's package is install
 its output directory can be created and written. Only rank 0 writes, as in DeepSpeed,
 unless the section's ``all_ranks`` is true: then rank r > 0 writes under
 ``job_name/rank<r>`` (wandb and Comet: a run named ``rank<r>``).
+
+Files are opened at the run's first event, after :meth:`EventWriters.open_run` has made
+each directory this run's (``zeroshard.monitor.rundir``: an earlier run's files move to
+``previous/``, a resumed run continues its own).
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import importlib.util
 import os
 
 from zeroshard.config import ConfigError
+from zeroshard.monitor.rundir import open_run
 
 # section -> (package, what to install)
 _PACKAGES = {
@@ -91,6 +96,20 @@ class EventWriters:
             from zeroshard.monitor.comet import CometWriter
 
             self.writers.append(CometWriter(comet, run_name))
+
+    def open_run(self, step: int, samples: int) -> list[str]:
+        """Make this rank's output directories this run's (the run starts after step
+        ``step``, ``samples`` samples); returns what was done, as lines to print."""
+        said = []
+        dirs = {w.log_dir for w in self.writers if hasattr(w, "log_dir")}
+        for directory in sorted(dirs):
+            line = open_run(directory, step, samples)
+            if line is not None:
+                said.append(line)
+        for writer in self.writers:
+            if hasattr(writer, "start"):
+                writer.start(purge_step=samples if step > 0 else None)
+        return said
 
     def write_events(self, events: list[tuple[str, float, int]]) -> None:
         for writer in self.writers:

@@ -101,6 +101,8 @@ class EngineMonitor:
         self._last_boundary: float | None = None
         self._last_step_s: float | None = None
         self.records: list[StepRecord] = []  # the latest record (step line, summary)
+        self._run_open = False  # the output directories settled (at the first event)
+        self._engine: weakref.ref | None = None  # its counters, for events before a step
         self.totals = {"steps": 0, "seconds": 0.0, "samples": 0, "tokens": 0}
         self.closed = False
         atexit.register(_close_at_exit, weakref.ref(self))  # files flushed without destroy()
@@ -108,6 +110,18 @@ class EngineMonitor:
             echo(_dump(config))
 
     # -- called by the engine ------------------------------------------------------------
+    def bind(self, engine) -> None:
+        """The engine whose counters say where the run starts (0, or a resumed step)."""
+        self._engine = weakref.ref(engine)
+
+    def _open_run(self, step: int, samples: int) -> None:
+        """Before the first event: settle the output directories (an earlier run's files
+        are moved, a resumed run's continued; rank 0 says which)."""
+        self._run_open = True
+        for line in self.events.open_run(step, samples):
+            if self.rank == 0:
+                echo(line)
+
     def _count(self, event) -> None:
         self._step_comm[event.op] = self._step_comm.get(event.op, 0) + event.nbytes
 
@@ -183,8 +197,12 @@ class EngineMonitor:
         if self.throughput is not None:
             self.throughput.stop(boundary)
         self._memory("Engine after step")
-        if self.timers is not None and self.timers.micro and self.rank == 0:
-            self._lines.append(self.timers.micro_line())
+        if self.timers is not None and self.timers.micro:
+            # DeepSpeed prints this line every micro-step; with no accumulation it repeats
+            # the step line's numbers under other names, so it is printed only with some
+            line = self.timers.micro_line()  # read (and reset) on every rank alike
+            if self.rank == 0 and engine.gradient_accumulation_steps() > 1:
+                self._lines.append(line)
         due = False
         if boundary:
             due = self._boundary(engine)
@@ -213,6 +231,8 @@ class EngineMonitor:
         start = self._window_start or self._last_boundary or now
         step_s, self._last_boundary = now - start, now
         steps, samples = engine.global_steps, engine.global_samples
+        if not self._run_open:  # the run started before this step
+            self._open_run(steps - 1, samples - engine.train_batch_size())
         due = self.every is not None and steps % self.every == 0
         show = due and self.rank == 0 and self.step_handler is not None
         gather = self.gather_memory and (steps == 1 or due)  # the same on every rank
@@ -308,6 +328,9 @@ class EngineMonitor:
     def write_events(self, event_list: list[tuple[str, float, int]]) -> None:
         """DeepSpeed's ``engine.monitor.write_events``: ``(tag, value, samples)`` events
         to every writer of this rank."""
+        if not self._run_open:
+            engine = self._engine() if self._engine is not None else None
+            self._open_run(*((engine.global_steps, engine.global_samples) if engine else (0, 0)))
         self.events.write_events(event_list)
 
     def summary(self) -> StepRecord | None:
@@ -318,6 +341,7 @@ class EngineMonitor:
         """The run so far, printed by rank 0: steps, time, throughput, the last loss and
         step's comm bytes, and every rank's memory. Every rank must call it (one
         ``all_gather_object`` of each rank's ``memory_stats()``)."""
+        self._say()  # the lines held back so far come before the summary
         stats = engine.memory_stats()
         mems = self.comm.all_gather_object({**stats, "rss": rss_bytes()})
         if self.rank != 0:

@@ -32,6 +32,7 @@ import logging
 import os
 import sys
 from dataclasses import dataclass, field
+from typing import TextIO
 
 LOGGER = "zeroshard.monitor"
 
@@ -145,19 +146,22 @@ class MetricsFile:
     def __init__(self, directory: str, flush_every: int = 10) -> None:
         os.makedirs(directory, exist_ok=True)
         self.path = os.path.join(directory, "metrics.jsonl")
-        self._f = open(self.path, "a")  # noqa: SIM115  (closed in close())
+        self._f: TextIO | None = None  # opened at the first record (the run dir settled)
         self.flush_every, self._pending = flush_every, 0
 
     def write(self, record: dict) -> None:
+        if self._f is None:
+            self._f = open(self.path, "a")  # noqa: SIM115  (closed in close())
         self._f.write(json.dumps(record) + "\n")
         self._pending += 1
         if self._pending >= self.flush_every:
             self.flush()
 
     def flush(self) -> None:
-        self._f.flush()
+        if self._f is not None:
+            self._f.flush()
         self._pending = 0
 
     def close(self) -> None:
-        if not self._f.closed:
+        if self._f is not None and not self._f.closed:
             self._f.close()

@@ -1,9 +1,11 @@
 """Wall-clock timers with DeepSpeed's names and lines, and DeepSpeed's throughput timer.
 No collectives.
 
-``wall_clock_breakdown`` times, per micro-step (``*_microstep``, printed and reset every
-``engine.step()``) and per optimizer step (summed over the accumulation window, printed
-and reset at its boundary):
+``wall_clock_breakdown`` times, per micro-step (``*_microstep``, reset every
+``engine.step()`` and printed then when ``gradient_accumulation_steps`` > 1: without
+accumulation that line would repeat the step line's numbers, which DeepSpeed prints
+both) and per optimizer step (summed over the accumulation window, printed and reset at
+its boundary):
 
 * ``fwd``: ``engine(...)``;
 * ``bwd``: ``engine.backward``, of which ``bwd_inner`` is autograd's backward (gradient

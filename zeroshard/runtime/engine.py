@@ -96,6 +96,7 @@ class Engine(EngineBuild, DeepSpeedEngineCompat, nn.Module):
         self._check_agreement(module, config)
         self.device = default_device()
         self.monitor = EngineMonitor(config, mesh, self.device)  # first: bad input fails here
+        self.monitor.bind(self)
         self.policy = DtypePolicy.from_config(config)
         self.placement = Placement.from_config(config.zero_optimization, self.device)
         self.sharding = Sharding.for_stage(config.zero_optimization.stage)
@@ -111,6 +112,7 @@ class Engine(EngineBuild, DeepSpeedEngineCompat, nn.Module):
         self.global_steps = 0
         self.global_samples = 0
         self.skipped_steps = 0
+        self.checkpointed_step = 0  # global_steps at the last save or load
         self._step_applied = False
         self._backwards_in_window = 0  # backward() calls since the last boundary step
         self._loss_finite: torch.Tensor | None = None  # every loss of this window finite
@@ -219,7 +221,7 @@ class Engine(EngineBuild, DeepSpeedEngineCompat, nn.Module):
         if "activation_checkpointing" in config.raw:  # as DeepSpeed: configures checkpoint()
             from zeroshard.activation import checkpointing
 
-            checkpointing.configure(deepspeed_config=config.activation_checkpointing)
+            checkpointing.configure_from_config(config.activation_checkpointing)
         if self.comm.rank == 0:
             for key, reason in config.inert:
                 log.warning("zeroshard: config key %s has no effect here: %s", key, reason)
@@ -252,9 +254,13 @@ class Engine(EngineBuild, DeepSpeedEngineCompat, nn.Module):
         """Remove every hook this engine installed and free its buffers (DeepSpeed's
         name). The module keeps its parameters, whole (stage 3 gathers them back unit by
         unit), as plain tensors: it trains as plain torch or goes to ``initialize``
-        again. The engine is unusable afterwards."""
+        again. The engine is unusable afterwards. With the config's ``checkpoint.dir``, it
+        first saves the run's last step there (``zeroshard.checkpoint.resume.save_at_end``)."""
         if self.destroyed:
             return
+        from zeroshard.checkpoint.resume import save_at_end
+
+        save_at_end(self)
         self._land_delayed()
         self.reducer.remove_hooks()
         self.params.remove()
@@ -453,6 +459,10 @@ class Engine(EngineBuild, DeepSpeedEngineCompat, nn.Module):
             log.warning("zeroshard: saving mid-accumulation; the partial gradients are not saved")
         tag = str(tag) if tag is not None else f"global_step{self.global_steps}"
         save(self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
+        self.checkpointed_step = self.global_steps
+        # the monitor files hold every step up to the checkpoint: a run resumed from it
+        # after a kill finds its step there and continues them (monitor/rundir.py)
+        self.monitor.flush()
         return True
 
     def load_checkpoint(
@@ -473,7 +483,7 @@ class Engine(EngineBuild, DeepSpeedEngineCompat, nn.Module):
         self._enter("load_checkpoint")
         from zeroshard.checkpoint.load import load_checkpoint
 
-        return load_checkpoint(
+        loaded = load_checkpoint(
             self,
             load_dir,
             tag,
@@ -484,6 +494,8 @@ class Engine(EngineBuild, DeepSpeedEngineCompat, nn.Module):
             verify=verify,
             allow_nonfinite=allow_nonfinite,
         )
+        self.checkpointed_step = self.global_steps
+        return loaded
 
     def save_16bit_model(self, save_dir: str, save_filename: str = "model.safetensors") -> bool:
         """Write the whole model (working dtype) as one safetensors file from rank 0."""

@@ -59,7 +59,7 @@ def _top_parser() -> argparse.ArgumentParser:
         "  zeroshard --num_gpus 2 train.py --deepspeed ds_config.json",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--version", action="version", version=f"zeroshard {version()}")
+    parser.add_argument("-V", "--version", action="version", version=f"zeroshard {version()}")
     return parser
 
 
@@ -74,7 +74,7 @@ def _run_module(module_name: str, prog: str, argv: Sequence[str], **kwargs) -> i
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `zeroshard` console script; returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help", "--version"):
+    if not argv or argv[0] in ("-h", "--help", "-V", "--version"):
         _top_parser().parse_args(argv or ["--help"])
         return 0
     if argv[0] in SUBCOMMANDS:

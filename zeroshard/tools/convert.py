@@ -1,5 +1,14 @@
 """`zeroshard convert CKPT_DIR OUT`: a checkpoint to consolidated safetensors weights.
 
+CKPT_DIR is a zeroshard checkpoint (a tag directory, a directory with ``latest``, or
+with ``--tag TAG`` the tag directory in it, as DeepSpeed's ``zero_to_fp32.py --tag``),
+or safetensors weights: a Hugging Face folder (``save_pretrained``,
+``Trainer.save_model``, a Trainer's ``checkpoint-N``; sharded with its index too),
+re-written cast (``--dtype``) and resharded (``--max-shard-size``) with the model's
+config recorded for ``zeroshard generate`` (and ``config.json`` copied into a folder
+OUT). What a path must hold is in ``zeroshard/checkpoint/sources.py``; a path holding
+none of it is named with what is missing, in one line.
+
 Streams tensor by tensor (peak memory about one tensor). OUT ending in
 ``.safetensors`` is one file; otherwise a directory, sharded above ``--max-shard-size``
 with a Hugging Face style ``model.safetensors.index.json``. Every file of the checkpoint
@@ -36,7 +45,10 @@ def parse_size(text: str) -> int:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = __doc__.splitlines()[0]
-    parser.add_argument("ckpt_dir", help="a checkpoint tag directory, or a directory with 'latest'")
+    parser.add_argument(
+        "ckpt_dir",
+        help="a checkpoint tag directory, a directory with 'latest', or a Hugging Face folder",
+    )
     parser.add_argument("out", help="output .safetensors file, or a directory")
     parser.add_argument(
         "--dtype",
@@ -57,6 +69,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="skip comparing every tensor with the checksums recorded at save time",
     )
     parser.add_argument(
+        "--tag",
+        default=None,
+        help="the tag directory in CKPT_DIR to convert (default: the one 'latest' names)",
+    )
+    parser.add_argument(
         "--allow-nonfinite",
         action="store_true",
         help="accept NaN/inf values in the checkpoint (refused by default)",
@@ -64,19 +81,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from zeroshard.checkpoint.export import DTYPE_ARGS, export_checkpoint
+    from zeroshard.checkpoint import sources
+    from zeroshard.checkpoint.export import DTYPE_ARGS, export_checkpoint, export_safetensors
     from zeroshard.checkpoint.load import CheckpointError
 
+    dtype = DTYPE_ARGS.get(args.dtype)
     try:
-        paths = export_checkpoint(
-            args.ckpt_dir,
-            args.out,
-            DTYPE_ARGS.get(args.dtype),
-            args.max_shard_size,
-            verify=args.verify,
-            allow_nonfinite=args.allow_nonfinite,
-        )
-    except CheckpointError as exc:
+        if args.tag is None and not sources.is_checkpoint(args.ckpt_dir):
+            paths = export_safetensors(
+                args.ckpt_dir,
+                args.out,
+                dtype,
+                args.max_shard_size,
+                allow_nonfinite=args.allow_nonfinite,
+            )
+        else:
+            paths = export_checkpoint(
+                args.ckpt_dir,
+                args.out,
+                dtype,
+                args.max_shard_size,
+                verify=args.verify,
+                allow_nonfinite=args.allow_nonfinite,
+                tag=args.tag,
+            )
+    except (CheckpointError, ValueError) as exc:  # (a bad config.json: ModelConfigError)
         print(f"zeroshard convert: {exc}")
         return 2
     except OSError as exc:  # OUT not writable, disk full, ...

@@ -11,17 +11,19 @@ preset, or a ``module:function`` that returns a ``zeroshard.models.GPT`` — bec
 formula needs its layer shapes; for anything else (and for ``--params``) the output
 says that activations are not included.
 
-The second line of the output is the ZeRO paper's model-state formula for
-mixed-precision Adam, in GB (10^9 bytes): 16Ψ, 4Ψ + 12Ψ/N, 2Ψ + 14Ψ/N, 16Ψ/N. For 7e9
-parameters on 4 ranks that is 112 / 49 / 38.5 / 28 GB, and the bf16/fp16 rows of the
-table ("states", in GiB) are the same bytes at stages 0-2; at stage 3 zeroshard keeps the
-parameter shard in fp32 as the master, 14 bytes per parameter: 24.5 GB.
+Every figure is in GiB (2^30 bytes). The second line of the output is the ZeRO
+paper's model-state formula for mixed-precision Adam: 16Ψ, 4Ψ + 12Ψ/N, 2Ψ + 14Ψ/N,
+16Ψ/N bytes. For 7e9 parameters on 4 ranks that is 104.31 / 45.63 / 35.86 / 26.08 GiB
+(the paper's unit, 10^9-byte GB: 112 / 49 / 38.5 / 28), and the bf16/fp16 rows of the
+table ("states") are the same bytes at stages 0-2; at stage 3 zeroshard keeps the
+parameter shard in fp32 as the master, 14 bytes per parameter: 22.82 GiB (24.5 GB).
 
 ``--tp`` / ``--sp`` (``--megatron-sp``) place tensor- and sequence-parallel ranks among
 the ranks: parameters are divided by tp, ZeRO shards over the rest, activations follow
 ``memory.activation_bytes``.
 
-seeds/004's table for the same case says 98 / 56 / 35 / 24.5 GB per GPU. It counts
+seeds/004's table for the same case says 98 / 56 / 35 / 24.5 GB per GPU (91.27 / 52.15 /
+32.60 / 22.82 GiB). It counts
 2-byte parameters, 4-byte (fp32) gradients and 8 bytes of optimizer state (Adam's two
 moments), 14 bytes per parameter, where the paper and zeroshard count 2 + 2 + 12:
 gradients are kept in the 2-byte compute dtype, and the optimizer state includes the
@@ -38,6 +40,8 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import math
+import re
 
 import torch
 
@@ -62,13 +66,7 @@ def _model_facts(spec: str, seq: int = 0) -> dict:
         with torch.device("meta"):
             model: torch.nn.Module = GPT(cfg)
     else:
-        if ":" not in spec:
-            raise SystemExit(f"--model {spec!r}: expected a preset or module:function")
-        mod, fn = spec.split(":", 1)
-        with torch.device("meta"):
-            model = getattr(importlib.import_module(mod), fn)()
-        if not isinstance(model, torch.nn.Module):
-            raise SystemExit(f"--model {spec!r}: returned {type(model).__name__}, not an nn.Module")
+        model = _user_model(spec)
     facts: dict = {}
     if isinstance(model, GPT):
         cfg = model.cfg
@@ -89,6 +87,43 @@ def _model_facts(spec: str, seq: int = 0) -> dict:
     own = [sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules()]
     facts["largest_unit"] = max(own)
     return facts
+
+
+def _count(text: str) -> float | None:
+    """``7B``, ``1.3b``, ``350M``, ``7e9`` as a number of parameters, else None."""
+    m = re.fullmatch(r"([0-9]*\.?[0-9]+(?:e[0-9]+)?)([kmbt]?)", text.strip().lower())
+    if not m:
+        return None
+    return float(m.group(1)) * {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "t": 1e12}[m.group(2)]
+
+
+def _sci(value: float) -> str:
+    """7e9 as ``7e9``, 1.3e9 as ``1.3e9`` (what ``--params`` takes)."""
+    exp = math.floor(math.log10(value))
+    return f"{value / 10**exp:g}e{exp}"
+
+
+def _user_model(spec: str) -> torch.nn.Module:
+    """The ``nn.Module`` a ``module:function`` spec builds, on the meta device."""
+    from zeroshard.models import preset_names
+
+    if ":" not in spec:
+        presets = ", ".join(preset_names())
+        count = _count(spec)
+        hint = f"; for a parameter count use --params {_sci(count)}" if count else ""
+        raise SystemExit(
+            f"--model {spec!r}: not a GPT preset ({presets}) nor a module:function{hint}"
+        )
+    mod, fn = spec.split(":", 1)
+    try:
+        build = getattr(importlib.import_module(mod), fn)
+    except (ImportError, AttributeError) as exc:
+        raise SystemExit(f"--model {spec!r}: cannot import it: {exc}") from None
+    with torch.device("meta"):
+        model = build()
+    if not isinstance(model, torch.nn.Module):
+        raise SystemExit(f"--model {spec!r}: returned {type(model).__name__}, not an nn.Module")
+    return model
 
 
 def facts_from_args(args: argparse.Namespace) -> dict:
@@ -143,7 +178,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = __doc__.splitlines()[0]
     src = parser.add_mutually_exclusive_group(required=True)
     src.add_argument("--params", type=float, help="parameter count, e.g. 7e9")
-    src.add_argument("--model", help="GPT preset or module:function")
+    src.add_argument("--model", help=model_help())
     parser.add_argument("--nproc", type=int, default=1, help="ranks per node")
     parser.add_argument("--nnodes", type=int, default=1)
     parser.add_argument("--precision", choices=[*PRECISIONS, "all"], default="all")
@@ -157,6 +192,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="reduce_bucket_size (default: zeroshard's, 25 MiB of gradients)",
     )
     add_parallel_arguments(parser)
+
+
+def model_help() -> str:
+    from zeroshard.models import preset_names
+
+    return f"a GPT preset ({', '.join(preset_names())}) or module:function"
 
 
 def add_parallel_arguments(parser: argparse.ArgumentParser) -> None:
@@ -182,9 +223,10 @@ def main(args: argparse.Namespace) -> int:
     )
     formulas = ("16Ψ", "4Ψ+12Ψ/N", "2Ψ+14Ψ/N", "16Ψ/N")
     print(
-        "ZeRO paper, mixed-precision Adam (2+2+12 bytes per parameter), GB per rank: "
+        "ZeRO paper, mixed-precision Adam (2+2+12 bytes per parameter), GiB per rank: "
         + ", ".join(
-            f"stage {st} {f} = {paper_bytes(psi, n, st) / 1e9:.2f}" for st, f in enumerate(formulas)
+            f"stage {st} {f} = {paper_bytes(psi, n, st) / 2**30:.2f}"
+            for st, f in enumerate(formulas)
         )
     )
     acts = {}

@@ -1,9 +1,13 @@
 """`zeroshard generate --checkpoint PATH --prompt TEXT`: text from a saved model.
 
 PATH is a zeroshard checkpoint (it records the model's config), a safetensors export
-(``zeroshard convert``) or a quantized file (``engine.save_quantized``). The built-in GPT
-reads and writes bytes (its vocabulary is 256 byte values); a Hugging Face model needs a
-tokenizer (``--tokenizer``, default: PATH itself). ``--quant int8|int4`` quantizes the
+(``zeroshard convert``), a quantized file (``engine.save_quantized``), or a Hugging Face
+folder: ``save_pretrained`` / ``Trainer.save_model`` output or a Trainer's
+``checkpoint-N`` (``config.json`` beside ``model.safetensors`` or its sharded index;
+``zeroshard/checkpoint/sources.py`` says what is read). The built-in GPT reads and
+writes bytes (its vocabulary is 256 byte values); a Hugging Face model needs a tokenizer
+(``--tokenizer``, default: PATH itself), checked before the model is built. What is
+missing (weights, a config, a tokenizer) is named in one line. ``--quant int8|int4`` quantizes the
 weights first. ``--nproc N`` starts N processes through ``zeroshard run`` that generate
 together with tensor parallelism (tp_size N); rank 0 prints. ``--offload cpu|nvme``
 (ZeRO-Inference) builds the model with empty parameters and streams its weights from a
@@ -76,22 +80,46 @@ def _config(args: argparse.Namespace, world: int) -> dict:
     return cfg
 
 
+def _tokenizer(args: argparse.Namespace):
+    """The Hugging Face tokenizer of ``--tokenizer`` (default: the checkpoint's folder);
+    a ``ModelConfigError`` in one line when there is none or it does not load."""
+    from zeroshard.checkpoint import sources
+    from zeroshard.checkpoint.model_config import ModelConfigError
+
+    source = args.tokenizer or args.checkpoint
+    if os.path.exists(source):  # a local folder (else a hub name, left to transformers)
+        folder = sources.tokenizer_folder(source)
+        if folder is None:
+            raise ModelConfigError(sources.no_tokenizer(source))
+        source = folder
+    try:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(source)
+    except Exception as exc:  # transformers raises OSError, ValueError, ImportError, ...
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ModelConfigError(f"{source}: its tokenizer does not load: {first}") from exc
+
+
 def main(args: argparse.Namespace) -> int:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if args.nproc > 1 and world == 1:
         return _relaunch(args)
     import torch
 
-    from zeroshard.checkpoint.model_config import ModelConfigError
+    from zeroshard.checkpoint.model_config import GPT_CLASS, ModelConfigError
     from zeroshard.config.schema import ConfigError
     from zeroshard.inference import QuantizationError, init_inference
-    from zeroshard.inference.weights import model_from
+    from zeroshard.inference.weights import model_description, model_from
     from zeroshard.models import GPT
 
     rank = int(os.environ.get("RANK", "0"))
     if world > 1:
         torch.set_num_threads(1)
     try:
+        # what the weights hold, then the tokenizer it needs, before anything is built
+        described = model_description(args.checkpoint)
+        tok = None if described.get("class") == GPT_CLASS else _tokenizer(args)
         if args.offload:  # parameters on meta: weights go file -> store one layer at a time
             from zeroshard.inference.stream_store import empty_model_from
 
@@ -99,7 +127,7 @@ def main(args: argparse.Namespace) -> int:
         else:
             model = model_from(args.checkpoint)
         engine = init_inference(model, _config(args, world))
-    except (ModelConfigError, QuantizationError, ConfigError, FileNotFoundError, ValueError) as exc:
+    except (ModelConfigError, QuantizationError, ConfigError, OSError, ValueError) as exc:
         print(f"zeroshard generate: {exc}", file=sys.stderr)
         return 2
     if isinstance(model, GPT):
@@ -108,9 +136,7 @@ def main(args: argparse.Namespace) -> int:
         def decode(ids):
             return bytes(ids).decode("utf-8", errors="replace")
     else:
-        from transformers import AutoTokenizer
-
-        tok = AutoTokenizer.from_pretrained(args.tokenizer or args.checkpoint)
+        assert tok is not None  # checked above for every model but the built-in GPT
         prompts = [tok(p)["input_ids"] for p in args.prompt]
 
         def decode(ids):

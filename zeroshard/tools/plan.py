@@ -6,11 +6,18 @@ Candidates are every stage x offload (NVMe only at stage 3, with the parameter s
 offloaded too) for the chosen precision; each is judged by the estimator. Among those
 that fit, the order is: least inter-rank communication per step, then least offload
 traffic (none < CPU < NVMe), then most free device memory.
+
+The output starts with what the estimate assumed (precision, optimizer, batch, ranks,
+bucket, activations, memory limits: each with the option that changes it) and ends with
+the plan as a DeepSpeed config, plain JSON ready to paste into ds_config.json (it loads
+with ``zeroshard.config.load_config``, DeepSpeed's and transformers' readers alike).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+from typing import Any
 
 from zeroshard.monitor.memory import POLICIES, PRECISIONS, Estimate, estimate
 from zeroshard.tools.convert import parse_size
@@ -19,8 +26,10 @@ from zeroshard.tools.estimate import (
     add_parallel_arguments,
     bucket_numel,
     facts_from_args,
+    model_help,
     tp_numel,
 )
+from zeroshard.zero.layout.segments import DEFAULT_BUCKET_BYTES
 
 _OFFLOAD_RANK = {"none": 0, "cpu": 1, "nvme": 2}
 
@@ -89,7 +98,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = __doc__.splitlines()[0]
     src = parser.add_mutually_exclusive_group(required=True)
     src.add_argument("--params", type=float)
-    src.add_argument("--model", help="GPT preset or module:function")
+    src.add_argument("--model", help=model_help())
     parser.add_argument("--device-memory", type=parse_size, required=True, help="e.g. 24GiB")
     parser.add_argument("--cpu-memory", type=parse_size, default=None, help="per rank")
     parser.add_argument("--nproc", type=int, default=1)
@@ -104,10 +113,82 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_parallel_arguments(parser)
 
 
+NVME_PATH = "/local_nvme"  # in the pasted config: a placeholder the output names
+LR = 3e-4  # likewise
+
+
+def assumptions(args: argparse.Namespace, facts: dict, act_line: str) -> list[str]:
+    """What the estimate took for granted, each with the option that changes it."""
+    gib = 2**30
+    bucket = (
+        f"{int(args.bucket):,} elements (--bucket)"
+        if args.bucket is not None
+        else f"{DEFAULT_BUCKET_BYTES // 2**20} MiB of gradients, zeroshard's default (--bucket)"
+    )
+    cpu = (
+        f"{args.cpu_memory / gib:.2f} GiB per rank (--cpu-memory)"
+        if args.cpu_memory is not None
+        else "not limited (--cpu-memory)"
+    )
+    ranks = args.nproc * args.nnodes
+    parallel = f"; tensor parallel {args.tp}, sequence parallel {args.sp}" if args.tp * args.sp > 1 else ""  # fmt: skip
+    policy = (
+        "none (--checkpointing)"
+        if args.checkpointing == "none"
+        else f"{args.checkpointing} (--checkpointing): no config key turns it on; call "
+        f"zeroshard.checkpointing.apply_activation_checkpointing(model, BlockType, "
+        f'policy="{args.checkpointing}") in the script'
+    )
+    return [
+        "assumptions (each option named changes one):",
+        f"  precision: {args.precision} (--precision: {', '.join(PRECISIONS)})",
+        "  optimizer: Adam/AdamW, fp32 master weights and two fp32 moments per parameter "
+        f"(the config's lr, {LR:g}, is a placeholder: set yours)",
+        f"  model: {facts['params']:,} parameters (--params / --model)",
+        f"  ranks: {ranks} ({args.nnodes} node(s) x {args.nproc}: --nnodes, --nproc{parallel})",
+        f"  micro-batch: {args.micro_batch} per rank (--micro-batch), gradient accumulation 1",
+        f"  gradient bucket: {bucket}",
+        f"  activation checkpointing: {policy}",
+        f"  {act_line}",
+        f"  memory: device {args.device_memory / gib:.2f} GiB per rank (--device-memory); "
+        f"CPU {cpu}",
+    ]
+
+
+def ds_config(e: Estimate, args: argparse.Namespace) -> dict[str, Any]:
+    """The plan as a DeepSpeed config (plain JSON values)."""
+    zero: dict[str, Any] = {"stage": e.stage}
+    if e.offload != "none":
+        device: dict[str, Any] = {"device": e.offload}
+        if e.offload == "nvme":
+            device["nvme_path"] = NVME_PATH
+        zero["offload_optimizer"] = device
+        if e.offload == "nvme":  # the candidates offload the parameter shard with it
+            zero["offload_param"] = dict(device)
+    if args.bucket is not None:
+        zero["reduce_bucket_size"] = int(args.bucket)
+    config: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": args.micro_batch,
+        "gradient_accumulation_steps": 1,
+        "optimizer": {"type": "AdamW", "params": {"lr": LR}},
+    }
+    if args.precision != "fp32":
+        config[args.precision] = {"enabled": True}
+    config["zero_optimization"] = zero
+    if args.tp > 1:
+        config["tensor_parallel"] = {"autotp_size": args.tp}
+        if args.megatron_sp:
+            config["tensor_parallel"]["sequence_parallel"] = True
+    if args.sp > 1:
+        config["sequence_parallel_size"] = args.sp
+    return config
+
+
 def main(args: argparse.Namespace) -> int:
     facts = facts_from_args(args)
     act, act_line = activations(facts, args, args.precision)
-    print(act_line)
+    for line in assumptions(args, facts, act_line):
+        print(line)
     cands = candidates(
         facts,
         args.nproc,
@@ -133,4 +214,8 @@ def main(args: argparse.Namespace) -> int:
     print(f"why: {why}")
     if len(ranked) > 1:
         print("runner-up: " + _describe(ranked[1], args.device_memory))
+    print("ds_config.json for this plan:")
+    print(json.dumps(ds_config(best, args), indent=2))
+    if best.offload == "nvme":
+        print(f"nvme_path {NVME_PATH} is a placeholder: give a directory on the NVMe drive")
     return 0

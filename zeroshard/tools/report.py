@@ -38,10 +38,13 @@ def _yes(flag: bool) -> str:
     return "yes" if flag else "no"
 
 
-def _zeroshard() -> dict:
+def zeroshard_facts() -> dict:
+    """The report's [zeroshard] section: version, and the package's folder (this module
+    is two levels below it, in zeroshard/tools/)."""
+    import zeroshard
     from zeroshard.tools.cli import version
 
-    return {"version": version(), "install path": str(Path(__file__).resolve().parent)}
+    return {"version": version(), "install path": str(Path(zeroshard.__file__).resolve().parent)}
 
 
 def _python() -> dict:
@@ -259,7 +262,7 @@ def disk_speed(directory: str | os.PathLike, size_mb: int = 256) -> dict:
 def collect(nvme_path: str | None = None, nvme_size_mb: int = 256) -> dict[str, Any]:
     """Run every probe; returns {section: {item: value}} (JSON-serialisable)."""
     sections: dict[str, Callable[[], Any]] = {
-        "zeroshard": _zeroshard,
+        "zeroshard": zeroshard_facts,
         "python": _python,
         "torch": _torch,
         "distributed backends": _distributed,

@@ -37,6 +37,7 @@ owns; when every local worker did, the launcher exits 0 after a SIGTERM instead 
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import shutil
 import signal
@@ -61,7 +62,7 @@ from zeroshard.tools.launch.layout import (  # noqa: F401  (re-exported: the lau
     parse_hostfile,
     plan_layout,
 )
-from zeroshard.tools.launch.worker import EXEC_FLAG, MODULE_FLAG, RANK_FLAG
+from zeroshard.tools.launch.worker import EXEC_FLAG, FOLD_ENV, MODULE_FLAG, RANK_FLAG
 
 _BOOTSTRAP = worker.__name__
 _PEER_DIED = ("closed by peer", "reset by peer", "remote worker", "broken pipe", "aborted")
@@ -101,6 +102,13 @@ def add_arguments(parser: argparse.ArgumentParser, deepspeed_style: bool = False
     a("--rdzv-backend", choices=["static", "c10d"], help="default: static if node rank known")
     a("--rdzv-id", default="zeroshard", help="job id for the c10d rendezvous")
     a("--max-restarts", type=int, default=0, help="worker group restarts before failing")
+    a(
+        "--no-config-check",
+        "--no_config_check",
+        action="store_true",
+        help="don't check the script's config (--deepspeed_config/--deepspeed/--config "
+        "PATH) before starting the workers",
+    )
     a("--shutdown-timeout", type=int, default=10, help="seconds from SIGTERM to SIGKILL")
     a(
         "--comm-timeout",
@@ -192,6 +200,8 @@ def _set_child_environment(args: argparse.Namespace, layout: Layout) -> None:
         os.environ[AS_DEEPSPEED_ENV] = "1"
     if args.comm_timeout is not None:
         os.environ[TIMEOUT_ENV] = str(args.comm_timeout)
+    if args.max_restarts == 0 and not args.log_dir:  # else each rank prints its own
+        os.environ[FOLD_ENV] = "1"
     if args.max_restarts > 0:
         # torch shares the rendezvous' TCP store with the workers and keeps it across
         # restarts, so a restarted group reads the dead group's gloo/NCCL addresses
@@ -202,27 +212,53 @@ def _set_child_environment(args: argparse.Namespace, layout: Layout) -> None:
 def _failure_order(item):
     """Sort key putting the likely root cause first among a ChildFailedError's failures."""
     rank, failure = item
-    message, _, when = _failure_details(failure)
+    message, _, when, _ = _failure_details(failure)
     stopped = failure.exitcode in (-signal.SIGTERM, -signal.SIGKILL)  # we stopped it
     victim = any(s in message.lower() for s in _PEER_DIED)  # died because a peer died
     return (stopped, victim, when, rank)
 
 
-def _failure_details(failure) -> tuple[str, str, float]:
-    """(message, traceback, time) of a torchelastic ProcessFailure."""
+def _failure_details(failure) -> tuple[str, str, float, bool]:
+    """(message, traceback, time, brief) of a torchelastic ProcessFailure; brief: the
+    message says it all (a config error, a script's sys.exit), no traceback wanted."""
     data = failure.message
     if isinstance(data, dict):
         extra = data.get("extraInfo", {})
         when = float(extra.get("zeroshard_time", extra.get("timestamp", failure.timestamp)))
-        return str(data.get("message", "")), str(extra.get("py_callstack", "")), when
-    return str(data), "", float(failure.timestamp)
+        brief = extra.get("zeroshard_brief") == "1"
+        return str(data.get("message", "")), str(extra.get("py_callstack", "")), when, brief
+    return str(data), "", float(failure.timestamp), False
+
+
+def _short(failure) -> str:
+    """One line for a rank that is not the root cause."""
+    message = _failure_details(failure)[0]
+    if failure.exitcode in (-signal.SIGTERM, -signal.SIGKILL):
+        return f"stopped by the launcher ({failure.signal_name()})"
+    if "elastic/errors.html" in message or not message:  # torch's text without an error file
+        return f"exited with code {failure.exitcode}"
+    return message.splitlines()[0]
+
+
+def _ranks(ranks: list[int]) -> str:
+    """'rank 3' or 'ranks 1-3, 5'."""
+    runs: list[list[int]] = []
+    for r in sorted(ranks):
+        if runs and r == runs[-1][-1] + 1:
+            runs[-1].append(r)
+        else:
+            runs.append([r])
+    text = ", ".join(f"{g[0]}-{g[-1]}" if len(g) > 2 else ", ".join(map(str, g)) for g in runs)
+    return f"rank{'s' if len(ranks) > 1 else ''} {text}"
 
 
 def report_failure(err, log_dir: str | None = None) -> int:
-    """Print the root-cause rank of a ChildFailedError; return the exit status to use."""
+    """Print the root-cause rank of a ChildFailedError, its error (every line of the
+    message; the traceback unless the message says it all) and one line per other
+    message (ranks with the same one grouped); return the exit status to use."""
     ordered = sorted(err.failures.items(), key=_failure_order)
     rank, root = ordered[0]
-    message, tb, _ = _failure_details(root)
+    message, tb, _, brief = _failure_details(root)
     code = root.exitcode
     how = f"was killed by {root.signal_name()}" if code < 0 else f"exited with code {code}"
     lines = [
@@ -230,25 +266,43 @@ def report_failure(err, log_dir: str | None = None) -> int:
         f" host {socket.gethostname()}) {how}"
     ]
     if message and "elastic/errors.html" not in message:
-        lines.append(f"zeroshard: rank {rank} error: {message}")
+        first, *rest = message.splitlines()
+        lines.append(f"zeroshard: rank {rank} error: {first}")
+        lines += rest
         if any(p in message.lower() for p in _PEER_DIED):
             lines.append(
                 f"zeroshard: rank {rank} lost its connection to another rank: a process or "
                 "node of this job died (on several nodes, see the other nodes' launchers)"
             )
-    if tb:
+    if tb and not brief:
         lines += [f"zeroshard: rank {rank} traceback:", tb.rstrip()]
+    others: dict[str, list[int]] = {}
     for other_rank, other in ordered[1:]:
-        other_message = _failure_details(other)[0]
-        if other.exitcode in (-signal.SIGTERM, -signal.SIGKILL):
-            other_message = f"stopped by the launcher ({other.signal_name()})"
-        elif "elastic/errors.html" in other_message:  # torch's text when there is no error file
-            other_message = f"exited with code {other.exitcode}"
-        lines.append(f"zeroshard: also failed: rank {other_rank}: {other_message}")
+        others.setdefault(_short(other), []).append(other_rank)
+    root_line = message.splitlines()[0] if message else None
+    for text, ranks in others.items():
+        said = "the same error" if text == root_line else text
+        lines.append(f"zeroshard: also failed: {_ranks(ranks)}: {said}")
     if log_dir:
-        lines.append(f"zeroshard: per-rank logs under {log_dir}")
+        lines.append(f"zeroshard: per-rank logs (and error.json files) under {log_dir}")
     print("\n".join(lines), file=sys.stderr, flush=True)
     return code if code > 0 else (128 - code if code < 0 else 1)
+
+
+class _QuietTorchrun(logging.Filter):
+    """Drops torchrun's own lines about a failure or a signal (the failed rank, "closing
+    signal" per worker, "death signal"): this module's summary says it once."""
+
+    _SAID = ("failed (exitcode:", "Sending process %s closing signal", "Received %s death signal")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self._SAID)
+
+
+_TORCHRUN_LOGGERS = (
+    "torch.distributed.elastic.multiprocessing.api",
+    "torch.distributed.elastic.agent.server.api",
+)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -256,6 +310,13 @@ def main(args: argparse.Namespace) -> int:
     try:
         if not (args.module or args.no_python) and not Path(args.script).is_file():
             raise LaunchError(f"script not found: {args.script}")
+        if not args.no_config_check:  # before anything imports torch: a typo costs ~0.5 s
+            from zeroshard.tools.launch.config import check_script_config
+
+            report = check_script_config(args.script_args)
+            if report:
+                print("\n".join(report), file=sys.stderr)
+                return 2
         if args.launcher or args.ssh_port or args.force_multi:
             print(
                 "zeroshard: --launcher/--ssh_port/--force_multi ignored: zeroshard starts "
@@ -291,6 +352,9 @@ def _launch(argv: list[str], args: argparse.Namespace, layout: Layout, run_dir: 
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
+    quiet = _QuietTorchrun()
+    for name in _TORCHRUN_LOGGERS:
+        logging.getLogger(name).addFilter(quiet)
     try:
         torchrun.run(torchrun.parse_args(argv))
     except ChildFailedError as e:

@@ -10,11 +10,17 @@ zeroshard.tools.launch.worker [flags] target args``). No collectives.
   give zeroshard first (``zeroshard.compat.deepspeed_alias``).
 * It runs the target like ``python script.py`` / ``python -m module`` would and records an
   uncaught exception (message, traceback, precise time) in torchelastic's per-worker
-  error file, so the launcher can name the root-cause rank.
+  error file, so the launcher can name the root-cause rank. With ``ZEROSHARD_FOLD_ERRORS=1``
+  (the launcher sets it unless ``--max-restarts`` or ``--log-dir`` want each rank's
+  traceback on its own stderr) the worker does not print the traceback itself: the
+  launcher's summary prints the root cause's once. A nonzero ``sys.exit`` is recorded
+  with the last line the script wrote to stderr (argparse's "error: ..." message), and
+  Ctrl-C (KeyboardInterrupt) prints one line saying where the rank was.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import ctypes
 import faulthandler
@@ -31,7 +37,39 @@ from zeroshard.distributed.env import AS_DEEPSPEED_ENV, LAUNCHER_PID_ENV
 
 MODULE_FLAG, RANK_FLAG = "--zeroshard-module", "--zeroshard-local-rank"
 EXEC_FLAG = "--zeroshard-exec"  # exec the target (--no-python)
+FOLD_ENV = "ZEROSHARD_FOLD_ERRORS"  # 1: the launcher prints the failure, not the worker
 _PR_SET_PDEATHSIG = 1
+
+
+class StderrTail:
+    """A stand-in for ``sys.stderr`` that writes through and remembers the last lines
+    written (with when), so that a rank's failure can be quoted (argparse prints its
+    error, then exits 2)."""
+
+    def __init__(self, stream) -> None:
+        self._stream = stream
+        self._lines: collections.deque[tuple[float, str]] = collections.deque(maxlen=8)
+        self._partial = ""
+
+    def write(self, text: str) -> int:
+        written = self._stream.write(text)
+        *done, self._partial = (self._partial + text).split("\n")
+        now = time.monotonic()
+        self._lines.extend((now, line.strip()) for line in done if line.strip())
+        self._partial = self._partial[-4096:]
+        return written
+
+    def last_line(self, within: float = 5.0) -> str:
+        """The last non-blank line written in the last ``within`` seconds, '' if none (an
+        older line is not what the exit is about)."""
+        if self._partial.strip():
+            return self._partial.strip()
+        if self._lines and time.monotonic() - self._lines[-1][0] <= within:
+            return self._lines[-1][1]
+        return ""
+
+    def __getattr__(self, name: str):  # fileno, flush, isatty, buffer, encoding, ...
+        return getattr(self._stream, name)
 
 
 def _user_frames(tb):
@@ -44,20 +82,50 @@ def _user_frames(tb):
     return tb
 
 
-def _record_failure(exc: BaseException, tb) -> None:
-    """Write `exc` to torchelastic's error file (its JSON layout, plus a precise time)."""
+def _record_failure(exc: BaseException, tb, message: str | None = None) -> bool:
+    """Write `exc` to torchelastic's error file (its JSON layout, plus a precise time and,
+    where the message says it all, ``zeroshard_brief``); True if it was written."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
-        return
+        return False
     now = time.time()
     stack = "".join(traceback.format_exception(type(exc), exc, tb))
     extra = {"py_callstack": stack, "timestamp": str(int(now)), "zeroshard_time": repr(now)}
-    data = {"message": {"message": f"{type(exc).__name__}: {exc}", "extraInfo": extra}}
+    config = sys.modules.get("zeroshard.config")  # a config error names its keys: no stack
+    if message is not None or (config is not None and isinstance(exc, config.ConfigError)):
+        extra["zeroshard_brief"] = "1"
+    text = message if message is not None else f"{type(exc).__name__}: {exc}"
+    data = {"message": {"message": text, "extraInfo": extra}}
     try:
         with open(path, "w") as f:
             json.dump(data, f)
     except OSError:
-        pass
+        return False
+    return True
+
+
+def _where(tb) -> str:
+    """Where a traceback ends: the script's innermost frame and the innermost one."""
+    frames = traceback.extract_tb(tb)
+    if not frames:
+        return "at start-up"
+
+    def at(frame) -> str:
+        name = os.path.relpath(frame.filename)
+        name = frame.filename if name.startswith("..") else name
+        return f"{name}:{frame.lineno} in {frame.name}"
+
+    script = [f for f in frames if f.filename == frames[0].filename]
+    text = f"at {at(script[-1])}"
+    return text if script[-1] is frames[-1] else f"{text} (innermost: {at(frames[-1])})"
+
+
+def _stopped(code) -> str:
+    """The error-file message of a nonzero ``sys.exit(code)``."""
+    if isinstance(code, str):
+        return code
+    said = sys.stderr.last_line() if isinstance(sys.stderr, StderrTail) else ""
+    return f"{said} (exit code {code})" if said else f"SystemExit: {code}"
 
 
 def die_with_launcher() -> None:
@@ -104,6 +172,7 @@ def main(argv: list[str]) -> None:
         script_args = [f"--local_rank={os.environ.get('LOCAL_RANK', '0')}", *script_args]
     faulthandler.enable(all_threads=True)
     sys.argv = [target, *script_args]
+    sys.stderr = StderrTail(sys.stderr)
     try:
         if os.environ.get(AS_DEEPSPEED_ENV) == "1":  # zeroshard run --as-deepspeed
             from zeroshard.compat.deepspeed_alias import register
@@ -116,15 +185,22 @@ def main(argv: list[str]) -> None:
             runpy.run_path(target, run_name="__main__")
     except SystemExit as e:
         if e.code not in (None, 0):
-            _record_failure(e, _user_frames(e.__traceback__))
+            _record_failure(e, _user_frames(e.__traceback__), _stopped(e.code))
         raise
-    except BaseException as e:
+    except KeyboardInterrupt as e:  # Ctrl-C: the launcher forwarded SIGINT; one line
         tb = _user_frames(e.__traceback__)
         _record_failure(e, tb)
-        # print what python would, minus the bootstrap's frames (torch's hook adds [rankN])
-        sys.excepthook(type(e), e.with_traceback(tb), tb)
+        print(f"[rank{os.environ.get('RANK', '0')}]: interrupted {_where(tb)}", file=sys.stderr)
         sys.stderr.flush()
-        sys.exit(130 if isinstance(e, KeyboardInterrupt) else 1)
+        sys.exit(130)
+    except BaseException as e:
+        tb = _user_frames(e.__traceback__)
+        if not (_record_failure(e, tb) and os.environ.get(FOLD_ENV) == "1"):
+            # print what python would, minus the bootstrap's frames (torch's hook adds
+            # [rankN]); folded, the launcher prints the root cause's once
+            sys.excepthook(type(e), e.with_traceback(tb), tb)
+        sys.stderr.flush()
+        sys.exit(1)
 
 
 if __name__ == "__main__":
