@@ -34,6 +34,8 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from zeroshard import watchdog
+from zeroshard._config_schema import ConfigError
+from zeroshard.compiling import UnknownBackendError
 from zeroshard.distributed import default_device, local_rank
 from zeroshard.engine_build import (
     EngineBuild,
@@ -216,6 +218,11 @@ class Engine(EngineBuild, DeepSpeedEngineCompat, nn.Module):
         if self.comm.rank == 0:
             for key, reason in config.inert:
                 log.warning("zeroshard: config key %s has no effect here: %s", key, reason)
+        if config.compile.enabled:  # DeepSpeed 0.14's switch: engine.compile() now
+            try:
+                self.compile(backend=config.compile.backend, compile_kwargs=config.compile.kwargs)
+            except UnknownBackendError as err:
+                raise ConfigError("compile.backend", str(err)) from None
 
     def _micro_batch_seen(self, rows: int) -> None:
         """The config left the micro-batch size out: take the first batch's ``rows``."""
@@ -249,6 +256,7 @@ class Engine(EngineBuild, DeepSpeedEngineCompat, nn.Module):
         if self.destroyed:
             return
         self._land_delayed()
+        self.uncompile()
         self.reducer.remove_hooks()
         self.params.remove()
         self._parallel.remove()
