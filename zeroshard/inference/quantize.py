@@ -26,12 +26,14 @@ identity matmul, exact).
 from __future__ import annotations
 
 import fnmatch
+import logging
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 COMPUTE_DTYPE = torch.bfloat16
+log = logging.getLogger("zeroshard")
 
 
 class QuantizationError(ValueError):
@@ -82,6 +84,40 @@ def unpack_nibbles(p: torch.Tensor) -> torch.Tensor:
 
 def _inner_k_tiles(k: int) -> int:
     return next((t for t in (8, 4, 2) if k % (t * 16) == 0), 0)
+
+
+#: int4 group sizes torch's int4 kernels take (CPU and CUDA)
+KERNEL_GROUPS = (32, 64, 128, 256)
+
+
+def fit_group_size(in_features: int, group_size: int) -> int:
+    """The int4 group size for a layer of ``in_features`` inputs: ``group_size`` if it
+    divides them, else the largest kernel group size below it that does (1856 inputs at
+    128: 64), else the largest divisor below it (no kernel: the layer dequantizes per
+    call)."""
+    if in_features % group_size == 0:
+        return group_size
+    for g in sorted(KERNEL_GROUPS, reverse=True):
+        if g < group_size and in_features % g == 0:
+            return g
+    return max(d for d in range(1, min(group_size, in_features) + 1) if in_features % d == 0)
+
+
+def warn_refitted(refitted: list[tuple[str, int, int]], group_size: int) -> None:
+    """Say once which layers took another int4 group size than asked, and which."""
+    if not refitted:
+        return
+    shown = ", ".join(f"{n} ({k} inputs: {g})" for n, k, g in refitted[:8])
+    more = f" and {len(refitted) - 8} more" if len(refitted) > 8 else ""
+    log.warning(
+        "zeroshard: int4 group_size %d does not divide the input features of %d layer(s): "
+        "%s%s; each uses the largest group size below it that does (quant.weight.group_size "
+        "sets the others)",
+        group_size,
+        len(refitted),
+        shown,
+        more,
+    )
 
 
 class QuantLinear(nn.Module):
@@ -170,7 +206,9 @@ class QuantLinear(nn.Module):
         off = self.offset if self.offset is not None else torch.zeros_like(self.scale)
         self._sz = torch.stack([self.scale.t(), off.t()], dim=-1).contiguous()  # [K/g, N, 2]
         self.scale, self.offset = self._sz[..., 0].t(), self._sz[..., 1].t()  # views, no copies
-        if dev.type == "cpu" and n % 16 == 0:
+        if self.group_size not in KERNEL_GROUPS:
+            pass  # a group size the kernels do not take: dequantize per call
+        elif dev.type == "cpu" and n % 16 == 0:
             u = unpack_nibbles(self.qweight).to(torch.int32)
             self._packed, self._kernel = torch._convert_weight_to_int4pack_for_cpu(u, 1), True
         elif dev.type == "cuda" and n % 8 == 0 and _inner_k_tiles(k):
@@ -285,8 +323,9 @@ def quantize_model(
 ) -> list[str]:
     """Replace the Linear layers of ``model`` in place by :class:`QuantLinear`; returns
     the names replaced. A layer whose weight is shared with another module (a tied head)
-    or whose name matches a ``skip`` pattern keeps its weight. Every layer is checked
-    before any is replaced (an int4 group size must divide in_features)."""
+    or whose name matches a ``skip`` pattern keeps its weight. Under int4, a layer whose
+    in_features ``group_size`` does not divide takes the next group size that does
+    (:func:`fit_group_size`), said once for all such layers."""
     counts: dict[int, int] = {}
     for _, p in model.named_parameters(remove_duplicate=False):
         counts[id(p)] = counts.get(id(p), 0) + 1
@@ -298,14 +337,17 @@ def quantize_model(
         raw = module.weight
         if counts.get(id(raw), 0) > 1:
             continue
-        if bits == 4 and wb[0].shape[1] % group_size:
-            QuantLinear(wb[0].shape[1], wb[0].shape[0], bits=4, group_size=group_size, name=name)  # raises  # fmt: skip
         chosen.append((name, wb))
+    refitted = []
     for name, (weight, bias) in chosen:
-        layer = QuantLinear.from_float(weight, bias, bits=bits, group_size=group_size,
+        group = fit_group_size(weight.shape[1], group_size) if bits == 4 else group_size
+        if group != group_size:
+            refitted.append((name, weight.shape[1], group))
+        layer = QuantLinear.from_float(weight, bias, bits=bits, group_size=group,
                                        symmetric=symmetric, name=name)  # fmt: skip
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, child, layer)
+    warn_refitted(refitted, group_size)
     return [name for name, _ in chosen]
 
 
