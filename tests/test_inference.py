@@ -15,7 +15,7 @@ import torch
 
 import zeroshard
 from zeroshard.config import ConfigError
-from zeroshard.inference import QuantLinear, init_inference
+from zeroshard.inference import QuantizationError, QuantLinear, init_inference
 from zeroshard.models import GPT, GPTConfig
 
 torch.set_num_threads(1)
@@ -54,7 +54,7 @@ def test_quant_linear_kernel_and_round_trip(bits, group, sym) -> None:
     torch.manual_seed(1)
     lin = torch.nn.Linear(256, 96)
     q = QuantLinear.from_float(lin.weight, lin.bias, bits=bits, group_size=group, symmetric=sym)
-    assert q._kernel  # torch's int8 / int4 kernel runs for this shape
+    assert q.kernel == f"int{bits}pack"  # torch's int8 / int4 kernel runs for this shape
     x = torch.randn(2, 5, 256)
     y = q(x)
     deq = torch.nn.functional.linear(x, q.dequantize(), lin.bias)
@@ -67,9 +67,14 @@ def test_quant_linear_kernel_and_round_trip(bits, group, sym) -> None:
     # a shape the kernel does not take falls back to the dequantized weight
     odd = torch.nn.Linear(24 if bits == 8 else 64, 20)
     qo = QuantLinear.from_float(odd.weight, odd.bias, bits=bits, group_size=32, symmetric=sym)
-    assert not qo._kernel
+    assert qo.kernel == "dequant" and qo.kernels() == ("dequant",)
     xo = torch.randn(3, odd.in_features)
     assert torch.allclose(qo(xo), odd(xo), atol=0.05 if bits == 8 else 0.3)
+    # the dequantize-per-call form computes what the kernel does (kernels.py picks on a GPU)
+    q.set_kernel("dequant")
+    assert (q(x) - y).norm() / y.norm() < 5e-3
+    with pytest.raises(QuantizationError, match="kernel 'int8pack' cannot compute"):
+        qo.set_kernel("int8pack")
 
 
 def test_weight_bytes() -> None:
@@ -273,3 +278,38 @@ def test_generate_command_tensor_parallel(tmp_path) -> None:
     two = subprocess.run([*cmd, "--nproc", "2"], capture_output=True, text=True, env=env, timeout=300)  # fmt: skip
     assert one.returncode == 0 and two.returncode == 0, (one.stderr[-2000:], two.stderr[-2000:])
     assert one.stdout.strip() and one.stdout.strip() in two.stdout
+
+
+def test_kernels_are_measured_per_shape_and_the_fastest_kept() -> None:
+    """kernels.py (on a GPU at init_inference; here with a given timer): each layer shape
+    is timed once per kernel, the fastest goes on every layer of that shape, a kernel that
+    fails on the device is left out; the outputs stay the layer's."""
+    from zeroshard.inference.kernels import device_timer, pick_kernels
+
+    eng = init_inference(_gpt(tie_embeddings=False), dtype=torch.int8)
+    ids = torch.tensor([[1, 2, 3, 4]])
+    before = eng(ids)
+    assert eng.kernel_choices == []  # the CPU keeps its kernels, untimed
+    timed: list[str] = []
+
+    def dequant_faster(kernel: str, fn) -> float:
+        timed.append(kernel)
+        fn()
+        return {"int8pack": 2.0, "dequant": 1.0}[kernel]
+
+    choices = pick_kernels(eng.module, timer=dequant_faster)
+    shapes = {(c.out_features, c.in_features) for c in choices}
+    assert shapes == {(192, 64), (64, 64), (256, 64), (64, 256)}  # fc and head share one
+    assert sum(c.layers for c in choices) == len(eng.quantized) == 9
+    assert len(timed) == 2 * len(choices) and all(c.kernel == "dequant" for c in choices)
+    assert all(eng.module.get_submodule(n).kernel == "dequant" for n in eng.quantized)
+    assert (eng(ids) - before).abs().max() <= 0.02 * before.abs().max()
+
+    def int8_not_built(kernel: str, fn) -> float:
+        if kernel == "int8pack":
+            raise RuntimeError("not implemented for this device")
+        return 1.0
+
+    assert {c.kernel for c in pick_kernels(eng.module, timer=int8_not_built)} == {"dequant"}
+    seconds = device_timer(torch.device("cpu"), rounds=2, warmup=1)("x", lambda: eng(ids))
+    assert 0 < seconds < 10

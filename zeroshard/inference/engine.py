@@ -15,6 +15,7 @@ Collectives: none here; tensor-parallel layers issue theirs (see ``tensor_parall
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -31,8 +32,12 @@ from zeroshard.inference.quantize import QuantLinear, quantize_model, weight_byt
 
 if TYPE_CHECKING:
     from zeroshard.inference.decode_graph import StaticDecoder
+    from zeroshard.inference.kernels import KernelChoice
     from zeroshard.inference.streaming import StreamedWeights
     from zeroshard.inference.tensor_parallel import TPInference
+
+
+log = logging.getLogger("zeroshard")
 
 
 def _is_hf(model: nn.Module) -> bool:
@@ -86,6 +91,9 @@ class InferenceEngine:
             self._quantize()
         if config.compute_dtype is not None:
             cast_unquantized(model, config.compute_dtype)
+        #: the kernel measured fastest for each quantized layer shape (kernels.py; GPU only)
+        self.kernel_choices: list[KernelChoice] = []
+        self._pick_kernels(None)
         if config.zero is not None:
             self._apply_streaming()
         model.eval()
@@ -101,6 +109,17 @@ class InferenceEngine:
                     "(CUDA graphs need a CUDA device); leave it out, or call engine.compile() "
                     "to compile the decode step instead",
                 )
+
+    def _pick_kernels(self, compile_options: dict[str, Any] | None) -> None:
+        """On a GPU, time the kernels each quantized layer shape can use and keep the
+        fastest (``kernels.py``); on the CPU keep torch's CPU kernels."""
+        if not self.quantized or self._device().type != "cuda" or self.config.zero is not None:
+            return
+        from zeroshard.inference.kernels import pick_kernels
+
+        self.kernel_choices = pick_kernels(self.module, compile_options=compile_options)
+        for choice in self.kernel_choices:
+            log.info("zeroshard: quantized kernel %s", choice.row())
 
     # -- the static decode step (decode_graph.py) -----------------------------------------
     def _check_static_decode(self, what: str) -> None:
@@ -145,6 +164,7 @@ class InferenceEngine:
             )
         self._decode_compile = options
         self._decoder = None
+        self._pick_kernels(options)  # measured again as the compiled step will run them
 
     def _static_decoder(self, batch: int) -> StaticDecoder | None:
         """The static decoder for ``batch`` rows (a new one, captured again, when the

@@ -13,7 +13,10 @@ fp32 activations take a scalar path 10-30x slower, measured), so activations ent
 quantized matmul in bf16 and the result is cast back to the input's dtype. Where a kernel
 does not take a shape (int8: in_features not a multiple of 16, where the CPU kernel
 crashes; int4 on CPU: out_features not a multiple of 16), the layer dequantizes its weight
-for each call instead: same numbers, slower.
+for each call instead (kernel ``dequant``): same numbers, slower. Each layer's
+``kernel`` is one of :meth:`QuantLinear.kernels`; on a GPU, ``kernels.py`` measures them
+per layer shape and picks the fastest (int8's ``dequant`` is the form ``torch.compile``
+fuses into one matmul, gpt-fast's); on the CPU the defaults stay.
 
 The portable form, which ``state_dict`` holds and safetensors files store, is the same on
 every device: ``qweight`` (int8 [N, K], or uint8 [N, K/2] with two 4-bit values a byte,
@@ -196,12 +199,13 @@ class QuantLinear(nn.Module):
         self._prepare()
 
     def _prepare(self) -> None:
-        """Derive the kernel's tensors from the portable ones."""
+        """Derive the kernels' tensors from the portable ones; the default kernel is
+        torch's int8/int4 one where it takes the shape, else "dequant"."""
         dev, n, k = self.qweight.device, self.out_features, self.in_features
-        self._kernel = False
+        self._packed_ok = False
         if self.bits == 8:
-            self._kernel = k % 16 == 0
             self._scale_c = self.scale.to(COMPUTE_DTYPE)
+            self.kernel = "int8pack" if k % 16 == 0 else "dequant"
             return
         off = self.offset if self.offset is not None else torch.zeros_like(self.scale)
         self._sz = torch.stack([self.scale.t(), off.t()], dim=-1).contiguous()  # [K/g, N, 2]
@@ -210,12 +214,31 @@ class QuantLinear(nn.Module):
             pass  # a group size the kernels do not take: dequantize per call
         elif dev.type == "cpu" and n % 16 == 0:
             u = unpack_nibbles(self.qweight).to(torch.int32)
-            self._packed, self._kernel = torch._convert_weight_to_int4pack_for_cpu(u, 1), True
+            self._packed, self._packed_ok = torch._convert_weight_to_int4pack_for_cpu(u, 1), True
         elif dev.type == "cuda" and n % 8 == 0 and _inner_k_tiles(k):
             self._packed = torch._convert_weight_to_int4pack(self.qweight, _inner_k_tiles(k))
-            self._kernel = True
-        if self._kernel and dev.type == "cpu":
+            self._packed_ok = True
+        if self._packed_ok and dev.type == "cpu":
             self.qweight = torch.empty(0, dtype=torch.uint8, device=dev)  # the packed form only
+        self.kernel = "int4pack" if self._packed_ok else "dequant"
+
+    def kernels(self) -> tuple[str, ...]:
+        """The kernels that can compute this layer (``kernels.py`` measures them):
+        torch's int8 (``int8pack``: in_features a multiple of 16) or int4 (``int4pack``:
+        a kernel group size, out_features a multiple of 16 on CPU, 8 on CUDA) matmul, and
+        ``dequant``: the weight dequantized per call (int8: ``linear(x, q) * scale``,
+        which ``torch.compile`` fuses into one matmul)."""
+        if self.bits == 8:
+            return ("int8pack", "dequant") if self.in_features % 16 == 0 else ("dequant",)
+        return ("int4pack", "dequant") if self._packed_ok else ("dequant",)
+
+    def set_kernel(self, kernel: str) -> None:
+        if kernel not in self.kernels():
+            raise QuantizationError(
+                f"{self.name or 'layer'}: kernel {kernel!r} cannot compute this layer "
+                f"(it takes {', '.join(self.kernels())})"
+            )
+        self.kernel = kernel
 
     # -- portable form for state_dict ----------------------------------------------------
     def portable(self) -> dict[str, torch.Tensor]:
@@ -274,16 +297,20 @@ class QuantLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape, dtype = x.shape, x.dtype
         x2 = x.reshape(-1, self.in_features).to(COMPUTE_DTYPE)
-        if not self._kernel:
+        kernel = self.kernel
+        if self.bits == 8:
+            if kernel == "int8pack":
+                y = torch._weight_int8pack_mm(x2.contiguous(), self.qweight, self._scale_c)
+            else:  # the form torch.compile fuses into one matmul (gpt-fast's)
+                y = F.linear(x2, self.qweight.to(COMPUTE_DTYPE)) * self._scale_c
+            if self.offset is not None:
+                y = y.float() + x2.float().sum(-1, keepdim=True) * self.offset
+        elif kernel == "dequant":
             y = F.linear(x2, self.dequantize().to(COMPUTE_DTYPE))
-        elif self.bits == 8:
-            y = torch._weight_int8pack_mm(x2.contiguous(), self.qweight, self._scale_c)
         elif x2.device.type == "cpu":
             y = torch._weight_int4pack_mm_for_cpu(x2.contiguous(), self._packed, self.group_size, self._sz)  # fmt: skip
         else:
             y = torch._weight_int4pack_mm(x2.contiguous(), self._packed, self.group_size, self._sz)  # fmt: skip
-        if self.bits == 8 and self.offset is not None and self._kernel:
-            y = y.float() + x2.float().sum(-1, keepdim=True) * self.offset
         y = y.to(dtype).reshape(*shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias.to(dtype)
 
@@ -301,7 +328,7 @@ class QuantLinear(nn.Module):
     def extra_repr(self) -> str:
         kind = f"int{self.bits}" + (f", group_size={self.group_size}" if self.bits == 4 else "")
         sym = "symmetric" if self.symmetric else "asymmetric"
-        return f"in_features={self.in_features}, out_features={self.out_features}, {kind}, {sym}"
+        return f"in_features={self.in_features}, out_features={self.out_features}, {kind}, {sym}, kernel={self.kernel}"  # fmt: skip
 
 
 def linear_weight_bias(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None] | None:
