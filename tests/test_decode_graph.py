@@ -19,8 +19,8 @@ import pytest
 import torch
 
 import zeroshard
-from zeroshard import device
 from zeroshard.config import ConfigError
+from zeroshard.distributed import device
 from zeroshard.distributed.fake_device import FakeRuntime
 from zeroshard.inference.decode_graph import StaticDecoder
 from zeroshard.inference.generate import Sampling, generate_tokens, pad_prompts
