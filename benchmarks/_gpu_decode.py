@@ -223,7 +223,7 @@ def decode_rows(args) -> dict[str, Any]:
                     row = {"ok": True, **_zeroshard_row(base, prompt, dtype, path, args, deadline)}
             except Exception as exc:  # a failed row is reported, the section goes on
                 row = {"ok": False, "why": f"{type(exc).__name__}: {str(exc)[:300]}"}
-            finally:
+            with contextlib.suppress(Exception):  # a sticky CUDA error: the next rows say it
                 if dev.type == "cuda":
                     torch.cuda.empty_cache()
         if row.get("tokens") is not None:

@@ -200,7 +200,10 @@ def _child(kind: str, spec: dict, args, argv: list[str], budget: float) -> dict:
             return {"ok": True, "result": json.loads(line[7:])}
     sys.stderr.write(run.stdout[-2000:] + run.stderr[-4000:])
     last = (run.stderr.strip().splitlines() or ["no output"])[-1]
-    return {"ok": False, "why": f"exit {run.returncode}: {last[:200]}"}
+    why = f"exit {run.returncode}: {last[:200]}"
+    if kind == "decode":  # the rows it finished before it died
+        return {"ok": False, "why": why, "result": partial_result(run.stdout, why, args)}
+    return {"ok": False, "why": why}
 
 
 def run_tests(args) -> tuple[bool, str]:
