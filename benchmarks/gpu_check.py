@@ -365,7 +365,8 @@ def main() -> int:
     body = table(results, decode, args, card)
     wall = time.perf_counter() - start
     commit = _commit(args.commit)
-    decode_ok = decode["ok"] and all(r["ok"] for r in decode["result"]["rows"].values())
+    # a decode row the section had no time for (skipped) does not make the run red
+    decode_ok = decode["ok"] and all(r["ok"] or r.get("skipped") for r in decode["result"]["rows"].values())  # fmt: skip
     rows_ok = decode_ok and all(v["ok"] for v in results.values())
     green = tests_ok and rows_ok
     verdict = "green" if green else "NOT green"
