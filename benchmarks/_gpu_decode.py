@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import gc
 import json
 import statistics
 import time
@@ -225,6 +226,7 @@ def decode_rows(args) -> dict[str, Any]:
                     row = {"ok": True, **_zeroshard_row(base, prompt, dtype, path, args, deadline)}
             except Exception as exc:  # a failed row is reported, the section goes on
                 row = {"ok": False, "why": f"{type(exc).__name__}: {str(exc)[:300]}"}
+            gc.collect()  # the row's engine and graph (cycles hold them), before the next
             with contextlib.suppress(Exception):  # a sticky CUDA error: the next rows say it
                 if dev.type == "cuda":
                     torch.cuda.empty_cache()
