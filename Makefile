@@ -52,7 +52,8 @@ bench: $(STAMP) .venv-bench/.installed-stamp
 
 # The CUDA path on one H100/H200 in under 8 minutes: tests/test_cuda.py, then the 1B GPT's
 # training rows (torch, stages 0-3, CPU offload exact/delayed at gas 1 and 8) and batch-1
-# decode (bf16, int8, int4, HF generate); one table, appended to benchmarks/RESULTS.md,
+# decode (bf16, int8, int4: eager and CUDA graph; HF generate; against the HBM roof:
+# benchmarks/_gpu_decode.py); one table, appended to benchmarks/RESULTS.md,
 # and benchmarks/GPU_LAST_GREEN.json when all passed. Needs a CUDA build of torch in
 # GPU_PYTHON; without a GPU it stops at once (exit 2). COMMIT names the checkout where
 # git cannot (a copy without .git).

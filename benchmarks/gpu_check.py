@@ -10,9 +10,15 @@
    bf16, fused AdamW) and zeroshard stages 0-3, with step time, tokens/s and MFU
    (6 N + 12 L d s FLOPs per token against the card's dense bf16 peak); CPU optimizer
    offload at stage 2, exact and with the delayed update, as ratios to the all-GPU
-   stage-2 step, at gradient accumulation 1 and 8.
-3. Batch-1 decode tokens/s of the same GPT: zeroshard bf16, int8, int4 and Hugging Face
-   ``generate()`` on the same weights (bf16; ``benchmarks/bench_inference.py``'s mapping).
+   stage-2 step, at gradient accumulation 1 and 8; with ``--compiled-rows`` also stages 0
+   and 3 with ``engine.compile()`` against their eager rows (off by default: inductor's
+   compile of the 1B model has not been timed on a GPU, its rows' budget is a guess).
+3. Batch-1 decode of the same GPT, ``benchmarks/_gpu_decode.py``'s section (one call:
+   ``decode_rows(args)`` in a process of its own, ``decode_table`` for its lines): 128
+   new tokens after a 32-token prompt, bf16, int8 and int4, each eager and captured (a
+   CUDA graph per token), tokens/s against the HBM roof, and Hugging Face ``generate()``
+   on the same weights. At most ~45 s; rows it had no time for, or that raised, are
+   reported as failed; the rows done before a kill at its budget are kept.
 
 It prints one table (progress per row as it goes), appends it to ``benchmarks/RESULTS.md``
 with the card, torch/CUDA versions and commit, and, when every test and row passed,
@@ -45,20 +51,25 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 
 import _gpu_green  # noqa: E402
+from _gpu_decode import decode_rows, decode_table, partial_result  # noqa: E402
 
 TESTS_BUDGET_S = 210  # tests/test_cuda.py
 ROW_BUDGET_S = 40  # each training row's process (1B: ~15 s start + build, timed steps)
-DECODE_BUDGET_S = 60
+COMPILE_ROW_BUDGET_S = 120  # --compiled-rows: inductor's compile in the warm-up (a guess)
+DECODE_BUDGET_S = 60  # the section caps itself at ~45 s with its process's start
 TOTAL_BUDGET_S = 480
 # dense bf16 tensor-core peaks (spec sheets); other cards: the measured matmul peak
 PEAK_BF16 = {"H100 80GB HBM3": 989e12, "H100 SXM": 989e12, "H200": 989e12, "H100 PCIe": 756e12}
 
 
 # -- the rows -------------------------------------------------------------------------------
-def rows(gas_big: int) -> list[dict[str, Any]]:
+def rows(gas_big: int, compiled: bool = False) -> list[dict[str, Any]]:
     """Every training row: name, system, stage, offload, delayed, accumulation."""
     out: list[dict[str, Any]] = [{"name": "torch (autocast + fused AdamW)", "system": "torch", "gas": 1}]  # fmt: skip
     out += [{"name": f"zeroshard stage {s}", "system": "zeroshard", "stage": s, "gas": 1} for s in range(4)]  # fmt: skip
+    # engine.compile() (inductor; stage 3: one compiled region per block), against the eager rows
+    if compiled:
+        out += [{"name": f"zeroshard stage {s}, compiled", "system": "zeroshard", "stage": s, "gas": 1, "compile": True} for s in (0, 3)]  # fmt: skip
     for gas in (1, gas_big):
         if gas != 1:
             out.append({"name": f"stage 2, gas {gas}", "system": "zeroshard", "stage": 2, "gas": gas})  # fmt: skip
@@ -112,6 +123,8 @@ def _step_fn(row: dict, model, args, dev: torch.device):
         "steps_per_print": 10**9,
     }
     engine, *_ = zeroshard.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    if row.get("compile"):
+        engine.compile(backend=args.compile_backend)  # compiles during the warm-up steps
 
     def zeroshard_step(batches) -> torch.Tensor:
         for x, y in batches:
@@ -163,50 +176,6 @@ def train_row(row: dict, args) -> dict:
     }
 
 
-def decode_rows(args) -> dict[str, float]:
-    """Batch-1 greedy decode tokens/s: zeroshard bf16, int8, int4, and HF generate()."""
-    from bench_inference import decode_rate, to_hf_gpt2
-
-    import zeroshard
-    from zeroshard.models import GPT, GPTConfig
-
-    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    cfg = GPTConfig.preset(args.decode_preset, vocab_size=args.vocab, seq_len=32 + args.new)
-    torch.manual_seed(0)
-    with torch.device(dev):
-        base = GPT(cfg).eval()
-        hf = to_hf_gpt2(base).to(torch.bfloat16)  # the same weights in GPT2LMHeadModel
-    prompt = torch.randint(0, cfg.vocab_size, (1, 32), generator=torch.Generator().manual_seed(0))
-    prompt = prompt.to(dev)
-    rates: dict[str, float] = {}
-    for name, bits in (("zeroshard bf16", None), ("zeroshard int8", 8), ("zeroshard int4", 4)):
-        with torch.device(dev):
-            model = GPT(cfg)
-        model.load_state_dict(base.state_dict())
-        # int4: the largest group size dividing every in_features (d 1856 = 64 x 29 in
-        # the 1B preset refuses the default 128 by name)
-        group = next(
-            g
-            for g in (128, 64, 32)
-            if cfg.d_model % g == 0 and (cfg.mlp_ratio * cfg.d_model) % g == 0
-        )
-        weight = {"num_bits": bits, "group_size": group} if bits == 4 else {"num_bits": bits}
-        quant = {"quant": {"enabled": True, "weight": weight}} if bits else {}
-        conf = {"dtype": "bf16", "max_out_tokens": 32 + args.new, **quant}
-        eng = zeroshard.init_inference(model, conf)
-        rates[name] = decode_rate(lambda n, e=eng: e.generate(prompt, max_new_tokens=n), args.new)
-        print(f"  decode {name}: {rates[name]:.1f} tokens/s", flush=True)
-        del eng, model
-    rates["Hugging Face generate(), bf16"] = decode_rate(
-        lambda n: hf.generate(
-            prompt, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0
-        ),
-        args.new,
-    )
-    print(f"  decode HF generate(): {rates['Hugging Face generate(), bf16']:.1f} tokens/s")
-    return rates
-
-
 # -- the driver -----------------------------------------------------------------------------
 def _child(kind: str, spec: dict, args, argv: list[str], budget: float) -> dict:
     """Run ``kind`` (train / decode) in a fresh process (in this one with --smoke)."""
@@ -220,14 +189,21 @@ def _child(kind: str, spec: dict, args, argv: list[str], budget: float) -> dict:
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
     try:
         run = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=budget)
-    except subprocess.TimeoutExpired:
-        return {"ok": False, "why": f"over its {budget:.0f} s budget"}
+    except subprocess.TimeoutExpired as exc:
+        why = f"over its {budget:.0f} s budget"
+        if kind == "decode":  # the rows it finished before the kill
+            out = exc.stdout.decode() if isinstance(exc.stdout, bytes) else exc.stdout or ""
+            return {"ok": False, "why": why, "result": partial_result(out, why, args)}
+        return {"ok": False, "why": why}
     for line in run.stdout.splitlines():
         if line.startswith("RESULT "):
             return {"ok": True, "result": json.loads(line[7:])}
     sys.stderr.write(run.stdout[-2000:] + run.stderr[-4000:])
     last = (run.stderr.strip().splitlines() or ["no output"])[-1]
-    return {"ok": False, "why": f"exit {run.returncode}: {last[:200]}"}
+    why = f"exit {run.returncode}: {last[:200]}"
+    if kind == "decode":  # the rows it finished before it died
+        return {"ok": False, "why": why, "result": partial_result(run.stdout, why, args)}
+    return {"ok": False, "why": why}
 
 
 def run_tests(args) -> tuple[bool, str]:
@@ -264,27 +240,29 @@ def table(results: dict[str, dict], decode: dict, args, card: str) -> str:
     torch_s = by.get("torch (autocast + fused AdamW)", {}).get("step_s")
     top, how = peak(card)
     lines = [
-        "| row | step s | tokens/s | MFU | x torch | x all-GPU (stage 2, same gas) | GPU peak GiB | loss first -> last |",
-        "|---|---|---|---|---|---|---|---|",
+        "| row | step s | tokens/s | MFU | x torch | x all-GPU (stage 2, same gas) | compiled vs eager | GPU peak GiB | loss first -> last |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for name, v in results.items():
         if not v["ok"]:
-            lines.append(f"| {name} | failed: {v['why']} | | | | | | |")
+            lines.append(f"| {name} | failed: {v['why']} | | | | | | | |")
             continue
         r = v["result"]
         gas = name.rsplit("gas ", 1)[1] if "gas " in name else "1"
         base = by.get("zeroshard stage 2" if gas == "1" else f"stage 2, gas {gas}", {}).get("step_s")  # fmt: skip
         x_torch = f"{r['step_s'] / torch_s:.2f}" if torch_s and gas == "1" else ""
         x_gpu = f"{r['step_s'] / base:.2f}" if base and "offload" in name else ""
+        eager = by.get(name.removesuffix(", compiled"), {}).get("step_s")
+        x_eager = f"{eager / r['step_s']:.2f}x faster" if eager and name.endswith("compiled") else ""  # fmt: skip
         lines.append(
             f"| {name} | {r['step_s']:.3f} | {r['tokens_s']:,.0f} | {r['flops_s'] / top:.1%} | "
-            f"{x_torch} | {x_gpu} | {r['peak_gib']:.1f} | {r['losses'][0]:.3f} -> {r['losses'][1]:.3f} |"
+            f"{x_torch} | {x_gpu} | {x_eager} | {r['peak_gib']:.1f} | {r['losses'][0]:.3f} -> {r['losses'][1]:.3f} |"
         )
-    lines += ["", "| decode, batch 1, greedy | tokens/s |", "|---|---|"]
-    if decode["ok"]:
-        lines += [f"| {k} | {v:.1f} |" for k, v in decode["result"].items()]
+    lines.append("")
+    if "result" in decode:
+        lines += decode_table(decode["result"], card)
     else:
-        lines.append(f"| all | failed: {decode['why']} |")
+        lines += ["| decode | failed |", "|---|---|", f"| all | {decode['why']} |"]
     head = (
         f"GPT {args.preset}, vocab {args.vocab}, seq {args.seq}, micro-batch {args.micro}, bf16, "
         f"AdamW, clip 1.0, bucket {args.bucket:,}; {args.steps} timed steps after {args.warmup} "
@@ -317,7 +295,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--steps-big", type=int, default=2, help="timed steps at --gas")
-    p.add_argument("--new", type=int, default=64, help="decode: new tokens")
+    p.add_argument("--new", type=int, default=128, help="decode: new tokens")
+    p.add_argument("--compiled-rows", action="store_true", help="training rows with engine.compile()")  # fmt: skip
+    p.add_argument("--compile-backend", default="inductor", help="the compiled training rows'")
+    p.add_argument("--decode-compile", action="store_true", help="decode rows with engine.compile() (not timed on a GPU yet)")  # fmt: skip
     p.add_argument("--commit", default=None, help="the commit to record (default: git's HEAD)")
     p.add_argument("--results", default=os.path.join(HERE, "RESULTS.md"))
     p.add_argument("--green", default=_gpu_green.GREEN)
@@ -353,6 +334,8 @@ def main() -> int:
         args.preset, args.decode_preset = "tiny", "small"  # d 128: int4's group of 128 fits
         args.vocab, args.seq, args.micro, args.gas, args.bucket = 256, 16, 2, 2, 4096
         args.warmup, args.steps, args.steps_big, args.new = 1, 1, 1, 4
+        args.compile_backend = "aot_eager"  # no C++ compiler wait on the CPU
+        args.compiled_rows = args.decode_compile = True  # every code path, tiny
         if not torch.cuda.is_available():
             os.environ["ZEROSHARD_STAGE_ON_CPU"] = "1"  # offload rows: the GPU code path
     child_argv = [a for a in argv if a != "--smoke"]
@@ -368,12 +351,13 @@ def main() -> int:
     tests_ok, summary = run_tests(args)
     progress("tests/test_cuda.py", tests_ok, summary)
     results: dict[str, dict] = {}
-    for row in rows(args.gas):
+    for row in rows(args.gas, args.compiled_rows):
         left = TOTAL_BUDGET_S - DECODE_BUDGET_S - (time.perf_counter() - start)
         if left < 10 and not args.smoke:
             results[row["name"]] = {"ok": False, "why": "not run: the 8-minute budget is spent"}
         else:
-            results[row["name"]] = _child("train", row, args, child_argv, min(ROW_BUDGET_S, max(left, 10)))  # fmt: skip
+            budget = COMPILE_ROW_BUDGET_S if row.get("compile") else ROW_BUDGET_S
+            results[row["name"]] = _child("train", row, args, child_argv, min(budget, max(left, 10)))  # fmt: skip
         v = results[row["name"]]
         progress(row["name"], v["ok"], f"{v['result']['step_s']:.3f} s/step" if v["ok"] else v["why"])  # fmt: skip
     decode = _child("decode", {}, args, child_argv, DECODE_BUDGET_S)
@@ -381,7 +365,9 @@ def main() -> int:
     body = table(results, decode, args, card)
     wall = time.perf_counter() - start
     commit = _commit(args.commit)
-    rows_ok = decode["ok"] and all(v["ok"] for v in results.values())
+    # a decode row the section had no time for (skipped) does not make the run red
+    decode_ok = decode["ok"] and all(r["ok"] or r.get("skipped") for r in decode["result"]["rows"].values())  # fmt: skip
+    rows_ok = decode_ok and all(v["ok"] for v in results.values())
     green = tests_ok and rows_ok
     verdict = "green" if green else "NOT green"
     body += f"\n\n`tests/test_cuda.py`: {summary}. {verdict}, {wall:.0f} s in all."

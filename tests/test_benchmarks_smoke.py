@@ -115,3 +115,25 @@ def test_gpu_green_report(tmp_path) -> None:
     assert _gpu_green.device_touching("tests/test_cuda.py")
     assert _gpu_green.device_touching("zeroshard/offload/staging.py")
     assert not _gpu_green.device_touching("README.md")
+
+
+def test_gpu_decode_keeps_the_rows_of_a_killed_section() -> None:
+    """gpu_check kills the decode section at its budget: the rows it printed are kept in
+    the table (with their roof on a known card), the others are failed rows that say why."""
+    sys.path.insert(0, BENCH)
+    import _gpu_decode
+
+    done = {"ok": True, "tokens_s": 1000.0, "rounds": 3, "bytes": 2_400_000_000, "tokens": [[1, 2]]}  # fmt: skip
+    eager = {**done, "tokens_s": 100.0, "tokens": [[1, 3]]}
+    stdout = "  decode bf16 captured: ...\nDECODE_ROW " + json.dumps({"bf16 captured": done})
+    stdout += "\nDECODE_ROW " + json.dumps({"bf16 eager": eager}) + "\nnoise"
+    args = type("Args", (), {"new": 128, "decode_compile": False})()
+    result = _gpu_decode.partial_result(stdout, "over its 60 s budget", args)
+    rows = result["rows"]
+    assert rows["bf16 captured"]["ok"] and rows["bf16 captured"]["same_as_eager"] is False
+    assert rows["int8 eager"] == {"ok": False, "why": "over its 60 s budget"}
+    assert len(rows) == len(_gpu_decode.RUN_ORDER)
+    table = "\n".join(_gpu_decode.decode_table(result, "NVIDIA H200"))
+    assert "| bf16 captured | 1000.0 | 3 | 2.400 GB | 50.0% |" in table  # 2.4 GB x 1000 / 4.8 TB/s
+    assert "| int4 captured | failed: over its 60 s budget |" in table
+    assert "HBM bandwidth of 'CPU' not known" in "\n".join(_gpu_decode.decode_table(result, "CPU"))

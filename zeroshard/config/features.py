@@ -5,7 +5,7 @@ unknown or misspelled key is an error naming it, as everywhere else. Part of
 :mod:`zeroshard.config`'s ``Config``. No collectives, no devices.
 
 Key names and defaults are DeepSpeed 0.19's: ``compile/config.py`` (``compile``, and the
-``enabled``/``backend``/``kwargs`` of its 0.14 form), ``runtime/config.py``
+``enabled``/``backend``/``kwargs`` of its 0.14 form, which is wired: ``engine.compile``), ``runtime/config.py``
 (``hybrid_engine``, ``torch_autocast``), ``autotuning/``, ``module_inject/auto_ep_config.py``
 (``expert_parallel``), ``runtime/data_pipeline/`` (``data_efficiency``). Each section's
 switch is refused when on ("not built yet"); its other keys mean nothing while it is off
@@ -15,11 +15,11 @@ take only ``{"enabled": false}`` here.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, make_dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from zeroshard.config.schema import INERT, NOT_BUILT, Section, key
+from zeroshard.config.schema import INERT, NOT_BUILT, ConfigError, Section, key
 
 
 def _off(section: str, switch: str = "enabled") -> Any:
@@ -33,33 +33,62 @@ def _on_anywhere(value: Any) -> bool:
     return value.get("enabled") is True or any(_on_anywhere(v) for v in value.values())
 
 
+#: torch.compile's keyword arguments besides the backend (``compile.kwargs``)
+COMPILE_KWARGS = ("fullgraph", "dynamic", "mode", "options", "disable")
+
+
+def _check_compile_kwargs(value: Any, at: str) -> None:
+    if not isinstance(value, Mapping):
+        return  # the type check names it
+    for name in value:
+        if name == "backend":
+            raise ConfigError(f"{at}.backend", "give the backend as compile.backend")
+        if name not in COMPILE_KWARGS:
+            raise ConfigError(f"{at}.{name}", f"not a keyword of torch.compile (it takes {', '.join(COMPILE_KWARGS)}; the backend is compile.backend)")  # fmt: skip
+
+
+_DC = NOT_BUILT("DeepCompile (compile.deepcompile)")
+
+
 # fmt: off
 @dataclass(frozen=True, kw_only=True)
 class CompileConfig(Section):
-    """``compile``: DeepSpeed 0.19's DeepCompile settings, and the 0.14 form's torch.compile
-    switch. ``engine.compile()`` is DeepSpeed's way to compile, and zeroshard's."""
+    """``compile``: DeepSpeed 0.14's torch.compile switch (``enabled``, ``backend``,
+    ``kwargs``: the engine calls ``engine.compile(backend, kwargs)`` at ``initialize``),
+    and DeepSpeed 0.19's DeepCompile settings (not built: refused when set away from
+    their defaults)."""
 
-    enabled: bool = key(False, NOT_BUILT("torch.compile via the config"), doc="DeepSpeed 0.14: torch.compile the model (zeroshard: call engine.compile()).")
-    backend: str = key("inductor", _off("compile"), doc="DeepSpeed 0.14: torch.compile's backend.")
-    kwargs: dict[str, Any] | None = key(None, _off("compile"), doc="DeepSpeed 0.14: torch.compile's keyword arguments.")
-    deepcompile: bool = key(False, NOT_BUILT("DeepCompile"), doc="Turn on DeepCompile.")
+    enabled: bool = key(False, doc="DeepSpeed 0.14: torch.compile the model at initialize (engine.compile(backend=compile.backend, compile_kwargs=compile.kwargs)).")
+    backend: str = key("inductor", doc="DeepSpeed 0.14: torch.compile's backend (a name torch._dynamo.list_backends() knows).")
+    kwargs: dict[str, Any] | None = key(None, doc="DeepSpeed 0.14: torch.compile's keyword arguments (fullgraph, dynamic, mode, options, disable).", check=_check_compile_kwargs)
+    deepcompile: bool = key(False, _DC, doc="Turn on DeepCompile.")
     autoep_non_moe: bool = key(False, INERT("no expert parallelism (AutoEP)"), doc="Compile the callable parents of AutoEP layers.")
-    free_activation: bool = key(False, _off("compile", "deepcompile"), doc="Free activations eagerly.")
-    free_activation_threshold: int = key(10 * 1024 * 1024, _off("compile", "deepcompile"), doc="Bytes from which an activation is freed eagerly.", min=0)
-    offload_activation: bool = key(False, _off("compile", "deepcompile"), doc="Offload saved activations to pinned host memory.")
-    offload_activation_pin_memory: bool = key(True, _off("compile", "deepcompile"), doc="Pin the activation offload buffers.")
-    offload_opt_states: bool = key(False, _off("compile", "deepcompile"), doc="Offload optimizer states during forward/backward.")
-    double_buffer: bool = key(True, _off("compile", "deepcompile"), doc="Double buffering.")
-    symmetric_memory: bool = key(False, _off("compile", "deepcompile"), doc="Symmetric memory.")
-    debug_log: bool = key(False, _off("compile", "deepcompile"), doc="Dump the graphs.")
-    offload_parameters: bool = key(False, _off("compile", "deepcompile"), doc="Offload parameters.")
-    sync_before_reduce: bool = key(False, _off("compile", "deepcompile"), doc="Synchronize before a reduction.")
-    sync_after_reduce: bool = key(False, _off("compile", "deepcompile"), doc="Synchronize after a reduction.")
-    sync_before_allgather: bool = key(False, _off("compile", "deepcompile"), doc="Synchronize before an all-gather.")
-    sync_after_allgather: bool = key(False, _off("compile", "deepcompile"), doc="Synchronize after an all-gather.")
-    keep_int_input_tensors: bool = key(True, _off("compile", "deepcompile"), doc="Keep int input tensors' values.")
-    keep_all_input_tensors: bool = key(False, _off("compile", "deepcompile"), doc="Keep every input tensor's values.")
-    passes: list[str] | None = key(None, _off("compile", "deepcompile"), doc="DeepCompile passes ('z1', 'z3', 'autosp', 'autotp').")
+    free_activation: bool = key(False, _DC, doc="DeepCompile: free activations eagerly.")
+    free_activation_threshold: int = key(10 * 1024 * 1024, _DC, doc="DeepCompile: bytes from which an activation is freed eagerly.", min=0)
+    offload_activation: bool = key(False, _DC, doc="DeepCompile: offload saved activations to pinned host memory.")
+    offload_activation_pin_memory: bool = key(True, _DC, doc="DeepCompile: pin the activation offload buffers.")
+    offload_opt_states: bool = key(False, _DC, doc="DeepCompile: offload optimizer states during forward/backward.")
+    double_buffer: bool = key(True, _DC, doc="DeepCompile: double buffering.")
+    symmetric_memory: bool = key(False, _DC, doc="DeepCompile: symmetric memory.")
+    debug_log: bool = key(False, _DC, doc="DeepCompile: dump the graphs.")
+    offload_parameters: bool = key(False, _DC, doc="DeepCompile: offload parameters.")
+    sync_before_reduce: bool = key(False, _DC, doc="DeepCompile: synchronize before a reduction.")
+    sync_after_reduce: bool = key(False, _DC, doc="DeepCompile: synchronize after a reduction.")
+    sync_before_allgather: bool = key(False, _DC, doc="DeepCompile: synchronize before an all-gather.")
+    sync_after_allgather: bool = key(False, _DC, doc="DeepCompile: synchronize after an all-gather.")
+    keep_int_input_tensors: bool = key(True, _DC, doc="DeepCompile: keep int input tensors' values.")
+    keep_all_input_tensors: bool = key(False, _DC, doc="DeepCompile: keep every input tensor's values.")
+    passes: list[str] | None = key(None, _DC, doc="DeepCompile passes ('z1', 'z3', 'autosp', 'autotp').")
+
+    @classmethod
+    def json_compat(cls, values: dict, given: dict[str, str], note: Callable[[str, str], None]) -> dict:
+        """``backend`` and ``kwargs`` are read only with ``enabled`` true: given without
+        it, they are reported as meaning nothing."""
+        if not values.get("enabled"):
+            for name in ("backend", "kwargs"):
+                if name in given:
+                    note(given[name], "read only with compile.enabled true (or pass it to engine.compile())")
+        return values
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -4,7 +4,8 @@ synchronization and the choice of the current device. No communication.
 
 The code that overlaps copies with compute (gradient staging to the host, the offloaded
 step's write-back, streamed inference weights, activation offload) and the code that
-picks or waits for a device (mesh, launcher, timers) ask :func:`runtime` for the runtime
+picks or waits for a device (mesh, launcher, timers), and the captured decode step
+(``inference/decode_graph.py``: CUDA graphs) ask :func:`runtime` for the runtime
 of a device and call it, never ``torch.cuda`` itself, as FSDP2 does with its one device
 handle. What answers:
 
@@ -27,13 +28,17 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
 from zeroshard import UsageError
 from zeroshard.distributed.env import STAGE_ON_CPU_ENV
+
+
+class GraphsUnsupportedError(UsageError):
+    """A graph capture asked of a device that has none (the CPU)."""
 
 
 def stage_on_cpu() -> bool:
@@ -107,6 +112,22 @@ class Runtime:
         """A copy of ``src`` on ``device``, made on the current stream."""
         return src.to(device, non_blocking=non_blocking, copy=True)
 
+    # -- graphs: work captured once, replayed many times ---------------------------------
+    #: the device captures and replays graphs of its work (CUDA graphs)
+    graphs = False
+
+    def capture_graph(self, fn: Callable[[], None], warmup: int = 2) -> Any:
+        """Run ``fn`` ``warmup`` times, then capture the device work of one more call
+        into a graph and return it. ``fn`` reads and writes only tensors that outlive
+        the graph (its static inputs and outputs); :meth:`replay_graph` reruns that work
+        on whatever those tensors hold then. Capturing does not run the work on a real
+        device (the warm-up calls do)."""
+        raise GraphsUnsupportedError(f"{self.type} has no device graphs (CUDA graphs need a CUDA device)")  # fmt: skip
+
+    def replay_graph(self, graph: Any) -> None:
+        """Rerun the work captured in ``graph``, on the current stream."""
+        raise GraphsUnsupportedError(f"{self.type} has no device graphs")
+
     # -- the device -----------------------------------------------------------------------
     def synchronize(self, device: torch.device | int | None = None) -> None:
         """The host waits for all work on ``device`` (default: the current one)."""
@@ -166,6 +187,28 @@ class StreamRuntime(Runtime):
         event = self.mod.Event(enable_timing=True)
         event.record()
         return event
+
+    @property
+    def graphs(self) -> bool:  # type: ignore[override]  # a class attribute on Runtime
+        return hasattr(self.mod, "CUDAGraph") and hasattr(self.mod, "graph")
+
+    def capture_graph(self, fn, warmup: int = 2):
+        if not self.graphs:
+            return super().capture_graph(fn, warmup)
+        # warm up on a side stream (lazy initialisations, allocator), as torch's docs ask
+        side = self.mod.Stream()
+        side.wait_stream(self.mod.current_stream())
+        with self.mod.stream(side):
+            for _ in range(warmup):
+                fn()
+        self.mod.current_stream().wait_stream(side)
+        graph = self.mod.CUDAGraph()
+        with self.mod.graph(graph):
+            fn()
+        return graph
+
+    def replay_graph(self, graph) -> None:
+        graph.replay()
 
     def synchronize(self, device=None) -> None:
         self.mod.synchronize(device)

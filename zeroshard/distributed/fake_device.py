@@ -22,7 +22,9 @@ Log entries (tuples): ``("copy", stream, dst, src)`` when a copy is issued,
 ``("record", event, stream)``, ``("wait_stream", waiter, waited)``,
 ``("wait_event", stream, event)``, ``("sync", event)`` (the host waits),
 ``("record_stream", stream, tensor)``, ``("synchronize",)``, ``("set_device", index)``,
-plus whatever a test adds with :meth:`FakeRuntime.note`. Tensors are logged by the
+``("capture", graph)`` and ``("replay", graph)`` (device graphs: :class:`FakeGraph`; the
+warm-up calls before a capture run the work, the capture runs nothing, each replay runs
+it again), plus whatever a test adds with :meth:`FakeRuntime.note`. Tensors are logged by the
 names given with :meth:`FakeRuntime.name` (``hostN`` for the N-th buffer of
 ``host_empty``, ``devN`` for the N-th result of ``to``, ``"?"`` for others).
 """
@@ -56,6 +58,17 @@ class FakeEvent:
         return f"FakeEvent({self.name} on {self.stream.name})"
 
 
+class FakeGraph:
+    """A captured "graph": the function whose work it stands for, rerun at each replay
+    (on whatever its static tensors hold then, as a CUDA graph reads its memory)."""
+
+    def __init__(self, name: str, fn: Callable[[], object]) -> None:
+        self.name, self.fn, self.replays = name, fn, 0
+
+    def __repr__(self) -> str:
+        return f"FakeGraph({self.name}, {self.replays} replays)"
+
+
 class _Timing:
     """A timing event that measures nothing (timers read 0 ms)."""
 
@@ -72,6 +85,7 @@ class FakeRuntime(Runtime):
 
     streams = True
     pin = False  # a CPU build of torch cannot page-lock memory
+    graphs = True
 
     def __init__(self, devices: int = 1) -> None:
         super().__init__("fake", apart=True)
@@ -84,6 +98,7 @@ class FakeRuntime(Runtime):
         self._counts: dict[str, int] = {}
         self._lock = threading.RLock()
         self._local = threading.local()
+        self.graphs_made: list[FakeGraph] = []
 
     # -- for tests ------------------------------------------------------------------------
     def note(self, *entry) -> None:
@@ -202,6 +217,22 @@ class FakeRuntime(Runtime):
         self.name(out, f"dev{self._made('dev')}")
         self.copy(out, src, non_blocking)
         return out
+
+    # -- graphs ---------------------------------------------------------------------------
+    def capture_graph(self, fn: Callable[[], object], warmup: int = 2) -> FakeGraph:
+        for _ in range(warmup):
+            fn()
+        with self._lock:
+            graph = FakeGraph(f"g{len(self.graphs_made)}", fn)
+            self.graphs_made.append(graph)
+            self.log.append(("capture", graph.name))
+        return graph  # as on a GPU, capturing runs nothing: replays do
+
+    def replay_graph(self, graph: FakeGraph) -> None:
+        with self._lock:
+            self.log.append(("replay", graph.name))
+        graph.replays += 1
+        graph.fn()
 
     # -- the device -----------------------------------------------------------------------
     def synchronize(self, device=None) -> None:

@@ -110,7 +110,7 @@ class InferenceConfig(Section):
     max_out_tokens: int = key(1024, doc="Most tokens (prompt plus generated) one sequence may hold; the KV cache is sized from it.", min=1, aliases=("max_tokens",))
     min_out_tokens: int = key(1, INERT("generate() takes min_new_tokens per call"), doc="Fewest tokens to generate.", min=1, aliases=("min_tokens",))
     replace_with_kernel_inject: bool = key(False, INERT("there are no kernels to inject: torch's own matmul and int8/int4 kernels run"), doc="DeepSpeed's kernel injection.", aliases=("kernel_inject",))
-    enable_cuda_graph: bool = key(False, NOT_BUILT("CUDA graph capture of inference"), doc="Capture CUDA graphs.")
+    enable_cuda_graph: bool = key(False, doc="Capture the built-in GPT's one-token decode step as a CUDA graph at the first step of a batch and replay it per token, over a KV cache preallocated to max_out_tokens (zeroshard/inference/decode_graph.py). Needs a CUDA device; refused with tensor parallelism, weight streaming (zero) and models other than zeroshard's GPT (Hugging Face models: generate(cache_implementation='static') with torch.compile).")
     use_triton: bool = key(False, NOT_BUILT("Triton kernels"), doc="Triton kernels.")
     triton_autotune: bool = key(False, INERT("no Triton kernels"), doc="Triton autotuning.")
     triangular_masking: bool = key(True, INERT("the model's own attention masks apply"), doc="Causal masking.", aliases=("tm",))

@@ -6,28 +6,38 @@ quantization (``quant`` or ``dtype=torch.int8``), the compute dtype, then weight
 streaming (``zero``: ``streaming.py``). It is callable (the model's forward, without
 gradients) and has :meth:`InferenceEngine.generate`: Hugging Face models generate through
 their own ``generate()`` (with the quantized layers in place), other models through
-zeroshard's loop (``generate.py``; the built-in GPT with its KV cache).
+zeroshard's loop (``generate.py``; the built-in GPT with its KV cache, and with
+``enable_cuda_graph`` or :meth:`InferenceEngine.compile` a static decode step captured
+or compiled once and replayed per token: ``decode_graph.py``).
 
 Collectives: none here; tensor-parallel layers issue theirs (see ``tensor_parallel.py``).
 """
 
 from __future__ import annotations
 
+import logging
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from zeroshard.config.schema import ConfigError
+from zeroshard.distributed.device import runtime
 from zeroshard.inference.config import InferenceConfig, InferenceError, load_inference_config
 from zeroshard.inference.generate import Sampling, generate_tokens, pad_prompts
 from zeroshard.inference.quantize import QuantLinear, quantize_model, weight_bytes
+from zeroshard.runtime.compiling import check_backend, compile_options
 
 if TYPE_CHECKING:
+    from zeroshard.inference.decode_graph import StaticDecoder
+    from zeroshard.inference.kernels import KernelChoice
     from zeroshard.inference.streaming import StreamedWeights
     from zeroshard.inference.tensor_parallel import TPInference
+
+
+log = logging.getLogger("zeroshard")
 
 
 def _is_hf(model: nn.Module) -> bool:
@@ -81,9 +91,100 @@ class InferenceEngine:
             self._quantize()
         if config.compute_dtype is not None:
             cast_unquantized(model, config.compute_dtype)
+        #: the kernel measured fastest for each quantized layer shape (kernels.py; GPU only)
+        self.kernel_choices: list[KernelChoice] = []
+        self._pick_kernels(None)
         if config.zero is not None:
             self._apply_streaming()
         model.eval()
+        #: the static decode step (decode_graph.py), one per batch size at a time
+        self._decoder: StaticDecoder | None = None
+        self._decode_compile: dict[str, Any] | None = None  # compile(): torch.compile's options
+        if config.enable_cuda_graph:
+            self._check_static_decode("enable_cuda_graph")
+            if not runtime(self._device()).graphs:
+                raise ConfigError(
+                    "enable_cuda_graph",
+                    f"the model is on {self._device()}, which has no device graphs to capture "
+                    "(CUDA graphs need a CUDA device); leave it out, or call engine.compile() "
+                    "to compile the decode step instead",
+                )
+
+    def _pick_kernels(self, compile_options: dict[str, Any] | None) -> None:
+        """On a GPU, time the kernels each quantized layer shape can use and keep the
+        fastest (``kernels.py``); on the CPU keep torch's CPU kernels."""
+        if not self.quantized or self._device().type != "cuda" or self.config.zero is not None:
+            return
+        from zeroshard.inference.kernels import pick_kernels
+
+        self.kernel_choices = pick_kernels(self.module, compile_options=compile_options)
+        for choice in self.kernel_choices:
+            log.info("zeroshard: quantized kernel %s", choice.row())
+
+    # -- the static decode step (decode_graph.py) -----------------------------------------
+    def _check_static_decode(self, what: str) -> None:
+        """The captured or compiled decode step exists for the built-in GPT alone, on one
+        rank's whole weights."""
+        if not _has_cache_path(self.module):
+            raise ConfigError(
+                what,
+                "the captured/compiled decode step is built for zeroshard's GPT only; a "
+                "Hugging Face model has its own: generate(cache_implementation='static') "
+                "with torch.compile (transformers' static cache)",
+            )
+        if self.tp is not None:
+            raise ConfigError(
+                what,
+                "a captured/compiled decode step with tensor_parallel.tp_size > 1 is not "
+                "built yet (the all-reduces inside the step); decode eagerly",
+            )
+        if self.config.zero is not None:
+            raise ConfigError(
+                what,
+                "a captured/compiled decode step with weight streaming (zero) is not built "
+                "yet (each step uploads the weights layer by layer from the host); decode "
+                "eagerly",
+            )
+
+    def compile(
+        self, backend: str | Callable | None = None, compile_kwargs: dict | None = None, **kw: Any
+    ) -> None:
+        """``torch.compile`` the one-token decode step of the built-in GPT (over a KV
+        cache preallocated to ``max_out_tokens``, so dynamo compiles it once per batch
+        size); with ``enable_cuda_graph`` the compiled step is captured in turn. The
+        prompt stays eager. ``backend``/``compile_kwargs`` as for ``torch.compile``."""
+        self._check_static_decode("compile")
+        options = compile_options(backend, compile_kwargs, kw)
+        check_backend(options.get("backend"))
+        if self.config.enable_cuda_graph and options.get("mode") in ("reduce-overhead", "max-autotune"):  # fmt: skip
+            raise ConfigError(
+                "compile",
+                f"mode={options['mode']!r} captures CUDA graphs itself; with enable_cuda_graph "
+                "zeroshard captures the step: give one of the two",
+            )
+        self._decode_compile = options
+        self._decoder = None
+        self._pick_kernels(options)  # measured again as the compiled step will run them
+
+    def _static_decoder(self, batch: int) -> StaticDecoder | None:
+        """The static decoder for ``batch`` rows (a new one, captured again, when the
+        batch size changes), or None for the ordinary eager loop."""
+        capture = self.config.enable_cuda_graph
+        if not capture and self._decode_compile is None:
+            return None
+        if self._decoder is None or self._decoder.batch != batch:
+            from zeroshard.inference.decode_graph import StaticDecoder
+
+            self._decoder = None  # free the old cache first
+            seq = getattr(self.module.cfg, "seq_len", self.config.max_out_tokens)
+            self._decoder = StaticDecoder(
+                self.module,
+                batch,
+                min(self.config.max_out_tokens, seq),
+                capture=capture,
+                compile_options=self._decode_compile,
+            )
+        return self._decoder
 
     # -- tensor parallelism and weight streaming (tensor_parallel.py, streaming.py) -----------
     def _apply_tensor_parallel(self) -> None:
@@ -255,6 +356,7 @@ class InferenceEngine:
             use_cache=use_cache and _has_cache_path(self.module),
             max_len=limit,
             generator=generator,
+            decoder=self._static_decoder(ids.shape[0]) if use_cache else None,
         )
 
     def _hf_generate(self, ids, mask, max_new, min_new, do_sample, temperature, top_k, top_p,

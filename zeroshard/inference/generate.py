@@ -2,7 +2,8 @@
 sampling (temperature, top-k, top-p), stop tokens, batches of prompts of different
 lengths (padded on the left). With the built-in GPT the key/value cache
 (``kv_cache.py``) makes each new token cost one position's compute; without it every step
-recomputes the whole sequence. No collectives (under tensor parallelism every rank runs
+recomputes the whole sequence. With a static decoder (``decode_graph.py``) each new token
+is one captured (or compiled) step. No collectives (under tensor parallelism every rank runs
 the same loop on the same whole logits, so ranks pick the same tokens).
 """
 
@@ -10,11 +11,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from zeroshard.inference.config import InferenceError
 from zeroshard.inference.kv_cache import KVCache
+
+if TYPE_CHECKING:
+    from zeroshard.inference.decode_graph import StaticDecoder
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -98,10 +103,13 @@ def generate_tokens(
     max_len: int | None = None,
     min_new_tokens: int = 0,
     generator: torch.Generator | None = None,
+    decoder: StaticDecoder | None = None,
 ) -> torch.Tensor:
     """Prompt ids [batch, T] (left-padded, ``valid`` marks real tokens) -> [batch, T + n]
     with n <= max_new_tokens: the prompt, then the new tokens; rows that met a stop token
-    are filled with ``pad_id`` after it, and the loop ends when every row has stopped."""
+    are filled with ``pad_id`` after it, and the loop ends when every row has stopped.
+    ``decoder``: the static decode step (``decode_graph.py``: prefill into its cache,
+    then one captured or compiled step per token) instead of a cache made here."""
     b, t0 = ids.shape
     if valid is None:
         valid = torch.ones_like(ids, dtype=torch.bool)
@@ -128,10 +136,13 @@ def generate_tokens(
     stops = torch.tensor(list(stop_ids), dtype=torch.long, device=ids.device)
     done = torch.zeros(b, dtype=torch.bool, device=ids.device)
     out = ids
-    cache = KVCache.for_model(model, b, total) if use_cache else None
+    cache = KVCache.for_model(model, b, total) if use_cache and decoder is None else None
     step_ids, step_valid = ids, valid
     for step in range(max_new_tokens):
-        if cache is not None:
+        if decoder is not None:
+            logits = decoder.prefill(ids, valid) if step == 0 else decoder.step(step_ids)
+            logits = logits[:, None]
+        elif cache is not None:
             cache.mark_padding(step_valid)
             logits = model(step_ids, cache=cache)
         elif padded:  # recompute everything, with the padding mask a fresh cache builds

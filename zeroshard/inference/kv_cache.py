@@ -7,13 +7,22 @@ tokens only (a padded prompt gets the positions it would have alone). A forward 
 cache (``GPT.forward(idx, cache=cache)``) calls :meth:`KVCache.begin` (positions and the
 attention mask for the new tokens), each attention layer calls ``update`` on its
 :class:`LayerCache`, and :meth:`KVCache.end` advances the length.
+
+:class:`StaticKVCache` is the same cache with a one-token *step* whose shapes never
+change and whose state is read from tensors, not Python numbers: the slot written
+(``slot``), the positions (``seen``) and the mask (``valid``, over all ``max_len``
+slots; slots not written yet are masked). So the step can be captured once as a device
+graph, or compiled once, and replayed for every token (``decode_graph.py``); the prompt
+(prefill) goes through the ordinary path, into the same buffers.
 """
 
 from __future__ import annotations
 
+from typing import Self
+
 import torch
 
-from zeroshard import ZeroshardError
+from zeroshard import InternalError, ZeroshardError
 
 
 class CacheFullError(ZeroshardError, ValueError):
@@ -36,7 +45,7 @@ class KVCache:
         self._t = 0
 
     @classmethod
-    def for_model(cls, model, batch: int, max_len: int) -> KVCache:
+    def for_model(cls, model, batch: int, max_len: int) -> Self:
         """A cache shaped for the built-in GPT ``model`` (its attention heads may be the
         local ones of a tensor-parallel rank)."""
         cfg = model.cfg
@@ -88,6 +97,60 @@ class KVCache:
         self.length += self._t
         self.mask = None
 
+    #: a one-token step of fixed shapes (:class:`StaticKVCache`)
+    stepping = False
+    slot: torch.Tensor
+
+
+class StaticKVCache(KVCache):
+    """A :class:`KVCache` with a shape-stable one-token step (see the module docstring).
+
+    The host sets the step's inputs before each step (:meth:`prepare_step`), the step
+    (``model(ids, cache=cache)`` while :attr:`stepping`) writes keys and values at
+    ``slot`` and marks it valid, and the host advances after it (:meth:`advance`): the
+    step is a pure function of its input tensors, so running it twice (a graph's warm-up,
+    then its replay) writes the same values."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.slot = torch.zeros(1, dtype=torch.long, device=self.valid.device)
+
+    def reset(self) -> None:
+        """Empty (a new batch of prompts): every slot is masked again; keys and values
+        keep their old, finite, masked values."""
+        self.valid.zero_()
+        self.seen.zero_()
+        self.length = 0
+        self.stepping = False
+
+    def prepare_step(self) -> None:
+        """Before a step: the slot it writes is the next free one."""
+        if self.length + 1 > self.max_len:
+            raise CacheFullError(
+                f"the KV cache holds {self.max_len} tokens and all are used (raise "
+                "max_out_tokens, or ask for fewer new tokens)"
+            )
+        self.slot.fill_(self.length)
+
+    def advance(self) -> None:
+        """After a step: its token is part of the cache."""
+        self.length += 1
+        self.seen += 1
+
+    def begin(self, t: int) -> torch.Tensor:
+        if not self.stepping:
+            return super().begin(t)
+        if t != 1:
+            raise InternalError(f"a static decode step takes one token per row, got {t}")
+        self.valid.index_fill_(1, self.slot, True)
+        self.mask = self.valid[:, None, None, :]  # [batch, 1, 1, max_len]
+        return self.seen[:, None]
+
+    def end(self) -> None:
+        if not self.stepping:
+            super().end()
+        # a step: the host advances (advance()), outside any captured graph
+
 
 class LayerCache:
     """One layer's view of a :class:`KVCache`: ``update(k, v)`` stores the new keys and
@@ -100,6 +163,11 @@ class LayerCache:
 
     def update(self, k: torch.Tensor, v: torch.Tensor):
         c = self.cache
+        if c.stepping:  # every slot, the step's written at c.slot (a tensor)
+            keys, values = c.keys[self.index], c.values[self.index]
+            keys.index_copy_(2, c.slot, k)
+            values.index_copy_(2, c.slot, v)
+            return keys, values, c.mask
         end = c.length + k.shape[2]
         keys, values = c.keys[self.index], c.values[self.index]
         keys[:, :, c.length : end] = k

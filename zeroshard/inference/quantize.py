@@ -13,7 +13,10 @@ fp32 activations take a scalar path 10-30x slower, measured), so activations ent
 quantized matmul in bf16 and the result is cast back to the input's dtype. Where a kernel
 does not take a shape (int8: in_features not a multiple of 16, where the CPU kernel
 crashes; int4 on CPU: out_features not a multiple of 16), the layer dequantizes its weight
-for each call instead: same numbers, slower.
+for each call instead (kernel ``dequant``): same numbers, slower. Each layer's
+``kernel`` is one of :meth:`QuantLinear.kernels`; on a GPU, ``kernels.py`` measures them
+per layer shape and picks the fastest (int8's ``dequant`` is the form ``torch.compile``
+fuses into one matmul, gpt-fast's); on the CPU the defaults stay.
 
 The portable form, which ``state_dict`` holds and safetensors files store, is the same on
 every device: ``qweight`` (int8 [N, K], or uint8 [N, K/2] with two 4-bit values a byte,
@@ -26,6 +29,7 @@ identity matmul, exact).
 from __future__ import annotations
 
 import fnmatch
+import logging
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +38,7 @@ from torch import nn
 from zeroshard import ZeroshardError
 
 COMPUTE_DTYPE = torch.bfloat16
+log = logging.getLogger("zeroshard")
 
 
 class QuantizationError(ZeroshardError, ValueError):
@@ -84,6 +89,40 @@ def unpack_nibbles(p: torch.Tensor) -> torch.Tensor:
 
 def _inner_k_tiles(k: int) -> int:
     return next((t for t in (8, 4, 2) if k % (t * 16) == 0), 0)
+
+
+#: int4 group sizes torch's int4 kernels take (CPU and CUDA)
+KERNEL_GROUPS = (32, 64, 128, 256)
+
+
+def fit_group_size(in_features: int, group_size: int) -> int:
+    """The int4 group size for a layer of ``in_features`` inputs: ``group_size`` if it
+    divides them, else the largest kernel group size below it that does (1856 inputs at
+    128: 64), else the largest divisor below it (no kernel: the layer dequantizes per
+    call)."""
+    if in_features % group_size == 0:
+        return group_size
+    for g in sorted(KERNEL_GROUPS, reverse=True):
+        if g < group_size and in_features % g == 0:
+            return g
+    return max(d for d in range(1, min(group_size, in_features) + 1) if in_features % d == 0)
+
+
+def warn_refitted(refitted: list[tuple[str, int, int]], group_size: int) -> None:
+    """Say once which layers took another int4 group size than asked, and which."""
+    if not refitted:
+        return
+    shown = ", ".join(f"{n} ({k} inputs: {g})" for n, k, g in refitted[:8])
+    more = f" and {len(refitted) - 8} more" if len(refitted) > 8 else ""
+    log.warning(
+        "zeroshard: int4 group_size %d does not divide the input features of %d layer(s): "
+        "%s%s; each uses the largest group size below it that does (quant.weight.group_size "
+        "sets the others)",
+        group_size,
+        len(refitted),
+        shown,
+        more,
+    )
 
 
 class QuantLinear(nn.Module):
@@ -162,24 +201,46 @@ class QuantLinear(nn.Module):
         self._prepare()
 
     def _prepare(self) -> None:
-        """Derive the kernel's tensors from the portable ones."""
+        """Derive the kernels' tensors from the portable ones; the default kernel is
+        torch's int8/int4 one where it takes the shape, else "dequant"."""
         dev, n, k = self.qweight.device, self.out_features, self.in_features
-        self._kernel = False
+        self._packed_ok = False
         if self.bits == 8:
-            self._kernel = k % 16 == 0
             self._scale_c = self.scale.to(COMPUTE_DTYPE)
+            self.kernel = "int8pack" if k % 16 == 0 else "dequant"
             return
         off = self.offset if self.offset is not None else torch.zeros_like(self.scale)
         self._sz = torch.stack([self.scale.t(), off.t()], dim=-1).contiguous()  # [K/g, N, 2]
         self.scale, self.offset = self._sz[..., 0].t(), self._sz[..., 1].t()  # views, no copies
-        if dev.type == "cpu" and n % 16 == 0:
+        if self.group_size not in KERNEL_GROUPS:
+            pass  # a group size the kernels do not take: dequantize per call
+        elif dev.type == "cpu" and n % 16 == 0:
             u = unpack_nibbles(self.qweight).to(torch.int32)
-            self._packed, self._kernel = torch._convert_weight_to_int4pack_for_cpu(u, 1), True
+            self._packed, self._packed_ok = torch._convert_weight_to_int4pack_for_cpu(u, 1), True
         elif dev.type == "cuda" and n % 8 == 0 and _inner_k_tiles(k):
             self._packed = torch._convert_weight_to_int4pack(self.qweight, _inner_k_tiles(k))
-            self._kernel = True
-        if self._kernel and dev.type == "cpu":
+            self._packed_ok = True
+        if self._packed_ok and dev.type == "cpu":
             self.qweight = torch.empty(0, dtype=torch.uint8, device=dev)  # the packed form only
+        self.kernel = "int4pack" if self._packed_ok else "dequant"
+
+    def kernels(self) -> tuple[str, ...]:
+        """The kernels that can compute this layer (``kernels.py`` measures them):
+        torch's int8 (``int8pack``: in_features a multiple of 16) or int4 (``int4pack``:
+        a kernel group size, out_features a multiple of 16 on CPU, 8 on CUDA) matmul, and
+        ``dequant``: the weight dequantized per call (int8: ``linear(x, q) * scale``,
+        which ``torch.compile`` fuses into one matmul)."""
+        if self.bits == 8:
+            return ("int8pack", "dequant") if self.in_features % 16 == 0 else ("dequant",)
+        return ("int4pack", "dequant") if self._packed_ok else ("dequant",)
+
+    def set_kernel(self, kernel: str) -> None:
+        if kernel not in self.kernels():
+            raise QuantizationError(
+                f"{self.name or 'layer'}: kernel {kernel!r} cannot compute this layer "
+                f"(it takes {', '.join(self.kernels())})"
+            )
+        self.kernel = kernel
 
     # -- portable form for state_dict ----------------------------------------------------
     def portable(self) -> dict[str, torch.Tensor]:
@@ -238,16 +299,20 @@ class QuantLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape, dtype = x.shape, x.dtype
         x2 = x.reshape(-1, self.in_features).to(COMPUTE_DTYPE)
-        if not self._kernel:
+        kernel = self.kernel
+        if self.bits == 8:
+            if kernel == "int8pack":
+                y = torch._weight_int8pack_mm(x2.contiguous(), self.qweight, self._scale_c)
+            else:  # the form torch.compile fuses into one matmul (gpt-fast's)
+                y = F.linear(x2, self.qweight.to(COMPUTE_DTYPE)) * self._scale_c
+            if self.offset is not None:
+                y = y.float() + x2.float().sum(-1, keepdim=True) * self.offset
+        elif kernel == "dequant":
             y = F.linear(x2, self.dequantize().to(COMPUTE_DTYPE))
-        elif self.bits == 8:
-            y = torch._weight_int8pack_mm(x2.contiguous(), self.qweight, self._scale_c)
         elif x2.device.type == "cpu":
             y = torch._weight_int4pack_mm_for_cpu(x2.contiguous(), self._packed, self.group_size, self._sz)  # fmt: skip
         else:
             y = torch._weight_int4pack_mm(x2.contiguous(), self._packed, self.group_size, self._sz)  # fmt: skip
-        if self.bits == 8 and self.offset is not None and self._kernel:
-            y = y.float() + x2.float().sum(-1, keepdim=True) * self.offset
         y = y.to(dtype).reshape(*shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias.to(dtype)
 
@@ -265,7 +330,7 @@ class QuantLinear(nn.Module):
     def extra_repr(self) -> str:
         kind = f"int{self.bits}" + (f", group_size={self.group_size}" if self.bits == 4 else "")
         sym = "symmetric" if self.symmetric else "asymmetric"
-        return f"in_features={self.in_features}, out_features={self.out_features}, {kind}, {sym}"
+        return f"in_features={self.in_features}, out_features={self.out_features}, {kind}, {sym}, kernel={self.kernel}"  # fmt: skip
 
 
 def linear_weight_bias(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None] | None:
@@ -287,8 +352,9 @@ def quantize_model(
 ) -> list[str]:
     """Replace the Linear layers of ``model`` in place by :class:`QuantLinear`; returns
     the names replaced. A layer whose weight is shared with another module (a tied head)
-    or whose name matches a ``skip`` pattern keeps its weight. Every layer is checked
-    before any is replaced (an int4 group size must divide in_features)."""
+    or whose name matches a ``skip`` pattern keeps its weight. Under int4, a layer whose
+    in_features ``group_size`` does not divide takes the next group size that does
+    (:func:`fit_group_size`), said once for all such layers."""
     counts: dict[int, int] = {}
     for _, p in model.named_parameters(remove_duplicate=False):
         counts[id(p)] = counts.get(id(p), 0) + 1
@@ -300,14 +366,17 @@ def quantize_model(
         raw = module.weight
         if counts.get(id(raw), 0) > 1:
             continue
-        if bits == 4 and wb[0].shape[1] % group_size:
-            QuantLinear(wb[0].shape[1], wb[0].shape[0], bits=4, group_size=group_size, name=name)  # raises  # fmt: skip
         chosen.append((name, wb))
+    refitted = []
     for name, (weight, bias) in chosen:
-        layer = QuantLinear.from_float(weight, bias, bits=bits, group_size=group_size,
+        group = fit_group_size(weight.shape[1], group_size) if bits == 4 else group_size
+        if group != group_size:
+            refitted.append((name, weight.shape[1], group))
+        layer = QuantLinear.from_float(weight, bias, bits=bits, group_size=group,
                                        symmetric=symmetric, name=name)  # fmt: skip
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, child, layer)
+    warn_refitted(refitted, group_size)
     return [name for name, _ in chosen]
 
 

@@ -149,9 +149,10 @@ def quantize_sharded(
     sharded model (weight-only int8 per output channel, int4 in groups along the input,
     ``quantize.py``'s :class:`QuantLinear`); their collectives are unchanged. Layers
     sharing their weight (a head tied to the embedding) or matching ``skip`` keep it.
-    Checks every layer first: under int4, ``group_size`` must divide this rank's share
-    of the input features. Returns the names quantized."""
-    from zeroshard.inference.quantize import QuantLinear
+    Under int4, a layer whose local share of the input features ``group_size`` does not
+    divide takes the next group size that does (said once, by rank 0). Returns the
+    names quantized."""
+    from zeroshard.inference.quantize import QuantLinear, fit_group_size, warn_refitted
 
     counts: dict[int, int] = {}
     for _, p in model.named_parameters(remove_duplicate=False):
@@ -162,29 +163,27 @@ def quantize_sharded(
             fnmatch.fnmatchcase(name, pat) for pat in skip
         ):
             continue
-        w = layer.weight.t() if layer.transposed else layer.weight  # type: ignore[operator]  # [out, in] local
-        if bits == 4 and w.shape[1] % group_size:  # type: ignore[index]
-            t = layer.comm.world_size  # type: ignore[union-attr]
-            whole = w.shape[1] * (t if isinstance(layer, RowParallelLinear) else 1)  # type: ignore[index, operator]
-            raise InferenceError(
-                f"{name}: int4 group_size {group_size} does not divide this rank's "
-                f"{w.shape[1]} input features ({whole} split over tensor_parallel.tp_size "  # type: ignore[index]
-                f"{t}); choose a quant.weight.group_size that divides {w.shape[1]}, or leave "  # type: ignore[index]
-                "the layer unquantized (quant.skip)"
-            )
+        w: torch.Tensor = layer.weight.t() if layer.transposed else layer.weight  # type: ignore[operator, assignment]  # [out, in] local
         chosen.append((name, layer, w))
+    refitted = []
     for name, layer, w in chosen:
+        k = int(w.shape[1])  # this rank's share of the inputs
+        group = fit_group_size(k, group_size) if bits == 4 else group_size
+        if group != group_size:
+            refitted.append((name, k, group))
         q = QuantLinear.from_float(
-            w.detach(),  # type: ignore[operator]
+            w.detach(),
             None,
             bits=bits,
-            group_size=group_size,
+            group_size=group,
             symmetric=symmetric,
             name=name,
         )
         del layer.weight
         layer.weight_only = q  # a submodule: moves with .to(), counted by weight_bytes
         layer._matmul = types.MethodType(_quantized_matmul, layer)  # type: ignore[assignment]
+    if refitted and chosen[0][1].comm.rank == 0:  # type: ignore[union-attr]
+        warn_refitted(refitted, group_size)
     return [name for name, _, _ in chosen]
 
 

@@ -5,7 +5,8 @@
 them), a safetensors file, or a directory of them (``model.safetensors`` or a sharded set
 with its index), float or quantized. :func:`save_quantized` writes one safetensors file:
 float tensors as they are, quantized layers in their portable form (``quantize.py``),
-with the header metadata ``zeroshard_quant`` (bits, group size, symmetry, layer names)
+with the header metadata ``zeroshard_quant`` (bits, group size, symmetry, layer names,
+and ``group_sizes``: the layers with a group size of their own)
 and ``zeroshard_model`` (the model's description, when known).
 """
 
@@ -89,8 +90,9 @@ def quantized_shells(model: nn.Module, spec: dict) -> None:
                 f"quantized weights name {name!r}, not a Linear layer of this model"
             )
         weight, bias = wb
+        group = spec.get("group_sizes", {}).get(name, spec["group_size"])
         shell = QuantLinear(weight.shape[1], weight.shape[0], bits=spec["bits"],
-                            group_size=spec["group_size"], symmetric=spec["symmetric"],
+                            group_size=group, symmetric=spec["symmetric"],
                             bias=bias is not None, device=weight.device, name=name)  # fmt: skip
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, shell)
@@ -136,9 +138,11 @@ def _untied(model: nn.Module, missing: list[str], loaded: dict) -> list[str]:
 def save_quantized(model: nn.Module, path: str) -> str:
     """One safetensors file with the model's weights, quantized layers portable."""
     layers = {n: m for n, m in model.named_modules() if isinstance(m, QuantLinear)}
-    formats = {(m.bits, m.group_size if m.bits == 4 else 0, m.symmetric) for m in layers.values()}
+    formats = {(m.bits, m.symmetric) for m in layers.values()}
     if len(formats) > 1:
         raise InferenceError(f"save_quantized: layers use several formats {sorted(formats)}")
+    groups = [m.group_size for m in layers.values() if m.bits == 4]
+    group = max(set(groups), key=groups.count) if groups else 128  # the most common one
     state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
     seen: dict[int, str] = {}
     for k in list(state):  # safetensors stores no shared tensors: keep a tie's first name
@@ -149,8 +153,11 @@ def save_quantized(model: nn.Module, path: str) -> str:
             seen[ptr] = k
     meta = {"format": "pt"}
     if layers:
-        bits, group, sym = formats.pop()
-        spec = {"bits": bits, "group_size": group or 128, "symmetric": sym, "layers": list(layers)}
+        bits, sym = formats.pop()
+        spec: dict = {"bits": bits, "group_size": group, "symmetric": sym, "layers": list(layers)}
+        others = {n: m.group_size for n, m in layers.items() if bits == 4 and m.group_size != group}
+        if others:  # layers whose inputs the group size did not divide (fit_group_size)
+            spec["group_sizes"] = others
         meta[QUANT_KEY] = json.dumps(spec)
     description = describe_model(model)
     if description is not None:

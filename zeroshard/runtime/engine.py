@@ -49,6 +49,7 @@ from zeroshard.runtime.build import (
     move_module,
     nonfinite_policy,
 )
+from zeroshard.runtime.compiling import UnknownBackendError
 from zeroshard.runtime.first_batch import FirstBatchSize, not_learned
 from zeroshard.runtime.hf_methods import DeepSpeedEngineCompat
 from zeroshard.runtime.precision import DtypePolicy, LossScaler
@@ -225,6 +226,11 @@ class Engine(EngineBuild, DeepSpeedEngineCompat, nn.Module):
         if self.comm.rank == 0:
             for key, reason in config.inert:
                 log.warning("zeroshard: config key %s has no effect here: %s", key, reason)
+        if config.compile.enabled:  # DeepSpeed 0.14's switch: engine.compile() now
+            try:
+                self.compile(backend=config.compile.backend, compile_kwargs=config.compile.kwargs)
+            except UnknownBackendError as err:
+                raise ConfigError("compile.backend", str(err)) from None
 
     def _micro_batch_seen(self, rows: int) -> None:
         """The config left the micro-batch size out: take the first batch's ``rows``."""
@@ -262,6 +268,7 @@ class Engine(EngineBuild, DeepSpeedEngineCompat, nn.Module):
 
         save_at_end(self)
         self._land_delayed()
+        self.uncompile()
         self.reducer.remove_hooks()
         self.params.remove()
         self._parallel.remove()

@@ -7,7 +7,8 @@ engine, beyond the training loop itself (a mixin of :class:`zeroshard.runtime.en
   it is called with ``None``.
 * ``zero_gather_16bit_weights_on_model_save()`` and
   ``_zero3_consolidated_16bit_state_dict()``: the whole model on rank 0 (``save_model``).
-* ``compile()``: ``torch.compile`` of the wrapped module, as DeepSpeed's.
+* ``compile()``: ``torch.compile`` of the wrapped module, as DeepSpeed's, at every stage
+  (``compiling.py``).
 
 Communication: ``_zero3_consolidated_16bit_state_dict`` gathers each parameter in turn
 (stage 3: one all-gather per parameter, every rank joins); the rest issue none.
@@ -16,11 +17,18 @@ Communication: ``_zero3_consolidated_16bit_state_dict`` gathers each parameter i
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from zeroshard import NotBuiltError
+from zeroshard.runtime.compiling import (
+    check_backend,
+    compile_options,
+    compile_regions,
+    uncompile_regions,
+)
 
 if TYPE_CHECKING:
     from zeroshard.distributed.comm import Comm
@@ -91,21 +99,48 @@ class DeepSpeedEngineCompat:
         return out
 
     # -- torch.compile ----------------------------------------------------------------
-    def compile(self, backend: str | None = None, compile_kwargs: dict | None = None, **kw) -> None:
-        """``torch.compile`` the wrapped module in place (DeepSpeed's ``engine.compile``);
-        at stages 0-2 (stage 3's parameter guard is a torch function mode dynamo cannot
-        trace yet: refused)."""
-        if self.sharding.parameters:
+    def compile(
+        self,
+        backend: str | Callable | None = None,
+        compile_kwargs: dict | None = None,
+        schedule: Any = None,
+        compiled_autograd_enabled: bool = False,
+        **kw: Any,
+    ) -> None:
+        """``torch.compile`` the wrapped module in place (DeepSpeed's ``engine.compile``),
+        at every ZeRO stage, offload included: the whole module, or one region per
+        gathered unit with the engine's hooks outside the compiled code (stage 3; see
+        ``zeroshard/runtime/compiling.py``). ``backend`` and ``compile_kwargs`` (and further
+        keywords) go to ``torch.compile``. Call it between steps; again to recompile
+        with other options."""
+        if schedule is not None:
             raise NotBuiltError(
-                "engine.compile() at ZeRO stage 3 is not built yet in zeroshard (the "
-                "released-parameter guard is not traceable by torch.compile)"
+                "engine.compile(schedule=...): DeepCompile's pass schedule; DeepCompile is "
+                "not built yet in zeroshard (torch.compile is: leave schedule out)"
             )
-        kwargs = dict(compile_kwargs or {})
-        kwargs.update(kw)
-        if backend is not None:
-            kwargs["backend"] = backend
-        self.module.compile(**kwargs)
+        if compiled_autograd_enabled:
+            raise NotBuiltError(
+                "engine.compile(compiled_autograd_enabled=True): compiled autograd is not "
+                "built yet in zeroshard (the backward runs the compiled regions' own "
+                "backward graphs, with the engine's gradient hooks between them)"
+            )
+        options = compile_options(backend, compile_kwargs, kw)
+        check_backend(options.get("backend"))
+        self._land_delayed()
+        self.params.settle()
+        self.uncompile()
+        regions = self.params.compile_regions(self.module)
+        if regions is None:
+            self.module.compile(**options)
+        else:
+            compile_regions(regions, options)
         self._is_compiled = True
+
+    def uncompile(self) -> None:
+        """Back to the eager module (also at ``destroy()``)."""
+        uncompile_regions(self.module)
+        self.module._compiled_call_impl = None  # what nn.Module.compile() set
+        self._is_compiled = False
 
     @property
     def is_compiled(self) -> bool:

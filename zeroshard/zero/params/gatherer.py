@@ -91,22 +91,30 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from zeroshard import ZeroshardError
+from zeroshard import UsageError, ZeroshardError
 from zeroshard.distributed.comm import Comm, Handle
 from zeroshard.zero.layout.flat import FlatParams
 from zeroshard.zero.params.edits import WholeEdits, moved, take_edits, view_again
 from zeroshard.zero.params.hooks import (
     AccessTrackingDict,
     guard,
-    set_released,
+    set_gathered,
     unguard,
     wrap_outputs,
 )
+from zeroshard.zero.params.regions import find_regions
 from zeroshard.zero.params.whole import segments_of
 
 
 class GatherMismatchError(ZeroshardError, RuntimeError):
     """Ranks would gather different stage-3 units (raised on every rank)."""
+
+
+def _outermost(modules: Iterable[nn.Module]) -> list[nn.Module]:
+    """The modules of ``modules`` that are not inside another of them."""
+    modules = list(dict.fromkeys(modules))
+    inner = {id(d) for m in modules for d in m.modules() if d is not m}
+    return [m for m in modules if id(m) not in inner]
 
 
 class _Trace:
@@ -200,21 +208,9 @@ class ParamGatherer:
         self._segment_of = {id(p): layout.param_segment[pi] for pi, p in enumerate(flat.params)}
         self.units_of: dict[nn.Module, tuple[int, ...]] = {}
         self._stack: list[nn.Module] = []  # modules whose forward is running
-        self._hooks = []
-        leaves = list(leaves)
-        inside_leaf = {id(d) for leaf in leaves for d in leaf.modules() if d is not leaf}
-        leaf_ids = {id(leaf) for leaf in leaves}
-        for name, m in reversed(list(module.named_modules())):
-            owned = m.parameters(recurse=id(m) in leaf_ids)
-            units = {self._segment_of[id(p)] for p in owned if id(p) in self._segment_of}
-            for s in units:
-                self._unit_name[s] = name or "(the root module)"
-            m._parameters = AccessTrackingDict(m._parameters, self._on_access)
-            if id(m) in inside_leaf:  # gathered with its leaf; no hooks of its own
-                continue
-            self.units_of[m] = tuple(sorted(units - self.persistent))
-            self._hooks.append(m.register_forward_pre_hook(self._pre_forward))
-            self._hooks.append(m.register_forward_hook(self._post_forward))
+        self._hooks: list = []
+        self._leaves = list(leaves)
+        self._install_hooks(regions=())
         self._synced = comm.world_size > 1  # see the module docstring: synced generate()
         for m in module.modules():
             if self._synced and not hasattr(m, "_is_fsdp_managed_module"):
@@ -224,7 +220,7 @@ class ParamGatherer:
             names.setdefault(id(p), name)
         for pi, p in enumerate(flat.params):
             guard(p, names.get(id(p), f"parameter {pi}"), flat.shapes[pi])
-            set_released(p, self.flat.layout.param_segment[pi] not in self._gathered)
+            set_gathered(p, self.flat.layout.param_segment[pi] in self._gathered)
         # persistent parameters are whole on every rank: edits outside forward reach the
         # shards and masters as at stages 0-2 (zero/params/edits.py)
         kept = [pi for s in sorted(self.persistent) for pi in layout.segments[s].params]
@@ -233,6 +229,59 @@ class ParamGatherer:
             [self._views[pi] for pi in kept],
             [names.get(id(flat.params[pi]), f"parameter {pi}") for pi in kept],
         )
+
+    def _install_hooks(self, regions: Iterable[nn.Module]) -> None:
+        """(Re)install the forward hooks: one pair on each module outside the leaves and
+        ``regions``; a leaf or region gathers all its descendants' units at once. Inside a
+        region, ``_parameters`` are plain dicts (no access tracking), so its forward has
+        no Python of ours in it (``torch.compile`` traces it: :meth:`set_regions`)."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+        regions = list(regions)
+        whole = _outermost([*self._leaves, *regions])
+        inside = {id(d) for m in whole for d in m.modules() if d is not m}
+        plain = {id(d) for r in regions for d in r.modules()}
+        whole_ids = {id(m) for m in whole}
+        self.units_of.clear()
+        for name, m in reversed(list(self._root.named_modules())):
+            owned = m.parameters(recurse=id(m) in whole_ids)
+            units = {self._segment_of[id(p)] for p in owned if id(p) in self._segment_of}
+            for s in units:
+                self._unit_name[s] = name or "(the root module)"
+            tracked = isinstance(m._parameters, AccessTrackingDict)
+            if id(m) in plain and tracked:
+                m._parameters = dict(m._parameters)
+                # dynamo takes the marker for FSDP1's (graph break); generate() reads it
+                # on the model only, never inside a region
+                m.__dict__.pop("_is_fsdp_managed_module", None)
+            elif id(m) not in plain and not tracked:
+                m._parameters = AccessTrackingDict(m._parameters, self._on_access)
+            if id(m) in inside:  # gathered with its leaf or region; no hooks of its own
+                continue
+            self.units_of[m] = tuple(sorted(units - self.persistent))
+            self._hooks.append(m.register_forward_pre_hook(self._pre_forward))
+            self._hooks.append(m.register_forward_hook(self._post_forward))
+
+    def set_regions(self, regions: Iterable[nn.Module]) -> None:
+        """Gather each of ``regions`` (modules whose forward ``engine.compile`` compiles)
+        as a whole, with the hooks outside it; between steps only. The recorded orders
+        start over (the units are asked for in another grouping now), and the next
+        forward and backward check agreement again."""
+        if self._stack or self.in_backward:
+            raise UsageError("compile regions can change between steps only")
+        self.free_all()
+        self._install_hooks(regions)
+        self._fwd_order = self._bwd_order = self._trace = None
+        self._recording_fwd, self._recording_bwd = [], []
+        self._check_left = 2
+
+    def compile_regions(self, module: nn.Module) -> list[nn.Module]:
+        """``engine.compile``: the regions to compile (``compiling.py``), each now
+        gathered whole with the hooks outside it."""
+        regions = find_regions(module, whole=self._leaves)
+        self.set_regions(regions)
+        return regions
 
     # -- instrumentation --------------------------------------------------------------
     def reset_stats(self) -> None:
@@ -327,7 +376,7 @@ class ParamGatherer:
             self._gathered.add(s)
             for pi in self.flat.layout.segments[s].params:
                 p = self.flat.params[pi]
-                set_released(p, False)  # first: a released parameter refuses a new .data
+                set_gathered(p, True)  # first: a released parameter refuses a new .data
                 p.data = self._views[pi]
 
     def gather(self, s: int) -> None:
@@ -368,7 +417,7 @@ class ParamGatherer:
         for pi in self.flat.layout.segments[s].params:
             p = self.flat.params[pi]
             p.data = self._placeholder
-            set_released(p, True)
+            set_gathered(p, False)
         self.unit_buffers[s].untyped_storage().resize_(0)
 
     def free_if_idle(self, s: int) -> None:

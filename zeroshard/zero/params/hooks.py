@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 
 from zeroshard import ZeroshardError
+from zeroshard.zero.params.edits import watch
 
 
 class PreBackward(torch.autograd.Function):
@@ -331,10 +332,7 @@ def _released_repr(t: torch.Tensor) -> str:
 _GUARDED: dict[type, type] = {}
 
 
-def guard(param: torch.nn.Parameter, name: str, shape: tuple[int, ...] | None = None) -> None:
-    """Make ``param`` refuse ops while released (see :func:`set_released`); ``shape``:
-    its whole shape, which its metadata answers while released (default: its own)."""
-    cls = type(param)
+def _guarded(cls: type) -> type:
     if cls not in _GUARDED:
         _GUARDED[cls] = type(
             f"Partitioned{cls.__name__}",
@@ -342,7 +340,14 @@ def guard(param: torch.nn.Parameter, name: str, shape: tuple[int, ...] | None = 
             {"__torch_function__": classmethod(_check_then_run), "__module__": __name__},
         )
         _GUARDED[_GUARDED[cls]] = _GUARDED[cls]
-    param.__class__ = _GUARDED[cls]
+    return _GUARDED[cls]
+
+
+def guard(param: torch.nn.Parameter, name: str, shape: tuple[int, ...] | None = None) -> None:
+    """Make ``param`` refuse ops while released (see :func:`set_released`); ``shape``:
+    its whole shape, which its metadata answers while released (default: its own)."""
+    base = param.__dict__.setdefault("_zs_base", type(param))
+    param.__class__ = _guarded(base)
     param.__dict__["_zs_name"] = name
     with torch._C.DisableTorchFunctionSubclass():
         whole = param.shape if shape is None else shape
@@ -358,10 +363,30 @@ def set_sealed(param: torch.Tensor, sealed: bool) -> None:
     param.__dict__["_zs_sealed"] = sealed
 
 
+def set_gathered(param: torch.Tensor, gathered: bool) -> None:
+    """A stage-3 parameter guarded by :func:`guard` is gathered (whole) or released. A
+    gathered one takes a class without ``__torch_function__``, one that only notes reads
+    of ``.data`` (``zero/edits.py``'s :func:`watch`, what the guard does for a gathered
+    parameter), so its ops cost no Python call and ``torch.compile`` traces them (the
+    guard is not traceable); a released one takes the guard back."""
+    set_released(param, not gathered)
+    base = param.__dict__.get("_zs_base")
+    if base is None:  # not guarded yet: guard() then calls this again
+        return
+    if gathered:
+        param.__class__ = base
+        watch(param)  # type: ignore[arg-type]  # a Parameter (its class is swapped in place)
+    else:
+        param.__class__ = _guarded(base)
+
+
 def unguard(param: torch.Tensor) -> None:
     """Give ``param`` its own class back."""
+    base = param.__dict__.pop("_zs_base", None)
     cls = type(param)
-    if cls.__module__ == __name__ and cls.__name__.startswith("Partitioned"):
+    if base is not None:
+        param.__class__ = base
+    elif cls.__module__ == __name__ and cls.__name__.startswith("Partitioned"):
         param.__class__ = cls.__mro__[1]
     param.__dict__.pop("_zs_name", None)
     param.__dict__.pop("_zs_whole", None)

@@ -11,7 +11,8 @@ pre-hook on each module waits only for the segments holding that module's parame
 so the gathers of later layers run while earlier layers compute. Every other engine call
 (backward, step, checkpoints, ``GatheredParameters``, ``destroy``) waits for all of them
 first; code that reads parameters outside the engine in between must call
-``engine.wait_param_gather()``.
+``engine.wait_param_gather()``. Under ``engine.compile`` the hooks sit on the compiled
+regions (``compiling.py``), each waiting for all of its segments.
 
 Parameters changed outside the engine between steps (``p.clamp_()``, ``p.data.clamp_()``,
 ``p.data = t``, ``load_state_dict``) are found when the next step starts and the masters
@@ -25,6 +26,7 @@ import torch
 from zeroshard.distributed.comm import Comm, Handle
 from zeroshard.zero.layout.flat import FlatParams
 from zeroshard.zero.params.edits import WholeEdits, unwatch, watch
+from zeroshard.zero.params.regions import find_regions
 
 
 def segments_of(flat: FlatParams, params: list[torch.Tensor]) -> list[int]:
@@ -50,7 +52,7 @@ class WholeParams:
     ) -> None:
         self.flat, self.comm, self.replicas = flat, comm, replicas
         self._pending: dict[int, Handle] = {}  # segment -> all-gather in flight
-        self._hooks = []
+        self._hooks: list = []
         names: dict[int, str] = {}
         for name, p in module.named_parameters() if module is not None else ():
             names.setdefault(id(p), name)
@@ -64,19 +66,43 @@ class WholeParams:
             views,
             [names.get(id(p), f"parameter {i}") for i, p in enumerate(flat.params)],
         )
-        if overlap and module is not None and flat.partitioned:
-            index = {id(p): pi for pi, p in enumerate(flat.params)}
-            for m in module.modules():
-                segs = sorted(
-                    {
-                        flat.layout.param_segment[index[id(p)]]
-                        for p in m.parameters(recurse=False)
-                        if id(p) in index
-                    }
-                )
-                if segs:
-                    self._hooks.append(m.register_forward_pre_hook(self._forward_hook(segs)))
+        self._module = module
+        self._overlap = overlap and module is not None and flat.partitioned
+        if self._overlap:
+            assert module is not None
+            self._hook([(m, False) for m in module.modules()])
         self.mark_clean()
+
+    def _hook(self, modules: list[tuple[torch.nn.Module, bool]]) -> None:
+        """A pre-forward hook on each module (with its descendants' parameters when the
+        flag says so) that waits for the all-gathers of its segments."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+        flat = self.flat
+        index = {id(p): pi for pi, p in enumerate(flat.params)}
+        for m, recurse in modules:
+            segs = sorted(
+                {
+                    flat.layout.param_segment[index[id(p)]]
+                    for p in m.parameters(recurse=recurse)
+                    if id(p) in index
+                }
+            )
+            if segs:
+                self._hooks.append(m.register_forward_pre_hook(self._forward_hook(segs)))
+
+    def compile_regions(self, module: torch.nn.Module) -> list[torch.nn.Module] | None:
+        """``engine.compile``: None (compile the whole module) unless forward waits for
+        the all-gathers layer by layer (``overlap_param_gather``): then the regions of
+        ``compiling.py``, each waiting for all its segments before its compiled forward."""
+        if not self._overlap:
+            return None
+        regions = find_regions(module)
+        inside = {id(d) for r in regions for d in r.modules()}
+        outside = [(m, False) for m in module.modules() if id(m) not in inside]
+        self._hook([(r, True) for r in regions] + outside)
+        return regions
 
     def _forward_hook(self, segments: list[int]):
         def wait_for_mine(module, args) -> None:
