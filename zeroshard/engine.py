@@ -131,7 +131,9 @@ class Engine(EngineBuild, DeepSpeedEngineCompat, nn.Module):
             self._installed.append(
                 FirstBatchSize(module, self.comm, self.device, self._micro_batch_seen)
             )
+        self._check_fp8_model(module)
         param_groups = self._parallelize(param_groups)
+        self._fp8 = self._convert_fp8()
         self._swaps = EngineSwaps(config, self.comm.rank)
         self._swap_spaces = self._swaps.spaces  # nvme_path -> this rank's swap directory
         self.flat, persistent = self._flatten(param_groups)
@@ -252,6 +254,8 @@ class Engine(EngineBuild, DeepSpeedEngineCompat, nn.Module):
         self.reducer.remove_hooks()
         self.params.remove()
         self._parallel.remove()
+        if self._fp8 is not None:
+            self._fp8.undo()
         for h in self._installed:
             h.remove()
         self._installed.clear()
