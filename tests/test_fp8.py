@@ -128,10 +128,18 @@ def test_config_names_and_refusals() -> None:
     assert load_config({"train_batch_size": 4}).fp8.enabled is False
     for bad, where, what in [
         ({"train_batch_size": 4, "fp8": {"enabled": True}}, "fp8.enabled", "fp32"),
-        ({"train_batch_size": 4, "fp16": {"enabled": True}, "fp8": {"enabled": True}}, "fp8.enabled", "fp16"),  # fmt: skip
+        (
+            {"train_batch_size": 4, "fp16": {"enabled": True}, "fp8": {"enabled": True}},
+            "fp8.enabled",
+            "fp16",
+        ),
         (_cfg(recipe="rowwize"), "fp8.recipe", "did you mean 'rowwise'"),
         (_cfg(recipe="rowwise", recipe_name="rowwise"), "fp8.recipe", "name the same setting"),
-        (_cfg(enable_fsdp_float8_all_gather=True), "fp8.enable_fsdp_float8_all_gather", "not built"),  # fmt: skip
+        (
+            _cfg(enable_fsdp_float8_all_gather=True),
+            "fp8.enable_fsdp_float8_all_gather",
+            "not built",
+        ),
         (_cfg(filter_fqns=[""]), "fp8.filter_fqns[0]", "non-empty"),
         (_cfg(filter_fqn=["head"]), "fp8.filter_fqn", "did you mean 'filter_fqns'"),
     ]:
@@ -223,8 +231,16 @@ def test_refusals_at_initialize() -> None:
     """A filter_fqns entry that names no Linear layer, and a model where no layer can
     run fp8, are errors naming the key (never a silent bf16 run)."""
     for model, fp8, match in [
-        (_Mixed(), {"filter_fqns": ["hed"]}, r"fp8\.filter_fqns\[0\]: 'hed' is in the name of no Linear"),  # fmt: skip
-        (nn.Sequential(nn.Linear(30, 20)), {}, "fp8.enabled: no Linear layer of the model can run fp8 matmuls: 0"),  # fmt: skip
+        (
+            _Mixed(),
+            {"filter_fqns": ["hed"]},
+            r"fp8\.filter_fqns\[0\]: 'hed' is in the name of no Linear",
+        ),
+        (
+            nn.Sequential(nn.Linear(30, 20)),
+            {},
+            "fp8.enabled: no Linear layer of the model can run fp8 matmuls: 0",
+        ),
         (nn.Linear(32, 32), {}, r"the model is one nn\.Linear"),
     ]:
         cfg = _cfg(**fp8) | {"optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
