@@ -247,3 +247,48 @@ def test_refusals_at_initialize() -> None:
         with pytest.raises(Fp8Error, match=match):
             zeroshard.initialize(model=model, config=cfg)
         assert not any(type(m).__name__ == "Float8Linear" for m in model.modules())
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 16))  # fmt: skip
+
+
+def _losses(model: nn.Module, cfg: dict, steps: int = 4) -> list[float]:
+    engine, *_ = zeroshard.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for _ in range(steps):
+        loss = engine(torch.randn(4, 32, generator=g)).float().square().mean()
+        engine.backward(loss)
+        engine.step()
+        out.append(loss.item())
+    engine.destroy()
+    return out
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_a_model_converted_before_initialize_trains_as_the_fp8_section(stage: int) -> None:
+    """accelerate's mixed_precision="fp8" converts the model with torchao before
+    initialize() (all Linear layers but the first and last, weights wrapped for FSDP2's
+    fp8 all-gather): the engine trains it exactly as the config's fp8 section converting
+    the same layers (the wrapped weights become plain Parameters first); without bf16
+    it is refused by name."""
+    f8 = torchao_float8()
+    base = {"train_micro_batch_size_per_gpu": 4, "bf16": {"enabled": True}, "zero_optimization": {"stage": stage}}  # fmt: skip
+    base["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-2}}
+    ours = _losses(_mlp(), {**base, "fp8": {"enabled": True, "filter_fqns": ["0", "4"]}})
+    converted = _mlp()
+    cfg = f8.Float8LinearConfig(pad_inner_dim=True, enable_fsdp_float8_all_gather=True)
+    f8.convert_to_float8_training(converted, config=cfg, module_filter_fn=lambda m, fqn: fqn == "2")
+    assert type(converted[2].weight) is not nn.Parameter  # wrapped, as accelerate leaves it
+    assert _losses(converted, base) == ours
+    assert (
+        type(converted[2].weight) is nn.Parameter and type(converted[2]).__name__ == "Float8Linear"
+    )
+    plain = _losses(_mlp(), base)
+    assert plain != ours  # the fp8 layer made a difference
+    again = _mlp()
+    f8.convert_to_float8_training(again, config=cfg)
+    with pytest.raises(Fp8Error, match=r"bf16\.enabled: the model holds torchao Float8Linear"):
+        zeroshard.initialize(model=again, model_parameters=again.parameters(), config={**base, "bf16": {"enabled": False}})  # fmt: skip

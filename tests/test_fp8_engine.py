@@ -15,6 +15,8 @@
   scales, bf16 weight gradient) it reproduces the unsplit fp8 model to round-off.
 * Checkpoints hold the high-precision weights: saved with fp8 on they load with fp8
   off and on (another stage, another recipe), and the reverse.
+* A model converted by torchao before initialize() (accelerate's fp8) with AutoTP is
+  refused by name (AutoTP would slice its fp8 layers into bf16 shards).
 """
 
 from __future__ import annotations
@@ -263,10 +265,27 @@ def _checkpoint_case(rank: int, world: int, root: str) -> dict:
     return out
 
 
+def _preconverted_tp(rank: int, world: int) -> str:
+    """A model converted by torchao before initialize() (accelerate's fp8) with AutoTP:
+    AutoTP would slice its fp8 layers into bf16 shards; refused by name."""
+    import zeroshard
+    from zeroshard.fp8 import Fp8Error
+
+    model = _fp8_copy(parity.build_model({}), "tensorwise", torch.float32)
+    cfg = _ds_config({"stage": 1, "tp": True, "fp8": False})
+    try:
+        zeroshard.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    except Fp8Error as err:
+        return str(err)
+    return "accepted"
+
+
 def _worker(rank: int, world: int, cases: list[dict], root: str) -> list[Any]:
     out: list[Any] = []
     for case in cases:
-        if case.get("kind") == "tp_layers":
+        if case.get("kind") == "preconverted_tp":
+            out.append(_preconverted_tp(rank, world))
+        elif case.get("kind") == "tp_layers":
             out.append(_tp_layers(rank, world, case["recipe"], case.get("msp", False)))
         elif case.get("kind") == "checkpoint":
             out.append(_checkpoint_case(rank, world, root))
@@ -303,7 +322,13 @@ LAYER_CASES = [
 
 
 def test_fp8_composes(tmp_path) -> None:
-    cases = [*DP_CASES, *TP_CASES, *LAYER_CASES, {"kind": "checkpoint"}]
+    cases = [
+        *DP_CASES,
+        *TP_CASES,
+        *LAYER_CASES,
+        {"kind": "checkpoint"},
+        {"kind": "preconverted_tp"},
+    ]
     cases = [{**c, "i": i} for i, c in enumerate(cases)]
     results = multirank.run(_worker, 2, cases, str(tmp_path), timeout=900)
     failures = []
@@ -317,6 +342,15 @@ def test_fp8_composes(tmp_path) -> None:
             bad = {k: v for k, v in r.items() if v > tol}
             if bad:
                 failures.append(f"{case}: {bad} (tolerance {tol:.2g})")
+        elif case.get("kind") == "preconverted_tp":
+            if not r.startswith(
+                "tensor_parallel.autotp_size: the model holds torchao Float8Linear"
+            ):
+                failures.append(f"a model converted before initialize() with AutoTP: {r}")
+        elif case.get("kind") == "preconverted_tp":
+            expected = "tensor_parallel.autotp_size: the model holds torchao Float8Linear"
+            if not r.startswith(expected):
+                failures.append(f"a model converted before initialize() with AutoTP: {r}")
         elif case.get("kind") == "checkpoint":
             for name, v in r.items():
                 fp8_ok = (v["fp8_layers"] > 0) == v["expect_fp8"]

@@ -122,6 +122,7 @@ class Engine(EngineBuild, DeepSpeedEngineCompat, nn.Module):
         _ENGINES[module] = weakref.ref(self)
         self.destroyed = False
         self.preemption: Preemption | None = None  # set by Preemption.enable()
+        param_groups = self._adopt_fp8_model(module, param_groups)  # before the cast
         move_module(module, self.device, self.policy.compute)
         self._installed: list[RemovableHandle | FirstBatchSize] = []
         if self.policy.compute != torch.float32:
@@ -131,7 +132,6 @@ class Engine(EngineBuild, DeepSpeedEngineCompat, nn.Module):
             self._installed.append(
                 FirstBatchSize(module, self.comm, self.device, self._micro_batch_seen)
             )
-        self._check_fp8_model(module)
         param_groups = self._parallelize(param_groups)
         self._fp8 = self._convert_fp8()
         self._swaps = EngineSwaps(config, self.comm.rank)

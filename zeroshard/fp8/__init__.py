@@ -7,7 +7,14 @@ in bf16 (the config's ``fp8`` section).
   under tensor parallelism: amax all-reduces over the ``tp`` group).
 """
 
-from zeroshard.fp8.convert import Fp8Error, Fp8Model, convert_to_fp8, preconverted, torchao_float8
+from zeroshard.fp8.convert import (
+    Fp8Error,
+    Fp8Model,
+    convert_to_fp8,
+    preconverted,
+    torchao_float8,
+    unwrap_fp8_weights,
+)
 from zeroshard.fp8.scaled_mm import RECIPES, Recipe, Split, fp8_linear
 
 __all__ = [
@@ -20,4 +27,5 @@ __all__ = [
     "fp8_linear",
     "preconverted",
     "torchao_float8",
+    "unwrap_fp8_weights",
 ]

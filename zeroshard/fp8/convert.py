@@ -138,6 +138,22 @@ def preconverted(module: nn.Module) -> list[str]:
     return [n for n, m in module.named_modules() if is_torchao_linear(m)]
 
 
+def unwrap_fp8_weights(module: nn.Module) -> dict[int, nn.Parameter]:
+    """Replace every Parameter that wraps its tensor for FSDP2's fp8 all-gather (torchao's
+    ``WeightWithDynamicFloat8CastTensor``, which zeroshard's flat layout cannot hold) by
+    a plain Parameter on the same tensor, in every module that holds it (tied ones too);
+    returns ``{id(old): new}``."""
+    plain: dict[int, nn.Parameter] = {}
+    for m in module.modules():
+        for name, p in m._parameters.items():
+            if p is None or type(p) is nn.Parameter or not hasattr(p, "_tensor"):
+                continue
+            if id(p) not in plain:
+                plain[id(p)] = nn.Parameter(p._tensor.detach(), requires_grad=p.requires_grad)
+            m._parameters[name] = plain[id(p)]
+    return plain
+
+
 def convert_to_fp8(module: nn.Module, cfg: Any) -> Fp8Model:
     """Give ``module``'s Linear layers fp8 matmuls as the ``fp8`` section ``cfg`` says
     (tensor-parallel layers reduce their amaxes over their own ``comm``). Raises
