@@ -122,7 +122,7 @@ class Engine(EngineBuild, DeepSpeedEngineCompat, nn.Module):
         _ENGINES[module] = weakref.ref(self)
         self.destroyed = False
         self.preemption: Preemption | None = None  # set by Preemption.enable()
-        param_groups = self._adopt_fp8_model(module, param_groups)  # before the cast
+        self._check_fp8_model(module)
         move_module(module, self.device, self.policy.compute)
         self._installed: list[RemovableHandle | FirstBatchSize] = []
         if self.policy.compute != torch.float32:

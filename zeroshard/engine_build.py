@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from zeroshard.agreement import check_ranks_agree
-from zeroshard.fp8 import Fp8Error, Fp8Model, convert_to_fp8, preconverted, unwrap_fp8_weights
+from zeroshard.fp8 import Fp8Error, Fp8Model, convert_to_fp8, preconverted
 from zeroshard.offload.store import MemoryShard
 from zeroshard.optim import optimizer_factory
 from zeroshard.parallel.apply import (
@@ -267,17 +267,14 @@ class EngineBuild:
         now = dict(self.module.named_parameters())
         return [{**g, "params": [now[names[id(p)]] for p in g["params"]]} for g in param_groups]
 
-    def _adopt_fp8_model(self, module: nn.Module, param_groups: list[dict]) -> list[dict]:
+    def _check_fp8_model(self, module: nn.Module) -> None:
         """A model that arrives holding torchao's ``Float8Linear`` layers (accelerate's
-        ``mixed_precision="fp8"`` converts before initialize()) trains them, in bf16
-        compute; tensor parallelism would replace them with plain shards (refused).
-        Weights wrapped for FSDP2's fp8 all-gather (torchao's
-        ``enable_fsdp_float8_all_gather``, on in accelerate's default recipe) become plain
-        Parameters again: zeroshard's stage 3 gathers bf16 weights. Returns
-        ``param_groups`` holding the Parameters that replaced wrapped ones."""
+        ``mixed_precision="fp8"`` converts before initialize(), which unwraps weights
+        wrapped for FSDP2's fp8 all-gather) trains them, in bf16 compute; tensor
+        parallelism would replace them with plain shards (refused)."""
         before = preconverted(module)
         if not before:
-            return param_groups
+            return
         origin = f"the model holds torchao Float8Linear layers ({', '.join(before[:3])}{', ...' if len(before) > 3 else ''}), converted to fp8 before initialize() (accelerate's mixed_precision='fp8' does this)"  # fmt: skip
         if not self._config.bf16.enabled:
             raise Fp8Error(f"bf16.enabled: {origin}; fp8 layers compute in bf16: enable bf16")
@@ -287,15 +284,6 @@ class EngineBuild:
                 "with bf16 shards. Give initialize() a model of plain nn.Linear layers and "
                 "the config's fp8 section instead (its tensor-parallel layers run fp8)"
             )
-        plain = unwrap_fp8_weights(module)
-        if plain and self.comm.rank == 0:
-            log.warning(
-                "zeroshard: fp8: %d Float8Linear weight(s) were wrapped for FSDP2's fp8 "
-                "all-gather (torchao's enable_fsdp_float8_all_gather): not built in zeroshard, "
-                "whose stage 3 gathers bf16 weights; they train as plain Parameters",
-                len(plain),
-            )
-        return [{**g, "params": [plain.get(id(p), p) for p in g["params"]]} for g in param_groups]
 
     def _convert_fp8(self) -> Fp8Model | None:
         """The ``fp8`` section: fp8 matmuls in the Linear layers (after tensor parallelism,

@@ -140,16 +140,21 @@ def preconverted(module: nn.Module) -> list[str]:
 
 def unwrap_fp8_weights(module: nn.Module) -> dict[int, nn.Parameter]:
     """Replace every Parameter that wraps its tensor for FSDP2's fp8 all-gather (torchao's
-    ``WeightWithDynamicFloat8CastTensor``, which zeroshard's flat layout cannot hold) by
-    a plain Parameter on the same tensor, in every module that holds it (tied ones too);
-    returns ``{id(old): new}``."""
+    ``WeightWithDynamicFloat8CastTensor``: zeroshard's flat layout cannot hold it, and
+    training it gives wrong results) by the Parameter it wraps (the one an optimizer built
+    before the conversion holds), in every module that holds it (tied ones too); returns
+    ``{id(wrapper): parameter}``."""
     plain: dict[int, nn.Parameter] = {}
     for m in module.modules():
         for name, p in m._parameters.items():
-            if p is None or type(p) is nn.Parameter or not hasattr(p, "_tensor"):
+            if p is None or type(p) is nn.Parameter or not is_torchao_linear(m):
+                continue
+            inner = getattr(p, "_tensor", None)
+            if inner is None:
                 continue
             if id(p) not in plain:
-                plain[id(p)] = nn.Parameter(p._tensor.detach(), requires_grad=p.requires_grad)
+                keep = type(inner) is nn.Parameter
+                plain[id(p)] = inner if keep else nn.Parameter(inner.detach(), requires_grad=p.requires_grad)  # fmt: skip
             m._parameters[name] = plain[id(p)]
     return plain
 
