@@ -15,6 +15,8 @@
   scales, bf16 weight gradient) it reproduces the unsplit fp8 model to round-off.
 * Checkpoints hold the high-precision weights: saved with fp8 on they load with fp8
   off and on (another stage, another recipe), and the reverse.
+* Pipeline parallelism (two stages, 1F1B): each stage's Linear layers run fp8; the run
+  matches the whole model run micro-batch by micro-batch to round-off.
 * A model converted by torchao before initialize() (accelerate's fp8) with AutoTP is
   refused by name (AutoTP would slice its fp8 layers into bf16 shards).
 """
@@ -280,11 +282,66 @@ def _preconverted_tp(rank: int, world: int) -> str:
     return "accepted"
 
 
+def _pipeline(rank: int, world: int, root: str) -> dict:
+    """Two pipeline stages (1F1B, 4 micro-batches of 6-7 tokens: padded in the fp8
+    weight-gradient gemm) with fp8, against the whole model run micro-batch by
+    micro-batch by torchao (bf16-rounded fp32 masters, AdamW, fp32 gradient sums)."""
+    import pipeline_cases as pc
+
+    import zeroshard
+
+    case = {"stages": 2, "gas": 4, "zero": 1, "dtype": "bf16", "tied": False}
+    cfg = pc.config(case)
+    cfg["fp8"] = {"enabled": True}
+    cfg["data_types"] = {"grad_accum_dtype": "fp32"}
+    torch.manual_seed(0)
+    engine, *_ = zeroshard.initialize(model=pc.build(case, 2), config=cfg)
+    fp8_layers = sum(type(m).__name__ == "Float8Linear" for m in engine.module.modules())
+    losses = [float(engine.train_batch(iter([pc.batch(s, i) for i in range(4)]))) for s in range(3)]  # fmt: skip
+    got = _masters(engine, os.path.join(root, "pipeline"))
+    engine.destroy()
+    torch.manual_seed(0)
+    master = pc.build(case, 1, 0)
+    with torch.no_grad():
+        for p in master.parameters():
+            p.copy_(p.to(torch.bfloat16))
+    opt = torch.optim.AdamW(master.parameters(), lr=1e-2, weight_decay=0.1)
+    work = _fp8_copy(master, "tensorwise")
+    named = dict(master.named_parameters())
+    ref_losses = []
+    for step in range(3):
+        with torch.no_grad():
+            for n, p in work.named_parameters():
+                p.copy_(named[n])
+        total = 0.0
+        for i in range(4):
+            ids, labels = pc.batch(step, i)
+            loss = pc.loss_fn(work(ids), labels) / 4
+            loss.backward()
+            for n, p in work.named_parameters():
+                q = named[n]
+                q.grad = p.grad.float() if q.grad is None else q.grad + p.grad.float()
+            work.zero_grad()
+            total += loss.item()
+        opt.step()
+        opt.zero_grad()
+        ref_losses.append(total)
+    mine = [n for n in got if n in named]
+    return {
+        "fp8_layers": fp8_layers,
+        "names": len(mine),
+        "param_diff": max((got[n] - named[n]).abs().max().item() for n in mine),
+        "loss_diff": max(abs(a - b) for a, b in zip(losses, ref_losses, strict=True)),
+    }
+
+
 def _worker(rank: int, world: int, cases: list[dict], root: str) -> list[Any]:
     out: list[Any] = []
     for case in cases:
         if case.get("kind") == "preconverted_tp":
             out.append(_preconverted_tp(rank, world))
+        elif case.get("kind") == "pipeline":
+            out.append(_pipeline(rank, world, root))
         elif case.get("kind") == "tp_layers":
             out.append(_tp_layers(rank, world, case["recipe"], case.get("msp", False)))
         elif case.get("kind") == "checkpoint":
@@ -327,6 +384,7 @@ def test_fp8_composes(tmp_path) -> None:
         *TP_CASES,
         *LAYER_CASES,
         {"kind": "checkpoint"},
+        {"kind": "pipeline"},
         {"kind": "preconverted_tp"},
     ]
     cases = [{**c, "i": i} for i, c in enumerate(cases)]
@@ -347,6 +405,11 @@ def test_fp8_composes(tmp_path) -> None:
                 "tensor_parallel.autotp_size: the model holds torchao Float8Linear"
             ):
                 failures.append(f"a model converted before initialize() with AutoTP: {r}")
+        elif case.get("kind") == "pipeline":
+            worst = {k: max(res[i][k] for res in results) for k in ("param_diff", "loss_diff")}
+            stages_ok = all(res[i]["fp8_layers"] > 0 for res in results)
+            if not (stages_ok and worst["param_diff"] <= 1e-6 and worst["loss_diff"] <= 1e-5):
+                failures.append(f"pipeline: {[res[i] for res in results]}")
         elif case.get("kind") == "preconverted_tp":
             expected = "tensor_parallel.autotp_size: the model holds torchao Float8Linear"
             if not r.startswith(expected):
