@@ -87,6 +87,12 @@ PRECISIONS: dict[str, dict] = {
 }
 
 
+# the fp8-against-bf16 comparison (tests/test_fp8_quality.py, benchmarks/bench_fp8_quality.py):
+# GPT "tiny" widened to d_model 64 (2 layers, 4 heads, ~0.2M parameters), 300 steps of
+# 16 x 128 bytes: minutes on 2 CPU cores (fp8 matmuls run on the CPU through torch._scaled_mm)
+FP8_CHECK: dict = {"steps": 300, "preset": "tiny", "d_model": 64, "n_head": 4}
+
+
 def _engine(steps: int, preset: str, batch: int, precision: str = "fp32", **shape):
     """The GPT (``preset``, ``shape`` overrides) under zeroshard, as this script trains it."""
     for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
