@@ -20,6 +20,7 @@ so parameter names and layouts stay those of the unsplit model.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -73,7 +74,14 @@ class _ParallelLinear(nn.Module):
         self.seq_dim = seq_dim
         self.transposed = transposed  # weight stored (in, out), as in Hugging Face's Conv1D
 
+    #: replaces ``x @ weightᵀ`` when set, called with the weight as (out, in) (the fp8
+    #: matmul with global scales, zeroshard/fp8); the bias is added after it
+    linear_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.linear_fn is not None:
+            y = self.linear_fn(x, self.weight.t() if self.transposed else self.weight)  # type: ignore[union-attr, arg-type]
+            return y if bias is None else y + bias.to(y.dtype)
         if self.transposed:
             y = torch.matmul(x, self.weight)  # type: ignore[arg-type]
             return y if bias is None else y + bias
