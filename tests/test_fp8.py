@@ -9,6 +9,7 @@ the stdlib GPT's loss curve: tests/test_fp8_quality.py).
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import logging
 import os
 import subprocess
@@ -22,11 +23,24 @@ from torch import nn
 
 import zeroshard
 from zeroshard.config import ConfigError, load_config
-from zeroshard.fp8 import RECIPES, Fp8Error, convert_to_fp8, fp8_linear, torchao_float8
+from zeroshard.fp8 import (
+    RECIPES,
+    Fp8Error,
+    check_fp8_device,
+    convert_to_fp8,
+    fp8_linear,
+    torchao_float8,
+)
 from zeroshard.models import GPT, GPTConfig
 
 E4, E5 = torch.float8_e4m3fn, torch.float8_e5m2
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# the tests that run torchao's Float8Linear; the rest (config, refusals, the hand-written
+# matmul's device check, zeroshard without torchao) run without it
+needs_torchao = pytest.mark.skipif(
+    importlib.util.find_spec("torchao") is None,
+    reason="torchao is not installed (optional: pip install 'zeroshard[fp8]')",
+)
 
 
 def _torchao_linear(weight: torch.Tensor, recipe: str, bias: torch.Tensor | None = None):
@@ -55,18 +69,25 @@ def _operands(seed: int = 0, m: int = 50, k: int = 128, n: int = 96):
 # -- numerics ------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("impl", [pytest.param("torchao", marks=needs_torchao), "hand-written"])
 @pytest.mark.parametrize("recipe", list(RECIPES))
-def test_fp8_linear_error_is_what_e4m3_and_e5m2_allow(recipe: str) -> None:
-    """torchao's Float8Linear on the CPU, forward and both gradients, against the exact
+def test_fp8_linear_error_is_what_e4m3_and_e5m2_allow(recipe: str, impl: str) -> None:
+    """torchao's Float8Linear (and the hand-written fp8_linear of the tensor-parallel and
+    Conv1D layers, which runs without torchao) on the CPU, forward and both gradients, against the exact
     (float64) product of the same bf16 operands and against the bf16 matmul: every
     element within the worst-case bound of its formats (fp8_bounds.worst_case), and the
     RMS error within 20% of the model of independent roundings (fp8_bounds.rms_model:
     a cast to e5m2 where e4m3 belongs, or the reverse, is off by 2x)."""
     r = RECIPES[recipe]
     x, w, go = _operands()
-    layer = _torchao_linear(w, recipe)
     xg = x.clone().requires_grad_()
-    y = layer(xg)
+    if impl == "torchao":
+        layer = _torchao_linear(w, recipe)
+        y = layer(xg)
+    else:
+        layer = nn.Linear(w.shape[1], w.shape[0], bias=False)
+        layer.weight = nn.Parameter(w.clone())
+        y = fp8_linear(xg, layer.weight, r)
     y.backward(go)
     checks = [
         ("forward", y, x, w.t(), E4, E4),
@@ -92,6 +113,7 @@ def test_fp8_linear_error_is_what_e4m3_and_e5m2_allow(recipe: str) -> None:
         assert err.square().mean() > 100 * (bf16 - exact).square().mean(), what
 
 
+@needs_torchao
 @pytest.mark.parametrize("recipe", list(RECIPES))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_hand_written_matmul_is_torchaos(recipe: str, dtype: torch.dtype) -> None:
@@ -195,6 +217,7 @@ class _Mixed(nn.Module):
         return self.head(self.own(self.odd(F.gelu(self.up(x)))))
 
 
+@needs_torchao
 def test_which_layers_convert_and_which_stay_bf16(caplog) -> None:
     """nn.Linear layers become torchao's Float8Linear keeping their Parameters (tied
     weights stay tied); a layer with a dimension not divisible by 16, one named by
@@ -249,6 +272,33 @@ def test_refusals_at_initialize() -> None:
         assert not any(type(m).__name__ == "Float8Linear" for m in model.modules())
 
 
+def test_fp8_needs_a_gpu_with_fp8_tensor_cores(monkeypatch) -> None:
+    """A CUDA device below compute capability 8.9 (A100, A6000) is refused naming the key
+    and the device, before any layer is converted; 8.9 (Ada), 9.0 (Hopper) and 10.0 pass;
+    the CPU runs fp8 (no capability asked). initialize() checks the engine's device."""
+    cuda = torch.device("cuda", 0)
+    with pytest.raises(Fp8Error, match=r"^fp8\.enabled: cuda:0 has compute capability 8\.0; fp8 matmuls need 8\.9"):  # fmt: skip
+        check_fp8_device(cuda, capability=lambda d: (8, 0))
+    for cap in [(8, 9), (9, 0), (10, 0)]:
+        check_fp8_device(cuda, capability=lambda d, cap=cap: cap)
+    check_fp8_device(torch.device("cpu"), capability=lambda d: (0, 0))
+    import zeroshard.runtime.build as build
+
+    asked = []
+
+    def refuse(device: torch.device) -> None:
+        asked.append(device)
+        raise Fp8Error("refused by the test")
+
+    monkeypatch.setattr(build, "check_fp8_device", refuse)
+    model = _Mixed()
+    cfg = _cfg() | {"optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
+    with pytest.raises(Fp8Error, match="refused by the test"):
+        zeroshard.initialize(model=model, config=cfg)
+    assert asked == [torch.device("cpu")]
+    assert not any(type(m).__name__ == "Float8Linear" for m in model.modules())
+
+
 def _mlp() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 16))  # fmt: skip
@@ -267,6 +317,7 @@ def _losses(model: nn.Module, cfg: dict, steps: int = 4) -> list[float]:
     return out
 
 
+@needs_torchao
 @pytest.mark.parametrize("stage", [0, 3])
 def test_a_model_converted_before_initialize_trains_as_the_fp8_section(stage: int) -> None:
     """accelerate's mixed_precision="fp8" converts the model with torchao before

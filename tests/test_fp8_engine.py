@@ -30,7 +30,13 @@ from typing import Any
 
 import multirank
 import parity
+import pytest
 import torch
+
+# every case here runs torchao's Float8Linear (or compares with it)
+pytest.importorskip(
+    "torchao", reason="torchao is not installed (optional: pip install 'zeroshard[fp8]')"
+)
 
 STEPS = 3
 RECIPE = {"recipe_name": "tensorwise"}
@@ -410,10 +416,6 @@ def test_fp8_composes(tmp_path) -> None:
             stages_ok = all(res[i]["fp8_layers"] > 0 for res in results)
             if not (stages_ok and worst["param_diff"] <= 1e-6 and worst["loss_diff"] <= 1e-5):
                 failures.append(f"pipeline: {[res[i] for res in results]}")
-        elif case.get("kind") == "preconverted_tp":
-            expected = "tensor_parallel.autotp_size: the model holds torchao Float8Linear"
-            if not r.startswith(expected):
-                failures.append(f"a model converted before initialize() with AutoTP: {r}")
         elif case.get("kind") == "checkpoint":
             for name, v in r.items():
                 fp8_ok = (v["fp8_layers"] > 0) == v["expect_fp8"]

@@ -22,7 +22,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
-pytest.importorskip("torchao")
+pytest.importorskip(
+    "torchao", reason="torchao is not installed (optional: pip install 'zeroshard[fp8]')"
+)
 if importlib.util.find_spec("deepspeed") is not None:  # the alias refuses to shadow it
     pytest.skip("a real DeepSpeed is installed", allow_module_level=True)
 

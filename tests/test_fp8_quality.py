@@ -17,7 +17,9 @@ import pytest
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 import stdlib_gpt
 
-pytest.importorskip("torchao")
+pytest.importorskip(
+    "torchao", reason="torchao is not installed (optional: pip install 'zeroshard[fp8]')"
+)
 
 
 def _compare(steps: int, preset: str, log_every: int, eval_bytes: int, **shape) -> None:

@@ -10,6 +10,7 @@ in bf16 (the config's ``fp8`` section).
 from zeroshard.fp8.convert import (
     Fp8Error,
     Fp8Model,
+    check_fp8_device,
     convert_to_fp8,
     preconverted,
     torchao_float8,
@@ -23,6 +24,7 @@ __all__ = [
     "Fp8Model",
     "Recipe",
     "Split",
+    "check_fp8_device",
     "convert_to_fp8",
     "fp8_linear",
     "preconverted",

@@ -25,7 +25,7 @@ import contextlib
 import dataclasses
 import functools
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from types import MethodType
 from typing import Any
@@ -40,6 +40,8 @@ from zeroshard.parallel.tensor.linear import ColumnParallelLinear, RowParallelLi
 _TP_LAYERS = (ColumnParallelLinear, RowParallelLinear)
 
 INSTALL = "pip install 'zeroshard[fp8]' (torchao >= 0.18)"
+# fp8 tensor cores: Ada (8.9: L4, L40, RTX 4090), Hopper (9.0: H100, H200), Blackwell (10+)
+MIN_CAPABILITY = (8, 9)
 
 
 class Fp8Error(ZeroshardError, ValueError):
@@ -71,6 +73,24 @@ def torchao_float8() -> Any:
             f"fp8.enabled: fp8 training needs torchao, which is not installed ({err}); {INSTALL}"
         ) from None
     return float8
+
+
+def check_fp8_device(
+    device: torch.device, capability: Callable[[torch.device], tuple[int, int]] | None = None
+) -> None:
+    """Refuse a CUDA device without fp8 tensor cores (``torch._scaled_mm`` would fail at
+    the first step, or an A100 would run a slow emulation), naming the card and the key.
+    The CPU runs fp8 matmuls (numerics, not speed: the tests). ``capability``: how to ask
+    (torch.cuda.get_device_capability)."""
+    if device.type != "cuda":
+        return
+    major, minor = (capability or torch.cuda.get_device_capability)(device)
+    if (major, minor) < MIN_CAPABILITY:
+        raise Fp8Error(
+            f"fp8.enabled: {device} has compute capability {major}.{minor}; fp8 matmuls need "
+            f"{MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]} or higher (L4/L40/RTX 4090, H100/H200, "
+            "B200). Train in bf16 on this GPU (leave the fp8 section out)"
+        )
 
 
 def is_torchao_linear(module: nn.Module) -> bool:

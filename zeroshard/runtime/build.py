@@ -21,7 +21,7 @@ from torch import nn
 
 from zeroshard import ArgumentError, NotBuiltError
 from zeroshard.config.schema import ConfigError
-from zeroshard.fp8 import Fp8Error, Fp8Model, convert_to_fp8, preconverted
+from zeroshard.fp8 import Fp8Error, Fp8Model, check_fp8_device, convert_to_fp8, preconverted
 from zeroshard.offload.store import MemoryShard
 from zeroshard.parallel.apply import (
     Parallelized,
@@ -280,6 +280,7 @@ class EngineBuild:
         origin = f"the model holds torchao Float8Linear layers ({', '.join(before[:3])}{', ...' if len(before) > 3 else ''}), converted to fp8 before initialize() (accelerate's mixed_precision='fp8' does this)"  # fmt: skip
         if not self._config.bf16.enabled:
             raise Fp8Error(f"bf16.enabled: {origin}; fp8 layers compute in bf16: enable bf16")
+        check_fp8_device(self.device)
         if self._config.tensor_parallel.size > 1:
             raise Fp8Error(
                 f"tensor_parallel.autotp_size: {origin}; tensor parallelism would replace them "
@@ -300,6 +301,7 @@ class EngineBuild:
                     len(before),
                 )
             return None
+        check_fp8_device(self.device)
         fp8 = convert_to_fp8(self.module, cfg)
         if self.comm.rank == 0:
             (log.warning if fp8.kept else log.info)(fp8.summary())
