@@ -53,8 +53,8 @@ BUDGET_S = 45.0  # the whole section on an H200: start-up, compilation, every ro
 TORCHAO = "0.18.0"  # the version the wheel must be (zeroshard[fp8]: torchao >= 0.18)
 
 MM_SHAPE = (16384, 4096, 14336)  # Llama-3-8B's MLP up-projection: tokens x d @ d x ffn
-GPT_SHAPE = {"d_model": 4096, "n_head": 32, "n_layer": 2, "mlp_ratio": 4}
-SMOKE_SHAPE = {"d_model": 64, "n_head": 4, "n_layer": 2, "mlp_ratio": 4}
+GPT_SHAPE: dict[str, Any] = {"d_model": 4096, "n_head": 32, "n_layer": 2, "mlp_ratio": 4}
+SMOKE_SHAPE: dict[str, Any] = {"d_model": 64, "n_head": 4, "n_layer": 2, "mlp_ratio": 4}
 SEQ, MICRO, VOCAB = 2048, 4, 256
 STEPS, WARMUP, LOSS_TAIL = 12, 4, 4
 EAGER_NEED_S = 6.0  # a row is started only with this much left (build + 12 steps)

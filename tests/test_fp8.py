@@ -14,6 +14,7 @@ import logging
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -132,6 +133,8 @@ def test_hand_written_matmul_is_torchaos(recipe: str, dtype: torch.dtype) -> Non
     y1.backward(g)
     y2.backward(g)
     assert torch.equal(y1, y2)
+    assert x1.grad is not None and x2.grad is not None
+    assert stored.grad is not None and b2.grad is not None
     assert torch.equal(x1.grad, x2.grad)
     assert torch.equal(ref.weight.grad, stored.grad.t())
     assert torch.equal(ref.bias.grad, b2.grad)
@@ -272,16 +275,20 @@ def test_refusals_at_initialize() -> None:
         assert not any(type(m).__name__ == "Float8Linear" for m in model.modules())
 
 
+def _reports(cap: tuple[int, int]) -> Callable[[torch.device], tuple[int, int]]:
+    return lambda device: cap
+
+
 def test_fp8_needs_a_gpu_with_fp8_tensor_cores(monkeypatch) -> None:
     """A CUDA device below compute capability 8.9 (A100, A6000) is refused naming the key
     and the device, before any layer is converted; 8.9 (Ada), 9.0 (Hopper) and 10.0 pass;
     the CPU runs fp8 (no capability asked). initialize() checks the engine's device."""
     cuda = torch.device("cuda", 0)
     with pytest.raises(Fp8Error, match=r"^fp8\.enabled: cuda:0 has compute capability 8\.0; fp8 matmuls need 8\.9"):  # fmt: skip
-        check_fp8_device(cuda, capability=lambda d: (8, 0))
+        check_fp8_device(cuda, capability=_reports((8, 0)))
     for cap in [(8, 9), (9, 0), (10, 0)]:
-        check_fp8_device(cuda, capability=lambda d, cap=cap: cap)
-    check_fp8_device(torch.device("cpu"), capability=lambda d: (0, 0))
+        check_fp8_device(cuda, capability=_reports(cap))
+    check_fp8_device(torch.device("cpu"), capability=_reports((0, 0)))
     import zeroshard.runtime.build as build
 
     asked = []
@@ -299,7 +306,7 @@ def test_fp8_needs_a_gpu_with_fp8_tensor_cores(monkeypatch) -> None:
     assert not any(type(m).__name__ == "Float8Linear" for m in model.modules())
 
 
-def _mlp() -> nn.Module:
+def _mlp() -> nn.Sequential:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 16))  # fmt: skip
 

@@ -60,7 +60,7 @@ def _ds_config(case: dict) -> dict:
     return cfg
 
 
-def _checkpointed(model: torch.nn.Module) -> None:
+def _checkpointed(model: Any) -> None:
     """Activation checkpointing of every block (zeroshard.checkpointing.checkpoint)."""
     from zeroshard import checkpointing
 
@@ -217,7 +217,7 @@ def _tp_layers(rank: int, world: int, recipe: str, msp: bool) -> dict:
     row.linear_fn = functools.partial(fp8_linear, recipe=r, split=Split(comm, "in"))
     out = {}
     for name, whole, layer, x, g in (("col", up, col, x_up, g_up), ("row", down, row, x_down, g_down)):  # fmt: skip
-        ref = _fp8_copy(torch.nn.Sequential(whole), recipe, torch.float32)[0]
+        ref = _fp8_copy(torch.nn.Sequential(whole), recipe, torch.float32)[0]  # type: ignore[index]
         ref_x = x.clone().requires_grad_()
         ref_y = ref(ref_x)
         ref_y.backward(g)
@@ -227,14 +227,18 @@ def _tp_layers(rank: int, world: int, recipe: str, msp: bool) -> dict:
             y = layer(mine)
             y.backward(g.chunk(2, dim=-1)[rank])
             y = torch.cat(comm.all_gather_object(y.detach()), -1)
+            assert mine.grad is not None
             gx = torch.cat(comm.all_gather_object(mine.grad), 1) if msp else mine.grad
         else:  # input features split; output replicated (or its sequence half)
             mine = x.chunk(2, dim=-1)[rank].clone().requires_grad_()
             y = layer(mine)
             y.backward(g[:, seq] if msp else g)
             y = torch.cat(comm.all_gather_object(y.detach()), 1) if msp else y.detach()
+            assert mine.grad is not None
             gx = torch.cat(comm.all_gather_object(mine.grad), -1)
-        gw = assemble(comm.all_gather_object(layer.weight.grad), tp_slice_of(layer.weight))
+        split = tp_slice_of(layer.weight)
+        assert layer.weight.grad is not None and split is not None
+        gw = assemble(comm.all_gather_object(layer.weight.grad), split)
         pairs = {"y": (y, ref_y.detach()), "grad_x": (gx, ref_x.grad), "grad_w": (gw, ref.weight.grad)}  # fmt: skip
         for k, (a, b) in pairs.items():
             out[f"{name}_{k}"] = ((a - b).abs().max() / b.abs().max()).item()
@@ -244,10 +248,11 @@ def _tp_layers(rank: int, world: int, recipe: str, msp: bool) -> dict:
 def _checkpoint_case(rank: int, world: int, root: str) -> dict:
     """fp8 on -> off and on (rowwise, stage 3); fp8 off -> on: the weights load as saved."""
     out = {}
-    for name, saver, loaders in [
+    plan: list[tuple[str, dict, list[dict]]] = [
         ("on", {"stage": 2}, [{"stage": 3, "fp8": False}, {"stage": 1, "recipe": "rowwise"}]),
         ("off", {"stage": 1, "fp8": False}, [{"stage": 3}]),
-    ]:
+    ]
+    for name, saver, loaders in plan:
         engine, _, _ = _train(saver, rank, world)
         engine.save_checkpoint(os.path.join(root, name), tag="t")
         saved = _masters(engine, os.path.join(root, name))
@@ -303,7 +308,8 @@ def _pipeline(rank: int, world: int, root: str) -> dict:
     torch.manual_seed(0)
     engine, *_ = zeroshard.initialize(model=pc.build(case, 2), config=cfg)
     fp8_layers = sum(type(m).__name__ == "Float8Linear" for m in engine.module.modules())
-    losses = [float(engine.train_batch(iter([pc.batch(s, i) for i in range(4)]))) for s in range(3)]  # fmt: skip
+    batches = [iter([pc.batch(s, i) for i in range(4)]) for s in range(3)]
+    losses = [float(engine.train_batch(b)) for b in batches]  # type: ignore[operator]
     got = _masters(engine, os.path.join(root, "pipeline"))
     engine.destroy()
     torch.manual_seed(0)
@@ -326,6 +332,7 @@ def _pipeline(rank: int, world: int, root: str) -> dict:
             loss.backward()
             for n, p in work.named_parameters():
                 q = named[n]
+                assert p.grad is not None
                 q.grad = p.grad.float() if q.grad is None else q.grad + p.grad.float()
             work.zero_grad()
             total += loss.item()
@@ -357,7 +364,7 @@ def _worker(rank: int, world: int, cases: list[dict], root: str) -> list[Any]:
     return out
 
 
-DP_CASES = [
+DP_CASES: list[dict[str, Any]] = [
     {"stage": 0},
     {"stage": 1, "clip": 0.05},
     {"stage": 2, "gas": 2, "clip": 0.05},
@@ -372,12 +379,12 @@ DP_CASES = [
 # the row-parallel sums (and Ulysses' attention) round differently in bf16 than the unsplit
 # model's: SGD keeps such round-off a round-off (Adam's first steps are sign(gradient))
 _SGD = {"opt": "SGD", "lr": 0.02}
-TP_CASES = [
+TP_CASES: list[dict[str, Any]] = [
     {"stage": 1, "tp": True, **_SGD},
     {"stage": 3, "tp": True, "msp": True, "recipe": "rowwise", **_SGD},
     {"stage": 2, "sp": True, "recipe": "rowwise_with_gw_hp", **_SGD},
 ]
-LAYER_CASES = [
+LAYER_CASES: list[dict[str, Any]] = [
     {"kind": "tp_layers", "recipe": r, "msp": msp}
     for r in ("tensorwise", "rowwise", "rowwise_with_gw_hp")
     for msp in (False, True)
@@ -385,7 +392,7 @@ LAYER_CASES = [
 
 
 def test_fp8_composes(tmp_path) -> None:
-    cases = [
+    cases: list[dict[str, Any]] = [
         *DP_CASES,
         *TP_CASES,
         *LAYER_CASES,

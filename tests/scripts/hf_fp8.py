@@ -152,7 +152,7 @@ targs = TrainingArguments(
 trainer = Recording(model=gpt2(), args=targs, train_dataset=DATA)
 trainer.train()
 engine = trainer.model_wrapped
-result["trainer_fp8"] = fp8_layers(engine.module)  # type: ignore[union-attr]
+result["trainer_fp8"] = fp8_layers(engine.module)  # type: ignore[arg-type]
 result["trainer_losses"] = [loss for loss, _ in trainer.seen]
 config = copy.deepcopy(engine.config)
 engine.destroy()  # type: ignore[operator]

@@ -28,7 +28,7 @@ import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from types import MethodType
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -138,13 +138,14 @@ class Fp8Model:
 
 
 def _conv1d_forward(self: nn.Module, x: torch.Tensor, *, recipe: Recipe) -> torch.Tensor:
-    y = fp8_linear(x, self.weight.t(), recipe)  # Conv1D stores (in, out)
-    return y if self.bias is None else y + self.bias.to(y.dtype)
+    w, bias = cast(torch.Tensor, self.weight), cast(torch.Tensor | None, self.bias)
+    y = fp8_linear(x, w.t(), recipe)  # Conv1D stores (in, out)
+    return y if bias is None else y + bias.to(y.dtype)
 
 
 def _matmul_shape(m: nn.Module) -> tuple[int, int]:
     """(out, in) of the matmul this layer runs on this rank."""
-    w = m.weight
+    w = cast(torch.Tensor, m.weight)
     transposed = is_conv1d(m) or getattr(m, "transposed", False)
     return (w.shape[1], w.shape[0]) if transposed else (w.shape[0], w.shape[1])
 
@@ -241,7 +242,7 @@ def convert_to_fp8(module: nn.Module, cfg: Any) -> Fp8Model:
             split = Split(m.comm, "out" if isinstance(m, ColumnParallelLinear) else "in")
             m.linear_fn = functools.partial(fp8_linear, recipe=recipe, split=split)
         elif is_conv1d(m):
-            m.forward = MethodType(functools.partial(_conv1d_forward, recipe=recipe), m)  # type: ignore[method-assign]
+            m.forward = MethodType(functools.partial(_conv1d_forward, recipe=recipe), m)
         else:
             continue
         report._patched.append(m)

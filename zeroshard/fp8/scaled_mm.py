@@ -154,7 +154,7 @@ class _Fp8Linear(torch.autograd.Function):
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor):  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor):
         x, w = ctx.saved_tensors
         recipe, split = ctx.recipe, ctx.split
         comm = split.comm if split is not None else None

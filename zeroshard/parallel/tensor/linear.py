@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -80,7 +80,8 @@ class _ParallelLinear(nn.Module):
 
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.linear_fn is not None:
-            y = self.linear_fn(x, self.weight.t() if self.transposed else self.weight)  # type: ignore[union-attr, arg-type]
+            w = cast(torch.Tensor, self.weight)
+            y = self.linear_fn(x, w.t() if self.transposed else w)
             return y if bias is None else y + bias.to(y.dtype)
         if self.transposed:
             y = torch.matmul(x, self.weight)  # type: ignore[arg-type]
