@@ -220,17 +220,17 @@ def run_parts(smoke: bool, deadline: float, emit: Callable[[dict], None]) -> Non
     """Every part in this process, in order, each result handed to ``emit`` as it ends."""
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
-        emit({"part": "matmul", "ok": True, "result": matmul_part(dev, smoke)})
-    except Exception as exc:
-        emit({"part": "matmul", "ok": False, "why": f"{type(exc).__name__}: {exc}"})
-    seq, micro = (32, 2) if smoke else (SEQ, MICRO)
-    try:
         import torchao
 
         version = torchao.__version__
     except ImportError:
         version = None
     emit({"part": "torchao", "ok": version is not None, "version": version})
+    try:
+        emit({"part": "matmul", "ok": True, "result": matmul_part(dev, smoke)})
+    except Exception as exc:
+        emit({"part": "matmul", "ok": False, "why": f"{type(exc).__name__}: {exc}"})
+    seq, micro = (32, 2) if smoke else (SEQ, MICRO)
     batches = _batches(dev, smoke, seq, micro)
     compile_need = COMPILE_NEED_S
     for row in rows():
@@ -287,7 +287,12 @@ def _torchao_path(deadline: float) -> tuple[str | None, str]:
     return wheel, f"imported from the zip {name} ({why})"
 
 
-def _spawn(deadline: float) -> tuple[list[dict], str]:
+def _text(raw: bytes | str | None) -> str:
+    """What a timed-out child wrote (bytes, whatever ``text=`` said)."""
+    return raw.decode(errors="replace") if isinstance(raw, bytes) else raw or ""
+
+
+def _spawn(deadline: float, budget_s: float) -> tuple[list[dict], str]:
     """Run the parts in a child process until ``deadline``: the parts it finished and,
     if it did not end cleanly, why."""
     extra, origin = _torchao_path(deadline)
@@ -303,9 +308,9 @@ def _spawn(deadline: float) -> tuple[list[dict], str]:
             last = (run.stderr.strip().splitlines() or ["no output"])[-1]
             why = f"the child exited {run.returncode}: {last[:200]}"
     except subprocess.TimeoutExpired as exc:
-        raw = exc.stdout or b""
-        out = raw.decode(errors="replace") if isinstance(raw, bytes) else raw
-        why = f"cut off at the {BUDGET_S:.0f} s cap"
+        out, err = (_text(b) for b in (exc.stdout, exc.stderr))
+        sys.stderr.write(f"_gpu_fp8: the child's last output before the cap:\n{err[-3000:]}\n")
+        why = f"cut off at the section's {budget_s:.0f} s cap"
     parts = [json.loads(ln[5:]) for ln in out.splitlines() if ln.startswith("PART ")]
     parts.insert(0, {"part": "torchao source", "ok": True, "note": origin})
     return parts, why
@@ -368,7 +373,7 @@ def table(parts: list[dict], peak: float, how: str, why: str = "", smoke: bool =
     shape = GPT_SHAPE
     head = (
         f"fp8 (issue 33, `benchmarks/_gpu_fp8.py`, {BUDGET_S:.0f} s cap): torchao "
-        f"{ao.get('version') or 'missing'} ({source}). Training: zeroshard's GPT, d_model "
+        f"{ao.get('version') or ('missing' if ao else 'not reported')} ({source}). Training: zeroshard's GPT, d_model "
         f"{shape['d_model']} (Llama-3-8B's width), {shape['n_head']} heads, GELU MLP "
         f"{shape['mlp_ratio']} x d, {shape['n_layer']} layers, vocab {VOCAB} (stdlib bytes), "
         f"seq {SEQ}, micro-batch {MICRO}, bf16 compute, AdamW 3e-4, clip 1.0; {STEPS} steps "
@@ -409,7 +414,7 @@ def section(smoke: bool, peak: float, how: str, budget_s: float = BUDGET_S) -> d
             run_parts(True, deadline, parts.append)
             why = ""
         else:
-            parts, why = _spawn(deadline)
+            parts, why = _spawn(deadline, budget_s)
         ok, note, text = table(parts, peak, how, why, smoke)
         return {"ok": ok, "note": note, "table": text}
     except Exception as exc:  # never crash gpu_check: the section is one failed row
