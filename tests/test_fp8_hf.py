@@ -33,7 +33,7 @@ if importlib.util.find_spec("deepspeed") is not None:  # the alias refuses to sh
 def test_accelerate_fp8_and_the_trainer_fp8_key(tmp_path) -> None:
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    cmd = [sys.executable, "-m", "zeroshard.cli", "run", "--nproc", "2", "--as-deepspeed"]
+    cmd = [sys.executable, "-m", "zeroshard.tools.cli", "run", "--nproc", "2", "--as-deepspeed"]
     proc = subprocess.run(
         [*cmd, str(ROOT / "tests" / "scripts" / "hf_fp8.py"), str(tmp_path)],
         capture_output=True,
