@@ -367,7 +367,7 @@ def table(parts: list[dict], peak: float, how: str, why: str = "", smoke: bool =
         speed = f"{base['step_s'] / r['step_s']:.2f}" if base else ""
         dloss = r["loss_end"] / base["loss_end"] - 1 if base else None
         lines.append(
-            f"| {name} | {r['step_s']:.3f} | {r['tokens_s']:,.0f} | {r['flops_s'] / peak:.1%} | "
+            f"| {name} | {r['step_s']:.3f} | {r['tokens_s']:,.0f} | {r['flops_s'] / peak if peak else 0:.1%} | "
             f"{speed} | {r['build_s']:.1f} + {r['warmup_s']:.1f} | {r['peak_gib']:.1f} | "
             f"{r['loss_first']:.3f} -> {r['loss_end']:.3f} | {'' if dloss is None else f'{dloss:+.2%}'} |"
         )
