@@ -41,6 +41,10 @@ LAYERS: list[tuple[str, ...]] = [
     ("zero.params", "zero.grads", "parallel.sequence", "activation", "monitor"),
     ("zero.optim", "parallel.tensor"),  # the step over params/grads; AutoTP over SP's prepare
     ("zero", "parallel"),  # the packages' own modules compose their sub-packages
+    # fp8 matmuls swapped into the Linear layers (torchao's, and a hand-written one for
+    # parallel.tensor's layers, whose amaxes it all-reduces): the engine applies it after
+    # tensor parallelism and before ZeRO's layout, so it sits just under runtime
+    ("fp8",),
     ("checkpoint",),  # saves and loads what the runtime holds (it is handed the engine)
     ("runtime",),  # the engine and how it is built
     ("parallel.pipeline", "inference"),  # engines over the runtime / over checkpoints

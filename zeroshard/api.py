@@ -7,6 +7,7 @@ the engine then broadcasts rank 0's initial parameters.
 from __future__ import annotations
 
 import argparse
+import logging
 import random
 from typing import Any
 
@@ -18,11 +19,14 @@ from zeroshard import ArgumentError, NotBuiltError
 from zeroshard.config import ConfigError, load_config
 from zeroshard.distributed.mesh import Mesh, MeshShape
 from zeroshard.distributed.process_group import default_device, init_distributed
+from zeroshard.fp8 import unwrap_fp8_weights
 from zeroshard.parallel.pipeline.engine import PipelineEngine
 from zeroshard.parallel.pipeline.module import PipelineModule
 from zeroshard.runtime.engine import Engine
 from zeroshard.runtime.optim import hyperparams
 from zeroshard.zero.optim.optimizer import ShardedOptimizer
+
+log = logging.getLogger("zeroshard")
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -67,8 +71,11 @@ def _config_from_args(args, config, config_params):
     return given[0]
 
 
-def _collect_groups(module: nn.Module, optimizer, model_parameters, opt_cfg):
-    """Param groups as ``[{"params": [...], **hyperparams}]`` plus the client optimizer."""
+def _collect_groups(
+    module: nn.Module, optimizer, model_parameters, opt_cfg, alias: dict[int, nn.Parameter]
+):
+    """Param groups as ``[{"params": [...], **hyperparams}]`` plus the client optimizer;
+    a tensor whose id ``alias`` maps stands for that parameter."""
     if optimizer is not None and opt_cfg is not None:
         raise ConfigError(
             "optimizer: the config has an 'optimizer' section and an optimizer was passed "
@@ -114,6 +121,7 @@ def _collect_groups(module: nn.Module, optimizer, model_parameters, opt_cfg):
             'use zeroshard.init_inference(model, {"zero": {"stage": 3, "offload_param": '
             '{"device": "nvme", "nvme_path": ...}}}) instead'
         )
+    groups = [{**g, "params": [alias.get(id(p), p) for p in g["params"]]} for g in groups]
     owned = {id(p) for p in module.parameters()}
     seen: set[int] = set()
     for gi, g in enumerate(groups):
@@ -209,13 +217,24 @@ def initialize(
     if cfg.seed is not None:
         random.seed(cfg.seed)
         torch.manual_seed(cfg.seed)
+    # accelerate's fp8 wraps weights for FSDP2's fp8 all-gather, after the optimizer was
+    # built over the plain ones: the model gets those back (zeroshard/fp8/convert.py)
+    fp8_weights = unwrap_fp8_weights(model)
+    if fp8_weights and dist.get_rank() == 0:
+        log.warning(
+            "zeroshard: fp8: %d Float8Linear weight(s) were wrapped for FSDP2's fp8 all-gather "
+            "(torchao's enable_fsdp_float8_all_gather, on in accelerate's default fp8 recipe): "
+            "not built in zeroshard, whose stage 3 gathers bf16 weights; they train as plain "
+            "Parameters",
+            len(fp8_weights),
+        )
     engine_class: type[Engine] = Engine
     if cfg.pipeline_stages > 1 or module_stages is not None:
         engine_class = PipelineEngine
         if module_stages is None:
             model = as_pipeline_module(model, cfg)
         model_parameters = _stage_parameters(model, model_parameters)
-    groups, client = _collect_groups(model, optimizer, model_parameters, cfg.optimizer)
+    groups, client = _collect_groups(model, optimizer, model_parameters, cfg.optimizer, fp8_weights)
     engine = engine_class(
         model,
         cfg,

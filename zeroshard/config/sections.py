@@ -195,6 +195,33 @@ class BF16Config(Section):
     # fmt: on
 
 
+FP8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
+
+
+@dataclass(frozen=True, kw_only=True)
+class FP8Config(Section):
+    """``fp8`` (zeroshard; DeepSpeed has no such section, it reaches fp8 through Transformer
+    Engine layers in the model code): the model's ``nn.Linear`` layers run fp8 matmuls
+    with dynamic scaling (torchao's float8 training, ``pip install 'zeroshard[fp8]'``);
+    everything else computes in bf16, so it needs ``bf16.enabled``. Key names are
+    torchtitan's ``float8`` section's (``recipe_name``, ``filter_fqns``,
+    ``enable_fsdp_float8_all_gather``), the recipes torchao's
+    ``Float8LinearConfig.from_recipe_name``'s; ``recipe`` and ``skip`` are aliases."""
+
+    # fmt: off
+    enabled: bool = key(False, doc="Run the Linear layers' matmuls in fp8 (needs bf16.enabled and torchao).")
+    recipe_name: str = key("tensorwise", doc="tensorwise: one dynamic scale per tensor, e4m3 weights and activations, e5m2 gradients (fastest); rowwise: one scale per row, powers of 2, e4m3 throughout; rowwise_with_gw_hp: rowwise, with the weight gradient in bf16 (most accurate).", choices=FP8_RECIPES, aliases=("recipe",))
+    filter_fqns: list[str] = key(doc="Linear layers kept in bf16: a layer whose name (as named_modules() gives it) contains one of these strings (torchtitan's rule); each must match at least one Linear layer.", factory=list, aliases=("skip",))
+    enable_fsdp_float8_all_gather: bool = key(False, NOT_BUILT("fp8 all-gather of stage-3 weights (they are gathered in bf16)"), doc="Stage 3: all-gather weights cast to fp8.")
+    # fmt: on
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        object.__setattr__(self, "filter_fqns", list(self.filter_fqns))
+        for i, name in enumerate(self.filter_fqns):
+            check(isinstance(name, str) and name != "", f"filter_fqns[{i}]", f"expected a non-empty module name, got {name!r}")  # fmt: skip
+
+
 @dataclass(frozen=True, kw_only=True)
 class DataTypesConfig(Section):
     """``data_types``."""

@@ -69,6 +69,7 @@ from zeroshard.config.sections import (
     BF16Config,
     CheckpointConfig,
     DataTypesConfig,
+    FP8Config,
     FP16Config,
     LeafModuleConfig,
     OffloadConfig,
@@ -96,6 +97,7 @@ __all__ = [
     "Config",
     "ConfigError",
     "DataTypesConfig",
+    "FP8Config",
     "FP16Config",
     "LeafModuleConfig",
     "OffloadConfig",
@@ -160,6 +162,7 @@ class Config(Section):
     scheduler: SchedulerConfig | None = key(None, doc="The learning-rate schedule, if any.")
     fp16: FP16Config = _section(FP16Config, "fp16 mixed precision.")
     bf16: BF16Config = _section(BF16Config, "bf16 mixed precision.", aliases=("bfloat16",))
+    fp8: FP8Config = _section(FP8Config, "fp8 matmuls in the Linear layers, over bf16 (zeroshard; torchao's float8 training).")
     zero_optimization: ZeroConfig = _section(ZeroConfig, "ZeRO.")
     activation_checkpointing: ActivationCheckpointingConfig = _section(ActivationCheckpointingConfig, "Activation checkpointing.")
     aio: AIOConfig = _section(AIOConfig, "Asynchronous I/O for NVMe offload.")
@@ -278,6 +281,9 @@ class Config(Section):
             "in zeroshard; tensor_parallel.sequence_parallel (Megatron-SP) splits activations "
             "over them",
         )
+        if self.fp8.enabled:  # fp8 matmuls take bf16 operands and give bf16 results
+            other = "fp16 (fp16.enabled)" if self.fp16.enabled else "fp32 (no bf16 or fp16 section enabled)"  # fmt: skip
+            check(self.bf16.enabled, "fp8.enabled", f"fp8 matmuls run inside bf16 training: set bf16.enabled true (the config trains in {other}; fp8 with fp16 or fp32 compute is not supported)")  # fmt: skip
 
     @classmethod
     def json_compat(cls, values: dict, given: dict[str, str], note: Callable[[str, str], None]) -> dict:  # fmt: skip

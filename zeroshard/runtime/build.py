@@ -21,6 +21,7 @@ from torch import nn
 
 from zeroshard import ArgumentError, NotBuiltError
 from zeroshard.config.schema import ConfigError
+from zeroshard.fp8 import Fp8Error, Fp8Model, check_fp8_device, convert_to_fp8, preconverted
 from zeroshard.offload.store import MemoryShard
 from zeroshard.parallel.apply import (
     Parallelized,
@@ -267,6 +268,44 @@ class EngineBuild:
         self._parallel = parallelize(self.module, self.mesh, self._config)
         now = dict(self.module.named_parameters())
         return [{**g, "params": [now[names[id(p)]] for p in g["params"]]} for g in param_groups]
+
+    def _check_fp8_model(self, module: nn.Module) -> None:
+        """A model that arrives holding torchao's ``Float8Linear`` layers (accelerate's
+        ``mixed_precision="fp8"`` converts before initialize(), which unwraps weights
+        wrapped for FSDP2's fp8 all-gather) trains them, in bf16 compute; tensor
+        parallelism would replace them with plain shards (refused)."""
+        before = preconverted(module)
+        if not before:
+            return
+        origin = f"the model holds torchao Float8Linear layers ({', '.join(before[:3])}{', ...' if len(before) > 3 else ''}), converted to fp8 before initialize() (accelerate's mixed_precision='fp8' does this)"  # fmt: skip
+        if not self._config.bf16.enabled:
+            raise Fp8Error(f"bf16.enabled: {origin}; fp8 layers compute in bf16: enable bf16")
+        check_fp8_device(self.device)
+        if self._config.tensor_parallel.size > 1:
+            raise Fp8Error(
+                f"tensor_parallel.autotp_size: {origin}; tensor parallelism would replace them "
+                "with bf16 shards. Give initialize() a model of plain nn.Linear layers and "
+                "the config's fp8 section instead (its tensor-parallel layers run fp8)"
+            )
+
+    def _convert_fp8(self) -> Fp8Model | None:
+        """The ``fp8`` section: fp8 matmuls in the Linear layers (after tensor parallelism,
+        before the flat layout); said once, from rank 0."""
+        cfg = self._config.fp8
+        if not cfg.enabled:
+            before = preconverted(self.module)
+            if before and self.comm.rank == 0:
+                log.warning(
+                    "zeroshard: fp8: %d torchao Float8Linear layer(s) converted before "
+                    "initialize() run fp8 matmuls (the config has no fp8 section)",
+                    len(before),
+                )
+            return None
+        check_fp8_device(self.device)
+        fp8 = convert_to_fp8(self.module, cfg)
+        if self.comm.rank == 0:
+            (log.warning if fp8.kept else log.info)(fp8.summary())
+        return fp8
 
     def _make_scheduler(self, client):
         sc = self._config.scheduler

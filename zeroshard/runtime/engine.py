@@ -127,6 +127,7 @@ class Engine(EngineBuild, DeepSpeedEngineCompat, nn.Module):
         _ENGINES[module] = weakref.ref(self)
         self.destroyed = False
         self.preemption: Preemption | None = None  # set by Preemption.enable()
+        self._check_fp8_model(module)
         move_module(module, self.device, self.policy.compute)
         self._installed: list[RemovableHandle | FirstBatchSize] = []
         if self.policy.compute != torch.float32:
@@ -137,6 +138,7 @@ class Engine(EngineBuild, DeepSpeedEngineCompat, nn.Module):
                 FirstBatchSize(module, self.comm, self.device, self._micro_batch_seen)
             )
         param_groups = self._parallelize(param_groups)
+        self._fp8 = self._convert_fp8()
         self._swaps = EngineSwaps(config, self.comm.rank)
         self._swap_spaces = self._swaps.spaces  # nvme_path -> this rank's swap directory
         self.flat, persistent = self._flatten(param_groups)
@@ -272,6 +274,8 @@ class Engine(EngineBuild, DeepSpeedEngineCompat, nn.Module):
         self.reducer.remove_hooks()
         self.params.remove()
         self._parallel.remove()
+        if self._fp8 is not None:
+            self._fp8.undo()
         for h in self._installed:
             h.remove()
         self._installed.clear()

@@ -20,7 +20,8 @@ so parameter names and layouts stay those of the unsplit model.
 from __future__ import annotations
 
 import math
-from typing import Any
+from collections.abc import Callable
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -73,7 +74,15 @@ class _ParallelLinear(nn.Module):
         self.seq_dim = seq_dim
         self.transposed = transposed  # weight stored (in, out), as in Hugging Face's Conv1D
 
+    #: replaces ``x @ weightᵀ`` when set, called with the weight as (out, in) (the fp8
+    #: matmul with global scales, zeroshard/fp8); the bias is added after it
+    linear_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.linear_fn is not None:
+            w = cast(torch.Tensor, self.weight)
+            y = self.linear_fn(x, w.t() if self.transposed else w)
+            return y if bias is None else y + bias.to(y.dtype)
         if self.transposed:
             y = torch.matmul(x, self.weight)  # type: ignore[arg-type]
             return y if bias is None else y + bias
