@@ -14,6 +14,9 @@ accumulation buffer (the owned gradient shard in CPU memory) while backward goes
 
 So the host-side accumulation of bucket *k* runs while the device reduces bucket *k+1*
 and computes the rest of backward; host memory used is ``depth`` buffers of one chunk.
+The buffers are bytes: a chunk of any dtype goes through them (the reducer moves
+gradient-dtype chunks, or fp32 ones it accumulated on the device); they grow, once, to
+the largest chunk submitted.
 
 Streams, events, pinned buffers and copies go through the device seam
 (``zeroshard/distributed/device.py``). When the compute device is the CPU there is nothing to move
@@ -41,7 +44,8 @@ class HostStager:
     Args:
         device: where the chunks come from.
         numel: the largest chunk that will be submitted.
-        dtype: the chunks' dtype (the host destination may differ: cast on the host).
+        dtype: the chunks' usual dtype, which sizes the buffers at first (a chunk of a
+            wider dtype grows them; the host destination may differ: cast on the host).
         depth: buffers in flight (2 = double buffering).
     """
 
@@ -51,11 +55,13 @@ class HostStager:
         self.queued = host_apart(device)
         self._stream = None
         self._free: list[torch.Tensor] = []
-        self._inflight: deque = deque()  # (buffer, n, event, dst, accumulate)
+        self._inflight: deque = deque()  # (buffer, view, event, dst, accumulate)
         self.submitted = 0  # chunks moved through the buffers (for tests)
+        self.moved_bytes = 0  # bytes moved through the buffers (for tests, benchmarks)
         if not self.queued:
             return
-        self._free = [self.rt.host_empty(numel, dtype) for _ in range(depth)]
+        nbytes = numel * dtype.itemsize
+        self._free = [self.rt.host_empty(nbytes, torch.uint8) for _ in range(depth)]
         if self.rt.streams:
             self._stream = self.rt.new_stream(device)
 
@@ -70,8 +76,10 @@ class HostStager:
         if not self._free:
             self._finish_oldest()
         full = self._free.pop()
-        n = src.numel()
-        buf = full[:n]
+        nbytes = src.numel() * src.element_size()
+        if full.numel() < nbytes:  # a wider chunk than the buffers were made for
+            full = self.rt.host_empty(nbytes, torch.uint8)
+        buf = full[:nbytes].view(src.dtype)
         event = None
         if self._stream is None:
             buf.copy_(src)
@@ -81,14 +89,15 @@ class HostStager:
             with rt.on(self._stream):
                 rt.copy(buf, src, non_blocking=True)
             event = rt.record(self._stream)
-        self._inflight.append((full, n, event, dst, accumulate))
+        self._inflight.append((full, buf, event, dst, accumulate))
         self.submitted += 1
+        self.moved_bytes += nbytes
         return event
 
     def _finish_oldest(self) -> None:
-        full, n, event, dst, accumulate = self._inflight.popleft()
+        full, buf, event, dst, accumulate = self._inflight.popleft()
         self.rt.sync_event(event)  # the copy into the pinned buffer has landed
-        (dst.add_ if accumulate else dst.copy_)(full[:n].view_as(dst))
+        (dst.add_ if accumulate else dst.copy_)(buf.view_as(dst))
         self._free.append(full)
 
     def drain(self) -> None:

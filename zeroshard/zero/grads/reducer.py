@@ -25,6 +25,16 @@ Two modes, chosen once from what is sharded:
 
 Either way :attr:`GradReducer.grad_chunks` ``[segment]`` is the reduced,
 averaged gradient of this rank's chunk, what the sharded optimizer consumes.
+
+With the optimizer offloaded to a host apart from the device (``accum_device``), the
+sharded modes accumulate on the device and cross to the host once per window: a
+micro-step that is not an accumulation boundary adds its reduced chunks into an fp32
+buffer of the shard's size on the device (the same fp32 additions, in the same order,
+the host would make: exact), and the boundary's micro-step adds its own and moves the
+sum, bucket by bucket, while its backward goes on. Host traffic per window: one fp32
+shard, instead of one gradient-dtype shard per micro-step plus a host pass adding it.
+Device memory: that fp32 buffer, made at the first micro-step that is not a boundary
+(never with accumulation 1).
 """
 
 from __future__ import annotations
@@ -101,9 +111,10 @@ class GradReducer:
             stage-3 gatherer frees that unit's parameters then).
         accum_device: with optimizer offload, the host (CPU) where the reduced chunks
             go: the owned gradient shard lives there, in fp32 (stages 2, 3: accumulated
-            there every micro-step; stages 0, 1: copied there at the boundary). Each
-            bucket's chunk is moved through a double-buffered :class:`HostStager` as
-            soon as its reduction completes, while backward goes on. None: no offload.
+            on the device before the boundary, see above; stages 0, 1: copied there at
+            the boundary). Each bucket's chunk is moved through a double-buffered
+            :class:`HostStager` as soon as its reduction completes, while backward goes
+            on. None: no offload.
         reduce_scatter_via: how sharded buckets are reduced (``Comm.reduce_scatter``'s
             ``via``): "native" (zero_optimization.reduce_scatter true), "all_reduce"
             (false) or None, the group's per-backend choice (sends plus a local sum
@@ -157,6 +168,12 @@ class GradReducer:
             comm.reduce_scatter_scratch(staging_numel, self._rs_via), dtype, flat.device
         )
         self._accumulated = False  # whether grad_shard already holds a micro-step
+        # offload (stages 2-3): micro-steps before the boundary add into ``_dev_acc``, an
+        # fp32 shard on the device (made at the first one), moved to the host once
+        self._dev_acc: torch.Tensor | None = None
+        self._dev_acc_chunks: list[torch.Tensor] = []
+        self._dev_held = False  # whether _dev_acc holds micro-steps of this window
+        self._to_device = False  # whether this backward's reductions go to _dev_acc
         self._reduced = False  # whether full gradients were reduced in this window
         self._window_filled: set[int] = set()  # params that got a gradient in this window
         # full-gradient slots already divided by ``_pre`` (their window's only gradient
@@ -179,18 +196,14 @@ class GradReducer:
             # the bus), and neither the norm nor the step converts every element again.
             host = torch.float32 if self._stager is not None else dtype
             self.grad_shard = torch.zeros(sum(s.chunk for s in reduced), dtype=host, device=where)
-            self.grad_chunks = [self.grad_shard[:0]] * len(layout.segments)  # frozen: none
-            start = 0
-            for seg in reduced:
-                self.grad_chunks[seg.index] = self.grad_shard[start : start + seg.chunk]
-                start += seg.chunk
+            self._chunks = self._shard_chunks(self.grad_shard)
         if not sharded:
             self.grad_full = torch.zeros(layout.total_numel, dtype=dtype, device=flat.device)
             self._device_chunks = [
                 self.grad_full[slice(*s.chunk_range(own))] for s in layout.segments
             ]
             if self._stager is None:
-                self.grad_chunks = self._device_chunks
+                self._chunks = self._device_chunks
             for pi, p in enumerate(flat.params):
                 lo, hi = layout.param_range(pi)
                 self._views[pi] = self.grad_full[lo:hi].view_as(p)
@@ -222,11 +235,56 @@ class GradReducer:
                 continue
             self._hooks.append(p.register_post_accumulate_grad_hook(self._make_hook(pi)))
 
+    def _shard_chunks(self, shard: torch.Tensor) -> list[torch.Tensor]:
+        """Views of ``shard`` (this rank's gradient shard layout), one per segment."""
+        layout = self.flat.layout
+        chunks = [shard[:0]] * len(layout.segments)  # frozen: none
+        start = 0
+        for seg in layout.segments:
+            if any(self.flat.group_of[p] >= 0 for p in seg.params):
+                chunks[seg.index] = shard[start : start + seg.chunk]
+                start += seg.chunk
+        return chunks
+
+    @property
+    def grad_chunks(self) -> list[torch.Tensor]:
+        """This rank's reduced gradient, one chunk per segment (see the module's
+        docstring). With offload, micro-steps still held on the device are moved to the
+        host first (a window that ended without a boundary micro-step: the pipeline
+        engine's, or a read between micro-steps)."""
+        self._flush_device()
+        return self._chunks
+
+    def _flush_device(self) -> None:
+        """Move the micro-steps accumulated on the device into the host shard (which
+        holds nothing of this window then: device accumulation starts only so)."""
+        if not self._dev_held:
+            return
+        assert self._stager is not None  # device accumulation is for offload only
+        for chunk, acc in zip(self._chunks, self._dev_acc_chunks, strict=True):
+            if chunk.numel():
+                self._stager.submit(acc, chunk, accumulate=False)
+        self._stager.drain()
+        self._dev_held, self._accumulated = False, True
+
     # -- backward -----------------------------------------------------------------------
     def begin(self, boundary: bool, roots: list[torch.Tensor] | None = None) -> None:
         """Called before each backward: whether this micro-step ends an accumulation,
         and the tensors backward starts from (for ``count_unreached``)."""
         self._boundary = boundary
+        # offload: a micro-step before the boundary stays on the device, unless the host
+        # already holds part of the window (a boundary micro-step came earlier): the
+        # additions then stay on the host, in order
+        self._to_device = (
+            self._stager is not None
+            and self.sharded
+            and not boundary
+            and (self._dev_held or not self._accumulated)
+        )
+        if self._to_device and self._dev_acc is None:
+            assert self.grad_shard is not None  # sharded: the shard exists
+            self._dev_acc = torch.empty_like(self.grad_shard, device=self.flat.device)
+            self._dev_acc_chunks = self._shard_chunks(self._dev_acc)
         self._in_backward = True
         self._walk_missed = set()
         if self._reduced and self.flat.partitioned and not self.sharded:
@@ -379,7 +437,7 @@ class GradReducer:
             # the window's first reduction of a sharded bucket lands in the owned shard
             # itself (no copy out of the staging bucket afterwards)
             b.direct = self.sharded and self._direct_ok and not self._accumulated
-            out = self.grad_chunks[b.segment] if b.direct else self._own(b, src)
+            out = self._chunks[b.segment] if b.direct else self._own(b, src)
             handle = self.comm.reduce_scatter(
                 out, src, async_op=True, via=self._rs_via, scratch=b.scratch
             )
@@ -409,13 +467,21 @@ class GradReducer:
             self._pending.insert(0, (b, self.replicate.all_reduce(own, async_op=True), "replicate"))
             return
         post = self._post
-        chunk = self.grad_chunks[b.segment]
+        chunk = self._chunks[b.segment]
         if self.sharded:
             reduced = chunk if b.direct else self._own(b, self._staged(b))
             if post != 1.0:
                 reduced.div_(post)
             if b.direct:  # already in place
                 pass
+            elif self._to_device:  # offload, before the boundary: added on the device
+                acc = self._dev_acc_chunks[b.segment]
+                (acc.add_ if self._dev_held else acc.copy_)(reduced)
+            elif self._dev_held:  # offload, the boundary: the window's sum to the host
+                assert self._stager is not None  # device accumulation is for offload only
+                acc = self._dev_acc_chunks[b.segment]
+                acc.add_(reduced)
+                self._stager.submit(acc, chunk, accumulate=False)
             elif self._stager is not None:
                 event = self._stager.submit(reduced, chunk, accumulate=self._accumulated)
                 if event is not None:
@@ -460,8 +526,10 @@ class GradReducer:
             b.ready.clear()
             b.launched = False
         self._next = 0
-        if self.sharded:
-            self._accumulated = True
+        if self._to_device:
+            self._dev_held = True
+        elif self.sharded:
+            self._accumulated, self._dev_held = True, False
         else:
             self._reduced = True
 
@@ -473,7 +541,7 @@ class GradReducer:
         slot (``param.grad`` is unset so autograd hands over a fresh tensor), slots of
         parameters that get no gradient are zeroed when their bucket is reduced, and the
         owned shard is overwritten by the window's first reduction."""
-        self._accumulated = self._reduced = False
+        self._accumulated = self._reduced = self._dev_held = False
         self._window_filled.clear()
         self._scaled.clear()
         for pi, p in enumerate(self.flat.params):
@@ -502,7 +570,7 @@ class GradReducer:
         for seg in self.flat.layout.segments:
             lo, hi = max(a, seg.shard_start), min(b, seg.shard_start + seg.chunk)
             if lo < hi:
-                chunk = self.grad_chunks[seg.index]
+                chunk = self._chunks[seg.index]
                 if chunk.numel():
                     parts.append(chunk[lo - seg.shard_start : hi - seg.shard_start])
                 else:
@@ -537,6 +605,7 @@ class GradReducer:
         buffers hold the last window's). Decided by the reductions, which every rank
         runs together, not by this rank's arrivals: a rank whose backward reached no
         parameter still holds the others' reduced gradients."""
+        self._flush_device()
         if not (self._reduced or self._accumulated):
             for buf in (self.grad_full, self.grad_shard):
                 if buf is not None:
@@ -549,7 +618,7 @@ class GradReducer:
 
     def buffers(self) -> list[torch.Tensor]:
         """Persistent gradient buffers: the full buffer or the shard, plus the staging pool."""
-        bufs = [b for b in (self.grad_full, self.grad_shard) if b is not None]
+        bufs = [b for b in (self.grad_full, self.grad_shard, self._dev_acc) if b is not None]
         bufs += self._staging.free + self._scratch.free
         bufs += [b.scratch for b in self._buckets if b.scratch is not None]
         bufs += [b.staging for b in self._buckets if b.staging is not None]
