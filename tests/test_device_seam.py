@@ -150,12 +150,17 @@ def _check_staging(name: str, log: list[list], sharded: bool, accumulated: bool)
     staging bucket. Returns the copies seen."""
     copies = [i for i, e in enumerate(log) if e[0] == "copy" and e[1] != "compute"]
     refills = 0
+    # the stager's landing thread logs its host waits ("sync") between the issuing
+    # thread's entries: the neighbours of a copy are the issuer's, syncs aside
+    before = [e for e in log if e[0] != "sync"]
+    at = {i: sum(e[0] != "sync" for e in log[:i]) for i in copies}  # i in ``before``
     for i in copies:
         _, stream, dst, src = log[i]
-        assert log[i - 1] == ["wait_stream", stream, "compute"], (name, log[i - 1 : i + 1])
-        assert log[i + 1][:1] == ["record"] and log[i + 1][2] == stream, (name, log[i + 1])
+        k = at[i]
+        assert before[k - 1] == ["wait_stream", stream, "compute"], (name, before[k - 1 : k + 1])
+        assert before[k + 1][:1] == ["record"] and before[k + 1][2] == stream, (name, before[k + 1])
         assert dst.startswith("host"), (name, log[i])
-        event = log[i + 1][1]
+        event = before[k + 1][1]
         done = _index(log, ["backward done"], i)
         assert ["sync", event] in log[i:done], (name, event, "not waited for by the host")
         if not sharded:
