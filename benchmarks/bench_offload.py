@@ -210,7 +210,7 @@ def part_adam(args) -> str:
     gpu = torch.cuda.is_available()
     keys = ["torch", "zs", "zs_inner", "ds", "torch_clip", "zs_clip", "ds_clip"]
     if not gpu:
-        keys.append("zs_gpu")
+        keys += ["zs_gpu", "zs_gpu_clip"]
     rows: dict[str, list[float]] = {k: [] for k in ["triad", *keys]}
 
     def run(key: str) -> None:
@@ -226,6 +226,8 @@ def part_adam(args) -> str:
             rows[key].append(_zeroshard(n, steps, clip=clip)[0])
         elif key == "zs_gpu":
             rows[key].append(_zeroshard(n, steps, staged=True)[0])
+        elif key == "zs_gpu_clip":
+            rows[key].append(_zeroshard(n, steps, staged=True, clip=clip)[0])
         elif key in ("ds", "ds_clip"):
             c = clip if key == "ds_clip" else 0.0
             t = _deepspeed_cpu_adam(args.ds_python, n, steps, args.threads, c)
@@ -289,6 +291,14 @@ def part_adam(args) -> str:
                 "(on a GPU host: the H2D copy)",
             )
         )
+        lines.append(
+            line(
+                f"zeroshard, GPU code path, gradient_clipping {clip}",
+                "zs_gpu_clip",
+                "as above; the norm adds the squares the host took as each gradient "
+                "chunk landed (during backward), the clip factor folded into the kernel",
+            )
+        )
     lines += [
         line(
             f"torch fused AdamW + clip_grad_norm_({clip})",
@@ -311,6 +321,8 @@ def part_adam(args) -> str:
         ("zs", "ds", "zeroshard whole step / DeepSpeedCPUAdam, no clipping"),
         ("zs_clip", "ds_clip", f"zeroshard whole step / DeepSpeedCPUAdam, clip {clip}"),
         ("zs_clip", "torch_clip", f"zeroshard whole step / torch by hand, clip {clip}"),
+        ("zs_gpu", "torch", "zeroshard GPU code path / torch fused AdamW alone"),
+        ("zs_gpu_clip", "torch", f"zeroshard GPU code path, clip {clip} / torch fused AdamW alone"),
     ):
         if rows[a] and len(rows[a]) == len(rows[b]):
             ratios = [x / y for x, y in zip(rows[a], rows[b], strict=True)]
