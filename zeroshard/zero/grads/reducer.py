@@ -633,6 +633,7 @@ class GradReducer:
         """This rank's reduced gradient at shard positions ``[a, b)``, one piece per
         segment: views of the chunks (zeros where a segment holds only frozen
         parameters)."""
+        self._flush_device()
         parts = []
         for seg in self.flat.layout.segments:
             lo, hi = max(a, seg.shard_start), min(b, seg.shard_start + seg.chunk)
