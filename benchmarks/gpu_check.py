@@ -91,21 +91,25 @@ def _sync(dev: torch.device) -> None:
 
 def _step_fn(row: dict, model, args, dev: torch.device):
     """A function that runs one optimizer step (``gas`` micro-batches) and returns the
-    last micro-batch's loss."""
+    last micro-batch's loss and the seconds until every forward and backward was done
+    (the device synchronized there: the rest of the step is the optimizer's)."""
     gas = row["gas"]
     if row["system"] == "torch":
         model.to(dev)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=True)
 
-        def torch_step(batches) -> torch.Tensor:
+        def torch_step(batches) -> tuple[torch.Tensor, float]:
+            t = time.perf_counter()
             for x, y in batches:
                 with torch.autocast(device_type=dev.type, dtype=torch.bfloat16):
                     loss = model(x, y)
                 (loss / gas).backward()
+            _sync(dev)
+            fwd_bwd = time.perf_counter() - t
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
             opt.zero_grad(set_to_none=True)
-            return loss
+            return loss, fwd_bwd
 
         return torch_step
     import zeroshard
@@ -132,12 +136,16 @@ def _step_fn(row: dict, model, args, dev: torch.device):
     if row.get("compile"):
         engine.compile(backend=args.compile_backend)  # compiles during the warm-up steps
 
-    def zeroshard_step(batches) -> torch.Tensor:
-        for x, y in batches:
+    def zeroshard_step(batches) -> tuple[torch.Tensor, float]:
+        t = time.perf_counter()
+        for i, (x, y) in enumerate(batches):
             loss = engine(x, y)
             engine.backward(loss)
+            if i == len(batches) - 1:  # the boundary: what follows is the optimizer's
+                _sync(dev)
+                fwd_bwd = time.perf_counter() - t
             engine.step()  # steps at the accumulation boundary
-        return loss
+        return loss, fwd_bwd
 
     return zeroshard_step
 
@@ -157,22 +165,28 @@ def train_row(row: dict, args) -> dict:
     step = _step_fn(row, model, args, dev)
     setup = time.perf_counter() - t0
     warmup, steps = (args.warmup, args.steps) if row["gas"] == 1 else (1, args.steps_big)
-    times, losses = [], []
+    times, fwd_bwd, losses = [], [], []
     for i in range(warmup + steps):
         batches = [_batch(i * row["gas"] + j, args.micro, args.seq, args.vocab, dev) for j in range(row["gas"])]  # fmt: skip
         _sync(dev)
         t = time.perf_counter()
-        loss = step(batches)
+        loss, fb = step(batches)
         _sync(dev)
         if i >= warmup:
             times.append(time.perf_counter() - t)
+            fwd_bwd.append(fb)
         losses.append(float(loss.detach()))
     n = cfg.num_params()
     tokens = args.micro * args.seq * row["gas"]
     sec = statistics.median(times)
+    fb = statistics.median(fwd_bwd)
     flops = (6 * n + 12 * cfg.n_layer * cfg.d_model * args.seq) * tokens
     return {
         "step_s": sec,
+        # every forward and backward of the step, and the rest (the optimizer's part:
+        # with the delayed update, its wait for the last CPU step and its launch)
+        "fwd_bwd_s": fb,
+        "opt_s": sec - fb,
         "tokens_s": tokens / sec,
         "flops_s": flops / sec,
         "params": n,
@@ -246,23 +260,26 @@ def table(results: dict[str, dict], decode: dict, args, card: str) -> str:
     torch_s = by.get("torch (autocast + fused AdamW)", {}).get("step_s")
     top, how = peak(card)
     lines = [
-        "| row | step s | tokens/s | MFU | x torch | x all-GPU (stage 2, same gas) | compiled vs eager | GPU peak GiB | loss first -> last |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| row | step s | fwd+bwd s | step() s | tokens/s | MFU | x torch | x all-GPU (stage 2, same gas) | fwd+bwd x all-GPU | compiled vs eager | GPU peak GiB | loss first -> last |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, v in results.items():
         if not v["ok"]:
-            lines.append(f"| {name} | failed: {v['why']} | | | | | | | |")
+            lines.append(f"| {name} | failed: {v['why']} | | | | | | | | | | |")
             continue
         r = v["result"]
         gas = name.rsplit("gas ", 1)[1] if "gas " in name else "1"
-        base = by.get("zeroshard stage 2" if gas == "1" else f"stage 2, gas {gas}", {}).get("step_s")  # fmt: skip
+        ref = by.get("zeroshard stage 2" if gas == "1" else f"stage 2, gas {gas}", {})
+        base, base_fb = ref.get("step_s"), ref.get("fwd_bwd_s")
         x_torch = f"{r['step_s'] / torch_s:.2f}" if torch_s and gas == "1" else ""
         x_gpu = f"{r['step_s'] / base:.2f}" if base and "offload" in name else ""
+        x_fb = f"{r['fwd_bwd_s'] / base_fb:.2f}" if base_fb and "offload" in name else ""
         eager = by.get(name.removesuffix(", compiled"), {}).get("step_s")
         x_eager = f"{eager / r['step_s']:.2f}x faster" if eager and name.endswith("compiled") else ""  # fmt: skip
         lines.append(
-            f"| {name} | {r['step_s']:.3f} | {r['tokens_s']:,.0f} | {r['flops_s'] / top:.1%} | "
-            f"{x_torch} | {x_gpu} | {x_eager} | {r['peak_gib']:.1f} | {r['losses'][0]:.3f} -> {r['losses'][1]:.3f} |"
+            f"| {name} | {r['step_s']:.3f} | {r['fwd_bwd_s']:.3f} | {r['opt_s']:.3f} | "
+            f"{r['tokens_s']:,.0f} | {r['flops_s'] / top:.1%} | {x_torch} | {x_gpu} | {x_fb} | {x_eager} | "
+            f"{r['peak_gib']:.1f} | {r['losses'][0]:.3f} -> {r['losses'][1]:.3f} |"
         )
     lines.append("")
     if "result" in decode:
@@ -273,8 +290,9 @@ def table(results: dict[str, dict], decode: dict, args, card: str) -> str:
         f"GPT {args.preset}, vocab {args.vocab}, seq {args.seq}, micro-batch {args.micro}, bf16, "
         f"AdamW, clip 1.0, bucket {args.bucket:,}; {args.steps} timed steps after {args.warmup} "
         f"warm-up at gas 1, {args.steps_big} after 1 at gas {args.gas}; MFU against the "
-        f"{how} peak ({top / 1e12:.0f} TFLOP/s). Decode: GPT {args.decode_preset}, a 32-token "
-        f"prompt, {args.new} new tokens."
+        f"{how} peak ({top / 1e12:.0f} TFLOP/s); fwd+bwd: every forward and backward of a "
+        "step, the device synchronized after the last; step(): the rest of the step. "
+        f"Decode: GPT {args.decode_preset}, a 32-token prompt, {args.new} new tokens."
     )
     return head + "\n\n" + "\n".join(lines)
 

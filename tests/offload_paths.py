@@ -8,9 +8,11 @@ import contextlib
 from typing import Any
 
 import parity
+import torch
 
 from zeroshard.distributed import device
 from zeroshard.distributed.fake_device import FakeRuntime
+from zeroshard.zero.grads.reducer import chunk_sum_of_squares
 
 Z = "zero_optimization"
 CPU = parity.PINNED_CPU
@@ -31,6 +33,7 @@ def offload_path(rank: int, world: int, fake: bool = False) -> list[dict]:
         case = {"stage": stage, "steps": 2, "gas": 2, "micro": 1, "extra": {Z: extra}}
         with device.use(FakeRuntime()) if fake else contextlib.nullcontext():
             _, engine = parity.train(case, rank, world)
+            squares = _landed_squares(engine, rank, world)
         opt, stager = engine.optimizer.states, engine.reducer._stager
         store = engine.flat.store.buffer
         lo, hi = store.data_ptr(), store.data_ptr() + store.numel() * store.element_size()
@@ -53,9 +56,38 @@ def offload_path(rank: int, world: int, fake: bool = False) -> list[dict]:
                 "pending": stager.pending if stager is not None else -1,
                 "buckets": len(engine.reducer._buckets),  # segments with gradients
                 "by_location": engine.memory_stats()["by_location"],
+                **squares,
             }
         )
     return out
+
+
+def _landed_squares(engine, rank: int, world: int) -> dict:
+    """One more window (2 micro-steps): whether the host took each chunk's sum of
+    squares as it landed (the step's norm then reads no gradient), equal bit for bit to
+    the squares of the chunks taken afterwards, and forgotten once a chunk is edited."""
+    reducer = engine.reducer
+    x, y = (t.to(engine.device) for t in parity.batch(99, 2 * world))
+    for m in range(2):
+        loss = engine(
+            x[m * world + rank : m * world + rank + 1], y[m * world + rank : m * world + rank + 1]
+        )
+        engine.backward(loss)
+        if m == 0:
+            engine.step()
+    landed = reducer.landed_squares()
+    chunks = reducer.grad_chunks
+    match = landed is not None and all(
+        torch.equal(a, chunk_sum_of_squares(c)) for a, c in zip(landed, chunks, strict=True)
+    )
+    next(c for c in chunks if c.numel()).mul_(1.0)  # an edit: the squares are stale
+    forgotten = reducer.landed_squares() is None
+    engine.step()
+    return {
+        "squares_landed": landed is not None,
+        "squares_match": match,
+        "squares_forgotten": forgotten,
+    }
 
 
 def check_offload_path(rows: list[dict], gpu: bool) -> None:
@@ -76,10 +108,12 @@ def check_offload_path(rows: list[dict], gpu: bool) -> None:
         else:
             assert r["separate"] and r["pipelined"] and not r["masters_are_shard"], r
         # gradient chunks left the device through the staging buffers on the side
-        # stream: each bucket once per micro-step (stages 2, 3) or at the boundary (1)
+        # stream: each bucket once per window, at the boundary (stages 2, 3: the
+        # micro-steps before it added up on the device, in fp32)
         assert r["side_stream"] and r["stager_pinned"] == gpu and r["pending"] == 0, r
-        per_step = r["buckets"] * (1 if r["stage"] == 1 else 2)
-        assert r["moved"] == 2 * per_step, r
+        assert r["moved"] == 3 * r["buckets"], r  # 2 steps and _landed_squares' window
+        # the norm adds up the squares the host took as each chunk landed
+        assert r["squares_landed"] and r["squares_match"] and r["squares_forgotten"], r
         # memory_stats places them truthfully: the optimizer side on the host; the
         # parameters on the device unless offloaded
         if gpu:

@@ -17,12 +17,20 @@ torch, at stages 0-3 on 2 and 3 gloo ranks (one spawn per world size):
   before the first reduction holds the others' gradient after it, and the second
   backward adds to it (before, stages 0-1 overwrote it on the idle ranks).
 
+Stage 2 with the optimizer offloaded (under the fake device runtime, so the reducer
+stages its moves as on a GPU) runs the orders again, plus "held_step": two backwards
+with the boundary unset, then the boundary set and a step with no backward. Its
+micro-steps before a boundary add up on the device (window ON_DEVICE) and cross to the
+host at the boundary's backward, or at the step's read (LAND) in "held_step".
+
 The reducer divides a gradient by the number of ranks while it copies it into its bucket
 (issue 20); these are the arrivals where that division must not be applied twice or
 skipped. At stage 0, ``param.grad`` after backward must be the averaged gradient.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import multirank
 import pytest
@@ -64,8 +72,10 @@ def _losses(model, step: int, kind: str, rows: slice, world: int):
     """The losses of one step, each with the batch of every rank (reference) or this
     rank's rows; "twice": two backwards, "reentrant": one, "accum": three micro-steps,
     "toggle": three backwards, the middle one with the boundary unset; "toggle_step":
-    two, the second with it unset; "idle_first": two."""
-    n = {"twice": 2, "reentrant": 1, "accum": 3, "idle": 1, "toggle": 3}.get(kind, 2)
+    two, the second with it unset; "held_step": two, both with it unset; "idle_first": two."""
+    n = {"twice": 2, "held_step": 2, "reentrant": 1, "accum": 3, "idle": 1, "toggle": 3}.get(
+        kind, 2
+    )
     out = []
     for k in range(n):
         x, y = _data(step, k, MICRO * world)
@@ -96,17 +106,29 @@ def _reference(world: int, kind: str):
     return {n: p.detach().clone() for n, p in model.named_parameters()}, grads
 
 
-def _train(rank: int, world: int, stage: int, kind: str):
+def _train(rank: int, world: int, stage: int, kind: str, offload: bool = False):
+    from zeroshard.distributed import device
+    from zeroshard.distributed.fake_device import FakeRuntime
+
+    # offload: a device apart from the host (the fake runtime), so the reducer stages
+    with device.use(FakeRuntime()) if offload else contextlib.nullcontext():
+        return _train_on(rank, world, stage, kind, offload)
+
+
+def _train_on(rank: int, world: int, stage: int, kind: str, offload: bool):
     import zeroshard
     from zeroshard.zero import GatheredParameters
 
     torch.manual_seed(0)
     model = Net()
+    zc: dict = {"stage": stage, "stage3_param_persistence_threshold": 0}
+    if offload:
+        zc["offload_optimizer"] = {"device": "cpu"}
     config = {
         "train_micro_batch_size_per_gpu": MICRO,
         "gradient_accumulation_steps": 3 if kind == "accum" else 1,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}},
-        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+        "zero_optimization": zc,
         "steps_per_print": 10**6,
     }
     engine, *_ = zeroshard.initialize(
@@ -123,6 +145,8 @@ def _train(rank: int, world: int, stage: int, kind: str):
                 engine.set_gradient_accumulation_boundary(k != 1)
             if kind == "toggle_step":  # boundary, not; then boundary and a step
                 engine.set_gradient_accumulation_boundary(k == 0)
+            if kind == "held_step":  # not, not; then boundary and a step
+                engine.set_gradient_accumulation_boundary(False)
             engine.backward(loss)
             last = k == len(losses) - 1
             if last and step == STEPS - 1 and stage == 0 and kind != "toggle_step":
@@ -131,7 +155,7 @@ def _train(rank: int, world: int, stage: int, kind: str):
                     n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None
                 }
             if kind == "accum" or last:
-                if kind == "toggle_step":
+                if kind in ("toggle_step", "held_step"):
                     engine.set_gradient_accumulation_boundary(True)
                 engine.step()
     with GatheredParameters(list(model.parameters())):
@@ -141,9 +165,9 @@ def _train(rank: int, world: int, stage: int, kind: str):
 
 def _worker(rank: int, world: int, cases: list) -> list[dict]:
     out = []
-    for stage, kind in cases:
+    for stage, kind, offload in cases:
         ref, ref_grads = _reference(world, kind)
-        got, grads = _train(rank, world, stage, kind)
+        got, grads = _train(rank, world, stage, kind, offload)
         diffs = {n: (got[n] - ref[n]).abs().max().item() for n in ref}
         diffs |= {f"{n}.grad": (g - ref_grads[n]).abs().max().item() for n, g in grads.items()}
         # idle: no .grad was set; toggle_step: none read (unreduced after backward)
@@ -158,10 +182,15 @@ def _worker(rank: int, world: int, cases: list) -> list[dict]:
 # reduced"); at stages 0-2 this model is one bucket, reduced at the end of backward.
 # An idle rank at stage 3 would skip the backward's parameter gathers the others run.
 CASES = [
-    (stage, kind)
+    (stage, kind, False)
     for stage in (0, 1, 2, 3)
     for kind in ("twice", "reentrant", "accum", "idle", "toggle", "toggle_step", "idle_first")
     if (stage, kind) not in ((3, "reentrant"), (3, "idle"), (3, "idle_first"))
+]
+# stage 2, optimizer offloaded: the window held on the device
+CASES += [
+    (2, kind, True)
+    for kind in ("twice", "accum", "idle", "toggle", "toggle_step", "idle_first", "held_step")
 ]
 
 

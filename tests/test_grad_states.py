@@ -1,6 +1,8 @@
 """The gradient reducer's transition tables (zeroshard/zero/grads/states.py), walked by
-real engines on 4 gloo ranks (one spawn): stages 0, 1, 2, 3 and hybrid stage 1 (2
-replicas x 2 shards, for the replicas' all-reduce). Each engine runs the same call
+real engines on 4 gloo ranks (one spawn): stages 0, 1, 2, 3, hybrid stage 1 (2
+replicas x 2 shards, for the replicas' all-reduce) and stage 2 with the optimizer
+offloaded under the fake device runtime (the micro-steps before the boundary held on
+the device: phase BACKWARD_HOLDING, window ON_DEVICE). Each engine runs the same call
 sequence, the orders a user (or accelerate, or the pipeline engine) makes: steps with
 no backward, two backwards per step, the boundary unset and set again, a step right
 after an unset backward, zero_grad mid-window, a backward that raises, the pipeline's
@@ -65,12 +67,23 @@ def _error(fn) -> list[str]:
     return ["no error", ""]
 
 
-def _walk(rank: int, stage: int, mics: int) -> dict:
+def _walk(rank: int, stage: int, mics: int, offload: bool) -> dict:
+    from zeroshard.distributed import device
+    from zeroshard.distributed.fake_device import FakeRuntime
+
+    # offload: a device apart from the host (the fake runtime), so the reducer stages
+    with device.use(FakeRuntime()) if offload else contextlib.nullcontext():
+        return _walk_on(rank, stage, mics, offload)
+
+
+def _walk_on(rank: int, stage: int, mics: int, offload: bool) -> dict:
     import zeroshard
 
     torch.manual_seed(0)
     model = Net()
-    zc = {"stage": stage, "stage3_param_persistence_threshold": 0, "mics_shard_size": mics}
+    zc: dict = {"stage": stage, "stage3_param_persistence_threshold": 0, "mics_shard_size": mics}
+    if offload:
+        zc["offload_optimizer"] = {"device": "cpu"}
     config = {
         "train_micro_batch_size_per_gpu": 2,
         "gradient_accumulation_steps": 1,
@@ -117,6 +130,7 @@ def _walk(rank: int, stage: int, mics: int) -> dict:
     r.flush()
     engine.zero_grad()
     engine.backward(loss())
+    r.flush()  # offload: lands the sum held on the device
     r.flush()
     engine.zero_grad()
     if full:
@@ -164,11 +178,13 @@ def _step_inside(engine, loss) -> None:
     engine.backward(out)
 
 
-CASES = [(0, -1), (1, -1), (2, -1), (3, -1), (1, 2)]
+CASES = [(0, -1, False), (1, -1, False), (2, -1, False), (3, -1, False), (1, 2, False), (2, -1, True)]  # fmt: skip
+# rows only a window held on the device takes (optimizer offload, sharded gradients)
+HELD = {"ON_DEVICE", "FINISH_HOLDING", "BACKWARD_HOLDING"}
 
 
 def _worker(rank: int, world: int) -> list[dict]:
-    return [_walk(rank, stage, mics) for stage, mics in CASES]
+    return [_walk(rank, stage, mics, offload) for stage, mics, offload in CASES]
 
 
 @pytest.fixture(scope="module")
@@ -188,15 +204,20 @@ def test_every_transition_is_taken(walked):
 
 
 def test_each_mode_takes_its_window_rows(walked):
-    """Per mode, the walk takes every window row of that mode."""
-    for (stage, mics), case in zip(CASES, walked[0], strict=True):
+    """Per mode, the walk takes every window row of that mode (the rows of a window
+    held on the device: with offload only, and never without it)."""
+    for (stage, mics, offload), case in zip(CASES, walked[0], strict=True):
         mode = {0: "REPLICATED", 1: "PARTITIONED"}.get(stage, "SHARDED")
+        held = {r for r in _rows() if HELD & set(r.split(":")[1].split(","))}
         want = {r for r in _rows() if r.startswith(f"window:{mode},")}
-        assert want <= set(case["seen"]), (stage, mics, sorted(want - set(case["seen"])))
+        want = want if offload else want - held
+        seen = set(case["seen"])
+        assert want <= seen, (stage, mics, offload, sorted(want - seen))
+        assert offload or not held & seen, (stage, mics, sorted(held & seen))
 
 
 def test_illegal_orders_are_named_errors(walked):
-    for (stage, _), case in zip(CASES, walked[0], strict=True):
+    for (stage, _, _), case in zip(CASES, walked[0], strict=True):
         e = case["errors"]
         assert e["loss.backward()"][0] == "UsageError", e
         assert "outside engine.backward()" in e["loss.backward()"][1]
@@ -220,10 +241,17 @@ def test_tables_stay_inside_each_mode() -> None:
     from zeroshard.zero.grads.states import WINDOW, Mode, Window
 
     full = {Window.EMPTY, Window.LOCAL, Window.REDUCED}
-    sharded = {Window.EMPTY, Window.ACCUMULATED}
+    sharded = {Window.EMPTY, Window.ACCUMULATED, Window.ON_DEVICE}
     actions = {states.NONE, states.RESTATE, states.REDUCE, states.ZERO, states.CLEAR}
+    actions |= {states.LAND}
     for (mode, state, _), (nxt, action) in WINDOW.items():
         allowed = sharded if mode is Mode.SHARDED else full
         assert {state, nxt} <= allowed, (mode, state, nxt)
         assert action in actions
         assert action != states.RESTATE or mode is Mode.PARTITIONED
+        # only a window held on the device lands, and it always does before a read
+        assert (action == states.LAND) == (
+            state is Window.ON_DEVICE
+            and nxt is not state
+            and _ in (states.Event.FLUSH, states.Event.FINALIZE)
+        ), (mode, state, _)

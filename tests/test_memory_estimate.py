@@ -63,6 +63,11 @@ def test_offload_moves_the_optimizer_side() -> None:
     assert e.by_location["cpu"] == (12 + 4) * psi // 2
     e = estimate(psi, 2, stage=3, precision="bf16", offload="nvme", offload_params=True)
     assert e.by_location["nvme"] == (12 + 2) * psi // 2 and e.by_location.get("device", 0) == 0
+    # with accumulation, micro-steps add up on the device in an fp32 gradient shard
+    one = estimate(psi, 2, stage=2, precision="bf16", offload="cpu")
+    acc = estimate(psi, 2, stage=2, precision="bf16", offload="cpu", gradient_accumulation=8)
+    assert acc.by_location["device"] - one.by_location["device"] == 4 * psi // 2
+    assert acc.by_location["cpu"] == one.by_location["cpu"]
 
 
 def _measure(rank: int, world: int, stage: int) -> dict:

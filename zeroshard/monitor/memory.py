@@ -112,6 +112,7 @@ def estimate(
     reuse_numel: int = 10**9,
     max_live_numel: int = 10**9,
     p2p_reduce: bool = False,
+    gradient_accumulation: int = 1,
 ) -> Estimate:
     """Per-rank bytes for ``params`` parameters on ``nproc * nnodes`` ranks, ``tp``
     tensor-parallel and ``sp`` sequence-parallel ranks among them (ZeRO shards over the
@@ -129,6 +130,9 @@ def estimate(
     so not all-gathered again in backward (see the module docstring). ``p2p_reduce``:
     gradients are reduce-scattered point to point (gloo's default), with receive
     buffers of (n - 1) / n of a bucket, two at most, like the staging buckets.
+    ``gradient_accumulation`` above 1 with the optimizer offloaded at stages 2-3: the
+    micro-steps before the boundary add up on the device, in an fp32 gradient shard
+    (4 bytes per shard element, counted in ``buffers``).
     """
     if stage not in (0, 1, 2, 3) or offload not in OFFLOADS or precision not in PRECISIONS:
         raise ArgumentError(f"stage/offload/precision: got {stage}, {offload!r}, {precision!r}")
@@ -173,6 +177,9 @@ def estimate(
             grad_bytes += host_grads
         loc["cpu"] = host_grads
         loc[offload] = loc.get(offload, 0) + opt_bytes
+        if stage >= 2 and gradient_accumulation > 1:  # the device's fp32 sum
+            buffers += host_grads
+            loc["device"] += host_grads
     if offload_params and stage == 3:
         loc["device"] -= param_bytes
         where = "nvme" if offload == "nvme" else "cpu"

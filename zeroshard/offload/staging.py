@@ -9,11 +9,20 @@ accumulation buffer (the owned gradient shard in CPU memory) while backward goes
    (so the reduced chunk is ready), copies ``src`` into a free pinned buffer without
    blocking the host, and records an event. The event is returned: the caller makes the
    compute stream wait on it before it overwrites ``src`` (a reused staging bucket).
-2. When all buffers are in flight, or at :meth:`drain`, the oldest copy's event is
-   waited on and the host adds (or copies) the buffer into ``dst``.
+2. A landing thread of the stager's own takes the moves in order: it waits on the
+   copy's event, adds (or copies) the buffer into ``dst``, runs the move's ``then``
+   (the reducer's sum of squares of the landed chunk, which the step's norm then
+   skips) and frees the buffer. :meth:`drain` waits for every landing; ``submit``
+   waits only when all buffers are in flight.
 
 So the host-side accumulation of bucket *k* runs while the device reduces bucket *k+1*
-and computes the rest of backward; host memory used is ``depth`` buffers of one chunk.
+and computes the rest of backward, and the thread that runs backward (autograd's, which
+calls the reducer's hooks) never does the host's pass itself: it issues copies and goes
+on. torch's operators release the GIL, so the landing runs beside backward. Host memory
+used is ``depth`` buffers of one chunk.
+The buffers are bytes: a chunk of any dtype goes through them (the reducer moves
+gradient-dtype chunks, or fp32 ones it accumulated on the device); they grow, once, to
+the largest chunk submitted.
 
 Streams, events, pinned buffers and copies go through the device seam
 (``zeroshard/distributed/device.py``). When the compute device is the CPU there is nothing to move
@@ -25,7 +34,9 @@ tests run the same bookkeeping, deferral and ordering as a GPU run; under a fake
 
 from __future__ import annotations
 
+import threading
 from collections import deque
+from collections.abc import Callable
 
 import torch
 
@@ -41,7 +52,8 @@ class HostStager:
     Args:
         device: where the chunks come from.
         numel: the largest chunk that will be submitted.
-        dtype: the chunks' dtype (the host destination may differ: cast on the host).
+        dtype: the chunks' usual dtype, which sizes the buffers at first (a chunk of a
+            wider dtype grows them; the host destination may differ: cast on the host).
         depth: buffers in flight (2 = double buffering).
     """
 
@@ -51,27 +63,47 @@ class HostStager:
         self.queued = host_apart(device)
         self._stream = None
         self._free: list[torch.Tensor] = []
-        self._inflight: deque = deque()  # (buffer, n, event, dst, accumulate)
+        # moves issued and not landed: (buffer, view, event, dst, accumulate, then)
+        self._inflight: deque = deque()
+        self._cv = threading.Condition()
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+        self._threads = torch.get_num_threads()
         self.submitted = 0  # chunks moved through the buffers (for tests)
+        self.moved_bytes = 0  # bytes moved through the buffers (for tests, benchmarks)
         if not self.queued:
             return
-        self._free = [self.rt.host_empty(numel, dtype) for _ in range(depth)]
+        nbytes = numel * dtype.itemsize
+        self._free = [self.rt.host_empty(nbytes, torch.uint8) for _ in range(depth)]
         if self.rt.streams:
             self._stream = self.rt.new_stream(device)
 
-    def submit(self, src: torch.Tensor, dst: torch.Tensor, accumulate: bool):
-        """Start moving ``src`` into ``dst`` (``dst += src`` when ``accumulate``).
+    def submit(
+        self,
+        src: torch.Tensor,
+        dst: torch.Tensor,
+        accumulate: bool,
+        then: Callable[[torch.Tensor], None] | None = None,
+    ):
+        """Start moving ``src`` into ``dst`` (``dst += src`` when ``accumulate``), then
+        call ``then(dst)`` (on the landing thread).
 
         Returns an event the compute stream must wait on before ``src`` is overwritten,
         or None when ``src`` may be reused at once."""
         if not self.queued:
             (dst.add_ if accumulate else dst.copy_)(src)
+            if then is not None:
+                then(dst)
             return None
-        if not self._free:
-            self._finish_oldest()
-        full = self._free.pop()
-        n = src.numel()
-        buf = full[:n]
+        with self._cv:
+            while not self._free and self._error is None:
+                self._cv.wait()
+            self._raise()
+            full = self._free.pop()
+        nbytes = src.numel() * src.element_size()
+        if full.numel() < nbytes:  # a wider chunk than the buffers were made for
+            full = self.rt.host_empty(nbytes, torch.uint8)
+        buf = full[:nbytes].view(src.dtype)
         event = None
         if self._stream is None:
             buf.copy_(src)
@@ -81,20 +113,52 @@ class HostStager:
             with rt.on(self._stream):
                 rt.copy(buf, src, non_blocking=True)
             event = rt.record(self._stream)
-        self._inflight.append((full, n, event, dst, accumulate))
-        self.submitted += 1
+        with self._cv:
+            self._inflight.append((full, buf, event, dst, accumulate, then))
+            self.submitted += 1
+            self.moved_bytes += nbytes
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._land_all, name="zeroshard-host-stager", daemon=True
+                )
+                self._thread.start()
+            self._cv.notify_all()
         return event
 
-    def _finish_oldest(self) -> None:
-        full, n, event, dst, accumulate = self._inflight.popleft()
-        self.rt.sync_event(event)  # the copy into the pinned buffer has landed
-        (dst.add_ if accumulate else dst.copy_)(full[:n].view_as(dst))
-        self._free.append(full)
+    def _land_all(self) -> None:
+        """The landing thread: each move in order, as soon as it is issued; it ends when
+        none is left (``submit`` starts another)."""
+        torch.set_num_threads(self._threads)  # the same intra-op pool as the issuer's
+        while True:
+            with self._cv:
+                if not self._inflight:
+                    self._thread = None
+                    return
+                full, buf, event, dst, accumulate, then = self._inflight[0]
+            try:
+                self.rt.sync_event(event)  # the copy into the pinned buffer has landed
+                (dst.add_ if accumulate else dst.copy_)(buf.view_as(dst))
+                if then is not None:
+                    then(dst)
+            except BaseException as e:  # re-raised by the issuer: drain() or submit()
+                with self._cv:
+                    self._error = self._error or e
+            with self._cv:
+                self._inflight.popleft()
+                self._free.append(full)
+                self._cv.notify_all()
+
+    def _raise(self) -> None:
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
 
     def drain(self) -> None:
-        """Wait for every move in flight and land it in its destination."""
-        while self._inflight:
-            self._finish_oldest()
+        """Wait for every move in flight to land in its destination."""
+        with self._cv:
+            while self._inflight:
+                self._cv.wait()
+            self._raise()
 
     @property
     def pending(self) -> int:
@@ -102,4 +166,5 @@ class HostStager:
 
     def buffers(self) -> list[torch.Tensor]:
         """The pinned host buffers (host memory this stager holds)."""
-        return self._free + [full for full, *_ in self._inflight]
+        with self._cv:
+            return self._free + [full for full, *_ in self._inflight]

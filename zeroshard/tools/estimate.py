@@ -186,6 +186,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--micro-batch", type=int, default=1)
     parser.add_argument("--checkpointing", choices=POLICIES, default="none")
     parser.add_argument(
+        "--gas",
+        type=int,
+        default=1,
+        help="gradient_accumulation_steps (above 1, CPU/NVMe offload at stages 2-3 sums "
+        "micro-steps on the device: an fp32 gradient shard there)",
+    )
+    parser.add_argument(
         "--bucket",
         type=float,
         default=None,
@@ -257,6 +264,7 @@ def main(args: argparse.Namespace) -> int:
                     tp=args.tp,
                     sp=args.sp,
                     tp_activation_numel=tp_numel(facts, args),
+                    gradient_accumulation=args.gas,
                 )
                 loc = e.by_location
                 print(

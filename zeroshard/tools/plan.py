@@ -45,6 +45,7 @@ def candidates(
     tp: int = 1,
     sp: int = 1,
     tp_numel: int = 0,
+    gas: int = 1,
 ) -> list[Estimate]:
     out = []
     for stage in range(4):
@@ -66,6 +67,7 @@ def candidates(
                     tp=tp,
                     sp=sp,
                     tp_activation_numel=tp_numel,
+                    gradient_accumulation=gas,
                 )
             )
     return out
@@ -107,6 +109,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seq", type=int, default=0)
     parser.add_argument("--micro-batch", type=int, default=1)
     parser.add_argument("--checkpointing", choices=POLICIES, default="none")
+    parser.add_argument(
+        "--gas", type=int, default=1, help="gradient_accumulation_steps (offload: see estimate)"
+    )
     parser.add_argument(
         "--bucket", type=float, default=None, help="reduce_bucket_size (default: zeroshard's)"
     )
@@ -199,6 +204,7 @@ def main(args: argparse.Namespace) -> int:
         tp=args.tp,
         sp=args.sp,
         tp_numel=tp_numel(facts, args),
+        gas=args.gas,
     )
     ranked = choose(cands, args.device_memory, args.cpu_memory)
     if not ranked:

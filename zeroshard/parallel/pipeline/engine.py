@@ -289,6 +289,7 @@ class PipelineEngine(Engine):
         """Stages 0/1: tied copies summed over their stages, then the data-parallel
         reduction of everything (stage 2 reduced each micro-batch already)."""
         if self.reducer.sharded:  # each tied parameter's chunk: the same elements
+            self.reducer.flush()  # offload: the window's sum held on the device lands
             layout = self.flat.layout
             for comm, indices in self._ties:
                 for pi in indices:

@@ -27,12 +27,29 @@ class ReducedGrads:
         arrived: trainable parameters that got a gradient on this rank in the window.
         groups: the groups the gradients were averaged over (the reduction's group, and
             the hybrid replicas' when there are any).
+        squares: optimizer offload: per segment, the fp32 sum of squares of each chunk,
+            taken by the host's landing thread as the chunk landed (during backward);
+            None when not every chunk's was. Read through :meth:`landed_squares`.
+        squares_of: the host shard the chunks are views of (offload), whose version
+            counter was ``squares_version`` once every chunk had landed.
     """
 
     flat: FlatParams
     chunks: Sequence[torch.Tensor]
     arrived: frozenset[int]
     groups: tuple[Comm, ...]
+    squares: Sequence[torch.Tensor] | None = None
+    squares_of: torch.Tensor | None = None
+    squares_version: int | None = None
+
+    def landed_squares(self) -> list[torch.Tensor] | None:
+        """:attr:`squares`, or None when there are none or the chunks were changed in
+        place since they were taken (tensor-parallel partial sums, a user's edit): the
+        shard's version counter moved on."""
+        shard = self.squares_of
+        if self.squares is None or shard is None or shard._version != self.squares_version:
+            return None
+        return list(self.squares)
 
     def pieces(self, a: int, b: int) -> list[torch.Tensor]:
         """The gradient at shard positions ``[a, b)``, one piece per segment: views of

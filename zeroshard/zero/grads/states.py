@@ -7,8 +7,9 @@ No communication here: these are the names and the legal moves of
 from a table is an illegal call order and raises :class:`~zeroshard.InternalError`
 naming the machine, the state and the event.
 
-* :class:`Phase` (the reducer's FSDP2 ``TrainingState``): whether a backward runs, and
-  whether it reduces. Changed by ``begin`` / ``finish`` / ``abandon`` only.
+* :class:`Phase` (the reducer's FSDP2 ``TrainingState``): whether a backward runs,
+  whether it reduces, and (optimizer offload, sharded gradients) whether its reductions
+  stay in the device's fp32 sum. Changed by ``begin`` / ``finish`` / ``abandon`` only.
 * :class:`Window` (what the gradient buffers mean in this accumulation window). It
   changes only on calls every rank makes together (begin, finish, flush, finalize,
   zero_grad), never on a gradient's arrival: a rank whose backward reached no parameter
@@ -28,7 +29,12 @@ Invariants of the window (full gradients, stages 0-1):
   rank's chunk of it does (the rest is stale).
 
 With sharded gradients (stages 2-3), ACCUMULATED: the owned shard holds the sum of the
-window's reduced micro-steps.
+window's reduced micro-steps. ON_DEVICE (optimizer offload only): the device's fp32
+buffer holds that sum and the host shard holds nothing of this window; the micro-steps
+before the boundary stay there, and the window's sum crosses to the host once, at the
+boundary's backward (FINISH_REDUCING) or when the gradients are read before it (FLUSH,
+FINALIZE: action LAND). LAND moves data between this rank's device and host only, no
+collective, so ranks may take it at different calls without unmatching anything.
 """
 
 from __future__ import annotations
@@ -50,6 +56,7 @@ class Phase(Enum):
     IDLE = "no backward runs"
     BACKWARD_LOCAL = "a backward accumulating without communication"
     BACKWARD_REDUCING = "a backward reducing its buckets as they fill"
+    BACKWARD_HOLDING = "a backward reducing its buckets into the device's fp32 sum (offload)"
 
 
 class Window(Enum):
@@ -57,6 +64,7 @@ class Window(Enum):
     LOCAL = "unreduced local sums"
     REDUCED = "reduced in this window"
     ACCUMULATED = "the owned shard holds reduced micro-steps"
+    ON_DEVICE = "the device's fp32 sum holds the reduced micro-steps (offload), the host none"
 
 
 class BucketState(Enum):
@@ -77,9 +85,11 @@ class Event(Enum):
     BEGIN = "begin: a backward starts (any boundary)"
     BEGIN_LOCAL = "begin: a backward that does not reduce"
     BEGIN_REDUCING = "begin: a backward that reduces"
+    BEGIN_HOLDING = "begin: a backward before the boundary whose reductions stay on the device"
     FINISH = "finish: the backward ended"
     FINISH_LOCAL = "finish: a backward that did not reduce ended"
     FINISH_REDUCING = "finish: a reducing backward ended"
+    FINISH_HOLDING = "finish: a backward that reduced into the device's sum ended"
     ABANDON = "abandon: the backward raised"
     FLUSH = "flush: reduce the window now"
     FINALIZE = "finalize: the optimizer step reads the gradients"
@@ -99,10 +109,13 @@ E, W, P, B, S = Event, Window, Phase, BucketState, Slot
 PHASE: dict[tuple[Phase, Event], Phase] = {
     (P.IDLE, E.BEGIN_LOCAL): P.BACKWARD_LOCAL,
     (P.IDLE, E.BEGIN_REDUCING): P.BACKWARD_REDUCING,
+    (P.IDLE, E.BEGIN_HOLDING): P.BACKWARD_HOLDING,
     (P.BACKWARD_LOCAL, E.FINISH): P.IDLE,
     (P.BACKWARD_REDUCING, E.FINISH): P.IDLE,
+    (P.BACKWARD_HOLDING, E.FINISH): P.IDLE,
     (P.BACKWARD_LOCAL, E.ABANDON): P.IDLE,
     (P.BACKWARD_REDUCING, E.ABANDON): P.IDLE,
+    (P.BACKWARD_HOLDING, E.ABANDON): P.IDLE,
     # between backwards only (a nested backward, or a step inside one, is refused)
     (P.IDLE, E.FLUSH): P.IDLE,
     (P.IDLE, E.FINALIZE): P.IDLE,
@@ -116,6 +129,7 @@ RESTATE = "restate"  # stage 1: own chunk times the group's size, zeros elsewher
 REDUCE = "reduce"  # launch every bucket left, in the global order, and wait for all
 ZERO = "zero"  # the buffers hold the last window's values: zero them
 CLEAR = "clear"  # forget the window's arrivals; param.grad = None
+LAND = "land"  # offload: move the device's fp32 sum into the host shard (no collective)
 
 _FULL: dict[tuple[Window, Event], tuple[Window, str]] = {
     (W.EMPTY, E.BEGIN): (W.EMPTY, NONE),
@@ -158,6 +172,18 @@ WINDOW: dict[tuple[Mode, Window, Event], tuple[Window, str]] = {
     (Mode.SHARDED, W.ACCUMULATED, E.FINALIZE): (W.ACCUMULATED, NONE),
     (Mode.SHARDED, W.EMPTY, E.ZERO_GRAD): (W.EMPTY, CLEAR),
     (Mode.SHARDED, W.ACCUMULATED, E.ZERO_GRAD): (W.EMPTY, CLEAR),
+    # optimizer offload: the micro-steps before the boundary add up on the device (only
+    # while the host holds nothing of the window: its additions then stay in order)
+    (Mode.SHARDED, W.EMPTY, E.FINISH_HOLDING): (W.ON_DEVICE, REDUCE),
+    (Mode.SHARDED, W.ON_DEVICE, E.FINISH_HOLDING): (W.ON_DEVICE, REDUCE),
+    (Mode.SHARDED, W.ON_DEVICE, E.BEGIN): (W.ON_DEVICE, NONE),
+    # the boundary's backward adds its micro-step and moves the sum, bucket by bucket
+    (Mode.SHARDED, W.ON_DEVICE, E.FINISH_REDUCING): (W.ACCUMULATED, REDUCE),
+    # read before a boundary's backward (the pipeline engine; a step with the boundary
+    # set again after backwards without it): the sum lands on the host first
+    (Mode.SHARDED, W.ON_DEVICE, E.FLUSH): (W.ACCUMULATED, LAND),
+    (Mode.SHARDED, W.ON_DEVICE, E.FINALIZE): (W.ACCUMULATED, LAND),
+    (Mode.SHARDED, W.ON_DEVICE, E.ZERO_GRAD): (W.EMPTY, CLEAR),
 }
 
 BUCKET: dict[tuple[BucketState, Event], BucketState] = {

@@ -32,19 +32,9 @@ import torch
 from zeroshard import NonFiniteError, UsageError
 from zeroshard.distributed.comm import Comm
 from zeroshard.runtime.precision import DtypePolicy, LossScaler
+from zeroshard.zero.grads.reducer import chunk_sum_of_squares
 from zeroshard.zero.grads.result import ReducedGrads
 from zeroshard.zero.layout.flat import FlatParams
-
-
-def _sum_of_squares(c: torch.Tensor) -> torch.Tensor:
-    """fp32 sum of squares of one gradient chunk. An fp32 chunk in CPU memory (the
-    offloaded shard) goes through BLAS ``dot``, which uses every core: torch's CPU norm
-    reduction ran on one (measured, torch 2.11 on a 16-core host: 38 ms per 100M
-    elements at any thread count, ``dot`` 7 ms; it was 0.42 s of a 1B model's 0.75 s
-    offloaded step)."""
-    if c.device.type == "cpu" and c.dtype == torch.float32:
-        return torch.dot(c, c)
-    return torch.linalg.vector_norm(c, dtype=torch.float32).square()
 
 
 class TensorParallelGrads:
@@ -61,10 +51,10 @@ class TensorParallelGrads:
         self.comm, self.replicated, self.partial = comm, list(replicated), list(partial)
 
     def local_sum_of_squares(self, chunks: list[torch.Tensor]) -> torch.Tensor:
-        total = sum((_sum_of_squares(c) for c in chunks), torch.zeros(()))
+        total = sum((chunk_sum_of_squares(c) for c in chunks), torch.zeros(()))
         if self.comm.rank != 0:  # replicated parameters: counted by TP rank 0
             for s, lo, hi in self.replicated:
-                total = total - _sum_of_squares(chunks[s][lo:hi]).to(total.device)
+                total = total - chunk_sum_of_squares(chunks[s][lo:hi]).to(total.device)
         return total
 
     def sum_partial(self, chunks: list[torch.Tensor], device: torch.device) -> None:
@@ -94,7 +84,7 @@ class PipelineGrads:
     def excluded_sum_of_squares(self, chunks: list[torch.Tensor]) -> torch.Tensor:
         total = torch.zeros((), dtype=torch.float32)
         for s, lo, hi in self.excluded:
-            total = total + _sum_of_squares(chunks[s][lo:hi]).to(total.device)
+            total = total + chunk_sum_of_squares(chunks[s][lo:hi]).to(total.device)
         return total
 
     def any_stage(self, bad: bool, device: torch.device) -> bool:
@@ -191,13 +181,17 @@ class ShardedOptimizer:
         parameter counted once), on the device, fp32."""
         chunks = list(grads.chunks)
         replicated = self._replicated_over()
+        # offload: the squares the host took as each chunk landed, during backward
+        landed = grads.landed_squares() if replicated is None else None
         if replicated is not None:  # this rank's share of the whole gradient
             total, n, r = self.flat.layout.shard_numel, replicated.world_size, replicated.rank
             chunks = grads.pieces(total * r // n, total * (r + 1) // n)
         if self.tp is not None:
             local = self.tp.local_sum_of_squares(chunks)
+        elif landed:
+            local = torch.stack(landed).sum()
         elif chunks:
-            local = torch.stack([_sum_of_squares(c) for c in chunks]).sum()
+            local = torch.stack([chunk_sum_of_squares(c) for c in chunks]).sum()
         else:
             local = torch.zeros((), dtype=torch.float32)
         if self.pipeline is not None and self.pipeline.excluded:
