@@ -45,7 +45,9 @@ if START == "forkserver":
     multiprocessing.set_forkserver_preload(PRELOAD)
 
 
-def _entry(rank: int, world_size: int, tmp: str, fn, args, env=None, cwd=None) -> None:
+def _entry(
+    rank: int, world_size: int, tmp: str, fn, args, env=None, cwd=None, forked: bool = True
+) -> None:
     import faulthandler
 
     import torch.distributed as dist
@@ -84,21 +86,26 @@ def _entry(rank: int, world_size: int, tmp: str, fn, args, env=None, cwd=None) -
             f.write(traceback.format_exc())
         raise
     finally:
-        if START != "spawn":
+        if forked:
             # a forked child leaves through os._exit, which skips atexit: run the exit
             # handlers a spawned interpreter runs (swap directories, watchdogs)
             atexit._run_exitfuncs()
 
 
-def run(fn, world_size: int, *args, timeout: float = 300.0) -> list:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks; return each rank's result."""
+def run(fn, world_size: int, *args, timeout: float = 300.0, start: str | None = None) -> list:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks; return each rank's result.
+
+    ``start="spawn"``: fresh interpreters even when the forkserver is the default, for
+    what only a process's start reads (glibc's ``MALLOC_*`` settings) and a peak RSS
+    measured from an interpreter's own baseline, not the server's preloaded pages."""
+    method = start or START
     with tempfile.TemporaryDirectory(prefix="zs-test-") as tmp:
         ctx = mp.start_processes(
             _entry,
-            args=(world_size, tmp, fn, args, dict(os.environ), os.getcwd()),
+            args=(world_size, tmp, fn, args, dict(os.environ), os.getcwd(), method != "spawn"),
             nprocs=world_size,
             join=False,
-            start_method=START,
+            start_method=method,
         )
         deadline = time.monotonic() + timeout
         try:

@@ -240,8 +240,8 @@ def _big_run(rank, world, nvme: str | None, new: int):
 def test_nvme_streamed_peak_rss_under_30_percent_of_weights(tmp_path, monkeypatch):
     monkeypatch.setitem(os.environ, "MALLOC_MMAP_THRESHOLD_", "65536")  # RSS follows frees
     new = 4
-    (streamed,) = multirank.run(_big_run, 1, str(tmp_path), new, timeout=400)
-    (memory,) = multirank.run(_big_run, 1, None, new, timeout=400)
+    (streamed,) = multirank.run(_big_run, 1, str(tmp_path), new, timeout=400, start="spawn")
+    (memory,) = multirank.run(_big_run, 1, None, new, timeout=400, start="spawn")
     weights_mib = streamed["weight_bytes"] / 2**20
     assert weights_mib > 350
     assert streamed["tokens"] == memory["tokens"]

@@ -35,8 +35,8 @@ def _train(rank: int, world: int, stage: int) -> dict:
 
 def test_stage3_peak_is_one_nth_of_stage0(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(os.environ, "MALLOC_MMAP_THRESHOLD_", "65536")
-    s0 = multirank.run(_train, 2, 0, timeout=300)
-    s3 = multirank.run(_train, 2, 3, timeout=300)
+    s0 = multirank.run(_train, 2, 0, timeout=300, start="spawn")
+    s3 = multirank.run(_train, 2, 3, timeout=300, start="spawn")
     state_mib = 16 * s0[0]["params"] / 2**20
     for a, b in zip(s0, s3, strict=True):
         # stage 0 holds every model state: at least 16 bytes per parameter

@@ -171,8 +171,8 @@ def test_nvme_ram_holds_only_the_buffer_pool(tmp_path, monkeypatch) -> None:
     """Measured: the bytes memory_stats moves to "nvme" really leave RAM (peak RSS), and
     what stays of the parameter and optimizer side is the buffer pool alone."""
     monkeypatch.setitem(os.environ, "MALLOC_MMAP_THRESHOLD_", "65536")  # RSS follows frees
-    mem = multirank.run(_train_gpt, 2, None, timeout=300)
-    swp = multirank.run(_train_gpt, 2, str(tmp_path / "swap"), timeout=300)
+    mem = multirank.run(_train_gpt, 2, None, timeout=300, start="spawn")
+    swp = multirank.run(_train_gpt, 2, str(tmp_path / "swap"), timeout=300, start="spawn")
     for a, b in zip(mem, swp, strict=True):
         ma, mb = a["memory"], b["memory"]
         # in RAM, params + optimizer states are exactly the pools (plus the buffers of

@@ -190,7 +190,9 @@ def main(argv: list[str]) -> None:
     except KeyboardInterrupt as e:  # Ctrl-C: the launcher forwarded SIGINT; one line
         tb = _user_frames(e.__traceback__)
         _record_failure(e, tb)
-        print(f"[rank{os.environ.get('RANK', '0')}]: interrupted {_where(tb)}", file=sys.stderr)
+        # one write of the whole line: print() writes the text and its newline apart, and
+        # two ranks sharing the launcher's stderr pipe then interleave (seen under load)
+        sys.stderr.write(f"[rank{os.environ.get('RANK', '0')}]: interrupted {_where(tb)}\n")
         sys.stderr.flush()
         sys.exit(130)
     except BaseException as e:
