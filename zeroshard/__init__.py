@@ -21,6 +21,7 @@ __version__ = "0.1.0"
 if TYPE_CHECKING:  # the type checker sees the real types of the lazily imported names
     from zeroshard import accelerator, comm, ops, pipe, utils, zero
     from zeroshard.api import add_config_arguments, initialize
+    from zeroshard.config import DeepSpeedConfigError
     from zeroshard.distributed import init_distributed
     from zeroshard.engine import DeepSpeedEngine
     from zeroshard.inference import init_inference
@@ -35,12 +36,14 @@ _LAZY = {
     "init_inference": "zeroshard.inference",
     "DeepSpeedEngine": "zeroshard.engine",
     "tp_model_init": "zeroshard.integrations.deepspeed_names",
+    "DeepSpeedConfigError": "zeroshard.config",  # DeepSpeed's name for ConfigError
 }
 
 # as deepspeed.<name>: zeroshard.comm.get_rank(), zeroshard.accelerator.get_accelerator(), ...
 _SUBMODULES = ("zero", "utils", "comm", "pipe", "accelerator", "ops")
 
 __all__ = [
+    "DeepSpeedConfigError",
     "DeepSpeedEngine",
     "__version__",
     "accelerator",

@@ -607,3 +607,18 @@ def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor, group=None
 
 def barrier(group=None) -> None:
     _comm(group).barrier()
+
+
+def new_group(ranks: list[int] | None = None, **kwargs):
+    """A process group of ``ranks`` (every rank must call it), as torch.distributed's."""
+    return dist.new_group(ranks=ranks, **kwargs)
+
+
+def destroy_process_group(group=None) -> None:
+    """Tear down ``group`` (default: the whole torch.distributed state)."""
+    dist.destroy_process_group(group)
+
+
+def get_world_group():
+    """The default group (DeepSpeed's ``deepspeed.comm.get_world_group``)."""
+    return dist.group.WORLD

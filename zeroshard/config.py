@@ -81,6 +81,9 @@ from zeroshard._config_sections import (
 )
 
 # fmt: off
+#: DeepSpeed's name for the config error (``deepspeed.DeepSpeedConfigError``)
+DeepSpeedConfigError = ConfigError
+
 __all__ = [
     "DEFAULT_LEAF_CLASSES",
     "DTYPES",
@@ -94,6 +97,7 @@ __all__ = [
     "Config",
     "ConfigError",
     "DataTypesConfig",
+    "DeepSpeedConfigError",
     "FP16Config",
     "LeafModuleConfig",
     "OffloadConfig",
