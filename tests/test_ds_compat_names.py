@@ -149,17 +149,17 @@ def test_not_built_is_refused_where_used() -> None:
 
     import zeroshard.utils
 
-    with pytest.raises(NotImplementedError, match="safe_get_full_grad: .*not built yet"):
+    with pytest.raises(NotImplementedError, match=r"safe_get_full_grad: .*not built yet"):
         zeroshard.utils.safe_get_full_grad(p)  # type: ignore[attr-defined]
     with pytest.raises(AttributeError):
         zeroshard.utils.no_such_name  # type: ignore[attr-defined]  # noqa: B018
     cpu_adam, lamb = ds_ops.BUILDERS["CPUAdamBuilder"](), ds_ops.BUILDERS["FusedLambBuilder"]()
     assert cpu_adam.is_compatible() and not lamb.is_compatible()
     with pytest.raises(
-        NotImplementedError, match="compiles no C\\+\\+/CUDA ops; use deepspeed.ops.adam"
+        NotImplementedError, match=r"compiles no C\+\+/CUDA ops; use deepspeed\.ops\.adam"
     ):
         cpu_adam.load()
-    with pytest.raises(NotImplementedError, match="fused_lamb.*not built yet"):
+    with pytest.raises(NotImplementedError, match=r"fused_lamb.*not built yet"):
         lamb.load()
     with pytest.raises(NotImplementedError, match="fp16 optimizer wrappers are not built"):
         ds_zero_names.FP16_Optimizer()
@@ -198,7 +198,7 @@ def test_zero_config_classes_read_through_the_schema() -> None:
     assert z.DeepSpeedZeroOffloadOptimizerConfig(pipeline_write=True).pipeline
     from zeroshard.config import ConfigError
 
-    with pytest.raises(ConfigError, match="zero_optimization.stage"):
+    with pytest.raises(ConfigError, match=r"zero_optimization\.stage"):
         z.DeepSpeedZeroConfig(stage=7)
     with pytest.raises(ConfigError, match="no_such_key"):
         z.DeepSpeedZeroConfig(no_such_key=1)
