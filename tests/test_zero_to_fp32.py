@@ -126,7 +126,8 @@ def test_fp32_state_dict_is_the_masters(saved, stage: int) -> None:
     assert sd["frozen.weight"].dtype == torch.bfloat16  # frozen: as saved
     assert "scale" in sd  # buffers too
     assert set(get_fp32_state_dict_from_zero_checkpoint(ckpt, tag=None)) == set(sd)
-    tag = open(os.path.join(ckpt, "latest")).read().strip()
+    with open(os.path.join(ckpt, "latest")) as f:
+        tag = f.read().strip()
     assert set(get_fp32_state_dict_from_zero_checkpoint(ckpt, tag=tag)) == set(sd)
     lean = get_fp32_state_dict_from_zero_checkpoint(ckpt, exclude_frozen_parameters=True)
     assert "frozen.weight" not in lean and "emb.weight" in lean

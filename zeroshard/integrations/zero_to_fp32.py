@@ -28,10 +28,12 @@ import logging
 import os
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
+
+_M = TypeVar("_M", bound=nn.Module)
 
 log = logging.getLogger("zeroshard")
 
@@ -158,8 +160,8 @@ def convert_zero_checkpoint_to_fp32_state_dict(
 
 
 def load_state_dict_from_zero_checkpoint(
-    model: nn.Module, checkpoint_dir: str, tag: str | None = None
-) -> nn.Module:
+    model: _M, checkpoint_dir: str, tag: str | None = None
+) -> _M:
     """Load the checkpoint's fp32 weights into ``model`` (``strict=False``, as
     DeepSpeed's) and return it.
 
