@@ -12,6 +12,7 @@ what the libraries themselves import.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from typing import Any
@@ -248,3 +249,40 @@ def test_partitioned_tensor_two_ranks() -> None:
     # even split: 12 elements each; uneven (7x3 = 21): 11 and 10
     assert [r[0] for r in res] == [[12, True, True, True], [12, True, True, True]]
     assert [r[1][0] for r in res] == [11, 10] and all(all(r[1][1:]) for r in res)
+
+
+_STARTUP = """
+import logging, os, sys
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[2], RANK="0", WORLD_SIZE="1")
+if sys.argv[1] == "alias":
+    import zeroshard.as_deepspeed
+import torch, zeroshard
+logging.basicConfig(level=logging.INFO, format="%(name)s %(message)s", stream=sys.stdout)
+engine, *_ = zeroshard.initialize(model=torch.nn.Linear(2, 2), config={
+    "train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+"""
+
+
+@pytest.mark.parametrize("mode", ["alias", "plain"])
+def test_startup_line_as_deepspeed(mode: str) -> None:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    out = subprocess.run(
+        [sys.executable, "-c", _STARTUP, mode, port],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "ZEROSHARD_ACCELERATOR": "cpu"},
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = [line for line in out.stdout.splitlines() if "DeepSpeed info" in line]
+    if mode == "plain":  # zeroshard under its own name says nothing of DeepSpeed
+        assert lines == []
+        return
+    assert len(lines) == 1, out.stdout
+    version = ds_version.DEEPSPEED_VERSION
+    assert lines[0].startswith(f"zeroshard DeepSpeed info: version={version}, git-hash=")
+    assert ", git-branch=" in lines[0]

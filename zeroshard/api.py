@@ -7,6 +7,7 @@ the engine then broadcasts rank 0's initial parameters.
 from __future__ import annotations
 
 import argparse
+import logging
 import random
 from typing import Any
 
@@ -22,6 +23,8 @@ from zeroshard.parallel.mesh import Mesh, MeshShape
 from zeroshard.parallel.pipeline_engine import PipelineEngine
 from zeroshard.parallel.pipeline_module import PipelineModule
 from zeroshard.zero.optimizer import ShardedOptimizer
+
+log = logging.getLogger("zeroshard")
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -152,6 +155,17 @@ def _stage_parameters(module: nn.Module, model_parameters):
     return [p for p in source if id(p) in mine]
 
 
+def _announce() -> None:
+    """Running as ``deepspeed`` (the alias registered): rank 0 logs the start-up line
+    DeepSpeed's ``initialize`` logs, which tools and tests look for."""
+    from zeroshard.integrations.deepspeed_alias import registered
+
+    if registered() and dist.get_rank() == 0:
+        from zeroshard.integrations.ds_version import startup_line
+
+        log.info(startup_line())
+
+
 def initialize(
     args=None,
     model: nn.Module | None = None,
@@ -181,6 +195,7 @@ def initialize(
         )
     source = _config_from_args(args, config, config_params)
     init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
+    _announce()
     world = dist.get_world_size()
     module_stages = model.num_stages if isinstance(model, PipelineModule) else None
     # the user feeds the batches: their size can be seen (not through a pipeline engine)
