@@ -8,6 +8,7 @@ dtype the code chose, and only the kept slice is cast). Two ranks, one spawn.
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
 import torch
@@ -52,7 +53,7 @@ def _built(rank: int, world: int, path: str) -> dict:
     from zeroshard.zero import Init
 
     out: dict = {}
-    cases = {
+    cases: dict[str, dict[str, Any]] = {
         "dtype_bf16": {"dtype": torch.bfloat16},
         "config_bf16": {"config_dict_or_path": {"bf16": {"enabled": True}}},
         "config_fp16_path": {"config_dict_or_path": path},
