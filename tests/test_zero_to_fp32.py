@@ -86,6 +86,16 @@ def _train_save_load(rank: int, world: int, root: str) -> dict:
             engine.backward(loss)
             engine.step()
         masters = _masters(engine)
+        # DeepSpeed's name for them (transformers checks their dtype)
+        flat32 = engine.optimizer.fp32_partitioned_groups_flat
+        exposed = {
+            "dtypes": sorted({str(t.dtype) for t in flat32}),
+            "same_storage": all(
+                a.data_ptr() == b.data_ptr()
+                for a, b in zip(flat32, engine.optimizer.states.masters, strict=True)
+            ),
+            "numel": sum(t.numel() for t in flat32) == engine.flat.layout.shard_numel,
+        }
         ckpt = os.path.join(root, f"stage{stage}")
         engine.save_checkpoint(ckpt)
         with GatheredParameters(list(model.parameters())):
@@ -101,7 +111,12 @@ def _train_save_load(rank: int, world: int, root: str) -> dict:
         loss = engine(torch.randn(2, 6)).float().pow(2).mean()  # it keeps training
         engine.backward(loss)
         engine.step()
-        results[stage] = {"masters": masters, "restored": back, "finite": bool(loss.isfinite())}
+        results[stage] = {
+            "masters": masters,
+            "restored": back,
+            "finite": bool(loss.isfinite()),
+            "exposed": exposed,
+        }
         engine.destroy()
     return results
 
@@ -137,6 +152,7 @@ def test_fp32_state_dict_is_the_masters(saved, stage: int) -> None:
     assert torch.equal(lazy["emb.weight"].contiguous(), sd["emb.weight"])
     r = results[str(stage)]
     assert all(r["restored"].values()) and r["finite"], r["restored"]
+    assert r["exposed"] == {"dtypes": ["torch.float32"], "same_storage": True, "numel": True}
 
 
 def test_load_into_a_plain_model_and_convert(saved, tmp_path, caplog) -> None:
