@@ -13,9 +13,11 @@ import contextlib
 import json
 import math
 import os
+import re
 
 import torch
 
+from zeroshard import ArgumentError
 from zeroshard.checkpoint.format import exchange, raise_if_failed, write_text_atomic
 from zeroshard.checkpoint.load import PieceReader, read_manifest, resolve_path, scan_files
 from zeroshard.checkpoint.safetensors_io import DTYPES, StreamWriter, dtype_size
@@ -24,6 +26,26 @@ from zeroshard.monitor.progress import progress
 
 MODEL_KEY = "zeroshard_model"  # safetensors metadata: the model's description (JSON)
 DTYPE_ARGS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+}
+
+
+def size_bytes(text: str) -> int:
+    """A shard size as written on a command line or in ``max_shard_size``: ``"5GB"``,
+    ``"500MiB"``, ``"1000"`` (bytes)."""
+    m = re.fullmatch(r"\s*([0-9.]+)\s*([A-Za-z]*)\s*", text)
+    if not m or m.group(2).upper() not in _UNITS:
+        raise ArgumentError(f"not a size: {text!r} (e.g. 5GB, 500MiB)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
 
 
 def _plan(entries, max_shard_bytes: int | None) -> list[list]:

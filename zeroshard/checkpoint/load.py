@@ -160,6 +160,8 @@ def load_checkpoint(
     ``allow_nonfinite``: accept NaN/inf values in the saved tensors (refused by
     default: a checkpoint of a diverged run)."""
     comm = engine.comm
+    # an engine without an optimizer (inference) takes the parameters only, as DeepSpeed's
+    optimizer_states = optimizer_states and engine.optimizer is not None
     with_opt = optimizer_states and not module_only
     error, path, manifest, names = None, None, None, None
     try:
@@ -243,7 +245,13 @@ def load(
         in_flat = {id(p) for p in engine.flat.params}
         for n, p in engine.module.named_parameters():
             if id(p) not in in_flat and n in names:
-                p.copy_(reader.whole(n))
+                saved = manifest["params"].get(n)
+                if param_kind == "master" and saved is not None and saved["group"] >= 0:
+                    # trained, now outside the layout (an engine without an optimizer)
+                    whole = reader.get("master", n, 0, p.numel(), p.dtype, tp_slice_of(p))
+                    p.copy_(whole.view_as(p))
+                else:
+                    p.copy_(reader.whole(n))
         buffers = dict(engine.module.named_buffers())
         for n in manifest["whole"]:
             if n in buffers and n in names:

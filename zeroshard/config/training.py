@@ -80,6 +80,9 @@ from zeroshard.config.sections import (
 )
 
 # fmt: off
+#: DeepSpeed's name for the config error (``deepspeed.DeepSpeedConfigError``)
+DeepSpeedConfigError = ConfigError
+
 __all__ = [
     "DEFAULT_LEAF_CLASSES",
     "DTYPES",
@@ -93,6 +96,7 @@ __all__ = [
     "Config",
     "ConfigError",
     "DataTypesConfig",
+    "DeepSpeedConfigError",
     "FP16Config",
     "LeafModuleConfig",
     "OffloadConfig",

@@ -13,25 +13,17 @@ naming the file (and tensor), and leaves no ``.partial`` file.
 from __future__ import annotations
 
 import argparse
-import re
 
-_UNITS = {
-    "": 1,
-    "B": 1,
-    "KB": 10**3,
-    "MB": 10**6,
-    "GB": 10**9,
-    "KIB": 2**10,
-    "MIB": 2**20,
-    "GIB": 2**30,
-}
+from zeroshard import ArgumentError
 
 
 def parse_size(text: str) -> int:
-    m = re.fullmatch(r"\s*([0-9.]+)\s*([A-Za-z]*)\s*", text)
-    if not m or m.group(2).upper() not in _UNITS:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 5GB, 500MiB)")
-    return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+    from zeroshard.checkpoint.export import size_bytes  # torch: imported when parsed
+
+    try:
+        return size_bytes(text)
+    except ArgumentError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
