@@ -2,3 +2,4 @@
 
 from zeroshard.compat.utils import *  # noqa: F403
 from zeroshard.compat.utils import __all__  # noqa: F401
+from zeroshard.compat.utils import __getattr__  # noqa: F401  (names not built: NotBuiltError at use)
