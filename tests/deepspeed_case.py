@@ -11,6 +11,7 @@ of odd sizes (padding at every stage) and two param groups (weight decay, none).
 
 from __future__ import annotations
 
+import base64
 import copy
 
 import torch
@@ -25,6 +26,9 @@ TEMPERATURE = 0.8  # the persistent buffer's value at the save (it starts at 1.0
 
 
 class TinyLM(nn.Module):
+    temperature: torch.Tensor
+    scratch: torch.Tensor
+
     def __init__(self) -> None:
         super().__init__()
         self.emb = nn.Embedding(VOCAB, DIM)
@@ -52,8 +56,9 @@ def build_model(seed: int = 1234) -> TinyLM:
 
 def param_groups(model: nn.Module) -> list[dict]:
     """Weights decay; biases, norms and embeddings-as-vectors do not (as HF's Trainer)."""
-    decay, no_decay = [], []
-    for name, p in model.named_parameters():
+    decay: list[nn.Parameter] = []
+    no_decay: list[nn.Parameter] = []
+    for p in model.parameters():
         if p.requires_grad:
             (decay if p.dim() >= 2 else no_decay).append(p)
     return [{"params": decay, "weight_decay": WD}, {"params": no_decay, "weight_decay": 0.0}]
@@ -66,9 +71,11 @@ def batch(step: int, rows: slice = slice(None)) -> tuple[torch.Tensor, torch.Ten
     return tokens[rows, :-1], tokens[rows, 1:]
 
 
-def config(stage: int, world: int, dtype: str = "fp32") -> dict:
+def config(stage: int, world: int, dtype: str = "fp32", accum: str | None = None) -> dict:
     """A DeepSpeed config both sides accept: AdamW through torch (no C++ build), a
-    warm-up schedule (its state is in the checkpoint), gradient clipping."""
+    warm-up schedule (its state is in the checkpoint), gradient clipping; ``accum``: the
+    gradient accumulation dtype (bf16 at stage 1 with "fp32" is DeepSpeed's
+    BF16_Optimizer, whose files differ)."""
     cfg: dict = {
         "train_batch_size": ROWS,
         "train_micro_batch_size_per_gpu": ROWS // world,
@@ -87,15 +94,24 @@ def config(stage: int, world: int, dtype: str = "fp32") -> dict:
     }
     if dtype == "bf16":
         cfg["bf16"] = {"enabled": True}
+    if accum:
+        cfg["data_types"] = {"grad_accum_dtype": accum}
     return copy.deepcopy(cfg)
 
 
 #: the checkpoints made (directory name under tests/data/deepspeed/): DeepSpeed's stage,
-#: compute dtype; each on 2 ranks
-CASES = {
-    "zero1_fp32": (1, "fp32"),
-    "zero2_fp32": (2, "fp32"),
-    "zero3_fp32": (3, "fp32"),
-    "zero2_bf16": (2, "bf16"),
-    "zero3_bf16": (3, "bf16"),
+#: compute dtype, gradient accumulation dtype; each on 2 ranks
+CASES: dict[str, tuple[int, str, str | None]] = {
+    "zero0_fp32": (0, "fp32", None),  # no ZeRO: a torch optimizer state_dict
+    "zero1_fp32": (1, "fp32", None),
+    "zero2_fp32": (2, "fp32", None),
+    "zero3_fp32": (3, "fp32", None),
+    "zero1_bf16": (1, "bf16", "fp32"),  # DeepSpeed's BF16_Optimizer
+    "zero2_bf16": (2, "bf16", None),
+    "zero3_bf16": (3, "bf16", None),
 }
+
+
+def values(encoded: str) -> torch.Tensor:
+    """The fp32 values ``make_checkpoints.py`` recorded (base64 of little-endian bytes)."""
+    return torch.frombuffer(bytearray(base64.b64decode(encoded)), dtype=torch.float32)

@@ -123,9 +123,18 @@ def _split(name: str, start: int, n: int, part: int, rank_len: list[int], group:
     return out
 
 
+def _base(sd: dict) -> Any:
+    """The inner torch optimizer's state dict in one rank's ZeRO optimizer state (a list
+    of per-group states when ZeRO-1/2 saved it elastic)."""
+    base = sd.get("base_optimizer_state", sd.get("optimizer_state_dict"))
+    if base is None:
+        raise KeyError("base_optimizer_state")
+    return base
+
+
 def _state_of(files: DeepSpeedFiles, r: int, g: int) -> dict:
     """Rank ``r``'s inner optimizer state of flat group ``g``."""
-    base = files.optim[r].get("base_optimizer_state", files.optim[r].get("optimizer_state_dict"))
+    base = _base(files.optim[r])
     if isinstance(base, list):  # ZeRO-1/2 elastic: one lean state per group
         return base[g] if g < len(base) else {}
     index = g
@@ -135,7 +144,7 @@ def _state_of(files: DeepSpeedFiles, r: int, g: int) -> dict:
 
 
 def _param_groups(files: DeepSpeedFiles) -> list[dict]:
-    base = files.optim[0].get("base_optimizer_state", files.optim[0].get("optimizer_state_dict"))
+    base = _base(files.optim[0])
     return [] if isinstance(base, list) else base["param_groups"]
 
 
@@ -259,16 +268,16 @@ def _wholes(files: DeepSpeedFiles, trained: set[str]) -> tuple[dict, dict[str, s
                 if k in seen:
                     aliases[name] = seen[k]
                 seen.setdefault(k, name)
-    out = {n: module[n] for n in buffers}
+    out = {n: module[n] for n in buffers if torch.is_tensor(module[n])}
     fshapes = first.get("frozen_param_shapes")
     if fshapes:
         for name, shape in fshapes.items():
             frags = [m["frozen_param_fragments"][name].reshape(-1) for m in files.model]
             out[name] = torch.cat(frags)[: numel(shape)].view([int(d) for d in shape])
     elif files.stage < 3:  # frozen ones are in the module's state dict
-        for name, t in module.items():
-            if name not in trained and name not in aliases and name not in out:
-                out[name] = t
+        for name, t in module.items():  # (non-tensor entries: a module's extra state)
+            if torch.is_tensor(t) and name not in trained and name not in aliases:
+                out.setdefault(name, t)
     return out, aliases
 
 
@@ -292,7 +301,7 @@ def _loss_scaler(files: DeepSpeedFiles) -> dict:
     if not isinstance(scaler, LossScalerState) or not getattr(scaler, "dynamic", False):
         return {}  # static (1.0 in fp32/bf16): the engine's config decides
     return {
-        "scale": float(scaler.cur_scale),
+        "scale": float(getattr(scaler, "cur_scale", 1.0)),
         "cur_hysteresis": int(getattr(scaler, "cur_hysteresis", 1)),
         "iteration": int(getattr(scaler, "cur_iter", 0)),
         "last_overflow_iter": int(getattr(scaler, "last_overflow_iter", -1)),
@@ -301,25 +310,15 @@ def _loss_scaler(files: DeepSpeedFiles) -> dict:
 
 def describe(files: DeepSpeedFiles, *, training: bool) -> tuple[dict, DeepSpeedReader]:
     """The manifest and reader of a read DeepSpeed checkpoint (``ds_files.read``)."""
-    first = files.first()
     where = files.file(files.model_files[0])
     for key in ("data_sampler", "random_ltd"):
-        if training and first.get(key) is not None:
+        if training and files.first().get(key) is not None:
             raise CheckpointError(
                 f"{where}: holds DeepSpeed's {key} state, which zeroshard has no "
                 "counterpart for; load with load_module_only=True"
             )
-    spans: dict[str, list[Span]] = {}
-    shapes: dict[str, list[int]] = {}
-    group_of: dict[str, int] = {}
-    flat_len: dict[tuple[int, int], int] = {}
-    owner: dict[int, int] = {}  # flat group -> param group
     try:
-        if files.stage == 3:
-            _zero3(files, spans, shapes, group_of, flat_len, owner)
-        elif files.stage > 0:
-            _zero12(files, spans, shapes, group_of, flat_len, owner)
-        sources, kinds, steps = _sources(files, flat_len)
+        return _describe(files, where)
     except (KeyError, IndexError, TypeError, AttributeError, ValueError) as exc:
         if isinstance(exc, CheckpointError):
             raise
@@ -327,6 +326,20 @@ def describe(files: DeepSpeedFiles, *, training: bool) -> tuple[dict, DeepSpeedR
             f"{files.path}: a DeepSpeed ZeRO-{files.stage} file lacks what its stage "
             f"records ({type(exc).__name__}: {exc})"
         ) from exc
+
+
+def _describe(files: DeepSpeedFiles, where: str) -> tuple[dict, DeepSpeedReader]:
+    first = files.first()
+    spans: dict[str, list[Span]] = {}
+    shapes: dict[str, list[int]] = {}
+    group_of: dict[str, int] = {}
+    flat_len: dict[tuple[int, int], int] = {}
+    owner: dict[int, int] = {}  # flat group -> param group
+    if files.stage == 3:
+        _zero3(files, spans, shapes, group_of, flat_len, owner)
+    elif files.stage > 0:
+        _zero12(files, spans, shapes, group_of, flat_len, owner)
+    sources, kinds, steps = _sources(files, flat_len)
     whole, aliases = _wholes(files, set(spans))
     module = first["module"]
     for name, shape in shapes.items():  # stages 1-2 also save the model whole: must agree
@@ -363,7 +376,7 @@ def describe(files: DeepSpeedFiles, *, training: bool) -> tuple[dict, DeepSpeedR
             }
             for n, t in whole.items()
         },
-        "aliases": {a: n for a, n in aliases.items() if n in spans},
+        "aliases": {a: n for a, n in aliases.items() if n in spans or n in whole},
         "kinds": ["param", "master", *kinds] if spans else ["param"],
         "optimizer": {
             "type": ((first.get("ds_config") or {}).get("optimizer") or {}).get("type"),

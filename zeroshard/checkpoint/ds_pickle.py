@@ -114,9 +114,10 @@ def load_pt(path: str) -> Any:
                 f"own types zeroshard reads ({', '.join(sorted(STAND_INS))}); refused (the "
                 "file's code is never run)"
             ) from exc
+        why = "refused by the restricted unpickler" if mmap else "corrupt or truncated?"
         raise CheckpointError(
-            f"{path}: not a torch file zeroshard can read (corrupt, or refused by the "
-            f"restricted unpickler): {str(exc).splitlines()[0] if str(exc) else exc!r}"
+            f"{path}: not a torch file zeroshard can read ({why}): "
+            f"{str(exc).splitlines()[0] if str(exc) else exc!r}"
         ) from exc
     except (RuntimeError, EOFError, ValueError, OSError, zipfile.BadZipFile) as exc:
         raise CheckpointError(

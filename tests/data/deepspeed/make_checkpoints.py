@@ -1,6 +1,6 @@
 """Make the DeepSpeed checkpoint fixtures and DeepSpeed's own continuation from them.
 
-Runs with DeepSpeed, never in the test suite's venv (``make ds-fixtures`` or)::
+Runs with DeepSpeed, never in the test suite's venv (``make ds-fixtures``, or)::
 
     DS_ACCELERATOR=cpu .venv-bench/bin/python tests/data/deepspeed/make_checkpoints.py OUT [CASE...]
 
@@ -15,6 +15,7 @@ writes are kept (its copied ``zero_to_fp32.py`` scripts are removed: code, not d
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import shutil
@@ -24,16 +25,18 @@ import tempfile
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
+import deepspeed_case as case
 import torch
 import torch.multiprocessing as mp
-
-import deepspeed_case as case
 
 WORLD = 2
 
 
-def _values(t: torch.Tensor) -> list[float]:
-    return [float(v) for v in t.detach().float().reshape(-1).tolist()]
+def _values(t: torch.Tensor) -> str:
+    """A tensor's fp32 values, exactly and compactly: base64 of their little-endian bytes
+    (``deepspeed_case.values`` reads them back)."""
+    data = t.detach().float().reshape(-1).contiguous().numpy().astype("<f4").tobytes()
+    return base64.b64encode(data).decode("ascii")
 
 
 def _state(engine, model) -> dict:
@@ -49,8 +52,13 @@ def _state(engine, model) -> dict:
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
+        master = safe_get_full_fp32_param(p)
+        if master is None:  # no ZeRO (stage 0, fp32): the parameter is the master
+            state = engine.optimizer.state[p]
+            out[name] = {k: _values(v) for k, v in (("master", p), *state.items()) if k != "step"}
+            continue
         out[name] = {
-            "master": _values(safe_get_full_fp32_param(p)),
+            "master": _values(master),
             "exp_avg": _values(safe_get_full_optimizer_state(p, "exp_avg")),
             "exp_avg_sq": _values(safe_get_full_optimizer_state(p, "exp_avg_sq")),
         }
@@ -65,19 +73,19 @@ def _rank(rank: int, name: str, out: str, store: str) -> None:
     import deepspeed
     import torch.distributed as dist
 
-    dist.init_process_group(
-        "gloo", store=dist.FileStore(store, WORLD), rank=rank, world_size=WORLD
-    )
+    dist.init_process_group("gloo", store=dist.FileStore(store, WORLD), rank=rank, world_size=WORLD)
     deepspeed.init_distributed(dist_backend="gloo")  # adopts the group above
     import time
 
     t0 = time.monotonic()
-    stage, dtype = case.CASES[name]
+    stage, dtype, accum = case.CASES[name]
     model = case.build_model()
     with torch.no_grad():
         model.temperature.fill_(case.TEMPERATURE)
     engine, _, _, _ = deepspeed.initialize(
-        model=model, model_parameters=case.param_groups(model), config=case.config(stage, WORLD, dtype)
+        model=model,
+        model_parameters=case.param_groups(model),
+        config=case.config(stage, WORLD, dtype, accum),
     )
     print(f"rank {rank}: initialize done at {time.monotonic() - t0:.1f} s", flush=True)
     rows = slice(rank * case.ROWS // WORLD, (rank + 1) * case.ROWS // WORLD)
@@ -128,22 +136,22 @@ def main(argv: list[str]) -> int:
                 start_method="spawn",
             )  # fmt: skip
         for root, _, files in os.walk(os.path.join(out, name)):
-            for f in files:
-                if f.endswith(".py"):  # DeepSpeed copies its recovery scripts in
-                    os.remove(os.path.join(root, f))
+            for fname in files:
+                if fname.endswith(".py"):  # DeepSpeed copies its recovery scripts in
+                    os.remove(os.path.join(root, fname))
     path = os.path.join(out, "reference.json")
     reference = {}
     if os.path.exists(path):
-        with open(path) as f:
-            reference = json.load(f)
+        with open(path) as fh:
+            reference = json.load(fh)
     for name in names:
         part = os.path.join(out, f"{name}.json")
-        with open(part) as f:
-            reference[name] = json.load(f)
+        with open(part) as fh:
+            reference[name] = json.load(fh)
         os.remove(part)
-    with open(path, "w") as f:
-        json.dump(reference, f, indent=1, sort_keys=True)
-        f.write("\n")
+    with open(path, "w") as fh:
+        json.dump(reference, fh, sort_keys=True, separators=(",", ":"))
+        fh.write("\n")
     print(f"wrote {', '.join(names)} and reference.json under {out}")
     return 0
 
