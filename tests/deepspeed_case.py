@@ -71,11 +71,13 @@ def batch(step: int, rows: slice = slice(None)) -> tuple[torch.Tensor, torch.Ten
     return tokens[rows, :-1], tokens[rows, 1:]
 
 
-def config(stage: int, world: int, dtype: str = "fp32", accum: str | None = None) -> dict:
+def config(
+    stage: int, world: int, dtype: str = "fp32", accum: str | None = None, zero: dict | None = None
+) -> dict:
     """A DeepSpeed config both sides accept: AdamW through torch (no C++ build), a
     warm-up schedule (its state is in the checkpoint), gradient clipping; ``accum``: the
     gradient accumulation dtype (bf16 at stage 1 with "fp32" is DeepSpeed's
-    BF16_Optimizer, whose files differ)."""
+    BF16_Optimizer, whose files differ); ``zero``: more zero_optimization keys."""
     cfg: dict = {
         "train_batch_size": ROWS,
         "train_micro_batch_size_per_gpu": ROWS // world,
@@ -89,7 +91,7 @@ def config(stage: int, world: int, dtype: str = "fp32", accum: str | None = None
             "type": "WarmupLR",
             "params": {"warmup_min_lr": 0.0, "warmup_max_lr": LR, "warmup_num_steps": 10},
         },
-        "zero_optimization": {"stage": stage},
+        "zero_optimization": {"stage": stage, **(zero or {})},
         "steps_per_print": 1000,
     }
     if dtype == "bf16":
@@ -100,15 +102,17 @@ def config(stage: int, world: int, dtype: str = "fp32", accum: str | None = None
 
 
 #: the checkpoints made (directory name under tests/data/deepspeed/): DeepSpeed's stage,
-#: compute dtype, gradient accumulation dtype; each on 2 ranks
-CASES: dict[str, tuple[int, str, str | None]] = {
-    "zero0_fp32": (0, "fp32", None),  # no ZeRO: a torch optimizer state_dict
-    "zero1_fp32": (1, "fp32", None),
-    "zero2_fp32": (2, "fp32", None),
-    "zero3_fp32": (3, "fp32", None),
-    "zero1_bf16": (1, "bf16", "fp32"),  # DeepSpeed's BF16_Optimizer
-    "zero2_bf16": (2, "bf16", None),
-    "zero3_bf16": (3, "bf16", None),
+#: compute dtype, gradient accumulation dtype, more zero_optimization keys (DeepSpeed's
+#: side only); each on 2 ranks
+CASES: dict[str, tuple[int, str, str | None, dict | None]] = {
+    "zero0_fp32": (0, "fp32", None, None),  # no ZeRO: a torch optimizer state_dict
+    "zero1_fp32": (1, "fp32", None, None),
+    "zero2_fp32": (2, "fp32", None, None),
+    "zero3_fp32": (3, "fp32", None, None),
+    "zero2_elastic": (2, "fp32", None, {"elastic_checkpoint": True}),  # lean states
+    "zero1_bf16": (1, "bf16", "fp32", None),  # DeepSpeed's BF16_Optimizer
+    "zero2_bf16": (2, "bf16", None, None),
+    "zero3_bf16": (3, "bf16", None, None),
 }
 
 

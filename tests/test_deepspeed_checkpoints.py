@@ -15,6 +15,7 @@ within ``TOL`` of DeepSpeed's continuation (fp32). The live test (marked slow; n
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -36,11 +37,13 @@ TOL = 2e-5  # the issue's bound on the continuation's losses and parameters (fp3
 PLAN = {
     1: [
         ("zero1_fp32", 1), ("zero2_fp32", 2), ("zero2_fp32", 3), ("zero3_fp32", 3),
-        ("zero3_fp32", 1), ("zero1_bf16", 2), ("zero2_bf16", 2), ("zero3_bf16", 3),
+        ("zero3_fp32", 1), ("zero2_elastic", 1), ("zero1_bf16", 2), ("zero2_bf16", 2),
+        ("zero3_bf16", 3),
     ],
     2: [
         ("zero1_fp32", 3), ("zero2_fp32", 2), ("zero2_fp32", 1), ("zero3_fp32", 3),
-        ("zero3_fp32", 2), ("zero1_bf16", 1), ("zero2_bf16", 3), ("zero3_bf16", 2),
+        ("zero3_fp32", 2), ("zero2_elastic", 3), ("zero1_bf16", 1), ("zero2_bf16", 3),
+        ("zero3_bf16", 2),
     ],
 }  # fmt: skip
 
@@ -94,7 +97,7 @@ def _continue(rank: int, world: int, root: str, jobs: list) -> list:
     out = []
     rows = slice(rank * case.ROWS // world, (rank + 1) * case.ROWS // world)
     for name, stage in jobs:
-        _, dtype, _ = case.CASES[name]
+        _, dtype, _, _ = case.CASES[name]
         model = case.build_model(seed=99)  # another init: everything must come from the file
         engine, *_ = zeroshard.initialize(
             model=model,
@@ -215,12 +218,63 @@ def _flip_tensor_bytes(path: str, value: float) -> None:
         f.write(torch.tensor([value], dtype=torch.float32).numpy().tobytes())
 
 
+def _resave(obj, path: str) -> None:
+    """``torch.save`` over ``path``, whose tensors ``obj`` may still map (a new file
+    replaces the old: writing into a mapped file would fault)."""
+    torch.save(obj, path + ".new")
+    os.replace(path + ".new", path)
+
+
+def _spoil(root: str) -> None:
+    """Copies of a fixture under ``root``, each spoiled one way (named by its folder)."""
+    optim1 = "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    d = _copy(root, "truncated")
+    with open(os.path.join(d, optim1), "r+b") as f:
+        f.truncate(500)
+    d = _copy(root, "bitflip")
+    _flip_tensor_bytes(os.path.join(d, optim1), 0.5)
+    d = _copy(root, "nan")
+    _flip_tensor_bytes(os.path.join(d, optim1), float("nan"))
+    d = _copy(root, "missing")
+    os.remove(os.path.join(d, optim1))
+    d = _copy(root, "stray")
+    shutil.copy(
+        os.path.join(d, optim1), os.path.join(d, "zero_pp_rank_2_mp_rank_00_optim_states.pt")
+    )
+    from argparse import Namespace
+
+    from zeroshard.checkpoint.ds_pickle import load_pt
+
+    d = _copy(root, "global")
+    sd = load_pt(os.path.join(d, "mp_rank_00_model_states.pt"))
+    sd["args"] = Namespace(lr=1)  # client_state a user passed, holding a non-data object
+    _resave(sd, os.path.join(d, "mp_rank_00_model_states.pt"))
+    d = _copy(root, "bomb")
+    marker = os.path.join(root, "PWNED")
+
+    class Boom:
+        def __reduce__(self):
+            return (open, (marker, "w"))
+
+    torch.save({"module": Boom()}, os.path.join(d, "mp_rank_00_model_states.pt"))
+    for key, junk in (
+        ("pipeline", "layer_01-model_states.pt"),
+        ("tensor_parallel", "mp_rank_01_model_states.pt"),
+        ("moe", "expp_rank_0_mp_rank_00_optim_states.pt"),
+        ("universal", "zero"),
+    ):
+        d = _copy(root, key)
+        if junk == "zero":
+            os.makedirs(os.path.join(d, junk))
+        else:
+            shutil.copy(os.path.join(d, "mp_rank_00_model_states.pt"), os.path.join(d, junk))
+
+
 def _bad(rank: int, world: int, root: str) -> dict:
     import zeroshard
     from zeroshard.checkpoint.load import CheckpointError
 
     errors: dict = {}
-    optim1 = "zero_pp_rank_1_mp_rank_00_optim_states.pt"
 
     def engine(**kw):
         model = case.build_model(seed=99) if not kw.get("model") else kw["model"]
@@ -244,55 +298,16 @@ def _bad(rank: int, world: int, root: str) -> dict:
             torch.equal(before[n], p) for n, p in eng.module.named_parameters()
         )
 
-    d = _copy(root, "truncated")
-    with open(os.path.join(d, optim1), "r+b") as f:
-        f.truncate(500)
-    attempt("truncated", os.path.dirname(d))
-    d = _copy(root, "bitflip")
-    _flip_tensor_bytes(os.path.join(d, optim1), 0.5)
-    attempt("bitflip", os.path.dirname(d))
-    attempt("bitflip_noverify", os.path.dirname(d), verify=False)
-    d = _copy(root, "nan")
-    _flip_tensor_bytes(os.path.join(d, optim1), float("nan"))
-    attempt("nan", os.path.dirname(d), verify=False)
-    d = _copy(root, "missing")
-    os.remove(os.path.join(d, optim1))
-    attempt("missing", os.path.dirname(d))
-    d = _copy(root, "stray")
-    shutil.copy(
-        os.path.join(d, optim1), os.path.join(d, "zero_pp_rank_2_mp_rank_00_optim_states.pt")
-    )
-    attempt("stray", os.path.dirname(d))
-    for key, obj in (("global", {"args": __import__("argparse").Namespace(lr=1)}),):
-        d = _copy(root, key)
-        from zeroshard.checkpoint.ds_pickle import load_pt
-
-        sd = load_pt(os.path.join(d, "mp_rank_00_model_states.pt"))
-        sd.update(obj)  # client_state a user passed, holding a non-data object
-        torch.save(sd, os.path.join(d, "mp_rank_00_model_states.pt"))
-        attempt(key, os.path.dirname(d))
-    d = _copy(root, "bomb")
-    marker = os.path.join(root, "PWNED")
-
-    class Boom:
-        def __reduce__(self):
-            return (open, (marker, "w"))
-
-    torch.save({"module": Boom()}, os.path.join(d, "mp_rank_00_model_states.pt"))
-    attempt("bomb", os.path.dirname(d))
-    errors["pwned"] = os.path.exists(marker)
-    for key, junk in (
-        ("pipeline", "layer_01-model_states.pt"),
-        ("tensor_parallel", "mp_rank_01_model_states.pt"),
-        ("moe", "expp_rank_0_mp_rank_00_optim_states.pt"),
-        ("universal", "zero"),
-    ):
-        d = _copy(root, key)
-        if junk == "zero":
-            os.makedirs(os.path.join(d, junk))
-        else:
-            shutil.copy(os.path.join(d, "mp_rank_00_model_states.pt"), os.path.join(d, junk))
-        attempt(key, os.path.dirname(d))
+    _spoil(root) if rank == 0 else None
+    torch.distributed.barrier()
+    tag = lambda key: os.path.join(root, key)  # noqa: E731
+    for key in ("truncated", "bitflip", "missing", "stray", "global", "bomb"):
+        attempt(key, tag(key))
+    attempt("bitflip_noverify", tag("bitflip"), verify=False)
+    attempt("nan", tag("nan"), verify=False)
+    errors["pwned"] = os.path.exists(os.path.join(root, "PWNED"))
+    for key in ("pipeline", "tensor_parallel", "moe", "universal"):
+        attempt(key, tag(key))
     # a model that is not the one saved; an optimizer that cannot take Adam's state
     other = case.build_model(seed=99)
     other.fc1 = torch.nn.Linear(case.DIM, case.HIDDEN + 1)
@@ -344,6 +359,99 @@ def test_bad_deepspeed_checkpoints_fail_clearly(tmp_path) -> None:
     saved = _reference(FIXTURES)["zero0_fp32"]["saved"]
     for name, kinds in saved.items():
         assert e["zero0_params"][name] == case.values(kinds["master"]).tolist(), name
+
+
+@contextlib.contextmanager
+def _deepspeed_classes():
+    """Empty classes under DeepSpeed's qualified names, so that ``torch.save`` pickles
+    objects by those names as DeepSpeed's own files do (the modules exist only inside
+    the block; DeepSpeed is not imported). Yields ``(classes by name, convert)``:
+    ``convert(obj)`` turns ``load_pt``'s stand-ins in ``obj`` back into such objects."""
+    import types
+
+    from zeroshard.checkpoint import ds_pickle
+
+    added: list[str] = []
+    made: dict = {}
+    for qualified, stand_in in ds_pickle.STAND_INS.items():
+        module, _, name = qualified.rpartition(".")
+        parts = module.split(".")
+        for i in range(len(parts)):
+            mod_name = ".".join(parts[: i + 1])
+            if mod_name not in sys.modules:
+                sys.modules[mod_name] = types.ModuleType(mod_name)
+                added.append(mod_name)
+        base = int if stand_in is ds_pickle.ZeroStage else object
+        cls = type(name, (base,), {"__module__": module, "__qualname__": name})
+        setattr(sys.modules[module], name, cls)
+        made[qualified] = cls
+
+    def convert(x):
+        if isinstance(x, ds_pickle.ZeroStage):
+            return made["deepspeed.runtime.zero.config.ZeroStageEnum"](int(x))
+        if isinstance(x, (ds_pickle.LossScalerState, ds_pickle.FragmentAddress)):
+            if isinstance(x, ds_pickle.FragmentAddress):
+                name = "deepspeed.utils.tensor_fragment.fragment_address"
+            else:
+                kind = "DynamicLossScaler" if x.fields().get("dynamic") else "LossScaler"
+                name = f"deepspeed.runtime.fp16.loss_scaler.{kind}"
+            out = made[name]()
+            out.__dict__.update(x.fields())
+            return out
+        if isinstance(x, torch.Size):
+            return x
+        if isinstance(x, dict):
+            return type(x)((k, convert(v)) for k, v in x.items())
+        if isinstance(x, (list, tuple)):
+            return type(x)(convert(v) for v in x)
+        return x
+
+    try:
+        yield made, convert
+    finally:
+        for mod_name in added:
+            del sys.modules[mod_name]
+
+
+def _dynamic_scale(rank: int, world: int, root: str) -> dict:
+    """DeepSpeed's fp16 runs pickle a DynamicLossScaler (fp16 DeepSpeed does not run on
+    this CPU): the fixture's scaler replaced by one, the scale state must reach an fp16
+    engine."""
+    import zeroshard
+    from zeroshard.checkpoint.ds_pickle import load_pt
+
+    d = _copy(root, "fp16")
+    fields = {
+        "cur_scale": 1024.0, "cur_iter": 3, "last_overflow_iter": 1, "scale_factor": 2.0,
+        "scale_window": 1000, "min_scale": 1.0, "delayed_shift": 2, "cur_hysteresis": 1,
+        "consecutive_hysteresis": False, "raise_error_at_min_scale": True,
+        "dtype": torch.float16, "dynamic": True,
+    }  # fmt: skip
+    with _deepspeed_classes() as (classes, convert):
+        for r in range(2):
+            path = os.path.join(d, f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt")
+            sd = convert(load_pt(path))
+            scaler = classes["deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler"]()
+            scaler.__dict__.update(fields)
+            sd["optimizer_state_dict"]["loss_scaler"] = scaler
+            _resave(sd, path)
+    cfg = case.config(2, world)
+    cfg["fp16"] = {"enabled": True, "initial_scale_power": 4}
+    model = case.build_model(seed=99)
+    engine, *_ = zeroshard.initialize(
+        model=model, model_parameters=case.param_groups(model), config=cfg
+    )
+    before = engine.loss_scaler.state_dict()
+    engine.load_checkpoint(os.path.dirname(d))
+    return {"before": before, "after": engine.loss_scaler.state_dict()}
+
+
+def test_dynamic_loss_scale_restored(tmp_path) -> None:
+    r = multirank.run(_dynamic_scale, 1, str(tmp_path), timeout=300)[0]
+    assert r["before"]["scale"] == 16.0
+    assert r["after"] == {
+        "scale": 1024.0, "cur_hysteresis": 1, "iteration": 3, "last_overflow_iter": 1
+    }  # fmt: skip
 
 
 def test_convert_from_deepspeed(tmp_path) -> None:

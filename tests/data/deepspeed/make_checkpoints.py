@@ -78,14 +78,14 @@ def _rank(rank: int, name: str, out: str, store: str) -> None:
     import time
 
     t0 = time.monotonic()
-    stage, dtype, accum = case.CASES[name]
+    stage, dtype, accum, zero = case.CASES[name]
     model = case.build_model()
     with torch.no_grad():
         model.temperature.fill_(case.TEMPERATURE)
     engine, _, _, _ = deepspeed.initialize(
         model=model,
         model_parameters=case.param_groups(model),
-        config=case.config(stage, WORLD, dtype, accum),
+        config=case.config(stage, WORLD, dtype, accum, zero),
     )
     print(f"rank {rank}: initialize done at {time.monotonic() - t0:.1f} s", flush=True)
     rows = slice(rank * case.ROWS // WORLD, (rank + 1) * case.ROWS // WORLD)
