@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 TORCH  ?= torch==2.13.0
 
-.PHONY: demo test test-all lint format bench gpu-check clean
+.PHONY: demo test test-all lint format bench ds-fixtures gpu-check clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -19,7 +19,8 @@ demo: $(STAMP)
 	$(BIN)/zeroshard plot runs/demo
 
 # the representative cut (CI; well under 15 minutes on 2 cores), after the linters;
-# test-all adds the tests marked slow (the long layout and launch matrices)
+# test-all adds the tests marked slow (the long layout and launch matrices, and, when
+# .venv-bench exists, loading checkpoints the real DeepSpeed makes there and then)
 test: lint
 	$(BIN)/python -m pytest tests --durations=15
 
@@ -44,9 +45,14 @@ format: $(STAMP)
 bench: $(STAMP) .venv-bench/.installed-stamp
 	$(BIN)/python benchmarks/bench_train.py --shape both --rounds 5 --json runs/bench_train.json --png runs/bench_train.png
 
+# The DeepSpeed checkpoints tests/test_deepspeed_checkpoints.py loads (tests/data/deepspeed:
+# 2 ranks on CPU, a few minutes; the fixtures in git were made with DeepSpeed 0.19.8)
+ds-fixtures: .venv-bench/.installed-stamp
+	DS_ACCELERATOR=cpu .venv-bench/bin/python tests/data/deepspeed/make_checkpoints.py tests/data/deepspeed
+
 .venv-bench/.installed-stamp: pyproject.toml
 	test -x .venv-bench/bin/python || $(PYTHON) -m venv .venv-bench
-	.venv-bench/bin/python -m pip install -q --disable-pip-version-check $(TORCH) deepspeed numpy
+	.venv-bench/bin/python -m pip install -q --disable-pip-version-check $(TORCH) deepspeed==0.19.8 numpy
 	.venv-bench/bin/python -m pip install -q --disable-pip-version-check -e . --no-deps
 	touch $@
 

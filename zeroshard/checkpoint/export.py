@@ -18,7 +18,13 @@ import re
 import torch
 
 from zeroshard import ArgumentError
-from zeroshard.checkpoint.format import exchange, raise_if_failed, write_text_atomic
+from zeroshard.checkpoint.ds_checkpoint import DeepSpeedReader, deepspeed_path, open_deepspeed
+from zeroshard.checkpoint.format import (
+    CheckpointError,
+    exchange,
+    raise_if_failed,
+    write_text_atomic,
+)
 from zeroshard.checkpoint.load import PieceReader, read_manifest, resolve_path, scan_files
 from zeroshard.checkpoint.safetensors_io import DTYPES, StreamWriter, dtype_size
 from zeroshard.checkpoint.save import CheckpointSaveError
@@ -135,12 +141,14 @@ def export_checkpoint(
     *,
     verify: bool = True,
     allow_nonfinite: bool = False,
+    deepspeed: bool | None = None,
 ) -> list[str]:
     """Consolidate a checkpoint (a tag directory, or a directory with ``latest``), after
     checking every file (checksums unless ``verify=False``; non-finite values unless
-    ``allow_nonfinite``, as :func:`load_checkpoint`)."""
+    ``allow_nonfinite``, as :func:`load_checkpoint`). ``deepspeed``: True requires a
+    DeepSpeed checkpoint, False one of ours, None takes either."""
     entries, fetch, manifest = open_checkpoint(
-        ckpt_dir, dtype, verify=verify, allow_nonfinite=allow_nonfinite
+        ckpt_dir, dtype, verify=verify, allow_nonfinite=allow_nonfinite, deepspeed=deepspeed
     )
     metadata = {"format": "pt"}
     if manifest.get("model"):
@@ -154,19 +162,33 @@ def open_checkpoint(
     *,
     verify: bool = True,
     allow_nonfinite: bool = False,
+    deepspeed: bool | None = None,
 ):
-    """``(entries, fetch, manifest)`` of a checked checkpoint: entries are (name, dtype,
-    shape) of every whole tensor, ``fetch(name)`` assembles one from its pieces."""
-    path = resolve_path(ckpt_dir, None)
-    manifest = read_manifest(path, root=ckpt_dir)
-    scan_files(
-        path,
-        manifest,
-        range(len(manifest["files"])),
-        verify=verify,
-        allow_nonfinite=allow_nonfinite,
-    )
-    reader = PieceReader(path, manifest)
+    """``(entries, fetch, manifest)`` of a checked checkpoint (ours, or DeepSpeed's: see
+    :func:`export_checkpoint`): entries are (name, dtype, shape) of every whole tensor,
+    ``fetch(name)`` assembles one from its pieces."""
+    ds_path = deepspeed_path(ckpt_dir, None) if deepspeed is not False else None
+    if deepspeed and ds_path is None:
+        raise CheckpointError(
+            f"{ckpt_dir}: not a DeepSpeed checkpoint (no 'latest' naming a directory with "
+            "mp_rank_00_model_states.pt or zero_pp_rank_0_mp_rank_00_model_states.pt)"
+        )
+    reader: PieceReader | DeepSpeedReader
+    if ds_path is not None:
+        manifest, reader = open_deepspeed(
+            ds_path, verify=verify, allow_nonfinite=allow_nonfinite, training=False
+        )
+    else:
+        path = resolve_path(ckpt_dir, None)
+        manifest = read_manifest(path, root=ckpt_dir)
+        scan_files(
+            path,
+            manifest,
+            range(len(manifest["files"])),
+            verify=verify,
+            allow_nonfinite=allow_nonfinite,
+        )
+        reader = PieceReader(path, manifest)
     kinds = set(manifest["kinds"])
     entries: list = []
     source: dict[str, tuple[str, str | None, str]] = {}
@@ -177,15 +199,15 @@ def open_checkpoint(
         want = dtype or (torch.float32 if kind == "master" else saved)
         entries.append((name, want, entry["shape"]))
         source[name] = ("piece", kind, name)
-    for alias, name in manifest.get("aliases", {}).items():
-        e = next(x for x in entries if x[0] == name)
-        entries.append((alias, e[1], e[2]))
-        source[alias] = source[name]
     for name, entry in manifest["whole"].items():
         saved = DTYPES[entry["dtype"]]
         want = dtype if dtype is not None and saved.is_floating_point else saved
         entries.append((name, want, entry["shape"]))
         source[name] = ("whole", None, name)
+    for alias, name in manifest.get("aliases", {}).items():  # tied names, each written too
+        e = next(x for x in entries if x[0] == name)
+        entries.append((alias, e[1], e[2]))
+        source[alias] = source[name]
 
     def fetch(name: str) -> torch.Tensor:
         how, kind, real = source[name]

@@ -424,7 +424,10 @@ def _manifest(
         "aliases": _aliases(engine),
         "whole": whole,
         "kinds": kinds,
-        "optimizer": {"type": type(opt.inner).__name__ if opt is not None else None, "groups": groups},
+        "optimizer": {
+            "type": type(opt.inner).__name__ if opt is not None else None,
+            "groups": groups,
+        },
         "scheduler": sched.state_dict()
         if sched is not None and hasattr(sched, "state_dict")
         else None,

@@ -1,5 +1,10 @@
 """`zeroshard convert CKPT_DIR OUT`: a checkpoint to consolidated safetensors weights.
 
+CKPT_DIR may be a DeepSpeed ZeRO-0/1/2/3 checkpoint (detected, or required with
+``--from-deepspeed``): its fp32 weights, frozen parameters, buffers and tied names are
+written as DeepSpeed's ``zero_to_fp32`` would, but its ``.pt`` files are read with torch's
+restricted unpickler (no code runs; anything but plain data is refused by name).
+
 Streams tensor by tensor (peak memory about one tensor). OUT ending in
 ``.safetensors`` is one file; otherwise a directory, sharded above ``--max-shard-size``
 with a Hugging Face style ``model.safetensors.index.json``. Every file of the checkpoint
@@ -29,6 +34,13 @@ def parse_size(text: str) -> int:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = __doc__.splitlines()[0]
     parser.add_argument("ckpt_dir", help="a checkpoint tag directory, or a directory with 'latest'")
+    parser.add_argument(
+        "--from-deepspeed",
+        dest="deepspeed",
+        action="store_true",
+        default=None,
+        help="CKPT_DIR must be a DeepSpeed checkpoint (detected without this flag too)",
+    )
     parser.add_argument("out", help="output .safetensors file, or a directory")
     parser.add_argument(
         "--dtype",
@@ -46,7 +58,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--no-verify",
         dest="verify",
         action="store_false",
-        help="skip comparing every tensor with the checksums recorded at save time",
+        help="skip comparing every tensor with the checksums recorded at save time (a "
+        "DeepSpeed checkpoint: the CRC-32 of every zip member)",
     )
     parser.add_argument(
         "--allow-nonfinite",
@@ -67,6 +80,7 @@ def main(args: argparse.Namespace) -> int:
             args.max_shard_size,
             verify=args.verify,
             allow_nonfinite=args.allow_nonfinite,
+            deepspeed=args.deepspeed,
         )
     except CheckpointError as exc:
         print(f"zeroshard convert: {exc}")
