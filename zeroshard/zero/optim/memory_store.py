@@ -21,7 +21,7 @@ kernels as ``grad_scale``, so it costs no pass of its own over the gradients.
 from __future__ import annotations
 
 from collections.abc import Set as AbstractSet
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -362,7 +362,7 @@ class NoStates:
     """The state store of an engine built without an optimizer (inference / evaluation):
     no masters, no optimizer states; checkpoints hold the parameters only."""
 
-    kinds: list[str] = []
+    kinds: ClassVar[list[str]] = []
     masters = None
     separate = False
 
