@@ -99,8 +99,10 @@ def environment(peers: Path, root: Path) -> dict[str, str]:
     hub = build(peers / "hub")
     paths = [str(REPO), str(HERE), str(peers / "site"), str(root)]
     old = os.environ.get("PYTHONPATH")
+    bin_dir = os.path.dirname(sys.executable)  # the `accelerate` command the tests launch
     return {
         **os.environ,
+        "PATH": os.pathsep.join([bin_dir, os.environ.get("PATH", "")]),
         **env(hub),
         "PYTHONPATH": os.pathsep.join(paths + ([old] if old else [])),
         "ZEROSHARD_AS_DEEPSPEED": "1",
@@ -109,6 +111,7 @@ def environment(peers: Path, root: Path) -> dict[str, str]:
         "OMP_NUM_THREADS": "1",
         "TOKENIZERS_PARALLELISM": "false",
         "WANDB_DISABLED": "true",
+        "DEEPSPEED_UNIT_WORKER_TIMEOUT": "300",  # DeepSpeed's harness: a hung rank fails
     }
 
 
@@ -133,16 +136,24 @@ def run(suite: Suite, peers: Path, junit_dir: Path, keyword: str | None) -> dict
     missing = [t for t in suite.targets if not (root / t).exists()]
     if missing:
         sys.exit(f"run_peers: {suite.name}: {missing} not in {root}; run `make peers-fetch`")
-    junit = junit_dir / f"{suite.name}.xml"
-    cmd = [sys.executable, "-m", "pytest", *suite.targets, "-p", "peers_plugin", "-q"]
-    cmd += ["-o", "addopts=", "-p", "no:cacheprovider", f"--junitxml={junit}", *suite.extra]
-    if suite.name == "deepspeed":  # DeepSpeed's own pytest.ini deselection, kept
-        cmd += ["-m", "not sequential and not nightly and not inference and not evaluation"]
-    if keyword:
-        cmd += ["-k", keyword]
+    env = environment(peers, root)
+    result = {"passed": 0, "failed": 0, "skipped": 0, "errors": 0}
     t0 = time.time()
-    subprocess.run(cmd, cwd=root, env=environment(peers, root), check=False)
-    result = counts(junit) if junit.exists() else {"passed": 0, "failed": 0, "skipped": 0}
+    for i, target in enumerate(suite.targets):  # one pytest per target: a hang loses one
+        junit = junit_dir / f"{suite.name}-{i:02d}.xml"
+        junit.unlink(missing_ok=True)
+        cmd = [sys.executable, "-m", "pytest", target, "-p", "peers_plugin", "-q"]
+        cmd += ["-o", "addopts=", "-p", "no:cacheprovider", f"--junitxml={junit}", *suite.extra]
+        if suite.name == "deepspeed":  # DeepSpeed's own pytest.ini deselection, kept
+            cmd += ["-m", "not sequential and not nightly and not inference and not evaluation"]
+        if keyword:
+            cmd += ["-k", keyword]
+        subprocess.run(cmd, cwd=root, env=env, check=False)
+        if junit.exists():
+            for kind, n in counts(junit).items():
+                result[kind] += n
+        else:
+            print(f"run_peers: {suite.name}: {target}: no report (pytest died)", flush=True)
     result["seconds"] = round(time.time() - t0)
     return result
 

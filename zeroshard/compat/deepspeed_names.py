@@ -15,10 +15,6 @@ from typing import Any
 import torch
 
 from zeroshard import ArgumentError
-from zeroshard.runtime.schedulers import SCHEDULERS
-
-#: ``deepspeed.runtime.lr_schedules.VALID_LR_SCHEDULES``: the config's scheduler types
-VALID_LR_SCHEDULES = sorted(SCHEDULERS)
 
 #: ``deepspeed.launcher.runner.DEEPSPEED_ENVIRONMENT_NAME``: the per-job environment file
 DEEPSPEED_ENVIRONMENT_NAME = os.getenv("DS_ENV_FILE", ".deepspeed_env")
@@ -72,6 +68,40 @@ def _zero_names() -> dict:
         "register_external_parameter": register_external_parameter,
         "unregister_external_parameter": unregister_external_parameter,
     }
+
+
+def _runtime_config_names() -> dict:
+    """``deepspeed.runtime.config``'s optimizer type names (the config's ``optimizer.type``,
+    lower-cased as DeepSpeed compares them); its ``DeepSpeedConfig`` is zeroshard's
+    ``load_config`` and is not served under that name."""
+    from zeroshard.config import OPTIMIZER_TYPES
+
+    names = {
+        "ADAGRAD_OPTIMIZER": "adagrad",
+        "ADAM_OPTIMIZER": "adam",
+        "ADAMW_OPTIMIZER": "adamw",
+        "LAMB_OPTIMIZER": "lamb",
+        "ONEBIT_ADAM_OPTIMIZER": "onebitadam",
+        "ZERO_ONE_ADAM_OPTIMIZER": "zerooneadam",
+        "ONEBIT_LAMB_OPTIMIZER": "onebitlamb",
+        "MUADAM_OPTIMIZER": "muadam",
+        "MUADAMW_OPTIMIZER": "muadamw",
+        "MUSGD_OPTIMIZER": "musgd",
+        "LION_OPTIMIZER": "lion",
+    }
+    return {**names, "DEEPSPEED_OPTIMIZERS": sorted(t.lower() for t in OPTIMIZER_TYPES)}
+
+
+def _repeating_loader() -> type:
+    from zeroshard.compat.utils import RepeatingLoader
+
+    return RepeatingLoader
+
+
+def _groups_names() -> dict:
+    from zeroshard.compat import ds_moe
+
+    return ds_moe.GROUPS
 
 
 def _engine_names() -> dict:
@@ -275,7 +305,10 @@ MODULES: dict[str, str | Callable[[], dict[str, Any]]] = {
     "deepspeed.runtime.fp16.unfused_optimizer": _fp16_names,
     "deepspeed.runtime.activation_checkpointing": lambda: {},
     "deepspeed.runtime.activation_checkpointing.checkpointing": _activation_checkpointing,
-    "deepspeed.runtime.lr_schedules": lambda: {"VALID_LR_SCHEDULES": VALID_LR_SCHEDULES},
+    "deepspeed.runtime.lr_schedules": "zeroshard.compat.ds_lr_schedules",
+    "deepspeed.runtime.config": _runtime_config_names,
+    "deepspeed.runtime.dataloader": lambda: {"RepeatingLoader": _repeating_loader()},
+    "deepspeed.utils.groups": _groups_names,
     "deepspeed.checkpoint": lambda: {"UNIVERSAL_CHECKPOINT_INFO": "universal_checkpoint_info"},
     "deepspeed.checkpoint.utils": _checkpoint_names,
     "deepspeed.launcher": lambda: {},

@@ -84,3 +84,32 @@ def configure_moe_param_groups(model_parameters: list) -> list:
         return split_params_into_different_moe_groups_for_optimizer(params)
     _refuse_experts(params, "configure_moe_param_groups")
     return [{"params": params, "name": "dense-params"}]
+
+
+def _expert_groups_not_built(name: str) -> Any:
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise NotBuiltError(
+            f"deepspeed.utils.groups.{name}: expert-parallel groups of {_NOT_BUILT}"
+        )
+
+    refuse.__name__ = refuse.__qualname__ = name
+    return refuse
+
+
+#: ``deepspeed.utils.groups``: its expert-parallel process groups exist for MoE layers
+#: only; importing the module works, each function raises NotBuiltError when called
+GROUPS = {
+    name: _expert_groups_not_built(name)
+    for name in (
+        "_create_expert_and_data_parallel",
+        "_create_expert_data_and_model_parallel",
+        "_get_expert_parallel_group",
+        "_get_expert_parallel_group_dict",
+        "_get_expert_data_parallel_group",
+        "_get_expert_data_parallel_group_dict",
+        "_get_expert_parallel_world_size",
+        "_get_expert_parallel_rank",
+        "_get_expert_data_parallel_world_size",
+        "_get_expert_data_parallel_rank",
+    )
+}

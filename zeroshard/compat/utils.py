@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from typing import Any
 
 from zeroshard.compat.comm import get_rank, is_initialized
@@ -25,6 +26,25 @@ def log_dist(message: str, ranks: list[int] | None = None, level: int = logging.
         logger.log(level, "[Rank %d] %s", rank, message)
 
 
+class RepeatingLoader:
+    """DeepSpeed's ``deepspeed.utils.RepeatingLoader``: iterates ``loader`` for ever,
+    starting it again each time it is exhausted."""
+
+    def __init__(self, loader: Iterable) -> None:
+        self.loader = loader
+        self.data_iter = iter(loader)
+
+    def __iter__(self) -> RepeatingLoader:
+        return self
+
+    def __next__(self) -> Any:
+        try:
+            return next(self.data_iter)
+        except StopIteration:
+            self.data_iter = iter(self.loader)
+            return next(self.data_iter)  # an empty loader ends here: StopIteration
+
+
 def __getattr__(name: str) -> Any:
     if name in FRAGMENT_FUNCTIONS:  # deepspeed.utils.safe_get_full_grad, ...: not built yet
         return FRAGMENT_FUNCTIONS[name]
@@ -32,6 +52,7 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "RepeatingLoader",
     "get_z3_leaf_modules",
     "is_initialized",
     "log_dist",
