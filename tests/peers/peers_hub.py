@@ -13,6 +13,8 @@ Each entry of :data:`STANDINS` says what the stand-in is and how it differs from
 
 from __future__ import annotations
 
+import hashlib
+import inspect
 import json
 import os
 import shutil
@@ -181,6 +183,18 @@ STANDINS: tuple[Standin, ...] = (
 )
 
 
+STAMP = "zeroshard-standin.sha256"  # the builder's source: a changed builder rebuilds
+
+
+def _stamp(s: Standin) -> str:
+    source = inspect.getsource(s.build) + inspect.getsource(_save_model)
+    return hashlib.sha256(source.encode()).hexdigest()
+
+
+def _read(path: Path) -> str | None:
+    return path.read_text() if path.is_file() else None
+
+
 def _repo_dir(cache: Path, name: str) -> Path:
     return cache / ("models--" + name.replace("/", "--"))
 
@@ -192,14 +206,17 @@ def build(cache: Path) -> Path:
     cache.mkdir(parents=True, exist_ok=True)
     for s in STANDINS:
         repo = _repo_dir(cache, s.name)
-        if (repo / "refs" / "main").is_file():
+        stamp = _stamp(s)
+        if (repo / "refs" / "main").is_file() and _read(repo / STAMP) == stamp:
             continue
+        shutil.rmtree(repo, ignore_errors=True)  # absent, or built by older code
         tmp = Path(tempfile.mkdtemp(dir=cache, prefix=".build-"))
         snap = tmp / "snapshots" / REVISION
         snap.mkdir(parents=True)
         s.build(snap)
         (tmp / "refs").mkdir()
         (tmp / "refs" / "main").write_text(REVISION)
+        (tmp / STAMP).write_text(stamp)
         try:
             os.rename(tmp, repo)
         except OSError:  # another process won the race
