@@ -35,5 +35,6 @@ sparse deepspeedai/DeepSpeed v0.16.5 deepspeed /tests/
 # packages the tests import that zeroshard's venv does not carry
 "${PYTHON:-python3}" -m pip install -q --target "$PEERS_DIR/site" --no-deps \
     datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 pandas==3.1.1 \
-    parameterized==0.9.0 pyarrow==26.0.1 sentencepiece==0.2.3 hjson==3.1.0 mup==1.0.0
+    parameterized==0.9.0 pyarrow==26.0.1 sentencepiece==0.2.3 hjson==3.1.0 mup==1.0.0 \
+    optuna==5.0.0 alembic==1.20.1 sqlalchemy==2.1.9 colorlog==6.12.0 mako==1.4.3 greenlet==3.5.6
 echo "fetch_peers: $PEERS_DIR ready"
