@@ -149,6 +149,7 @@ def _zeroshard(
     os.environ.pop(STAGE_ON_CPU_ENV)
     engine.backward(engine(torch.full((numel,), 1e-3, device=engine.device)))
     opt = engine.optimizer  # the engine's step at a boundary calls its apply_step
+    assert opt is not None
 
     def step() -> None:
         # norm and flags (with clipping), the store's step and its write-back; the

@@ -34,5 +34,9 @@ def test_file_rendezvous_with_rank_and_world_size() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "rendezvous")
         mp.start_processes(_rank, args=(2, init_file, tmp), nprocs=2, start_method="spawn")
-        got = sorted(open(os.path.join(tmp, f"{r}.txt")).read() for r in range(2))
+        got = []
+        for r in range(2):
+            with open(os.path.join(tmp, f"{r}.txt")) as f:
+                got.append(f.read())
+        got.sort()
     assert got == ["0 2 3.0", "1 2 3.0"]

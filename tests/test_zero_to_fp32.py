@@ -87,6 +87,7 @@ def _train_save_load(rank: int, world: int, root: str) -> dict:
             engine.step()
         masters = _masters(engine)
         # DeepSpeed's name for them (transformers checks their dtype)
+        assert engine.optimizer is not None
         flat32 = engine.optimizer.fp32_partitioned_groups_flat
         exposed = {
             "dtypes": sorted({str(t.dtype) for t in flat32}),

@@ -138,7 +138,7 @@ def _t5(out: Path) -> None:
         num_heads=4,
         pad_token_id=0,
         eos_token_id=1,
-        decoder_start_token_id=0,  # the hub model's (T5 starts decoding at the pad token)
+        decoder_start_token_id=0,  # type: ignore[call-arg]  # the hub model's (T5 starts decoding at the pad token)
     )
     _save_model(cfg, "AutoModelForSeq2SeqLM", out)
 

@@ -115,7 +115,7 @@ SUITES = {
 def environment(peers: Path, root: Path) -> dict[str, str]:
     """The environment of a suite's pytest process (and of every process it starts)."""
     sys.path[:0] = [str(HERE), str(peers / "site")]  # the stand-ins need sentencepiece
-    from peers_hub import build, env
+    from peers_hub import build, env  # type: ignore[import-not-found]  # (sys.path above)
 
     hub = build(peers / "hub")
     paths = [str(REPO), str(HERE), str(peers / "site"), str(root)]

@@ -117,10 +117,12 @@ def init_distributed(
                 "start the script with `zeroshard run --nproc N script.py` (or torchrun)"
             )
         # rank / world_size given: passed on (a file:// or tcp:// rendezvous needs them)
-        given = {"rank": rank} if rank >= 0 else {}
-        given |= {"world_size": world_size} if world_size > 0 else {}
         dist.init_process_group(
-            backend, init_method=init_method or "env://", timeout=timeout, **given
+            backend,
+            init_method=init_method or "env://",
+            timeout=timeout,
+            rank=rank if rank >= 0 else -1,  # torch's "not given" is -1 too
+            world_size=world_size if world_size > 0 else -1,
         )
         atexit.register(_shutdown)
         return
