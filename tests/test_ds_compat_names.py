@@ -24,6 +24,13 @@ from multirank import run
 from zeroshard.compat import ds_moe, ds_ops, ds_runtime_utils, ds_version, ds_zero_names
 
 PEER_NAMES = [
+    "deepspeed.runtime.lr_schedules.WARMUP_LR",
+    "deepspeed.runtime.lr_schedules.WarmupLR",
+    "deepspeed.runtime.lr_schedules.LR_RANGE_TEST_STAIRCASE",
+    "deepspeed.runtime.config.ADAM_OPTIMIZER",
+    "deepspeed.runtime.dataloader.RepeatingLoader",
+    "deepspeed.utils.RepeatingLoader",
+    "deepspeed.utils.groups._create_expert_and_data_parallel",
     "deepspeed.DeepSpeedConfigError",
     "deepspeed.accelerator.is_current_accelerator_supported",
     "deepspeed.comm.new_group",
@@ -286,3 +293,29 @@ def test_startup_line_as_deepspeed(mode: str) -> None:
     version = ds_version.DEEPSPEED_VERSION
     assert lines[0].startswith(f"zeroshard DeepSpeed info: version={version}, git-hash=")
     assert ", git-branch=" in lines[0]
+
+
+def test_lr_schedule_names_and_repeating_loader() -> None:
+    """DeepSpeed's constants are its config keys: a config written with them builds the
+    schedule they name; RepeatingLoader starts its loader again when it runs out; the
+    expert-parallel groups (MoE, issue 34) refuse by name when called."""
+    import zeroshard.as_deepspeed  # noqa: F401
+    from deepspeed.runtime import lr_schedules as ls  # type: ignore[import-not-found]
+    from deepspeed.utils import RepeatingLoader  # type: ignore[import-not-found]
+
+    from zeroshard import NotBuiltError
+    from zeroshard.runtime.schedulers import build_scheduler
+
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    params = {ls.WARMUP_MIN_LR: 0.0, ls.WARMUP_MAX_LR: 0.5, ls.WARMUP_NUM_STEPS: 4}
+    sched = build_scheduler(ls.WARMUP_LR, {**params, ls.WARMUP_TYPE: ls.WARMUP_LINEAR_RATE}, opt)
+    assert isinstance(sched, ls.WarmupLR)
+    assert ls.VALID_LR_SCHEDULES == sorted(
+        [ls.LR_RANGE_TEST, ls.ONE_CYCLE, ls.WARMUP_LR, ls.WARMUP_DECAY_LR, ls.WARMUP_COSINE_LR]
+    )
+    it = RepeatingLoader([1, 2])
+    assert [next(it) for _ in range(5)] == [1, 2, 1, 2, 1]
+    import deepspeed.utils.groups as groups  # type: ignore[import-not-found]
+
+    with pytest.raises(NotBuiltError, match="_create_expert_and_data_parallel: .*issue 34"):
+        groups._create_expert_and_data_parallel(2)
