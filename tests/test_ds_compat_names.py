@@ -299,23 +299,23 @@ def test_lr_schedule_names_and_repeating_loader() -> None:
     """DeepSpeed's constants are its config keys: a config written with them builds the
     schedule they name; RepeatingLoader starts its loader again when it runs out; the
     expert-parallel groups (MoE, issue 34) refuse by name when called."""
-    import zeroshard.as_deepspeed  # noqa: F401
-    from deepspeed.runtime import lr_schedules as ls  # type: ignore[import-not-found]
-    from deepspeed.utils import RepeatingLoader  # type: ignore[import-not-found]
+    import importlib
 
+    import zeroshard.as_deepspeed  # noqa: F401  (first: deepspeed is zeroshard from here)
     from zeroshard import NotBuiltError
     from zeroshard.runtime.schedulers import build_scheduler
+
+    ls = importlib.import_module("deepspeed.runtime.lr_schedules")
+    repeating_loader = importlib.import_module("deepspeed.utils").RepeatingLoader
+    groups = importlib.import_module("deepspeed.utils.groups")
 
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
     params = {ls.WARMUP_MIN_LR: 0.0, ls.WARMUP_MAX_LR: 0.5, ls.WARMUP_NUM_STEPS: 4}
     sched = build_scheduler(ls.WARMUP_LR, {**params, ls.WARMUP_TYPE: ls.WARMUP_LINEAR_RATE}, opt)
     assert isinstance(sched, ls.WarmupLR)
-    assert ls.VALID_LR_SCHEDULES == sorted(
-        [ls.LR_RANGE_TEST, ls.ONE_CYCLE, ls.WARMUP_LR, ls.WARMUP_DECAY_LR, ls.WARMUP_COSINE_LR]
-    )
-    it = RepeatingLoader([1, 2])
+    names = [ls.LR_RANGE_TEST, ls.ONE_CYCLE, ls.WARMUP_LR, ls.WARMUP_DECAY_LR, ls.WARMUP_COSINE_LR]
+    assert sorted(names) == ls.VALID_LR_SCHEDULES
+    it = repeating_loader([1, 2])
     assert [next(it) for _ in range(5)] == [1, 2, 1, 2, 1]
-    import deepspeed.utils.groups as groups  # type: ignore[import-not-found]
-
-    with pytest.raises(NotBuiltError, match="_create_expert_and_data_parallel: .*issue 34"):
+    with pytest.raises(NotBuiltError, match=r"_create_expert_and_data_parallel: .*issue 34"):
         groups._create_expert_and_data_parallel(2)
