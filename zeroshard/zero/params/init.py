@@ -235,7 +235,9 @@ class Init:
         return -(-numel // self.comm.world_size)
 
     def _on_register(self, module, name, param):
-        if param is None or self.lookup(param) is not None:
+        # sealed already, by this Init or by another one active around it (nested
+        # zero.Init contexts: the first to see a parameter keeps it; its storage is gone)
+        if param is None or self.lookup(param) is not None or is_sealed(param):
             return None
         with torch._C.DisableTorchFunction():
             self._seal(param)
