@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 TORCH  ?= torch==2.13.0
 
-.PHONY: demo test test-all lint format bench gpu-check clean
+.PHONY: demo test test-all test-peers peers-fetch lint format bench ds-fixtures gpu-check clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -19,12 +19,27 @@ demo: $(STAMP)
 	$(BIN)/zeroshard plot runs/demo
 
 # the representative cut (CI; well under 15 minutes on 2 cores), after the linters;
-# test-all adds the tests marked slow (the long layout and launch matrices)
+# test-all adds the tests marked slow (the long layout and launch matrices, and, when
+# .venv-bench exists, loading checkpoints the real DeepSpeed makes there and then)
 test: lint
 	$(BIN)/python -m pytest tests --durations=15
 
 test-all: $(STAMP)
 	$(BIN)/python -m pytest tests -m 'slow or not slow' --durations=15
+
+# The peers' own DeepSpeed suites on zeroshard (issue 30; outside `make test`): transformers
+# 5.24's DeepSpeed trainer tests, accelerate 1.15's tests/deepspeed and 33 files of
+# DeepSpeed 0.16.5's tests/unit/runtime, read from PEERS_DIR (prepared once by
+# `make peers-fetch`; nothing is fetched here). Hub models are tiny stand-ins built from
+# code (tests/peers/peers_hub.py). PEERS=transformers picks suites; K=EXPR is pytest -k.
+# Counts per suite go to stdout (recorded in benchmarks/RESULTS.md); about an hour on 2 cores.
+PEERS_DIR ?= /work/peers
+PEERS ?=
+test-peers: $(STAMP)
+	PEERS_DIR=$(PEERS_DIR) PYTHONPATH=$(CURDIR) $(BIN)/python tests/peers/run_peers.py $(PEERS) $(if $(K),-k '$(K)')
+
+peers-fetch:
+	PYTHON=$(BIN)/python tests/peers/fetch_peers.sh $(PEERS_DIR)
 
 # ruff, then mypy over zeroshard/, tests/ and benchmarks/ ([tool.mypy] in pyproject.toml;
 # about 80 s cold on 2 cores, seconds with its .mypy_cache)
@@ -44,9 +59,14 @@ format: $(STAMP)
 bench: $(STAMP) .venv-bench/.installed-stamp
 	$(BIN)/python benchmarks/bench_train.py --shape both --rounds 5 --json runs/bench_train.json --png runs/bench_train.png
 
+# The DeepSpeed checkpoints tests/test_deepspeed_checkpoints.py loads (tests/data/deepspeed:
+# 2 ranks on CPU, a few minutes; the fixtures in git were made with DeepSpeed 0.19.8)
+ds-fixtures: .venv-bench/.installed-stamp
+	DS_ACCELERATOR=cpu .venv-bench/bin/python tests/data/deepspeed/make_checkpoints.py tests/data/deepspeed
+
 .venv-bench/.installed-stamp: pyproject.toml
 	test -x .venv-bench/bin/python || $(PYTHON) -m venv .venv-bench
-	.venv-bench/bin/python -m pip install -q --disable-pip-version-check $(TORCH) deepspeed numpy
+	.venv-bench/bin/python -m pip install -q --disable-pip-version-check $(TORCH) deepspeed==0.19.8 numpy
 	.venv-bench/bin/python -m pip install -q --disable-pip-version-check -e . --no-deps
 	touch $@
 

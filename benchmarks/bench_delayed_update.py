@@ -77,6 +77,7 @@ def rank_main(argv: list[str]) -> None:
     # the host part inside step(): the exact optimizer step (cpu), or the wait for the
     # background one plus its write-back (cpu+dpu)
     inner: list[float] = []
+    assert engine.optimizer is not None
     store = engine.optimizer.states
     name = "wait" if a.layout == "cpu+dpu" else "step"
     timed = getattr(store, name)

@@ -150,6 +150,7 @@ def _zeroshard(
     x = torch.full((numel,), 1e-3, device=engine.device)
     engine.backward(engine(x))
     opt = engine.optimizer  # the engine's step at a boundary calls its apply_step
+    assert opt is not None
 
     def step() -> None:
         # norm and flags (with clipping), the store's step and its write-back; the

@@ -74,6 +74,7 @@ def _zeroshard_step_fn(model, system: str, args):
         "steps_per_print": 10**9,
     }
     engine, *_ = zeroshard.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    assert engine.optimizer is not None  # the config has an optimizer
     if system == "offload-serial":
         engine.optimizer.states.pipelined = False
 

@@ -814,6 +814,7 @@ def _master_bits(rank: int, world: int, stage: int) -> dict:
         engine, *_ = zeroshard.initialize(
             model=model, model_parameters=model.parameters(), config=cfg
         )
+        assert engine.optimizer is not None  # the config has an optimizer
         states, numel = engine.optimizer.states, engine.flat.layout.shard_numel
         for step in range(1 if edit == "clamp" else 2):
             x, y = _data(step, MICRO * world)

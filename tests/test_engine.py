@@ -310,6 +310,7 @@ def _scale_edge_cases(rank: int, world: int) -> dict:
     )
     cfg = parity.ds_config({"stage": 2, "clip": 0.05, "client": True})
     engine, *_ = zeroshard.initialize(model=model, optimizer=client, config=cfg)
+    assert engine.optimizer is not None
     out["mixed_fused"] = [g.get("fused") for g in engine.optimizer.inner.param_groups]
     x, y = parity.batch(0, 2)
     engine.backward(engine(x, y))

@@ -23,6 +23,7 @@ if TYPE_CHECKING:  # the type checker sees the real types of the lazily imported
     from zeroshard.api import add_config_arguments, initialize
     from zeroshard.checkpoint.resume import resume
     from zeroshard.compat.deepspeed_names import tp_model_init
+    from zeroshard.config import DeepSpeedConfigError
     from zeroshard.distributed.process_group import init_distributed
     from zeroshard.inference import init_inference
     from zeroshard.runtime.engine import DeepSpeedEngine
@@ -63,6 +64,7 @@ _LAZY = {
     "init_inference": "zeroshard.inference",
     "DeepSpeedEngine": "zeroshard.runtime.engine",
     "tp_model_init": "zeroshard.compat.deepspeed_names",
+    "DeepSpeedConfigError": "zeroshard.config",  # DeepSpeed's name for ConfigError
 }
 
 # as deepspeed.<name>: zeroshard.comm.get_rank(), zeroshard.accelerator.get_accelerator(), ...
@@ -70,6 +72,7 @@ _SUBMODULES = ("zero", "utils", "comm", "pipe", "accelerator", "ops")
 
 __all__ = [
     "ArgumentError",
+    "DeepSpeedConfigError",
     "DeepSpeedEngine",
     "InternalError",
     "NonFiniteError",

@@ -75,7 +75,9 @@ def _collect_groups(
     module: nn.Module, optimizer, model_parameters, opt_cfg, alias: dict[int, nn.Parameter]
 ):
     """Param groups as ``[{"params": [...], **hyperparams}]`` plus the client optimizer;
-    a tensor whose id ``alias`` maps stands for that parameter."""
+    a tensor whose id ``alias`` maps stands for that parameter. ``(None, None)`` when
+    there is no optimizer (neither ``optimizer=`` nor a config section): the engine then
+    runs forward / evaluation only."""
     if optimizer is not None and opt_cfg is not None:
         raise ConfigError(
             "optimizer: the config has an 'optimizer' section and an optimizer was passed "
@@ -113,14 +115,8 @@ def _collect_groups(
             ]
         else:
             groups = [{**defaults, "params": source}]
-    else:
-        raise ConfigError(
-            'optimizer: no optimizer; add an "optimizer" section to the config, e.g. '
-            '{"type": "AdamW", "params": {"lr": 1e-4}}, or pass optimizer= to initialize(); '
-            "to generate with weights offloaded to CPU or NVMe (DeepSpeed's ZeRO-Inference), "
-            'use zeroshard.init_inference(model, {"zero": {"stage": 3, "offload_param": '
-            '{"device": "nvme", "nvme_path": ...}}}) instead'
-        )
+    else:  # no optimizer: an engine for inference and evaluation (as DeepSpeed's)
+        return None, None
     groups = [{**g, "params": [alias.get(id(p), p) for p in g["params"]]} for g in groups]
     owned = {id(p) for p in module.parameters()}
     seen: set[int] = set()
@@ -161,6 +157,17 @@ def _stage_parameters(module: nn.Module, model_parameters):
     return [p for p in source if id(p) in mine]
 
 
+def _announce() -> None:
+    """Running as ``deepspeed`` (the alias registered): rank 0 logs the start-up line
+    DeepSpeed's ``initialize`` logs, which tools and tests look for."""
+    from zeroshard.compat.deepspeed_alias import registered
+
+    if registered() and dist.get_rank() == 0:
+        from zeroshard.compat.ds_version import startup_line
+
+        log.info(startup_line())
+
+
 def initialize(
     args=None,
     model: nn.Module | None = None,
@@ -175,11 +182,15 @@ def initialize(
     config=None,
     mesh_param=None,
     config_params=None,
-) -> tuple[Engine, ShardedOptimizer, Any, Any]:
+) -> tuple[Engine, ShardedOptimizer | None, Any, Any]:
     """Wrap ``model`` for sharded training; returns ``(engine, optimizer, loader, scheduler)``.
 
     Same signature and return value as ``deepspeed.initialize``. ``config`` is a dict or a
-    JSON path (or comes from ``args.deepspeed_config``).
+    JSON path (or comes from ``args.deepspeed_config``). Without an optimizer (no
+    ``optimizer=``, no ``optimizer`` section) the engine is for inference and evaluation
+    and the optimizer returned is None, as DeepSpeed's; ``zeroshard.init_inference`` is
+    the engine built for generation (quantized weights, KV cache, weights streamed from
+    CPU or NVMe).
     """
     if model is None:
         raise ArgumentError("initialize: model is required")
@@ -190,6 +201,7 @@ def initialize(
         )
     source = _config_from_args(args, config, config_params)
     init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
+    _announce()
     world = dist.get_world_size()
     module_stages = model.num_stages if isinstance(model, PipelineModule) else None
     # the user feeds the batches: their size can be seen (not through a pipeline engine)
@@ -235,6 +247,12 @@ def initialize(
             model = as_pipeline_module(model, cfg)
         model_parameters = _stage_parameters(model, model_parameters)
     groups, client = _collect_groups(model, optimizer, model_parameters, cfg.optimizer, fp8_weights)
+    if groups is None and engine_class is PipelineEngine:
+        raise ConfigError(
+            "optimizer",
+            "a pipeline engine without an optimizer (inference) is not built yet; add an "
+            '"optimizer" section or pass optimizer= to initialize()',
+        )
     engine = engine_class(
         model,
         cfg,

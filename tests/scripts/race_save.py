@@ -39,6 +39,7 @@ def digest() -> str:
     h = hashlib.sha256()
     for p in engine.module.parameters():
         h.update(p.detach().contiguous().numpy().tobytes())
+    assert engine.optimizer is not None
     for group in engine.optimizer.inner.param_groups:
         for v in group["params"]:
             for k, t in sorted(engine.optimizer.inner.state.get(v, {}).items()):

@@ -13,12 +13,15 @@ import contextlib
 import json
 import math
 import os
+import re
 import shutil
 
 import torch
 from safetensors import safe_open
 
+from zeroshard import ArgumentError
 from zeroshard.checkpoint import sources
+from zeroshard.checkpoint.ds_checkpoint import DeepSpeedReader, deepspeed_path, open_deepspeed
 from zeroshard.checkpoint.format import (
     CheckpointError,
     exchange,
@@ -32,6 +35,26 @@ from zeroshard.monitor.progress import progress
 
 MODEL_KEY = "zeroshard_model"  # safetensors metadata: the model's description (JSON)
 DTYPE_ARGS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+}
+
+
+def size_bytes(text: str) -> int:
+    """A shard size as written on a command line or in ``max_shard_size``: ``"5GB"``,
+    ``"500MiB"``, ``"1000"`` (bytes)."""
+    m = re.fullmatch(r"\s*([0-9.]+)\s*([A-Za-z]*)\s*", text)
+    if not m or m.group(2).upper() not in _UNITS:
+        raise ArgumentError(f"not a size: {text!r} (e.g. 5GB, 500MiB)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
 
 
 def _plan(entries, max_shard_bytes: int | None) -> list[list]:
@@ -122,13 +145,20 @@ def export_checkpoint(
     verify: bool = True,
     allow_nonfinite: bool = False,
     tag: str | None = None,
+    deepspeed: bool | None = None,
 ) -> list[str]:
     """Consolidate a checkpoint (a tag directory, a directory with ``latest``, or the
     ``tag`` directory in ``ckpt_dir``), after checking every file (checksums unless
     ``verify=False``; non-finite values unless ``allow_nonfinite``, as
-    :func:`load_checkpoint`)."""
+    :func:`load_checkpoint`). ``deepspeed``: True requires a DeepSpeed checkpoint, False
+    one of ours, None takes either."""
     entries, fetch, manifest = open_checkpoint(
-        ckpt_dir, dtype, verify=verify, allow_nonfinite=allow_nonfinite, tag=tag
+        ckpt_dir,
+        dtype,
+        verify=verify,
+        allow_nonfinite=allow_nonfinite,
+        tag=tag,
+        deepspeed=deepspeed,
     )
     metadata = {"format": "pt"}
     if manifest.get("model"):
@@ -143,19 +173,33 @@ def open_checkpoint(
     verify: bool = True,
     allow_nonfinite: bool = False,
     tag: str | None = None,
+    deepspeed: bool | None = None,
 ):
-    """``(entries, fetch, manifest)`` of a checked checkpoint: entries are (name, dtype,
-    shape) of every whole tensor, ``fetch(name)`` assembles one from its pieces."""
-    path = resolve_path(ckpt_dir, tag)
-    manifest = read_manifest(path, root=ckpt_dir)
-    scan_files(
-        path,
-        manifest,
-        range(len(manifest["files"])),
-        verify=verify,
-        allow_nonfinite=allow_nonfinite,
-    )
-    reader = PieceReader(path, manifest)
+    """``(entries, fetch, manifest)`` of a checked checkpoint (ours, or DeepSpeed's: see
+    :func:`export_checkpoint`): entries are (name, dtype, shape) of every whole tensor,
+    ``fetch(name)`` assembles one from its pieces."""
+    ds_path = deepspeed_path(ckpt_dir, tag) if deepspeed is not False else None
+    if deepspeed and ds_path is None:
+        raise CheckpointError(
+            f"{ckpt_dir}: not a DeepSpeed checkpoint (no 'latest' naming a directory with "
+            "mp_rank_00_model_states.pt or zero_pp_rank_0_mp_rank_00_model_states.pt)"
+        )
+    reader: PieceReader | DeepSpeedReader
+    if ds_path is not None:
+        manifest, reader = open_deepspeed(
+            ds_path, verify=verify, allow_nonfinite=allow_nonfinite, training=False
+        )
+    else:
+        path = resolve_path(ckpt_dir, tag)
+        manifest = read_manifest(path, root=ckpt_dir)
+        scan_files(
+            path,
+            manifest,
+            range(len(manifest["files"])),
+            verify=verify,
+            allow_nonfinite=allow_nonfinite,
+        )
+        reader = PieceReader(path, manifest)
     kinds = set(manifest["kinds"])
     entries: list = []
     source: dict[str, tuple[str, str | None, str]] = {}
@@ -166,15 +210,15 @@ def open_checkpoint(
         want = dtype or (torch.float32 if kind == "master" else saved)
         entries.append((name, want, entry["shape"]))
         source[name] = ("piece", kind, name)
-    for alias, name in manifest.get("aliases", {}).items():
-        e = next(x for x in entries if x[0] == name)
-        entries.append((alias, e[1], e[2]))
-        source[alias] = source[name]
     for name, entry in manifest["whole"].items():
         saved = DTYPES[entry["dtype"]]
         want = dtype if dtype is not None and saved.is_floating_point else saved
         entries.append((name, want, entry["shape"]))
         source[name] = ("whole", None, name)
+    for alias, name in manifest.get("aliases", {}).items():  # tied names, each written too
+        e = next(x for x in entries if x[0] == name)
+        entries.append((alias, e[1], e[2]))
+        source[alias] = source[name]
 
     def fetch(name: str) -> torch.Tensor:
         how, kind, real = source[name]

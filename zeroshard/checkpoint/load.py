@@ -2,7 +2,9 @@
 
 Each rank reads only the slices it now owns, straight from whichever files hold them
 (memory-mapped safetensors slices), and writes them wherever its layout keeps them.
-Nothing is unpickled: only ``manifest.json`` and ``*.safetensors`` are ever opened.
+Nothing is unpickled: only ``manifest.json`` and ``*.safetensors`` are ever opened. A
+DeepSpeed checkpoint directory (``ds_checkpoint.py``) is read through torch's restricted
+unpickler into the same manifest terms and loaded by the same code.
 
 Everything is validated (``validate.py``: manifest and its values, files, headers,
 pieces, model names and shapes, optimizer state kinds; ``coverage.py``: the manifest
@@ -29,6 +31,7 @@ import random
 import torch
 from safetensors import safe_open
 
+from zeroshard.checkpoint.ds_checkpoint import deepspeed_path, open_deepspeed
 from zeroshard.checkpoint.format import exchange, parameter_names, piece_key, raise_if_failed
 from zeroshard.checkpoint.safetensors_io import DTYPE_NAMES, DTYPES
 from zeroshard.checkpoint.shards import ShardAccess
@@ -158,15 +161,30 @@ def load_checkpoint(
     ``verify``: compare every tensor's bytes with the checksums recorded at save time
     (the ranks split the files; each byte is read once more, at ~2 GB/s per rank).
     ``allow_nonfinite``: accept NaN/inf values in the saved tensors (refused by
-    default: a checkpoint of a diverged run)."""
+    default: a checkpoint of a diverged run).
+
+    ``load_dir`` may also be a DeepSpeed ZeRO-1/2/3 checkpoint (``latest`` and
+    ``global_stepN/``, or the tag directory): its trained parameters, optimizer state,
+    scheduler, loss scale and counters load the same way, at any world size and stage;
+    ``verify`` then checks the CRC-32 of every zip member of its files."""
     comm = engine.comm
+    # an engine without an optimizer (inference) takes the parameters only, as DeepSpeed's
+    optimizer_states = optimizer_states and engine.optimizer is not None
     with_opt = optimizer_states and not module_only
-    error, path, manifest, names = None, None, None, None
+    error, path, manifest, names, reader = None, None, None, None, None
     try:
-        path = resolve_path(load_dir, tag)
-        manifest = read_manifest(path, root=load_dir)
-        mine = range(comm.rank, len(manifest["files"]), comm.world_size)
-        scan_files(path, manifest, mine, verify=verify, allow_nonfinite=allow_nonfinite)
+        ds_path = deepspeed_path(load_dir, tag)
+        if ds_path is not None:
+            path = ds_path
+            manifest, reader = open_deepspeed(
+                path, comm.rank, comm.world_size, verify=verify,
+                allow_nonfinite=allow_nonfinite, training=not module_only,
+            )  # fmt: skip
+        else:
+            path = resolve_path(load_dir, tag)
+            manifest = read_manifest(path, root=load_dir)
+            mine = range(comm.rank, len(manifest["files"]), comm.world_size)
+            scan_files(path, manifest, mine, verify=verify, allow_nonfinite=allow_nonfinite)
         names = validate(
             engine, path, manifest, strict=strict, with_opt=with_opt, training=not module_only
         )
@@ -187,6 +205,7 @@ def load_checkpoint(
         scheduler_states=scheduler_states,
         module_only=module_only,
         names=names,
+        reader=reader,
     )
     return path, client
 
@@ -200,15 +219,17 @@ def load(
     scheduler_states: bool,
     module_only: bool,
     names: set[str] | None = None,
+    reader=None,
 ):
     """Write a checked checkpoint into ``engine`` (see :func:`load_checkpoint`).
-    ``names``: the tensors to load (default: all, after :func:`validate`)."""
+    ``names``: the tensors to load (default: all, after :func:`validate`); ``reader``:
+    where the pieces come from (default: the safetensors files of ``path``)."""
     with_opt = optimizer_states and not module_only
     if names is None:
         names = validate(
             engine, path, manifest, strict=True, with_opt=with_opt, training=not module_only
         )
-    reader = PieceReader(path, manifest)
+    reader = PieceReader(path, manifest) if reader is None else reader
     access = ShardAccess(engine)
     flat_names = parameter_names(engine)
     kinds = set(manifest["kinds"])
@@ -243,7 +264,13 @@ def load(
         in_flat = {id(p) for p in engine.flat.params}
         for n, p in engine.module.named_parameters():
             if id(p) not in in_flat and n in names:
-                p.copy_(reader.whole(n))
+                saved = manifest["params"].get(n)
+                if param_kind == "master" and saved is not None and saved["group"] >= 0:
+                    # trained, now outside the layout (an engine without an optimizer)
+                    whole = reader.get("master", n, 0, p.numel(), p.dtype, tp_slice_of(p))
+                    p.copy_(whole.view_as(p))
+                else:
+                    p.copy_(reader.whole(n))
         buffers = dict(engine.module.named_buffers())
         for n in manifest["whole"]:
             if n in buffers and n in names:
@@ -264,14 +291,16 @@ def _load_training_state(engine, reader, manifest, access, with_opt, scheduler_s
                 if k != "step" and k in ours:
                     ours[k] = tuple(v) if isinstance(ours[k], tuple) else v
         access.set_group_steps([g["step"] for g in groups])
-        engine.loss_scaler.load_state_dict(manifest["loss_scaler"])
+        if manifest["loss_scaler"]:  # empty: a DeepSpeed save with a static scale
+            engine.loss_scaler.load_state_dict(manifest["loss_scaler"])
     sched = engine.lr_scheduler
     if scheduler_states and sched is not None and manifest.get("scheduler") is not None:
         sched.load_state_dict(manifest["scheduler"])
     for k, v in manifest["counters"].items():
         setattr(engine, k, v)
     rank = engine.comm.rank
-    if manifest["world_size"] == engine.comm.world_size:  # same ranks: same random streams
+    same_ranks = manifest["world_size"] == engine.comm.world_size
+    if same_ranks and manifest.get("rng", True):  # same ranks: same random streams
         rng, meta = reader.rank_tensors(rank)
         torch.set_rng_state(rng["rng:torch"])
         if torch.cuda.is_available():

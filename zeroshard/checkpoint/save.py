@@ -398,10 +398,10 @@ def _manifest(
         | ({"rank": ranks[0]} if ranks[0] else {})
         for n, (t, is_buffer) in whole_tensors(engine, exclude_frozen).items()
     }
-    opt = engine.optimizer
+    opt = engine.optimizer  # None: an engine for inference (parameters only)
     groups = [
         {k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items() if k != "params"}
-        for g in opt.param_groups
+        for g in (opt.param_groups if opt is not None else [])
     ]
     for g, step in zip(groups, group_steps, strict=True):
         g["step"] = step
@@ -424,7 +424,10 @@ def _manifest(
         "aliases": _aliases(engine),
         "whole": whole,
         "kinds": kinds,
-        "optimizer": {"type": type(opt.inner).__name__, "groups": groups},
+        "optimizer": {
+            "type": type(opt.inner).__name__ if opt is not None else None,
+            "groups": groups,
+        },
         "scheduler": sched.state_dict()
         if sched is not None and hasattr(sched, "state_dict")
         else None,

@@ -31,8 +31,11 @@ class ShardAccess:
     """Get and set this rank's pieces of each kind for one engine."""
 
     def __init__(self, engine) -> None:
+        from zeroshard.zero.optim.memory_store import NO_STATES
+
         self.flat = engine.flat
-        self.states = engine.optimizer.states
+        # an engine without an optimizer (inference) has parameters only
+        self.states = engine.optimizer.states if engine.optimizer is not None else NO_STATES
         layout = self.flat.layout
         # every owned piece; frozen ones (group < 0, stage 3) have only the "param" kind
         self.pieces = [

@@ -57,7 +57,7 @@ def resolve_tag(load_dir: str, tag: str | None) -> str:
             raise CheckpointError(
                 f"{load_dir}: no 'latest' file and no {MANIFEST}, so no checkpoint to load "
                 f"(it holds {found[:5]}{'...' if len(found) > 5 else ''}; pass tag=, and note "
-                ".pt/.bin pickles are never loaded)"
+                "a .pt/.bin file is read only as part of a DeepSpeed checkpoint directory)"
             )
         if not inside(load_dir, latest):
             raise CheckpointError(f"{latest}: a symlink leading out of {load_dir}; refused")
@@ -99,7 +99,8 @@ def read_manifest(path: str, root: str | None = None) -> dict:
         found = sorted(os.listdir(path))
         raise CheckpointError(
             f"{mpath}: missing; {path} is not a complete zeroshard checkpoint "
-            f"(it holds {found[:5]}{'...' if len(found) > 5 else ''}; .pt/.bin pickles are never loaded)"
+            f"(it holds {found[:5]}{'...' if len(found) > 5 else ''}; a .pt/.bin file is read "
+            "only as part of a DeepSpeed checkpoint directory)"
         )
     if not inside(root, mpath):
         raise CheckpointError(f"{mpath}: a symlink leading out of {root}; refused")
@@ -110,11 +111,7 @@ def read_manifest(path: str, root: str | None = None) -> dict:
         raise CheckpointError(f"{mpath}: unreadable manifest (corrupt JSON?): {exc}") from exc
     if not isinstance(manifest, dict) or manifest.get("format") != "zeroshard-checkpoint":
         raise CheckpointError(f"{mpath}: not a zeroshard checkpoint manifest")
-    try:
-        _check_structure(manifest)
-        check_values(manifest)
-    except (KeyError, TypeError, ValueError, IndexError, AttributeError) as exc:
-        raise CheckpointError(f"{mpath}: malformed manifest ({type(exc).__name__}: {exc})") from exc
+    check_manifest(manifest, mpath)
     headers = []
     for entry in manifest["files"]:
         fpath = os.path.join(path, entry["name"])
@@ -145,6 +142,16 @@ def read_manifest(path: str, root: str | None = None) -> dict:
     _check_pieces(path, manifest, headers)
     check_files_agree(path, manifest, headers)
     return manifest
+
+
+def check_manifest(manifest: dict, where: str) -> None:
+    """The structure and value ranges of a manifest (ours, or one describing a DeepSpeed
+    checkpoint); raises :class:`CheckpointError` naming ``where``."""
+    try:
+        _check_structure(manifest)
+        check_values(manifest)
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError) as exc:
+        raise CheckpointError(f"{where}: malformed manifest ({type(exc).__name__}: {exc})") from exc
 
 
 def scan_files(
@@ -194,7 +201,7 @@ def _check_structure(m: dict) -> None:
         if e["dtype"] not in DTYPES or not all(isinstance(d, int) for d in e["shape"]):
             raise CheckpointError(f"whole[{name!r}]: bad dtype or shape")
     for alias, name in m.get("aliases", {}).items():
-        if name not in m["params"]:
+        if name not in m["params"] and name not in m["whole"]:
             raise CheckpointError(f"alias {alias!r} names {name!r}, which is not saved")
     if not isinstance(m["optimizer"]["groups"], list):
         raise CheckpointError("'optimizer.groups' must be a list")
@@ -344,7 +351,8 @@ def validate(
                 "load_optimizer_states=False"
             )
         check_optimizer_fits(engine, path, manifest, names)
-    if training and manifest["world_size"] == engine.comm.world_size:
+    same_ranks = manifest["world_size"] == engine.comm.world_size
+    if training and same_ranks and manifest.get("rng", True):  # DeepSpeed's save none
         rank = engine.comm.rank
         fpath = os.path.join(path, manifest["files"][rank]["name"])
         header = read_header(fpath)
@@ -365,6 +373,7 @@ def validate(
 
 __all__ = [
     "CheckpointError",
+    "check_manifest",
     "check_model",
     "read_manifest",
     "resolve_path",

@@ -1,14 +1,23 @@
 """DeepSpeed's ``deepspeed.accelerator.get_accelerator()``: the device this rank computes
-on, with the names integrations call. No communication."""
+on, with the names integrations and DeepSpeed's own test harness call. No communication.
+
+Memory figures are the CUDA caching allocator's on CUDA; on the CPU, which has no device
+allocator, they are this process's resident memory (``memory_allocated``) and its peak
+(``max_memory_allocated``), as DeepSpeed's CPU accelerator reports.
+"""
 
 from __future__ import annotations
+
+import os
+import resource
+import sys
 
 import torch
 
 from zeroshard.distributed.device import runtime
 from zeroshard.distributed.process_group import default_device, local_rank, use_cuda
 
-__all__ = ["Accelerator", "get_accelerator"]
+__all__ = ["Accelerator", "get_accelerator", "is_current_accelerator_supported"]
 
 
 class Accelerator:
@@ -55,6 +64,40 @@ class Accelerator:
         if use_cuda():
             torch.cuda.empty_cache()
 
+    def set_device(self, device_index: int | str | torch.device) -> None:
+        """Make ``device_index`` this process's current CUDA device (on the CPU there is
+        one device: nothing to select)."""
+        if not use_cuda():
+            return
+        if isinstance(device_index, int):
+            device = torch.device("cuda", device_index)
+        else:
+            device = torch.device(device_index)
+        runtime("cuda").set_device(device)
+
+    def memory_allocated(self, device_index: int | None = None) -> int:
+        if use_cuda():
+            return torch.cuda.memory_allocated(device_index)
+        return _rss_bytes()
+
+    def max_memory_allocated(self, device_index: int | None = None) -> int:
+        if use_cuda():
+            return torch.cuda.max_memory_allocated(device_index)
+        return max(_peak_rss_bytes(), _rss_bytes())
+
+    def reset_peak_memory_stats(self, device_index: int | None = None) -> None:
+        """Reset the CUDA allocator's peak (the CPU's peak resident size cannot be reset)."""
+        if use_cuda():
+            torch.cuda.reset_peak_memory_stats(device_index)
+
+    def total_memory(self, device_index: int | None = None) -> int:
+        if use_cuda():
+            return torch.cuda.get_device_properties(device_index or 0).total_memory
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+    def is_triton_supported(self) -> bool:
+        return False
+
     def manual_seed(self, seed: int) -> None:
         torch.manual_seed(seed)
 
@@ -66,8 +109,29 @@ class Accelerator:
         return "cuda" if use_cuda() else "cpu"
 
 
+def _rss_bytes() -> int:
+    """This process's resident memory now (Linux /proc; else the peak)."""
+    try:
+        with open("/proc/self/statm") as f:
+            pages = int(f.read().split()[1])
+    except (OSError, IndexError, ValueError):
+        return _peak_rss_bytes()
+    return pages * os.sysconf("SC_PAGE_SIZE")
+
+
+def _peak_rss_bytes() -> int:
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024  # kilobytes on Linux
+
+
 _ACCELERATOR = Accelerator()
 
 
 def get_accelerator() -> Accelerator:
     return _ACCELERATOR
+
+
+def is_current_accelerator_supported() -> bool:
+    """DeepSpeed's ``deepspeed.accelerator.is_current_accelerator_supported``: whether the
+    accelerator in use is one this build runs on (the CPU and CUDA: always)."""
+    return True

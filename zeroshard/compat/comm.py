@@ -26,13 +26,16 @@ __all__ = [
     "all_reduce",
     "barrier",
     "broadcast",
+    "destroy_process_group",
     "get_backend",
     "get_local_rank",
     "get_rank",
+    "get_world_group",
     "get_world_size",
     "init_distributed",
     "is_initialized",
     "log_summary",
+    "new_group",
     "reduce_scatter_tensor",
 ]
 
@@ -128,3 +131,18 @@ def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor, group=None
 
 def barrier(group=None) -> None:
     _comm(group).barrier()
+
+
+def new_group(ranks: list[int] | None = None, **kwargs):
+    """A process group of ``ranks`` (every rank must call it), as torch.distributed's."""
+    return dist.new_group(ranks=ranks, **kwargs)
+
+
+def destroy_process_group(group=None) -> None:
+    """Tear down ``group`` (default: the whole torch.distributed state)."""
+    dist.destroy_process_group(group)
+
+
+def get_world_group():
+    """The default group (DeepSpeed's ``deepspeed.comm.get_world_group``)."""
+    return dist.group.WORLD

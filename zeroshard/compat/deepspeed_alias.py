@@ -32,11 +32,10 @@ import sys
 import types
 
 from zeroshard import ZeroshardError
-from zeroshard import __version__ as _zeroshard_version
-from zeroshard.compat.deepspeed_names import MODULES, NOT_BUILT
+from zeroshard.compat.deepspeed_names import DUNDERS, MODULES, NOT_BUILT
+from zeroshard.compat.ds_version import DEEPSPEED_VERSION
 
-#: the DeepSpeed release whose API zeroshard answers as (with zeroshard's version attached)
-DEEPSPEED_VERSION = f"0.18.0+zeroshard.{_zeroshard_version}"
+__all__ = ["DEEPSPEED_VERSION", "AliasError", "register", "registered", "unregister"]
 
 #: imported before ``register()``, these have already decided DeepSpeed is absent
 _DECIDED_EARLY = ("transformers.integrations.deepspeed", "accelerate.utils")
@@ -50,15 +49,15 @@ class _AliasModule(types.ModuleType):
     """A ``deepspeed.*`` module: its names come from zeroshard (see ``MODULES``)."""
 
     def __getattr__(self, name: str):
-        if name.startswith("__") and name != "__version__":
+        if (self.__name__, name) in DUNDERS:  # deepspeed.__version__, ops.__compatible_ops__
+            return DUNDERS[(self.__name__, name)]()
+        if name.startswith("__"):
             raise AttributeError(name)
         sub = f"{self.__name__}.{name}"
         if sub in MODULES:
             return importlib.import_module(sub)
         if sub in NOT_BUILT:
             raise AttributeError(f"{sub}: {NOT_BUILT[sub]} is not built yet in zeroshard")
-        if self.__name__ == "deepspeed" and name == "__version__":
-            return DEEPSPEED_VERSION
         target = MODULES[self.__name__]
         if isinstance(target, str):
             return getattr(importlib.import_module(target), name)
@@ -116,7 +115,7 @@ class DeepSpeedAliasFinder(importlib.abc.MetaPathFinder):
 
     def find_spec(self, fullname: str, path=None, target=None):
         if fullname in MODULES:
-            is_pkg = any(m.startswith(fullname + ".") for m in MODULES)
+            is_pkg = any(m.startswith(fullname + ".") for m in (*MODULES, *NOT_BUILT))
             return importlib.machinery.ModuleSpec(
                 fullname, _Loader(), origin="zeroshard", is_package=is_pkg
             )

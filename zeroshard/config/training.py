@@ -84,6 +84,9 @@ if TYPE_CHECKING:  # torch is imported where a dtype is asked for: `zeroshard ru
     import torch  # a config before any worker starts, without torch's 1-2 s import
 
 # fmt: off
+#: DeepSpeed's name for the config error (``deepspeed.DeepSpeedConfigError``)
+DeepSpeedConfigError = ConfigError
+
 __all__ = [
     "DEFAULT_LEAF_CLASSES",
     "DTYPES",
@@ -97,6 +100,7 @@ __all__ = [
     "Config",
     "ConfigError",
     "DataTypesConfig",
+    "DeepSpeedConfigError",
     "FP8Config",
     "FP16Config",
     "LeafModuleConfig",

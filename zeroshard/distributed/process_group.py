@@ -116,7 +116,14 @@ def init_distributed(
                 f"init_distributed: environment variable(s) {', '.join(missing)} not set; "
                 "start the script with `zeroshard run --nproc N script.py` (or torchrun)"
             )
-        dist.init_process_group(backend, init_method=init_method or "env://", timeout=timeout)
+        # rank / world_size given: passed on (a file:// or tcp:// rendezvous needs them)
+        dist.init_process_group(
+            backend,
+            init_method=init_method or "env://",
+            timeout=timeout,
+            rank=rank if rank >= 0 else -1,  # torch's "not given" is -1 too
+            world_size=world_size if world_size > 0 else -1,
+        )
         atexit.register(_shutdown)
         return
     # One rank, no launcher: a private file store, no network port.

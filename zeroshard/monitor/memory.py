@@ -277,7 +277,7 @@ def measure(engine) -> dict:
             *(p for p in engine.module.parameters() if id(p) not in flat_ids),
         ],
         "grads": engine.reducer.buffers(),
-        "optimizer_states": engine.optimizer.buffers(),
+        "optimizer_states": engine.optimizer.buffers() if engine.optimizer is not None else [],
     }
     out: dict = {"by_location": {}}
     seen: set[tuple[int, int]] = set()
@@ -295,7 +295,9 @@ def measure(engine) -> dict:
         out[kind] = total
     nvme = {
         "params": engine.flat.store.disk_bytes(),
-        "optimizer_states": engine.optimizer.states.disk_bytes(),
+        "optimizer_states": engine.optimizer.states.disk_bytes()
+        if engine.optimizer is not None
+        else 0,
     }
     for kind, nbytes in nvme.items():
         if nbytes:

@@ -117,7 +117,8 @@ class EngineBuild:
     placement: Placement
     sharding: Sharding
     flat: FlatParams
-    optimizer: ShardedOptimizer
+    optimizer: ShardedOptimizer | None
+    trains: bool
     _swaps: EngineSwaps
 
     def _check_agreement(self, module: nn.Module, config) -> None:
@@ -222,7 +223,8 @@ class EngineBuild:
         place = self.placement
         if place.param_nvme:
             return self._swaps.param_store(place.param_nvme, layout, self.policy.compute)
-        masters_here = place.same_place_for_masters()
+        # (without an optimizer there are no masters: the shard is in the working dtype)
+        masters_here = self.trains and place.same_place_for_masters()
         dtype = self.policy.master if masters_here else self.policy.compute
         pin = place.pin_memory and place.param_shard.type == "cpu"
         return MemoryShard.empty(layout, dtype, place.param_shard, pin)
@@ -309,6 +311,17 @@ class EngineBuild:
 
     def _make_scheduler(self, client):
         sc = self._config.scheduler
+        if self.optimizer is None:
+            if sc is not None or client is not None:
+                from zeroshard.config import ConfigError
+
+                raise ConfigError(
+                    "scheduler",
+                    "a learning-rate scheduler was given (the config's 'scheduler' section "
+                    "or lr_scheduler=) but no optimizer; give an optimizer too, or leave "
+                    "the scheduler out for inference",
+                )
+            return None
         if sc is not None:
             if client is not None:
                 raise ArgumentError(

@@ -73,7 +73,15 @@ class Engine(EngineBuild, DeepSpeedEngineCompat, nn.Module):
     """What ``zeroshard.initialize`` returns first; call it like the model.
 
     ``engine.config`` is the DeepSpeed config as a dict (as DeepSpeed's engine has it);
-    the parsed, typed one is ``engine.parsed_config``."""
+    the parsed, typed one is ``engine.parsed_config``.
+
+    ``param_groups=None`` builds an engine without an optimizer, as DeepSpeed does when
+    ``initialize`` gets none (no ``optimizer=`` and no ``optimizer`` section): for
+    inference and evaluation at every stage (stage 3 partitions and gathers the
+    parameters, in the working dtype, with no fp32 masters and no gradient buffers).
+    ``engine.optimizer`` is None; forward, ``eval()``, ``generate`` through the module,
+    ``save_16bit_model``, ``GatheredParameters`` and checkpoints of the parameters work;
+    ``backward`` and ``step`` raise, naming the missing optimizer."""
 
     def __init__(
         self,
@@ -81,7 +89,7 @@ class Engine(EngineBuild, DeepSpeedEngineCompat, nn.Module):
         config,
         mesh: Mesh,
         *,
-        param_groups: list[dict],
+        param_groups: list[dict] | None,
         client_optimizer: torch.optim.Optimizer | None = None,
         lr_scheduler=None,
         training_data=None,
@@ -94,6 +102,8 @@ class Engine(EngineBuild, DeepSpeedEngineCompat, nn.Module):
         self.comm = mesh.comm("world")  # every rank: checkpoints' agreement, barriers
         self._watchdog = watchdog.start(config.comm_timeout)
         self.global_steps = 0
+        #: whether this engine trains (has an optimizer); see the class docstring
+        self.trains = param_groups is not None
         self._check_agreement(module, config)
         self.device = default_device()
         self.monitor = EngineMonitor(config, mesh, self.device)  # first: bad input fails here
@@ -137,7 +147,7 @@ class Engine(EngineBuild, DeepSpeedEngineCompat, nn.Module):
             self._installed.append(
                 FirstBatchSize(module, self.comm, self.device, self._micro_batch_seen)
             )
-        param_groups = self._parallelize(param_groups)
+        param_groups = self._parallelize(param_groups or [])
         self._fp8 = self._convert_fp8()
         self._swaps = EngineSwaps(config, self.comm.rank)
         self._swap_spaces = self._swaps.spaces  # nvme_path -> this rank's swap directory
@@ -194,21 +204,27 @@ class Engine(EngineBuild, DeepSpeedEngineCompat, nn.Module):
             count_unreached=self.sharding.parameters and reduce_comm.world_size > 1,
         )
         self.loss_scaler = LossScaler.from_config(config.fp16)
-        self.optimizer = ShardedOptimizer(
-            self.flat,
-            self._optimizer_states(client_optimizer),
-            shard_comm,
-            grad_comm=reduce_comm,
-            zero_grads=self.reducer.grad_chunks,
-            clear_grads=self.reducer.zero_grad,
-            policy=self.policy,
-            scaler=self.loss_scaler,
-            tp=self._tp_grads(),
-            clip=config.gradient_clipping,
-            nonfinite=nonfinite_policy(config),
-        )
+        self.optimizer: ShardedOptimizer | None = None  # None: no optimizer (inference)
+        if self.trains:
+            self.optimizer = ShardedOptimizer(
+                self.flat,
+                self._optimizer_states(client_optimizer),
+                shard_comm,
+                grad_comm=reduce_comm,
+                zero_grads=self.reducer.grad_chunks,
+                clear_grads=self.reducer.zero_grad,
+                policy=self.policy,
+                scaler=self.loss_scaler,
+                tp=self._tp_grads(),
+                clip=config.gradient_clipping,
+                nonfinite=nonfinite_policy(config),
+            )
         #: offload_optimizer.delayed_update: the store stepping one step late, else None
-        self._delayed = self.optimizer.states if zc.offload_optimizer.delayed_update else None
+        self._delayed = (
+            self.optimizer.states
+            if self.optimizer is not None and zc.offload_optimizer.delayed_update
+            else None
+        )
         register_owner(module.parameters(), self)
         # parameters frozen now: unfreezing one later needs a new initialize()
         laid_out = {
@@ -355,6 +371,7 @@ class Engine(EngineBuild, DeepSpeedEngineCompat, nn.Module):
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True):
         """Backward of ``loss / accumulation steps`` (times the fp16 loss scale); on the
         reducing micro-steps, gradients are reduced while backward runs."""
+        self._refuse_without_optimizer("backward")
         self._enter("backward")
         for name, p in self._frozen:
             if p.requires_grad:
@@ -394,6 +411,7 @@ class Engine(EngineBuild, DeepSpeedEngineCompat, nn.Module):
 
     def step(self, lr_kwargs: dict | None = None) -> None:
         """Count a micro-step; at the accumulation boundary, update the model."""
+        self._refuse_without_optimizer("step")
         self._enter("step")
         if self._config.train_batch_size is None:
             raise not_learned()
@@ -401,15 +419,17 @@ class Engine(EngineBuild, DeepSpeedEngineCompat, nn.Module):
         self._step_applied = False
         boundary = self.is_gradient_accumulation_boundary()
         if boundary:
+            optimizer = self.optimizer
+            assert optimizer is not None  # refused above
             self._land_delayed()
             if self._delayed is not None:
                 self._delayed.armed = self.global_steps >= self._delayed.after
             # e.g. p.clamp_() after the last step: the masters take it (zero/params/edits.py)
-            self.optimizer.refresh_masters(self.params.take_edits())
+            optimizer.refresh_masters(self.params.take_edits())
             loss_finite = self._loss_finite is None or bool(self._loss_finite)
             self._loss_finite = None
             grads = self.reducer.finalize()  # reduces a window of local sums first
-            self._step_applied = self.optimizer.apply_step(grads, loss_finite)
+            self._step_applied = optimizer.apply_step(grads, loss_finite)
             if self._step_applied:
                 if self._delayed is None or not self._delayed.in_flight:
                     self.params.after_step()
@@ -440,6 +460,14 @@ class Engine(EngineBuild, DeepSpeedEngineCompat, nn.Module):
         if self.preemption is not None and boundary:
             self.preemption.at_step_boundary(self)  # SIGTERM: save, exit 0
         self._leave(publish=True)
+
+    def _refuse_without_optimizer(self, what: str) -> None:
+        if self.optimizer is None and not self.destroyed:
+            raise UsageError(
+                f"engine.{what}(): this engine has no optimizer (initialize() got no "
+                "optimizer= and the config has no 'optimizer' section), so it runs forward, "
+                "evaluation and generation only; to train, give an optimizer to initialize()"
+            )
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Start a new accumulation window: every ``param.grad`` is unset (gradients
@@ -523,8 +551,11 @@ class Engine(EngineBuild, DeepSpeedEngineCompat, nn.Module):
 
     def close_gathered(self, params: list[torch.Tensor], modifier_rank: int | None) -> None:
         # edits to whole parameters first (this rank's, made inside the block or before)
-        self.optimizer.refresh_masters(self.params.take_edits())
-        self.optimizer.refresh_masters(self.params.close(params, modifier_rank))
+        edited = self.params.take_edits()
+        closed = self.params.close(params, modifier_rank)
+        if self.optimizer is not None:  # without one there are no masters to refresh
+            self.optimizer.refresh_masters(edited)
+            self.optimizer.refresh_masters(closed)
         self.params.mark_clean()
 
     # -- DeepSpeed-compatible accessors ---------------------------------------------
@@ -538,10 +569,13 @@ class Engine(EngineBuild, DeepSpeedEngineCompat, nn.Module):
         return self._config.gradient_accumulation_steps
 
     def get_lr(self) -> list[float]:
+        """Each param group's learning rate (none without an optimizer, as DeepSpeed)."""
+        if self.optimizer is None:
+            return []
         return [g["lr"] for g in self.optimizer.param_groups]
 
     def get_global_grad_norm(self) -> float | None:
-        return self.optimizer.global_grad_norm
+        return self.optimizer.global_grad_norm if self.optimizer is not None else None
 
     def was_step_applied(self) -> bool:
         return self._step_applied

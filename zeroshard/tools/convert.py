@@ -9,6 +9,11 @@ config recorded for ``zeroshard generate`` (and ``config.json`` copied into a fo
 OUT). What a path must hold is in ``zeroshard/checkpoint/sources.py``; a path holding
 none of it is named with what is missing, in one line.
 
+CKPT_DIR may be a DeepSpeed ZeRO-0/1/2/3 checkpoint (detected, or required with
+``--from-deepspeed``): its fp32 weights, frozen parameters, buffers and tied names are
+written as DeepSpeed's ``zero_to_fp32`` would, but its ``.pt`` files are read with torch's
+restricted unpickler (no code runs; anything but plain data is refused by name).
+
 Streams tensor by tensor (peak memory about one tensor). OUT ending in
 ``.safetensors`` is one file; otherwise a directory, sharded above ``--max-shard-size``
 with a Hugging Face style ``model.safetensors.index.json``. Every file of the checkpoint
@@ -22,32 +27,32 @@ naming the file (and tensor), and leaves no ``.partial`` file.
 from __future__ import annotations
 
 import argparse
-import re
 
-_UNITS = {
-    "": 1,
-    "B": 1,
-    "KB": 10**3,
-    "MB": 10**6,
-    "GB": 10**9,
-    "KIB": 2**10,
-    "MIB": 2**20,
-    "GIB": 2**30,
-}
+from zeroshard import ArgumentError
 
 
 def parse_size(text: str) -> int:
-    m = re.fullmatch(r"\s*([0-9.]+)\s*([A-Za-z]*)\s*", text)
-    if not m or m.group(2).upper() not in _UNITS:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 5GB, 500MiB)")
-    return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+    from zeroshard.checkpoint.export import size_bytes  # torch: imported when parsed
+
+    try:
+        return size_bytes(text)
+    except ArgumentError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = __doc__.splitlines()[0]
     parser.add_argument(
         "ckpt_dir",
-        help="a checkpoint tag directory, a directory with 'latest', or a Hugging Face folder",
+        help="a checkpoint tag directory, a directory with 'latest' (zeroshard's or "
+        "DeepSpeed's), or a Hugging Face folder",
+    )
+    parser.add_argument(
+        "--from-deepspeed",
+        dest="deepspeed",
+        action="store_true",
+        default=None,
+        help="CKPT_DIR must be a DeepSpeed checkpoint (detected without this flag too)",
     )
     parser.add_argument("out", help="output .safetensors file, or a directory")
     parser.add_argument(
@@ -66,7 +71,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--no-verify",
         dest="verify",
         action="store_false",
-        help="skip comparing every tensor with the checksums recorded at save time",
+        help="skip comparing every tensor with the checksums recorded at save time (a "
+        "DeepSpeed checkpoint: the CRC-32 of every zip member)",
     )
     parser.add_argument(
         "--tag",
@@ -82,12 +88,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     from zeroshard.checkpoint import sources
+    from zeroshard.checkpoint.ds_files import deepspeed_path
     from zeroshard.checkpoint.export import DTYPE_ARGS, export_checkpoint, export_safetensors
     from zeroshard.checkpoint.load import CheckpointError
 
     dtype = DTYPE_ARGS.get(args.dtype)
     try:
-        if args.tag is None and not sources.is_checkpoint(args.ckpt_dir):
+        hf_folder = (
+            args.tag is None
+            and not args.deepspeed
+            and not sources.is_checkpoint(args.ckpt_dir)
+            and deepspeed_path(args.ckpt_dir, None) is None
+        )
+        if hf_folder:
             paths = export_safetensors(
                 args.ckpt_dir,
                 args.out,
@@ -104,6 +117,7 @@ def main(args: argparse.Namespace) -> int:
                 verify=args.verify,
                 allow_nonfinite=args.allow_nonfinite,
                 tag=args.tag,
+                deepspeed=args.deepspeed,
             )
     except (CheckpointError, ValueError) as exc:  # (a bad config.json: ModelConfigError)
         print(f"zeroshard convert: {exc}")

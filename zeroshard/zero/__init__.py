@@ -12,9 +12,15 @@ from zeroshard.zero.params.external import (
 from zeroshard.zero.params.gathered import GatheredParameters
 from zeroshard.zero.params.init import Init
 
+#: DeepSpeed's ``zero.MiCS_Init``: builds the model partitioned as ``Init`` does;
+#: ``initialize`` re-slices it into the hybrid-sharding layout of the config's
+#: ``zero_optimization.mics_shard_size``
+MiCS_Init = Init
+
 __all__ = [
     "GatheredParameters",
     "Init",
+    "MiCS_Init",
     "register_external_parameter",
     "unregister_external_parameter",
 ]

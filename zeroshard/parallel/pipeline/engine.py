@@ -90,6 +90,7 @@ class PipelineEngine(Engine):
             if comm.rank != 0
             for _, p in module.tied_parameters(key)
         }
+        assert self.optimizer is not None  # initialize() refuses a pipeline without one
         self.optimizer.pipeline = PipelineGrads(self.pipe_comm, self._excluded_pieces())
         link = None
         if module.num_stages > 1:
@@ -164,7 +165,7 @@ class PipelineEngine(Engine):
         tensor-parallel replica)."""
         flat, out = self.flat, []
         tp_skip = set()
-        tp = self.optimizer.tp
+        tp = self.optimizer.tp if self.optimizer is not None else None
         if tp is not None and tp.comm.rank != 0:
             tp_skip = set(tp.replicated)
         mine = self.checkpoint_skip

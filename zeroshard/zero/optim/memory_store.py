@@ -21,11 +21,11 @@ kernels as ``grad_scale``, so it costs no pass of its own over the gradients.
 from __future__ import annotations
 
 from collections.abc import Set as AbstractSet
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
-from zeroshard import ArgumentError
+from zeroshard import ArgumentError, InternalError
 from zeroshard.distributed.device import runtime
 from zeroshard.offload.placement import Placement
 from zeroshard.runtime.precision import DtypePolicy
@@ -363,3 +363,34 @@ def build_memory_states(
         # stage 3's offload_param, which they are written into on the host)
         uploads=placement.optimizer_on_host and not placement.param_on_host,
     )
+
+
+class NoStates:
+    """The state store of an engine built without an optimizer (inference / evaluation):
+    no masters, no optimizer states; checkpoints hold the parameters only."""
+
+    kinds: ClassVar[list[str]] = []
+    masters = None
+    separate = False
+
+    def read(self, kind: str, a: int, b: int) -> torch.Tensor:
+        raise KeyError(f"no optimizer state {kind!r}: this engine has no optimizer")
+
+    def write(self, kind: str, a: int, values: torch.Tensor) -> None:
+        raise KeyError(f"no optimizer state {kind!r}: this engine has no optimizer")
+
+    def group_steps(self) -> list[float]:
+        return []
+
+    def set_group_steps(self, steps: list[float]) -> None:
+        if steps:
+            raise InternalError("step counts for an engine without an optimizer")
+
+    def buffers(self) -> list[torch.Tensor]:
+        return []
+
+    def disk_bytes(self) -> int:
+        return 0
+
+
+NO_STATES = NoStates()

@@ -166,6 +166,19 @@ class ShardedOptimizer:
     def state(self):
         return self.states.state
 
+    @property
+    def fp32_partitioned_groups_flat(self) -> list[torch.Tensor]:
+        """DeepSpeed's name for its ZeRO-3 sub-groups' fp32 master partitions: this rank's
+        fp32 master chunks, one per segment of the flat layout (zeroshard's sub-groups),
+        at every stage. (Masters in NVMe swap files are not in memory: AttributeError.)"""
+        masters = getattr(self.states, "masters", None)
+        if masters is None:
+            raise AttributeError(
+                "fp32_partitioned_groups_flat: the fp32 masters are in NVMe swap files "
+                "(offload_optimizer.device nvme), not in memory"
+            )
+        return list(masters)
+
     def _replicated_over(self) -> Comm | None:
         """Stage 0 (no tensor or pipeline parallelism): the group over which every rank
         holds the same all-reduced gradient, so that each rank sums the squares of its

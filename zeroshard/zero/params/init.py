@@ -43,7 +43,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.hooks import RemovableHandle
 
-from zeroshard import NotBuiltError, UsageError
+from zeroshard import ArgumentError, NotBuiltError, UsageError
 from zeroshard.distributed.comm import Comm
 from zeroshard.distributed.device import runtime
 from zeroshard.distributed.process_group import default_device, init_distributed
@@ -60,6 +60,10 @@ class Sealed:
     param: weakref.ref
     shard: torch.Tensor  # elements [rank*chunk, (rank+1)*chunk) of the flat value, padded
     numel: int
+    # the dtype the construction code made the parameter in: whole-tensor initializers
+    # run in it (then the kept slice is cast), so Init(dtype=bf16) equals building the
+    # model as usual and casting it
+    build_dtype: torch.dtype = torch.float32
     owner: weakref.ref | None = None  # the module it was registered on, and its name there
     local_name: str = ""
     gathered: int = 0  # open GatheredParameters blocks holding it whole
@@ -115,16 +119,23 @@ class Init:
     """Context manager (DeepSpeed's ``deepspeed.zero.Init``): parameters created inside
     are partitioned across the data-parallel ranks as soon as they are registered.
 
-    DeepSpeed's keyword arguments: ``dtype`` casts the kept slices, ``enabled`` turns it
-    off; ``remote_device="cpu"`` keeps them in CPU memory (pinned with ``pin_memory``).
+    DeepSpeed's keyword arguments: ``dtype`` is the dtype of the parameters made
+    inside (floating ones; default: the 16-bit dtype the config given as
+    ``config_dict_or_path`` enables in its ``bf16`` / ``fp16`` section, else the dtype
+    the construction code chose). Initializers (``nn.init.*``, ``normal_``, ...) draw in
+    the dtype the code made the parameter in and the kept slice is cast, so the model
+    equals the same model built without ``Init`` and then cast (DeepSpeed draws in the
+    half dtype directly; zeroshard keeps the numbers of the usual fp32 construction).
+    ``enabled`` turns it off; ``remote_device="cpu"`` keeps the slices in CPU memory
+    (pinned with ``pin_memory``).
     Parameters are partitioned over the ranks that hold the same parameters: the
     data-parallel group of ``mpu`` or ``data_parallel_group``, or the ``replicas`` group
     of ``mesh`` (a :class:`~zeroshard.distributed.mesh.Mesh`), else every rank (the engine
     re-slices them into its own layout at ``initialize``). ``module=`` (partitioning an
     already built model) is not supported: pass the model to ``initialize`` with a
-    stage-3 config instead. ``mem_efficient_linear`` and the config arguments change
-    nothing here (stage 3 needs no special linear layer; the config is read by
-    ``initialize``).
+    stage-3 config instead. ``mem_efficient_linear`` changes nothing (stage 3 needs no
+    special linear layer); of the config only the dtype is read here (the rest is read
+    by ``initialize``).
     """
 
     def __init__(
@@ -159,6 +170,14 @@ class Init:
                 "compute device are built; NVMe-partitioned construction is not built yet"
             )
         self.remote_cpu, self.pin_memory = remote == "cpu", pin_memory
+        if config is not None and config_dict_or_path is not None:
+            raise ArgumentError(
+                "zero.Init: config and config_dict_or_path are the same argument (config is "
+                "DeepSpeed's deprecated name); give one"
+            )
+        source = config_dict_or_path if config_dict_or_path is not None else config
+        if dtype is None and source is not None:
+            dtype = config_dtype(source)
         self.enabled, self.dtype = enabled, dtype
         if mpu is not None:
             data_parallel_group = mpu.get_data_parallel_group()
@@ -216,7 +235,9 @@ class Init:
         return -(-numel // self.comm.world_size)
 
     def _on_register(self, module, name, param):
-        if param is None or self.lookup(param) is not None:
+        # sealed already, by this Init or by another one active around it (nested
+        # zero.Init contexts: the first to see a parameter keeps it; its storage is gone)
+        if param is None or self.lookup(param) is not None or is_sealed(param):
             return None
         with torch._C.DisableTorchFunction():
             self._seal(param)
@@ -228,7 +249,7 @@ class Init:
         return None
 
     def _seal(self, param: torch.Tensor) -> None:
-        numel = param.numel()
+        numel, build_dtype = param.numel(), param.dtype
         dtype = self.dtype if self.dtype is not None and param.is_floating_point() else param.dtype
         value = param.detach().reshape(-1).to(dtype).clone()
         if dtype != param.dtype:
@@ -236,7 +257,7 @@ class Init:
         pin = self.pin_memory and self._keep_on.type == "cpu" and runtime(self.device).pin
         shard = torch.zeros(self._chunk(numel), dtype=dtype, device=self._keep_on, pin_memory=pin)
         key = _storage_key(param)
-        self._sealed[key] = Sealed(weakref.ref(param), shard, numel)
+        self._sealed[key] = Sealed(weakref.ref(param), shard, numel, build_dtype)
         self._keep_slice(key, value)
         param.untyped_storage().resize_(0)
 
@@ -301,7 +322,7 @@ class Init:
             if key not in temps:
                 whole = fill and t is first and _covers(t, param)
                 base = (
-                    torch.empty(entry.numel, dtype=entry.shard.dtype, device=self.device)
+                    torch.empty(entry.numel, dtype=entry.build_dtype, device=self.device)
                     if whole
                     else self.full_value(entry).clone()
                 )
@@ -353,6 +374,32 @@ class Init:
 
 
 _ACTIVE: list[Init] = []  # Init contexts whose sealed parameters await initialize()
+
+
+def config_dtype(source) -> torch.dtype | None:
+    """The 16-bit dtype a DeepSpeed config (a dict or a JSON path) enables: bf16 (section
+    ``bf16`` or ``bfloat16``), fp16, or None (neither, or ``"auto"`` not filled in yet)."""
+    from collections.abc import Mapping
+
+    from zeroshard.config import ConfigError, read_config_file
+
+    data = source if isinstance(source, Mapping) else read_config_file(source)
+    if not isinstance(data, Mapping):
+        raise ConfigError("config", f"expected an object {{...}}, got {type(data).__name__}")
+    on = []
+    for key, dtype in (
+        ("bf16", torch.bfloat16),
+        ("bfloat16", torch.bfloat16),
+        ("fp16", torch.float16),
+    ):
+        section = data.get(key)
+        if isinstance(section, Mapping) and section.get("enabled") is True:
+            on.append((key, dtype))
+    if len({d for _, d in on}) > 1:
+        raise ConfigError(
+            f"{on[0][0]}.enabled", f"and {on[-1][0]}.enabled are both true; enable one"
+        )
+    return on[0][1] if on else None
 
 
 def _storage_key(t: torch.Tensor) -> int:

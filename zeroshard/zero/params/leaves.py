@@ -61,6 +61,11 @@ def z3_leaf_module(module: nn.Module) -> bool:
     return bool(getattr(module, "_z3_leaf", False))
 
 
+def get_z3_leaf_modules(model: nn.Module) -> list[nn.Module]:
+    """The modules of ``model`` marked as stage-3 leaves (DeepSpeed's name)."""
+    return [m for m in model.modules() if z3_leaf_module(m)]
+
+
 def find_leaves(model: nn.Module, config=None) -> list[nn.Module]:
     """The outermost leaf modules of ``model``: marked ones, and those the config's
     ``leaf_module`` section names (by class, by name, or by name suffix; without the
