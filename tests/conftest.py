@@ -4,4 +4,20 @@ GPUs, so it checks the same thing everywhere; ``test_cuda.py`` asks for CUDA its
 
 import os
 
+import pytest
+
 os.environ.setdefault("ZEROSHARD_ACCELERATOR", "cpu")
+
+
+@pytest.fixture(autouse=True)
+def _no_process_group_left_behind():
+    """A test that builds an engine in the pytest process itself gets a one-rank process
+    group (as DeepSpeed's initialize makes one); it ends with the test, so that the next
+    test sees torch.distributed as it was (test_pipeline_schedules checks an
+    uninitialized world)."""
+    import torch.distributed as dist
+
+    before = dist.is_available() and dist.is_initialized()
+    yield
+    if not before and dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
