@@ -95,25 +95,15 @@ PEER_NOT_BUILT = [
     "deepspeed.moe.sharded_moe",
 ]
 
+TESTS = os.path.dirname(os.path.abspath(__file__))
+
 _RESOLVE = """
 import importlib, json, sys
 import zeroshard.as_deepspeed
 names, not_built = json.loads(sys.argv[1]), json.loads(sys.argv[2])
-bad = []
-for name in names:
-    parts = name.split(".")
-    i = len(parts)
-    while i > 0:
-        try:
-            obj = importlib.import_module(".".join(parts[:i]))
-            break
-        except ImportError:
-            i -= 1
-    try:
-        for attr in parts[i:]:
-            obj = getattr(obj, attr)
-    except AttributeError as e:
-        bad.append(f"{name}: {e}")
+sys.path.insert(0, sys.argv[-1])  # tests/, for alias_names
+from alias_names import unresolved
+bad = unresolved(names)
 for mod in not_built:
     try:
         importlib.import_module(mod)
@@ -135,7 +125,7 @@ print(json.dumps(bad))
 
 def test_every_peer_name_resolves_through_the_alias() -> None:
     out = subprocess.run(
-        [sys.executable, "-c", _RESOLVE, json.dumps(PEER_NAMES), json.dumps(PEER_NOT_BUILT)],
+        [sys.executable, "-c", _RESOLVE, json.dumps(PEER_NAMES), json.dumps(PEER_NOT_BUILT), TESTS],
         capture_output=True,
         text=True,
         timeout=120,

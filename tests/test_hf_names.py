@@ -101,24 +101,14 @@ def test_grep_finds_nothing_else() -> None:
     assert not missing, f"transformers/accelerate call DeepSpeed names not listed here: {missing}"
 
 
+TESTS = str(pathlib.Path(__file__).resolve().parent)
+
 _RESOLVE = """
 import importlib, json, sys
 import zeroshard.as_deepspeed
-bad = []
-for name in json.loads(sys.argv[1]):
-    parts = name.split(".")
-    obj, i = None, len(parts)
-    while i > 0:
-        try:
-            obj = importlib.import_module(".".join(parts[:i]))
-            break
-        except ImportError:
-            i -= 1
-    try:
-        for attr in parts[i:]:
-            obj = getattr(obj, attr)
-    except AttributeError as e:
-        bad.append(f"{name}: {e}")
+sys.path.insert(0, sys.argv[-1])  # tests/, for alias_names
+from alias_names import unresolved
+bad = unresolved(json.loads(sys.argv[1]))
 import importlib.metadata, deepspeed, zeroshard
 assert importlib.metadata.version("deepspeed") == deepspeed.__version__
 assert deepspeed.zero.Init is zeroshard.zero.Init
@@ -137,7 +127,7 @@ def test_every_name_resolves_through_the_alias() -> None:
     import json
 
     out = subprocess.run(
-        [sys.executable, "-c", _RESOLVE, json.dumps(NAMES)],
+        [sys.executable, "-c", _RESOLVE, json.dumps(NAMES), TESTS],
         capture_output=True,
         text=True,
         timeout=120,
