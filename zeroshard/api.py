@@ -17,6 +17,7 @@ from torch import nn
 from zeroshard.config import ConfigError, load_config
 from zeroshard.distributed import default_device, init_distributed
 from zeroshard.engine import Engine
+from zeroshard.moe.apply import expert_parallel_size
 from zeroshard.optim import hyperparams
 from zeroshard.parallel.mesh import Mesh, MeshShape
 from zeroshard.parallel.pipeline_engine import PipelineEngine
@@ -193,6 +194,12 @@ def initialize(
             micro_batch_from_data=own,
             module_stages=module_stages,
         )
+        if expert_parallel_size(model, cfg) > 1:
+            raise NotImplementedError(
+                "initialize(mpu=...) with expert parallelism (MoE ep_size > 1 or "
+                "expert_parallel.enabled) is not built yet; give the parallel sizes in the "
+                "config instead of an mpu"
+            )
     else:
         cfg = load_config(
             source, world_size=world, micro_batch_from_data=own, module_stages=module_stages
@@ -203,6 +210,7 @@ def initialize(
             sp=cfg.sequence_parallel_size,
             pp=cfg.pipeline_stages,
             shard_size=cfg.zero_optimization.mics_shard_size,
+            ep=expert_parallel_size(model, cfg),
         )
         mesh = Mesh.build(shape, device_type=default_device().type)
     if cfg.seed is not None:
