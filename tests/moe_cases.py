@@ -24,6 +24,7 @@ EXPERTS = 4
 TOKENS = 6  # tokens per sample
 AUX = 0.01  # weight of the load-balancing losses
 LR = 1e-2
+TOL = 2e-5  # parity tolerance against the fp32 reference
 
 
 class DSMoEModel(nn.Module):
@@ -113,18 +114,24 @@ def loss_of(model: nn.Module, kind: str, step: int, rank: int) -> torch.Tensor:
     return model(**lm_batch(step, rank)).loss
 
 
-def reference(kind: str, dp: int, steps: int) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """Single process, fp32 AdamW: each step the mean of the ``dp`` micro-batch losses."""
+def reference(
+    kind: str, dp: int, steps: int, clip: float = 0.0
+) -> tuple[list[float], list[float], dict[str, torch.Tensor]]:
+    """Single process, fp32 AdamW: each step the mean of the ``dp`` micro-batch losses;
+    returns the losses, the global gradient norms (before clipping at ``clip``) and the
+    final parameters."""
     model = DSMoEModel() if kind == "ds" else tiny_mixtral()
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
-    losses = []
+    losses, norms = [], []
     for step in range(steps):
         loss = sum(loss_of(model, kind, step, r) for r in range(dp)) / dp
         loss.backward()
+        if clip > 0:
+            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), clip).item())
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+    return losses, norms, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
 def as_global(module: nn.Module, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

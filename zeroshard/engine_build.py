@@ -23,7 +23,7 @@ from torch import nn
 
 from zeroshard.agreement import check_ranks_agree
 from zeroshard.moe.apply import bind_layers, convert_hf
-from zeroshard.moe.marks import EXPERT_LIST_ATTR, is_expert
+from zeroshard.moe.marks import EXPERT_LIST_ATTR, expert_shard, is_expert
 from zeroshard.offload.store import MemoryShard
 from zeroshard.optim import optimizer_factory
 from zeroshard.parallel.apply import (
@@ -68,9 +68,10 @@ class Sharding:
 
 
 def _kind(p: torch.Tensor) -> int:
-    """A parameter's segment kind: 1 for an expert split over several expert-parallel
-    ranks (sharded and reduced over the expert-data-parallel group), else 0."""
-    return 1 if is_expert(p) else 0
+    """A parameter's segment kind: 1 for an expert of a MoE layer (sharded and reduced
+    over the expert-data-parallel group: with one expert-parallel rank, the usual one),
+    else 0."""
+    return 1 if expert_shard(p) is not None else 0
 
 
 def _expert_buffers(module: nn.Module) -> set[int]:

@@ -100,11 +100,11 @@ def run_experts(
     num_experts: int,
     comm: Comm | None,
     compute: Callable[[torch.Tensor, list[int]], torch.Tensor],
-) -> torch.Tensor:
-    """Every route's expert output, ``[tokens, k, out]`` (zeros for dropped routes):
-    the rows go to their experts' ranks, ``compute(rows, counts)`` runs this rank's
-    experts on the rows it got (sorted by local expert, ``counts`` each), the outputs
-    come back."""
+) -> tuple[torch.Tensor, Plan]:
+    """Every route's expert output, ``[tokens, k, out]`` (zeros for dropped routes),
+    and the plan it followed: the rows go to their experts' ranks, ``compute(rows,
+    counts)`` runs this rank's experts on the rows it got (sorted by local expert,
+    ``counts`` each), the outputs come back."""
     s, k = experts.shape
     p = plan(experts, num_experts, comm)
     rows = tokens.index_select(0, torch.div(p.order, k, rounding_mode="floor"))
@@ -118,4 +118,4 @@ def run_experts(
         back[p.regroup] = torch.arange(p.regroup.numel(), device=back.device)
         out = all_to_all(out.index_select(0, back), comm, p.sent, p.received)
     routes = out.new_zeros(s * k, out.shape[-1]).index_copy(0, p.order, out)
-    return routes.view(s, k, -1)
+    return routes.view(s, k, -1), p

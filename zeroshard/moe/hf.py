@@ -57,6 +57,8 @@ class ExpertParallelExperts(nn.Module):
         self.intermediate_dim = stock.intermediate_dim
         self.act_fn = stock.act_fn
         self.comm, self.way = comm, way or default_way()
+        #: rows (routed token copies) this rank sent and received in the last forward
+        self.rows_sent = self.rows_received = 0
         self.stock_class = type(stock)
         shard = ExpertShard(num_experts=num, ep=ep, ep_rank=rank, fused_dim=0)
         for name in ("gate_up_proj", "down_proj"):
@@ -77,7 +79,8 @@ class ExpertParallelExperts(nn.Module):
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
         comm = self.comm if self.comm is not None and self.comm.world_size > 1 else None
-        out = run_experts(hidden_states, top_k_index, self.num_experts, comm, self._rows)
+        out, plan = run_experts(hidden_states, top_k_index, self.num_experts, comm, self._rows)
+        self.rows_sent, self.rows_received = sum(plan.sent), sum(plan.received)
         # as transformers: each route's output times its weight, in the hidden dtype, summed
         routed = (out * top_k_weights.unsqueeze(-1)).to(hidden_states.dtype)
         return routed.sum(1)

@@ -158,7 +158,8 @@ class TopKGate(nn.Module):
 class MOELayer(nn.Module):
     """Gate, token exchange, experts, combine (GShard's Algorithm 2). After a forward,
     ``l_aux`` and ``exp_counts`` hold the gate's load-balancing loss and per-expert route
-    counts, and ``capacity`` the per-expert capacity applied (None: no drops)."""
+    counts, ``capacity`` the per-expert capacity applied (None: no drops), and
+    ``rows_sent`` / ``rows_received`` the rows this rank exchanged (``dispatch.py``)."""
 
     def __init__(
         self,
@@ -184,6 +185,8 @@ class MOELayer(nn.Module):
         self.l_aux: torch.Tensor | None = None
         self.exp_counts: torch.Tensor | None = None
         self.capacity: int | None = None
+        #: rows (routed token copies) this rank sent and received in the last forward
+        self.rows_sent = self.rows_received = 0
         experts.mark(ExpertShard(num_experts=self.num_experts, ep=ep_size, ep_rank=0))
 
     def bind(self, comm: Comm) -> None:
@@ -216,7 +219,8 @@ class MOELayer(nn.Module):
             routes.capacity,
         )
         comm = self.ep_comm if self.ep_size > 1 else None
-        out = run_experts(tokens, routes.experts, self.num_experts, comm, self.experts.rows)
+        out, plan = run_experts(tokens, routes.experts, self.num_experts, comm, self.experts.rows)
+        self.rows_sent, self.rows_received = sum(plan.sent), sum(plan.received)
         # routes summed in fp32 (the gate's dtype), then cast back (as DeepSpeed)
         combined = (out.float() * routes.weights.unsqueeze(-1)).sum(1).to(x.dtype)
         return combined.reshape(x.shape)
