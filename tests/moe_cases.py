@@ -18,6 +18,7 @@ from torch import nn
 
 from zeroshard.moe.layer import MoE
 from zeroshard.moe.marks import expert_shard, global_names
+from zeroshard.parallel.slices import tp_slice_of
 
 H = 8  # hidden size (a multiple of 4: grouped matmul rows are 16-byte multiples)
 EXPERTS = 4
@@ -144,7 +145,8 @@ def diff_to_reference(
     module: nn.Module, local: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]
 ) -> float:
     """Max |local - reference| over this rank's parameters: experts against the global
-    experts it holds (a fused expert tensor against its slice of the whole one)."""
+    experts it holds (a fused expert tensor against its slice of the whole one),
+    tensor-parallel slices against theirs."""
     params = dict(module.named_parameters())
     worst = 0.0
     for name, t in as_global(module, local).items():
@@ -153,5 +155,46 @@ def diff_to_reference(
         shard = expert_shard(params[local_name])
         if shard is not None and shard.fused_dim is not None:
             want = want.narrow(shard.fused_dim, shard.first, shard.local)
+        spec = tp_slice_of(params[local_name])
+        if spec is not None:  # a tensor-parallel slice
+            want = spec.take(want)
         worst = max(worst, (t.float() - want.float()).abs().max().item())
     return worst
+
+
+class MoEBlock(nn.Module):
+    """A residual MoE block for pipelines (top-2, no sampling; its aux loss cannot reach
+    a pipeline's loss function, so it is left out)."""
+
+    def __init__(self, ep_size: int, ep_rank: int, layer: int) -> None:
+        super().__init__()
+        expert = nn.Sequential(nn.Linear(H, 2 * H), nn.GELU(), nn.Linear(2 * H, H))
+        self.moe = MoE(H, expert, num_experts=EXPERTS, ep_size=ep_size, k=2, drop_tokens=False,
+                       top2_2nd_expert_sampling=False)  # fmt: skip
+        local = EXPERTS // ep_size
+        for i, e in enumerate(self.moe.deepspeed_moe.experts.deepspeed_experts):
+            g = torch.Generator().manual_seed(1000 * layer + ep_rank * local + i)
+            with torch.no_grad():
+                for p in e.parameters():
+                    p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.moe(x)[0]
+
+
+def pipe_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(out.mean(1), y)
+
+
+def pipe_model(stages: int, ep_size: int, ep_rank: int):
+    """Dense, MoE, dense, MoE, dense as a PipelineModule (layers seeded by position)."""
+    from zeroshard.pipe import LayerSpec, PipelineModule
+
+    specs = [
+        LayerSpec(nn.Linear, H, H),
+        LayerSpec(MoEBlock, ep_size, ep_rank, 1),
+        LayerSpec(nn.Linear, H, H),
+        LayerSpec(MoEBlock, ep_size, ep_rank, 2),
+        LayerSpec(nn.Linear, H, H),
+    ]
+    return PipelineModule(specs, num_stages=stages, loss_fn=pipe_loss, seed_layers=True)

@@ -288,6 +288,12 @@ class EngineBuild:
                 f"{what}: a model built under zero.Init with this parallelism is not built "
                 "yet; build the model without zero.Init"
             )
+        if any(is_sealed(p) and is_expert(p) for p in self.module.parameters()):
+            raise NotImplementedError(
+                "MoE(ep_size > 1) built under zero.Init is not built yet (zero.Init shards "
+                "over the dense data-parallel group; experts differ along ep): build the "
+                "model without zero.Init"
+            )
         bind_layers(self.module, self.mesh)
         source = self.mesh.comm("stage" if split else "replicas")
         expert_source = self.mesh.comm("expert_stage" if split else "expert_replicas")
