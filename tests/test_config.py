@@ -688,7 +688,10 @@ NOT_BUILT_CASES = {
         _with(quantize_training={"enabled": True}),
         "quantize_training.enabled",
     ),
-    "expert_parallel": (_with(expert_parallel={"enabled": True}), "expert_parallel.enabled"),
+    "expert_parallel": (
+        _with(expert_parallel={"enabled": True, "expert_tensor_parallel_size": 2}),
+        "expert_parallel.expert_tensor_parallel_size",
+    ),
     # DeepSpeed 0.14's torch.compile switch: refused, not accepted and ignored (issue 32)
     "compile": (_with(compile={"enabled": True}), "compile.enabled"),
     "deepcompile": (_with(compile={"deepcompile": True}), "compile.deepcompile"),

@@ -111,6 +111,11 @@ MODULES: dict[str, str | Callable[[], dict[str, Any]]] = {
     "deepspeed.checkpoint.utils": lambda: {
         "clone_tensors_for_torch_save": clone_tensors_for_torch_save
     },
+    "deepspeed.moe": "zeroshard.moe",  # DeepSpeed-MoE: MoE, its gate, experts and utils
+    "deepspeed.moe.layer": "zeroshard.moe.layer",
+    "deepspeed.moe.experts": "zeroshard.moe.layer",
+    "deepspeed.moe.sharded_moe": "zeroshard.moe.sharded_moe",
+    "deepspeed.moe.utils": "zeroshard.moe.utils",
     "deepspeed.launcher": lambda: {},
     "deepspeed.launcher.runner": lambda: {"DEEPSPEED_ENVIRONMENT_NAME": DEEPSPEED_ENVIRONMENT_NAME},
 }
@@ -121,4 +126,6 @@ NOT_BUILT = {
     "(ALST); zeroshard's sequence parallelism is the config's sequence_parallel_size",
     "deepspeed.ops.adagrad": "DeepSpeed's CPU Adagrad",
     "deepspeed.ops.lion": "DeepSpeed's CPU Lion",
+    "deepspeed.moe.mappings": "DeepSpeed-MoE's tensor-parallel token drop/gather "
+    "(experts split by tensor parallelism)",
 }

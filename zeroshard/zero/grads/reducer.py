@@ -86,6 +86,12 @@ class GradReducer:
             when ``flat`` is sharded, else every data-parallel replica (all-reduce).
         replicate: with hybrid sharding (MiCS / HSDP), the group of ranks holding the
             same shard: each reduced chunk is then all-reduced over it. None: no replicas.
+        expert_comm: the group the segments of kind 1 (expert parameters of a
+            mixture-of-experts layer, which differ along the expert-parallel axis) are
+            reduced over: the expert-data-parallel ranks (their shard group, or all
+            their replicas when unsharded). Their gradients are averaged over ``comm``'s
+            ranks all the same (DeepSpeed's rule: an expert's gradient already sums the
+            tokens every expert-parallel rank sent it). None: as ``comm``.
         dtype: gradient buffer / communication dtype.
         sharded: keep only this rank's gradient chunks (stages 2, 3).
         overlap: launch a bucket's collective as soon as it is complete; otherwise the
@@ -126,8 +132,10 @@ class GradReducer:
         accum_device: torch.device | None = None,
         reduce_scatter_via: str | None = None,
         count_unreached: bool = False,
+        expert_comm: Comm | None = None,
     ) -> None:
         self.flat, self.comm, self.dtype = flat, comm, dtype
+        self.expert_comm = expert_comm if expert_comm is not None else comm
         self._count_unreached = count_unreached
         self._walk_missed: set[int] = set()  # counted as arrived by the last walk
         self._rs_via = reduce_scatter_via or comm.reduce_scatter_path(flat.device)
@@ -153,9 +161,10 @@ class GradReducer:
         staging_numel = max((seg.numel for seg in reduced), default=0)
         self._staging = _Pool(staging_numel, dtype, flat.device)
         # receive buffers of a point-to-point (or all-to-all) reduce-scatter
-        self._scratch = _Pool(
-            comm.reduce_scatter_scratch(staging_numel, self._rs_via), dtype, flat.device
+        scratch = max(
+            c.reduce_scatter_scratch(staging_numel, self._rs_via) for c in (comm, self.expert_comm)
         )
+        self._scratch = _Pool(scratch, dtype, flat.device)
         self._accumulated = False  # whether grad_shard already holds a micro-step
         self._reduced = False  # whether full gradients were reduced in this window
         self._window_filled: set[int] = set()  # params that got a gradient in this window
@@ -373,27 +382,33 @@ class GradReducer:
                         self.flat.params[pi].grad = self._views[pi]
                 else:  # accumulated over micro-steps (or cast in): divided here
                     src[lo:hi].div_(self._pre)
+        comm = self.comm_of(b.segment)
         if g.partitioned:
-            if self._scratch.numel and self.comm.world_size > 1:
+            if self._scratch.numel and comm.world_size > 1:
                 b.scratch = self._scratch.take(self)
             # the window's first reduction of a sharded bucket lands in the owned shard
             # itself (no copy out of the staging bucket afterwards)
             b.direct = self.sharded and self._direct_ok and not self._accumulated
             out = self.grad_chunks[b.segment] if b.direct else self._own(b, src)
-            handle = self.comm.reduce_scatter(
+            handle = comm.reduce_scatter(
                 out, src, async_op=True, via=self._rs_via, scratch=b.scratch
             )
         else:
-            handle = self.comm.all_reduce(src, async_op=True)
+            handle = comm.all_reduce(src, async_op=True)
         self._pending.append((b, handle, "reduce"))
         if not self.overlap:
             while any(entry[0] is b for entry in self._pending):
                 self._complete_oldest()
 
+    def comm_of(self, segment: int) -> Comm:
+        """The group segment ``segment``'s gradients are reduced over (by its kind)."""
+        return self.expert_comm if self.flat.layout.segments[segment].kind else self.comm
+
     def _own(self, b: _Bucket, src: torch.Tensor) -> torch.Tensor:
         """This rank's chunk of bucket ``b``'s segment-sized buffer ``src``."""
-        chunk = self.flat.layout.segments[b.segment].chunk
-        return src[self.flat.rank * chunk : (self.flat.rank + 1) * chunk]
+        seg = self.flat.layout.segments[b.segment]
+        lo = seg.owner(self.flat.rank) * seg.chunk
+        return src[lo : lo + seg.chunk]
 
     def _complete_oldest(self) -> None:
         b, handle, phase = self._pending.pop(0)
@@ -520,17 +535,33 @@ class GradReducer:
         trainable parameter, plus one, over every rank that reduces gradients (and over
         ``extra.comm``, the tensor-parallel group, when given). Torch skips a parameter
         whose ``grad`` is None; a parameter used on some ranks only is stepped, its
-        gradient averaged with zeros, as DDP does."""
+        gradient averaged with zeros, as DDP does. Expert parameters (segments of kind 1)
+        differ along the expert-parallel axis: theirs is a second all-reduce, over
+        ``expert_comm`` (the ranks holding the same experts)."""
         flat = self.flat
+        layout = flat.layout
         trainable = [pi for pi in range(len(flat.params)) if flat.group_of[pi] >= 0]
+        experts = [pi for pi in trainable if layout.segments[layout.param_segment[pi]].kind]
+        if self.expert_comm is self.comm:
+            experts = []
+        dense = [pi for pi in trainable if pi not in set(experts)]
         filled = self._window_filled
-        flags = torch.tensor([*(pi in filled for pi in trainable), bad], dtype=torch.uint8)
+        flags = torch.tensor([*(pi in filled for pi in dense), bad], dtype=torch.uint8)
         flags = flags.to(flat.device)
-        for comm in (self.comm, self.replicate, extra.comm if extra is not None else None):
+        tp = extra.comm if extra is not None else None
+        for comm in (self.comm, self.replicate, tp):
             if comm is not None:
                 comm.all_reduce(flags, op="max")
         *used, any_bad = flags.tolist()
-        return {pi for pi, u in zip(trainable, used, strict=True) if not u}, bool(any_bad)
+        unused = {pi for pi, u in zip(dense, used, strict=True) if not u}
+        if experts:
+            mine = torch.tensor([pi in filled for pi in experts], dtype=torch.uint8)
+            mine = mine.to(flat.device)
+            for comm in (self.expert_comm, self.replicate, tp):
+                if comm is not None:
+                    comm.all_reduce(mine, op="max")
+            unused |= {pi for pi, u in zip(experts, mine.tolist(), strict=True) if not u}
+        return unused, bool(any_bad)
 
     def ensure_defined(self) -> None:
         """Before a step: a window in which no reduction ran means zero gradients (the

@@ -5,7 +5,10 @@ Communication at the step, per accumulation boundary:
 
 * one all-reduce of a single fp32 scalar (the squared gradient norm) over the ZeRO
   shard group when gradients are sharded and clipping or fp16 overflow detection needs
-  the global norm (8 bytes);
+  the global norm (8 bytes). With expert parallelism the shards of expert segments
+  (over the expert-data-parallel ranks, each ``ep`` coordinate holding its own experts)
+  and of dense ones together partition the whole gradient, so the same all-reduce
+  counts each parameter once;
 * one all-reduce (max) of a byte per trainable parameter, plus one, over the gradient
   group (and the TP group): which parameters got a gradient on some rank in the window
   (the others are not stepped), and whether some rank saw an inf/nan gradient or loss
@@ -163,9 +166,15 @@ class ShardedOptimizer:
         parameter counted once), on the device, fp32."""
         chunks = self.reducer.grad_chunks
         replicated = self._replicated_over()
-        if replicated is not None:  # this rank's share of the whole gradient
+        if replicated is not None and self._experts_unsharded:
+            chunks = self._shares()
+        elif replicated is not None:  # this rank's share of the whole gradient
             total, n, r = self.flat.layout.shard_numel, replicated.world_size, replicated.rank
             chunks = self.reducer.grad_pieces(total * r // n, total * (r + 1) // n)
+        elif self._experts_unsharded:  # each segment counted by the first rank holding it
+            chunks = [
+                c if self.reducer.comm_of(i).rank == 0 else c[:0] for i, c in enumerate(chunks)
+            ]
         if self.tp is not None:
             local = self.tp.local_sum_of_squares(chunks)
         elif chunks:
@@ -176,6 +185,25 @@ class ShardedOptimizer:
             local = local - self.pipeline.excluded_sum_of_squares(chunks).to(local.device)
         return local.reshape(1).to(device=self.flat.device, dtype=torch.float32)
 
+    @property
+    def _experts_unsharded(self) -> bool:
+        """Stage 0 with expert parallelism: every replica holds the whole dense gradient,
+        but only its own experts'."""
+        return not self.flat.partitioned and self.reducer.expert_comm is not self.reducer.comm
+
+    def _shares(self) -> list[torch.Tensor]:
+        """Stage 0 with expert parallelism: this rank's share of each segment's whole
+        gradient among the ranks holding the same one (every replica for dense
+        segments, the expert-data-parallel ones for experts), so that summing over every
+        replica counts each element once."""
+        out = []
+        for seg in self.flat.layout.segments:
+            chunk = self.reducer.grad_chunks[seg.index]
+            comm = self.reducer.comm_of(seg.index)
+            n, r, size = comm.world_size, comm.rank, chunk.numel()
+            out.append(chunk[size * r // n : size * (r + 1) // n])
+        return out
+
     def _global_norm(self, local: torch.Tensor) -> float:
         """L2 norm of the whole (averaged) gradient: local parts summed over shards
         (and over tensor-parallel ranks)."""
@@ -183,6 +211,8 @@ class ShardedOptimizer:
             self.comm.all_reduce(local)
         elif (replicated := self._replicated_over()) is not None:  # shares of one gradient
             replicated.all_reduce(local)
+        elif self._experts_unsharded:  # each replica counted its part once
+            self.reducer.comm.all_reduce(local)
         if self.tp is not None:
             self.tp.comm.all_reduce(local)
         if self.pipeline is not None:  # every stage's parameters
