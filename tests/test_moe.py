@@ -17,7 +17,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from zeroshard import NotBuiltError, UsageError
 from zeroshard.moe import gating
+from zeroshard.moe.errors import ExpertParallelError
 from zeroshard.moe.grouped import WAYS, grouped_linear
 from zeroshard.moe.layer import MoE
 from zeroshard.moe.sharded_moe import top1gating, top2gating, topkgating
@@ -71,7 +73,7 @@ def test_top1_follows_deepspeed() -> None:
     assert dropped.capacity == 1 and (dropped.experts[:3] >= 0).sum() == 1
     assert dropped.experts[3].item() == 1 and dropped.exp_counts.tolist() == [3, 1]
     assert (dropped.weights[dropped.experts < 0] == 0).all()
-    with pytest.raises(ValueError, match="min_capacity"):
+    with pytest.raises(ExpertParallelError, match="min_capacity"):
         gating.top1(logits, 1.0, 8)
 
 
@@ -224,19 +226,19 @@ def test_noisy_policies_act_in_training_only() -> None:
 )
 def test_arguments_refused_by_name(kwargs: dict, match: str) -> None:
     args = {"num_experts": 4, **kwargs}
-    with pytest.raises((ValueError, NotImplementedError), match=match):
+    with pytest.raises((ExpertParallelError, NotBuiltError), match=match):
         MoE(mc.H, _expert(), **args)
 
 
 def test_unbound_expert_parallel_layer_and_used_token() -> None:
     moe = MoE(mc.H, _expert(), num_experts=4, ep_size=2)
     assert len(moe.deepspeed_moe.experts.deepspeed_experts) == 2
-    with pytest.raises(RuntimeError, match=r"zeroshard\.initialize"):
+    with pytest.raises(UsageError, match=r"zeroshard\.initialize"):
         moe(torch.randn(2, 4, mc.H))
-    with pytest.raises(RuntimeError, match="initialize"):
+    with pytest.raises(UsageError, match="initialize"):
         moe.set_deepspeed_parallelism()
     two = MoE(mc.H, _expert(), num_experts=4, k=2)
-    with pytest.raises(ValueError, match="used_token"):
+    with pytest.raises(ExpertParallelError, match="used_token"):
         two(torch.randn(2, 4, mc.H), torch.ones(8))
     one = MoE(mc.H, _expert(), num_experts=4, k=1, drop_tokens=False, min_capacity=0)
     used = torch.tensor([1.0, 0.0, 1.0, 0.0, 1.0, 1.0, 1.0, 1.0])
@@ -257,7 +259,7 @@ def test_grouped_linear_ways_agree() -> None:
             outs.append((y, gx, gw))
         for other in outs[1:]:
             assert all((a - b).abs().max() < 1e-4 for a, b in zip(outs[0], other, strict=True))
-    with pytest.raises(ValueError, match="way"):
+    with pytest.raises(ExpertParallelError, match="way"):
         grouped_linear(x, w, counts, "einsum")
 
 
@@ -341,9 +343,9 @@ def test_hf_blocks_converted_in_place_match_stock(family: str) -> None:
         worst = max((a - b).abs().max().item() for a, b in zip(grads, ref_grads, strict=True))
         assert worst < 1e-5, (way, worst)
     assert set(PRESETS) == {"mixtral", "qwen2_moe", "qwen3_moe"}
-    with pytest.raises(ValueError, match="preset_model"):
+    with pytest.raises(ExpertParallelError, match="preset_model"):
         convert_sparse_blocks(mc.tiny_mixtral(), None, "deepseek_v3")
-    with pytest.raises(ValueError, match="no MoE experts module"):
+    with pytest.raises(ExpertParallelError, match="no MoE experts module"):
         convert_sparse_blocks(nn.Sequential(nn.Linear(2, 2)), None)
 
 

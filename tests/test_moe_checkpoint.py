@@ -116,7 +116,7 @@ def test_convert_and_16bit_write_each_expert_once(results) -> None:
         dest = os.path.join(tmp, f"{kind}-converted.safetensors")
         env = {**os.environ, "PYTHONPATH": os.getcwd()}
         done = subprocess.run(
-            [sys.executable, "-m", "zeroshard.cli", "convert", os.path.join(tmp, ckpt), dest],
+            [sys.executable, "-m", "zeroshard.tools.cli", "convert", os.path.join(tmp, ckpt), dest],
             capture_output=True, text=True, env=env, timeout=300,
         )  # fmt: skip
         assert done.returncode == 0, done.stderr[-2000:]

@@ -160,7 +160,7 @@ def _refusals(rank: int, world: int) -> dict:
         try:
             zeroshard.initialize(model=model, config=config)
             out[name] = "accepted"
-        except (ValueError, NotImplementedError) as exc:
+        except zeroshard.ZeroshardError as exc:
             out[name] = str(exc)
     return out
 
