@@ -87,7 +87,8 @@ def _compute(args) -> list[tuple[str, float]]:
     )
     ds = Experts(mlp, args.experts)
     counts = torch.bincount(index[:, 0], minlength=args.experts).tolist()
-    rows = x[torch.argsort(index[:, 0], stable=True)]
+    # a leaf of its own: each timed call runs forward and backward from it afresh
+    rows = x.detach()[torch.argsort(index[:, 0], stable=True)].requires_grad_()
     for grouped in (True, False):
         ds.grouped = grouped
 
