@@ -354,3 +354,17 @@ def test_config_presets_are_hf_plans() -> None:
     from zeroshard.moe.hf import PRESETS
 
     assert set(EP_PRESETS) == set(PRESETS)
+
+
+def test_gpu_section_runs_every_way_on_cpu() -> None:
+    """gpu_check's MoE section (benchmarks/_gpu_moe.py) at its smoke size: every way
+    gives a row with a rate and agrees with the loop."""
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+    import _gpu_moe
+
+    rows = [r for r in _gpu_moe.moe_section(smoke=True).splitlines() if r.startswith("| ")]
+    assert [r.split(" | ")[0][2:] for r in rows[1:]] == [*[w for w in WAYS if w != "loop"], "loop"]
+    assert not [r for r in rows if "failed" in r]
+    for r in rows[1:]:
+        out, grad = (float(v) for v in r.split(" | ")[3].rstrip(" |").split(" / "))
+        assert out < 1e-5 and grad < 1e-5, r
