@@ -7,13 +7,16 @@ parallelism.
    backward, by each way of ``zeroshard/moe/grouped.py``: ``grouped_mm`` (one
    ``torch._grouped_mm`` per projection), ``bmm`` (padded batched matmul) and ``loop``
    (one matmul per expert); and DeepSpeed's ``MoE`` experts (an ``nn.Sequential``
-   expert) through ``torch.func.vmap`` against one call per expert. Tokens per second,
-   median of ``--repeats``.
+   expert) through ``torch.func.vmap`` against one call per expert. Tokens per
+   CPU-second of the calling thread (torch runs on that one thread), median of
+   ``--repeats``: on a shared machine CPU time is steadier than wall time, which is
+   printed too.
 2. **Training step** (2 ranks, gloo, 1 thread each): a transformers Mixtral, ZeRO 1,
    the same global batch: ``dense`` (every rank holds every expert; data parallel over 2)
    against ``ep2`` (``expert_parallel.autoep_size`` 2: each rank holds half the experts,
-   tokens exchanged by all-to-all). Median step time (slowest rank), expert bytes per
-   rank (``memory_stats()``), and the ledger's bytes per step by axis and op.
+   tokens exchanged by all-to-all). Median step time (slowest rank, wall clock), the
+   ranks' CPU seconds per step (``time.process_time``: gloo's threads included), expert
+   bytes per rank (``memory_stats()``), and the ledger's bytes per step by axis and op.
 
     .venv/bin/python benchmarks/bench_moe.py --rounds 3 [--record]
 """
@@ -47,7 +50,7 @@ def _mixtral(args):
     return transformers.MixtralForCausalLM(cfg)
 
 
-def _compute(args) -> list[tuple[str, float]]:
+def _compute(args) -> list[tuple[str, tuple[float, float]]]:
     """Tokens per second of each expert-compute way (forward + backward)."""
     import torch
     from torch import nn
@@ -63,13 +66,15 @@ def _compute(args) -> list[tuple[str, float]]:
     scores = torch.rand(args.tokens, args.experts, generator=g)
     weights, index = torch.topk(scores.softmax(-1), 2, dim=-1)
 
-    def timed(fn) -> float:
-        times = []
+    def timed(fn) -> tuple[float, float]:
+        """Tokens per wall second and per CPU second of this thread (first call: warm-up)."""
+        walls, cpus = [], []
         for _ in range(args.repeats + 1):
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             fn()
-            times.append(time.perf_counter() - t0)
-        return args.tokens / statistics.median(times[1:])
+            walls.append(time.perf_counter() - t0)
+            cpus.append(time.thread_time() - c0)
+        return args.tokens / statistics.median(walls[1:]), args.tokens / statistics.median(cpus[1:])
 
     out = []
     for way in WAYS:
@@ -122,18 +127,19 @@ def _rank(argv: list[str]) -> None:
         cfg["expert_parallel"] = {"enabled": True, "autoep_size": 2}
     engine, *_ = zeroshard.initialize(model=model, config=cfg)
     rank = dist.get_rank()
-    times, losses = [], []
+    times, cpus, losses = [], [], []
     for s in range(args.warmup + args.steps):
         if s == args.warmup:
             engine.reset_comm_stats()
         g = torch.Generator().manual_seed(1000 * s + rank)
         ids = torch.randint(0, 1024, (args.micro, args.seq), generator=g)
         dist.barrier()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         loss = engine(input_ids=ids, labels=ids).loss
         engine.backward(loss)
         engine.step()
         times.append(time.perf_counter() - t0)
+        cpus.append(time.process_time() - c0)
         losses.append(loss.item())
     stats = engine.memory_stats()
     experts = stats.get("experts") or {
@@ -149,6 +155,7 @@ def _rank(argv: list[str]) -> None:
     }
     result = {
         "times": times[args.warmup :],
+        "cpus": cpus[args.warmup :],
         "losses": losses,
         "expert_param_bytes": experts["params"],
         "params": stats["params"],
@@ -191,13 +198,14 @@ def main() -> None:
         f"{args.intermediate}, top-2 of random routing, {args.tokens} tokens, fp32, forward + "
         f"backward, {args.threads} thread(s), median of {args.repeats}",
         "",
-        "| experts module, way | tokens/s | x loop |",
-        "|---|---|---|",
+        "| experts module, way | tokens/CPU-s | x loop | tokens/s (wall) | x loop (wall) |",
+        "|---|---|---|---|---|",
     ]
     rows = _compute(args)
-    loops = {name.split(",")[0]: tps for name, tps in rows if name.endswith("loop")}
-    for name, tps in rows:
-        lines.append(f"| {name} | {tps:,.0f} | {tps / loops[name.split(',')[0]]:.2f} |")
+    loops = {name.split(",")[0]: r for name, r in rows if name.endswith("loop")}
+    for name, (wall, cpu) in rows:
+        lw, lc = loops[name.split(",")[0]]
+        lines.append(f"| {name} | {cpu:,.0f} | {cpu / lc:.2f} | {wall:,.0f} | {wall / lw:.2f} |")
     base = [
         f"--layers={args.layers}", f"--hidden={args.hidden}", f"--intermediate={args.intermediate}",
         f"--experts={args.experts}", f"--seq={args.seq}", f"--micro={args.micro}",
@@ -208,7 +216,8 @@ def main() -> None:
         for mode in per_round:  # interleaved
             ranks = run_ranks(__file__, [f"--mode={mode}", *base], nproc=2)
             slowest = [max(t) for t in zip(*(r["times"] for r in ranks), strict=True)]
-            per_round[mode].append({"step": statistics.median(slowest), "ranks": ranks})
+            cpu = statistics.median(c for r in ranks for c in r["cpus"])
+            per_round[mode].append({"step": statistics.median(slowest), "cpu": cpu, "ranks": ranks})
     lines += [
         "",
         f"Training step: Mixtral {args.layers} layers x hidden {args.hidden}, {args.experts} "
@@ -216,18 +225,22 @@ def main() -> None:
         f"{args.micro} per rank, fp32, ZeRO 1, 2 ranks (gloo, 1 thread each), {args.rounds} "
         f"rounds x {args.steps} timed steps",
         "",
-        "| layout | step (s), median [min-max] | x dense | expert param bytes/rank | "
-        "param bytes/rank | ledger bytes/step (rank 0) | loss first -> last |",
-        "|---|---|---|---|---|---|---|",
+        "| layout | step (s, wall), median [min-max] | x dense | CPU s/step/rank | x dense "
+        "(CPU) | expert param bytes/rank | param bytes/rank | ledger bytes/step (rank 0) | "
+        "loss first -> last |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     dense = statistics.median(r["step"] for r in per_round["dense"])
+    dense_cpu = statistics.median(r["cpu"] for r in per_round["dense"])
     for mode, rounds in per_round.items():
         steps = [r["step"] for r in rounds]
+        cpu = statistics.median(r["cpu"] for r in rounds)
         r0 = rounds[-1]["ranks"][0]
         ledger = ", ".join(f"{k} {v / 2**20:.2f} MiB" for k, v in sorted(r0["ledger"].items()))
         lines.append(
             f"| {mode} | {statistics.median(steps):.3f} [{min(steps):.3f}-{max(steps):.3f}] | "
-            f"{statistics.median(steps) / dense:.2f} | {r0['expert_param_bytes'] / 2**20:.2f} MiB | "
+            f"{statistics.median(steps) / dense:.2f} | {cpu:.3f} | {cpu / dense_cpu:.2f} | "
+            f"{r0['expert_param_bytes'] / 2**20:.2f} MiB | "
             f"{r0['params'] / 2**20:.2f} MiB | {ledger} | "
             f"{r0['losses'][0]:.4f} -> {r0['losses'][-1]:.4f} |"
         )

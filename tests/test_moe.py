@@ -285,7 +285,8 @@ def test_deepspeed_utils() -> None:
 
 def test_deepspeed_simple_moe_model_imports_under_the_alias(tmp_path) -> None:
     """DeepSpeed's own tests/unit/simple_model.py (v0.16.5, from the local mirror) imports
-    ``deepspeed.moe.layer.MoE`` and builds SimpleMoEModel under ``import deepspeed``."""
+    ``deepspeed.moe.layer.MoE`` and builds SimpleMoEModel under ``import deepspeed``, and
+    every one-line ``deepspeed.moe`` import of its unit tests at that tag runs."""
     git_dir = "/work/.mirror/deepspeedai+DeepSpeed/repo"
     if not os.path.isdir(git_dir):
         pytest.skip("no DeepSpeed source mirror on this machine")
@@ -298,9 +299,18 @@ def test_deepspeed_simple_moe_model_imports_under_the_alias(tmp_path) -> None:
     (unit / "simple_model.py").write_text(text)
     (unit / "__init__.py").write_text("")
     (unit / "common.py").write_text("import torch\npreferred_dtype = lambda: torch.float32\n")
+    # every one-line deepspeed.moe import of DeepSpeed's unit tests at that tag
+    found = subprocess.run(
+        ["git", f"--git-dir={git_dir}", "grep", "-h", "-E", r"^\s*(from|import) deepspeed\.moe",
+         "v0.16.5", "--", "tests/unit"],
+        capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    lines = sorted({ln.strip() for ln in found.splitlines() if not ln.rstrip().endswith("(")})
+    assert len(lines) >= 4, lines
     script = (
         "import zeroshard.as_deepspeed, torch\n"
-        "from unit.simple_model import SimpleMoEModel, SimplePRMoEModel\n"
+        + "".join(f"{ln}\n" for ln in lines)
+        + "from unit.simple_model import SimpleMoEModel, SimplePRMoEModel\n"
         "m = SimpleMoEModel(hidden_dim=8, num_experts=4)\n"
         "x, y = torch.randn(2, 3, 8), torch.randint(0, 8, (2,))\n"
         "print(float(m(x, y)) > 0, len(m.moe_1.deepspeed_moe.experts.deepspeed_experts))\n"
