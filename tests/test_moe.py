@@ -373,7 +373,12 @@ def test_gpu_section_runs_every_way_on_cpu() -> None:
     import _gpu_moe
 
     rows = [r for r in _gpu_moe.moe_section(smoke=True).splitlines() if r.startswith("| ")]
-    assert [r.split(" | ")[0][2:] for r in rows[1:]] == [*[w for w in WAYS if w != "loop"], "loop"]
+    names = [r.split(" | ")[0][2:] for r in rows[1:]]
+    assert names == [w for w in WAYS if w != "loop"] + [
+        "loop",
+        "MoE Experts, vmap",
+        "MoE Experts, loop",
+    ]
     assert not [r for r in rows if "failed" in r]
     for r in rows[1:]:
         out, grad = (float(v) for v in r.split(" | ")[3].rstrip(" |").split(" / "))
