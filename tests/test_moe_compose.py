@@ -4,8 +4,8 @@ against one fp32 process:
 * ep 2 x tp 2: a transformers Mixtral, its attention and dense layers split by AutoTP,
   its experts split over ep and whole within each tensor-parallel rank (ZeRO 1 and 3);
 * pp 2 x ep 2: a PipelineModule with MoE layers (1F1B, gradient clipping; ZeRO 1 and 3);
-* ep 2 x dp 2 at ZeRO 3 with parameters and optimizer offloaded to CPU, and with the
-  model built under ``zero.Init``;
+* ep 2 x dp 2 at ZeRO 3 with parameters and optimizer offloaded to CPU, to NVMe swap
+  files, and with the model built under ``zero.Init``;
 * refused by name: experts split by tensor parallelism
   (``expert_parallel.expert_tensor_parallel_size``).
 """
@@ -117,10 +117,15 @@ def _pipe(rank: int, stage: int) -> dict:
     return out
 
 
-def _offload(rank: int) -> dict:
+def _offload(rank: int, device: str = "cpu") -> dict:
+    import tempfile
+
     import zeroshard
 
-    zero = {"stage": 3, "offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"}}
+    where: dict[str, Any] = {"device": device}
+    if device == "nvme":
+        where["nvme_path"] = tempfile.mkdtemp(prefix=f"zs-moe-nvme-{rank}-")
+    zero = {"stage": 3, "offload_param": where, "offload_optimizer": where}
     cfg = {"train_micro_batch_size_per_gpu": 2, "optimizer": _opt(), "zero_optimization": zero}
     model = mc.DSMoEModel(ep_size=2, ep_rank=rank % 2)
     engine, *_ = zeroshard.initialize(model=model, config=cfg)
@@ -194,6 +199,7 @@ def _worker(rank: int, world: int) -> dict:
         "tp": [_tp(rank, stage) for stage in (1, 3)],
         "pipe": [_pipe(rank, stage) for stage in (1, 3)],
         "offload": _offload(rank),
+        "offload_nvme": _offload(rank, "nvme"),
         "zero_init": _zero_init(rank),
         "refusals": _refusals(rank),
     }
@@ -231,7 +237,7 @@ def test_ep_with_pipeline_stages(results, i: int) -> None:
         assert r["diff"] < mc.TOL
 
 
-@pytest.mark.parametrize("case", ["offload", "zero_init"])
+@pytest.mark.parametrize("case", ["offload", "offload_nvme", "zero_init"])
 def test_ep_with_zero3_offload_and_zero_init(results, case: str) -> None:
     per_rank = [r[case] for r in results]
     mean = [sum(r["losses"][s] for r in per_rank) / WORLD for s in range(STEPS)]
