@@ -28,6 +28,13 @@ Invariants of the window (full gradients, stages 0-1):
 * REDUCED: stage 0, the buffer holds the window's average on every rank; stage 1, this
   rank's chunk of it does (the rest is stale).
 
+These hold per segment whatever group its bucket is reduced over: with expert
+parallelism, expert segments are reduced over the expert-data-parallel ranks and their
+sum divided by the same count of contributors (DeepSpeed's rule), so one table serves
+both kinds. RESTATE multiplies an owned chunk by the dense group's size for either
+kind (the contributors per replica): the next reduction sums the restated chunk once
+per replica and divides by every contributor again.
+
 With sharded gradients (stages 2-3), ACCUMULATED: the owned shard holds the sum of the
 window's reduced micro-steps. ON_DEVICE (optimizer offload only): the device's fp32
 buffer holds that sum and the host shard holds nothing of this window; the micro-steps

@@ -103,7 +103,7 @@ from zeroshard.zero.params.hooks import (
     wrap_outputs,
 )
 from zeroshard.zero.params.regions import find_regions
-from zeroshard.zero.params.whole import segments_of
+from zeroshard.zero.params.whole import replica_source, segments_of
 
 
 class GatherMismatchError(ZeroshardError, RuntimeError):
@@ -158,8 +158,13 @@ class ParamGatherer:
         max_reuse_numel: int = 0,
         leaves: Iterable[nn.Module] = (),
         check_every_pass: bool = False,
+        expert_comm: Comm | None = None,
+        expert_replicas: Comm | None = None,
     ) -> None:
         self.flat, self.comm, self.replicas = flat, comm, replicas
+        # units of expert parameters (kind 1) are gathered over the expert shard group
+        self.expert_comm = expert_comm or comm
+        self.expert_replicas = expert_replicas or replicas
         # passes whose gathers are checked for agreement (first forward and backward)
         self._check_every, self._check_left = check_every_pass, 2
         self._unit_name = ["(no module)"] * len(flat.layout.segments)  # for errors
@@ -337,7 +342,8 @@ class ParamGatherer:
         with torch.autograd._unsafe_preserve_version_counter(buf):
             # uploaded as stored (an fp32 master shard on the host), cast on the device
             chunk = chunk.to(buf.device, non_blocking=True).to(buf.dtype)
-            self._handles[s] = self.comm.all_gather(buf, chunk, async_op=True)
+            comm = self.expert_comm if self.flat.layout.segments[s].kind else self.comm
+            self._handles[s] = comm.all_gather(buf, chunk, async_op=True)
         if s not in self.persistent:
             self.live_numel += self._numel[s]
             self.peak_live_numel = max(self.peak_live_numel, self.live_numel)
@@ -610,7 +616,8 @@ class ParamGatherer:
         differ: ``zero/params/edits.py``)."""
         seg, rank = self.flat.layout.segments[s], self.flat.rank
         chunk = self.flat.store.chunk(s)  # a view in memory, a copy from NVMe
-        take_edits(chunk, self.unit_buffers[s][rank * seg.chunk : (rank + 1) * seg.chunk])
+        lo = seg.owner(rank) * seg.chunk
+        take_edits(chunk, self.unit_buffers[s][lo : lo + seg.chunk])
         self.flat.store.write_chunk(s, chunk)
 
     def open(self, params: list[torch.Tensor]) -> None:
@@ -629,7 +636,8 @@ class ParamGatherer:
                 pi = index.get(id(p))
                 if pi is not None and moved(p, self._views[pi]):  # p.data = t inside
                     view_again(p, self._views[pi], p.__dict__.get("_zs_name", "?"))
-                self.replicas.broadcast(p.detach(), src=modifier_rank)
+                group, src = replica_source(p, modifier_rank, self.replicas, self.expert_replicas)
+                group.broadcast(p.detach(), src=src)
             for s in segs:
                 self._write_back(s)
         for s in segs:
