@@ -118,16 +118,20 @@ def loss_of(model: nn.Module, kind: str, step: int, rank: int) -> torch.Tensor:
 
 
 def reference(
-    kind: str, dp: int, steps: int, clip: float = 0.0
+    kind: str, dp: int, steps: int, clip: float = 0.0, second: int = 0
 ) -> tuple[list[float], list[float], dict[str, torch.Tensor]]:
-    """Single process, fp32 AdamW: each step the mean of the ``dp`` micro-batch losses;
-    returns the losses, the global gradient norms (before clipping at ``clip``) and the
-    final parameters."""
+    """Single process, fp32 AdamW: each step the mean of the ``dp`` micro-batch losses
+    (with ``second``, plus the mean of those of step ``step + second``: two losses, one
+    step); returns the losses, the global gradient norms (before clipping at ``clip``)
+    and the final parameters."""
     model = DSMoEModel() if kind == "ds" else tiny_mixtral()
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
     losses, norms = [], []
     for step in range(steps):
         loss = torch.stack([loss_of(model, kind, step, r) for r in range(dp)]).sum() / dp
+        if second:
+            more = [loss_of(model, kind, step + second, r) for r in range(dp)]
+            loss = loss + torch.stack(more).sum() / dp
         loss.backward()
         if clip > 0:
             norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), clip).item())

@@ -243,12 +243,13 @@ def test_tables_stay_inside_each_mode() -> None:
     full = {Window.EMPTY, Window.LOCAL, Window.REDUCED}
     sharded = {Window.EMPTY, Window.ACCUMULATED, Window.ON_DEVICE}
     actions = {states.NONE, states.RESTATE, states.REDUCE, states.ZERO, states.CLEAR}
-    actions |= {states.LAND}
+    actions |= {states.LAND, states.RESCALE}
     for (mode, state, _), (nxt, action) in WINDOW.items():
         allowed = sharded if mode is Mode.SHARDED else full
         assert {state, nxt} <= allowed, (mode, state, nxt)
         assert action in actions
         assert action != states.RESTATE or mode is Mode.PARTITIONED
+        assert action != states.RESCALE or mode is Mode.REPLICATED
         # only a window held on the device lands, and it always does before a read
         assert (action == states.LAND) == (
             state is Window.ON_DEVICE

@@ -34,6 +34,10 @@ PARITY: list[dict[str, Any]] = [
     {"kind": "ds", "stage": 3},
     {"kind": "hf", "stage": 1},
     {"kind": "hf", "stage": 3},
+    # two losses, one step: a second backward after the boundary's reduction (stage 0
+    # keeps the window's average as its local sums; stage 1 restates its chunk)
+    {"kind": "ds", "stage": 0, "second": 50},
+    {"kind": "ds", "stage": 1, "second": 50},
 ]
 
 
@@ -73,12 +77,17 @@ def _local_params(engine) -> dict[str, torch.Tensor]:
 def _parity(rank: int, world: int) -> list[dict]:
     out = []
     for case in PARITY:
-        ref_losses, ref_norms, ref = mc.reference(case["kind"], world, STEPS, CLIP)
+        second = case.get("second", 0)
+        ref_losses, ref_norms, ref = mc.reference(case["kind"], world, STEPS, CLIP, second)
         engine = _engine(case, rank)
         losses, norms = [], []
         for step in range(STEPS):
             loss = mc.loss_of(engine, case["kind"], step, rank)
             engine.backward(loss)
+            if second:
+                more = mc.loss_of(engine, case["kind"], step + second, rank)
+                engine.backward(more)
+                loss = loss + more
             engine.step()
             losses.append(loss.item())
             norms.append(engine.get_global_grad_norm())
@@ -181,7 +190,9 @@ def results() -> list[dict]:
 
 
 @pytest.mark.parametrize(
-    "i", range(len(PARITY)), ids=[f"{c['kind']}-z{c['stage']}" for c in PARITY]
+    "i",
+    range(len(PARITY)),
+    ids=[f"{c['kind']}-z{c['stage']}" + ("-two-losses" if c.get("second") else "") for c in PARITY],
 )
 def test_parity_with_one_process(results, i: int) -> None:
     per_rank = [r["parity"][i] for r in results]

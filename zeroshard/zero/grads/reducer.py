@@ -380,6 +380,18 @@ class GradReducer:
         for c, saved in zip(self._device_chunks, owned, strict=True):
             c.copy_(saved)
 
+    def _rescale_apart(self) -> None:
+        """Stage 0, another backward after the boundary's reduction: the buffer holds
+        the window's average on every rank. A dense segment's next reduction sums it
+        over every contributor and divides by their count, which gives it back; an
+        expert segment's sums it over its expert-data-parallel group only (1/ep of the
+        contributors), so it is multiplied by ep first (no communication)."""
+        for seg in self.flat.layout.segments:
+            n = self.comm_of(seg.index).world_size
+            if n != self.comm.world_size:
+                part = self._full_grads()[seg.start : seg.start + seg.numel]
+                part.mul_(self.comm.world_size / n)
+
     @property
     def communicates_now(self) -> bool:
         return self.phase in (Phase.BACKWARD_REDUCING, Phase.BACKWARD_HOLDING)
@@ -660,6 +672,8 @@ class GradReducer:
             for buf in (self.grad_full, self.grad_shard):
                 if buf is not None:
                     buf.zero_()
+        elif action == states.RESCALE:
+            self._rescale_apart()
         elif action == states.LAND:
             self._land()
         elif action == states.CLEAR:
