@@ -19,6 +19,7 @@ from torch import nn
 
 from zeroshard import NotBuiltError, UsageError
 from zeroshard.moe import gating
+from zeroshard.moe.dispatch import run_experts
 from zeroshard.moe.errors import ExpertParallelError
 from zeroshard.moe.grouped import WAYS, grouped_linear
 from zeroshard.moe.layer import MoE
@@ -261,6 +262,30 @@ def test_grouped_linear_ways_agree() -> None:
             assert all((a - b).abs().max() < 1e-4 for a, b in zip(outs[0], other, strict=True))
     with pytest.raises(ExpertParallelError, match="way"):
         grouped_linear(x, w, counts, "einsum")
+
+
+def test_experts_with_no_rows() -> None:
+    """A rank whose local experts got no token (every route went to another rank's
+    experts, or no token at all): each way returns no rows, and the experts' gradients
+    are zeros, not an error."""
+    from zeroshard.moe.layer import Experts
+
+    x = torch.randn(0, 8, requires_grad=True)
+    w = torch.randn(2, 12, 8, requires_grad=True)
+    for way in WAYS:
+        y = grouped_linear(x, w, [0, 0], way)
+        assert y.shape == (0, 12), way
+        (gw,) = torch.autograd.grad(y.sum(), [w], allow_unused=True)
+        assert gw is None or not gw.any(), way
+    experts = Experts(nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8)), 2)
+    for grouped in (True, False):
+        experts.grouped = grouped
+        out = experts.rows(x, [0, 0])
+        assert out.shape == (0, 8), grouped
+        out.sum().backward()
+    routes = torch.zeros(0, 2, dtype=torch.long)
+    out, _ = run_experts(torch.randn(0, 8), routes, 2, None, experts.rows)
+    assert out.shape == (0, 2, 8)
 
 
 # -- DeepSpeed's helpers -----------------------------------------------------------------

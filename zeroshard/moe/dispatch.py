@@ -118,4 +118,4 @@ def run_experts(
         back[p.regroup] = torch.arange(p.regroup.numel(), device=back.device)
         out = all_to_all(out.index_select(0, back), comm, p.sent, p.received)
     routes = out.new_zeros(s * k, out.shape[-1]).index_copy(0, p.order, out)
-    return routes.view(s, k, -1), p
+    return routes.view(s, k, out.shape[-1]), p

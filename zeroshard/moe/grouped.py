@@ -84,6 +84,8 @@ def grouped_linear(
         )
     if way == "grouped_mm" and not _aligned(x, weight):
         way = "bmm"  # the grouped kernel needs 16-byte aligned rows of x and of the output
+    if way == "grouped_mm" and not x.shape[0]:
+        way = "bmm"  # no rows: _grouped_mm's backward refuses them (torch 2.13)
     if way == "grouped_mm":
         if not grouped_mm_available():
             raise UsageError("grouped_linear: this torch has no torch._grouped_mm; use 'bmm'")
@@ -92,8 +94,9 @@ def grouped_linear(
     if way == "bmm":
         slots, most = padded_slots(counts, x.device)
         block = x.new_zeros(len(counts) * most, x.shape[1]).index_copy(0, slots, x)
-        out = torch.bmm(block.view(len(counts), most, -1), weight.transpose(-2, -1))
-        return out.reshape(len(counts) * most, -1).index_select(0, slots)
+        # explicit widths: no rows for any expert gives most == 0
+        out = torch.bmm(block.view(len(counts), most, x.shape[1]), weight.transpose(-2, -1))
+        return out.reshape(len(counts) * most, weight.shape[1]).index_select(0, slots)
     if way == "loop":
         parts = [F.linear(part, weight[e]) for e, part in enumerate(x.split(counts))]
         return torch.cat(parts) if parts else x.new_zeros(0, weight.shape[1])

@@ -77,8 +77,9 @@ class Experts(nn.Module):
             return torch.cat(parts)
         slots, most = padded_slots(counts, x.device)
         block = x.new_zeros(len(counts) * most, x.shape[-1]).index_copy(0, slots, x)
-        out = self._block(block.view(len(counts), most, -1))
-        return out.reshape(len(counts) * most, -1).index_select(0, slots)
+        # explicit widths: a rank whose experts got no rows has most == 0
+        out = self._block(block.view(len(counts), most, x.shape[-1]))
+        return out.reshape(len(counts) * most, out.shape[-1]).index_select(0, slots)
 
     def _block(self, block: torch.Tensor) -> torch.Tensor:
         if self.grouped:
