@@ -38,6 +38,9 @@ PARITY: list[dict[str, Any]] = [
     # keeps the window's average as its local sums; stage 1 restates its chunk)
     {"kind": "ds", "stage": 0, "second": 50},
     {"kind": "ds", "stage": 1, "second": 50},
+    # nothing persistent: the router's weight, read by its parent (TopKGate), is gathered
+    # on access in forward and again for backward
+    {"kind": "ds", "stage": 3, "persist": 0},
 ]
 
 
@@ -45,6 +48,8 @@ def _config(case: dict, ep: int = EP) -> dict[str, Any]:
     zero: dict[str, Any] = {"stage": case["stage"]}
     if case.get("offload"):
         zero["offload_optimizer"] = {"device": "cpu"}
+    if "persist" in case:
+        zero["stage3_param_persistence_threshold"] = case["persist"]
     cfg: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": 2,
         "optimizer": {"type": "AdamW", "params": {"lr": mc.LR, "weight_decay": 0.0}},
@@ -192,7 +197,12 @@ def results() -> list[dict]:
 @pytest.mark.parametrize(
     "i",
     range(len(PARITY)),
-    ids=[f"{c['kind']}-z{c['stage']}" + ("-two-losses" if c.get("second") else "") for c in PARITY],
+    ids=[
+        f"{c['kind']}-z{c['stage']}"
+        + ("-two-losses" if c.get("second") else "")
+        + ("-nothing-persistent" if "persist" in c else "")
+        for c in PARITY
+    ],
 )
 def test_parity_with_one_process(results, i: int) -> None:
     per_rank = [r["parity"][i] for r in results]
