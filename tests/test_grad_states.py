@@ -2,7 +2,9 @@
 real engines on 4 gloo ranks (one spawn): stages 0, 1, 2, 3, hybrid stage 1 (2
 replicas x 2 shards, for the replicas' all-reduce) and stage 2 with the optimizer
 offloaded under the fake device runtime (the micro-steps before the boundary held on
-the device: phase BACKWARD_HOLDING, window ON_DEVICE). Each engine runs the same call
+the device: phase BACKWARD_HOLDING, window ON_DEVICE); and stages 0, 2 and 3 again with
+a DeepSpeed MoE layer over ep 2 (expert segments reduced over the expert-data-parallel
+group), which must take the very rows of the dense walk. Each engine runs the same call
 sequence, the orders a user (or accelerate, or the pipeline engine) makes: steps with
 no backward, two backwards per step, the boundary unset and set again, a step right
 after an unset backward, zero_grad mid-window, a backward that raises, the pipeline's
@@ -266,7 +268,8 @@ def test_experts_take_the_moves_of_the_dense_walk(walked):
     (the kind picks a segment's group, not a state); the same orders are the same named
     errors."""
     for per in walked:
-        dense = dict(zip([c[0] for c in CASES if c[1:] == (-1, False)], per["dense"]))
+        plain = zip(CASES, per["dense"], strict=True)
+        dense = {c[0]: walk for c, walk in plain if c[1:] == (-1, False)}
         for stage, moe in zip(MOE_STAGES, per["moe"], strict=True):
             assert moe["seen"] == dense[stage]["seen"], (stage, sorted(set(moe["seen"]) ^ set(dense[stage]["seen"])))  # fmt: skip
             assert moe["errors"] == dense[stage]["errors"], stage
