@@ -58,6 +58,7 @@ PEER_NAMES = [
     "deepspeed.runtime.utils.PartitionedTensor",
     "deepspeed.runtime.utils.see_memory_usage",
     "deepspeed.runtime.utils.move_to_device",
+    "deepspeed.runtime.utils.call_to_str",
     "deepspeed.runtime.zero.unwrap_model_for_generation",
     "deepspeed.runtime.zero.config.DeepSpeedZeroConfig",
     "deepspeed.runtime.zero.config.DeepSpeedZeroOffloadParamConfig",
@@ -178,6 +179,9 @@ def test_partition_helpers_answer_as_deepspeed() -> None:
     t: Any = [torch.ones(2), (torch.zeros(1), {"k": torch.ones(3, dtype=torch.int64)})]
     moved = u.move_to_device(t, "cpu", lambda x: torch.is_tensor(x) and x.is_floating_point())
     assert moved[0] is t[0] and moved[1][1]["k"] is t[1][1]["k"]
+    assert u.call_to_str("int") == "int()"
+    assert u.call_to_str("f", 3, "jeff") == "f(3, 'jeff')"
+    assert u.call_to_str("f", 1138, val=3, s="x") == "f(1138, val=3, s='x')"
 
 
 def test_zero_config_classes_read_through_the_schema() -> None:
