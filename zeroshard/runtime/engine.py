@@ -370,7 +370,10 @@ class Engine(EngineBuild, DeepSpeedEngineCompat, nn.Module):
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True):
         """Backward of ``loss / accumulation steps`` (times the fp16 loss scale); on the
-        reducing micro-steps, gradients are reduced while backward runs."""
+        reducing micro-steps, gradients are reduced while backward runs. Returns, as
+        DeepSpeed's does, the loss divided by the accumulation steps (in fp32) when
+        ``scale_wrt_gas`` and more than one step accumulate (detached: its graph is
+        spent), else ``loss`` itself."""
         self._refuse_without_optimizer("backward")
         self._enter("backward")
         for name, p in self._frozen:
@@ -407,6 +410,8 @@ class Engine(EngineBuild, DeepSpeedEngineCompat, nn.Module):
         self.monitor.backward_end()
         self._backwards_in_window += 1
         self._leave()
+        if scale_wrt_gas and gas > 1:
+            return loss.detach().float() / gas
         return loss
 
     def step(self, lr_kwargs: dict | None = None) -> None:
