@@ -255,8 +255,7 @@ class Engine(EngineBuild, DeepSpeedEngineCompat, nn.Module):
         self._config = replace(
             self._config, train_micro_batch_size_per_gpu=rows, micro_batch_from_data=False
         )
-        if self.monitor.throughput is not None:
-            self.monitor.throughput.batch_size = self.train_batch_size()
+        self.monitor.throughput.batch_size = self.train_batch_size()
         if self.comm.rank == 0:  # a warning, so that it shows by default, as config notes do
             log.warning(
                 "zeroshard: train_micro_batch_size_per_gpu is not in the config; taken from "
@@ -604,6 +603,12 @@ class Engine(EngineBuild, DeepSpeedEngineCompat, nn.Module):
     def parsed_config(self):
         """The typed :class:`~zeroshard.config.Config` this engine was built from."""
         return self._config
+
+    @property
+    def tput_timer(self):
+        """DeepSpeed's throughput timer (:class:`zeroshard.monitor.timers.ThroughputTimer`,
+        ``timers.throughput``): started at each forward, stopped at each ``step()``."""
+        return self.monitor.throughput
 
     @property
     def cur_scale(self) -> float:
