@@ -223,6 +223,27 @@ def test_versions_and_accelerator() -> None:
     assert acc.max_memory_allocated() >= acc.memory_allocated() > 0
 
 
+def test_cpu_device_count_reads_local_size_as_deepspeed(monkeypatch, tmp_path) -> None:
+    """DeepSpeed's CPU accelerator counts LOCAL_SIZE (the launcher's local ranks) when set,
+    else the NUMA nodes that have cores; its unit-test harness skips a 2-rank test when
+    device_count() < 2."""
+    from zeroshard.compat import accelerator
+
+    acc = accelerator.get_accelerator()
+    monkeypatch.setenv("LOCAL_SIZE", "4")
+    assert acc.device_count() == 4
+    monkeypatch.setenv("LOCAL_SIZE", "0")
+    assert acc.device_count() == accelerator._numa_nodes_with_cores() >= 1
+    monkeypatch.setenv("LOCAL_SIZE", "four")
+    with pytest.raises(ValueError, match="LOCAL_SIZE='four'"):
+        acc.device_count()
+    for name, cpus in (("node0", "0-3"), ("node1", ""), ("node2", "4-7"), ("online", "0-2")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "cpulist").write_text(cpus + "\n")
+    assert accelerator._numa_nodes_with_cores(str(tmp_path)) == 2  # node1: memory only
+    assert accelerator._numa_nodes_with_cores(str(tmp_path / "absent")) == 1
+
+
 def _partitioned(rank: int, world: int) -> list:
     import torch.distributed as dist
 
