@@ -149,7 +149,7 @@ def test_onecycle_get_mom_is_deepspeeds_betas():
     kw.update(cycle_min_mom=0.08, cycle_max_mom=0.09, decay_mom_rate=0.001, decay_step_size=4)
     adam, sgd = make_optimizer("adam"), make_optimizer("sgd")
     a, s = OneCycle(adam, **kw), OneCycle(sgd, **kw)
-    moms = []
+    moms: list[Any] = []
     for _ in range(12):
         moms.append(a.get_mom())
         assert s.get_mom() == [m for m, _ in moms[-1]]

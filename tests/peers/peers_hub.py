@@ -24,6 +24,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from peers_data import (  # type: ignore[import-not-found]  # beside this file
+    build_glue_metric,
+    build_glue_mrpc,
+    pair,
+    source_stamp,
+    vocabulary,
+)
+
 #: the revision name written into every stand-in's ``refs/main``
 REVISION = "0" * 40
 
@@ -167,7 +175,6 @@ def _bert_tokenizer(out: Path, cls_name: str, *, cased: bool) -> int:
     """A WordPiece tokenizer over peers_data's generated words (each one token); returns
     the vocabulary size."""
     import transformers
-    from peers_data import vocabulary  # type: ignore[import-not-found]  # (sys.path)
 
     words = vocabulary(cased=cased)
     tok = getattr(transformers, cls_name)(
@@ -194,11 +201,10 @@ def _bert_cased(out: Path) -> None:
     import random
 
     import torch
-    from peers_data import pair  # type: ignore[import-not-found]  # (sys.path)
-    from transformers import BertConfig, BertForPreTraining, BertTokenizerFast
+    from transformers import AutoTokenizer, BertConfig, BertForPreTraining
 
     vocab = _bert_tokenizer(out, "BertTokenizerFast", cased=True)
-    tok = BertTokenizerFast.from_pretrained(out)
+    tok = AutoTokenizer.from_pretrained(out)
     cfg = BertConfig(
         vocab_size=vocab,
         hidden_size=64,
@@ -303,8 +309,6 @@ STAMP = "zeroshard-standin.sha256"  # the builder's source: a changed builder re
 def _stamp(s: Standin) -> str:
     source = inspect.getsource(s.build) + inspect.getsource(_save_model)
     if s.uses_data:
-        from peers_data import source_stamp  # type: ignore[import-not-found]  # (sys.path)
-
         source += inspect.getsource(_bert_tokenizer) + repr(BERT_PRETRAIN) + source_stamp()
     return hashlib.sha256(source.encode()).hexdigest()
 
@@ -339,8 +343,6 @@ def build(cache: Path) -> Path:
             os.rename(tmp, repo)
         except OSError:  # another process won the race
             shutil.rmtree(tmp, ignore_errors=True)
-    from peers_data import build_glue_metric, build_glue_mrpc  # type: ignore[import-not-found]
-
     build_glue_mrpc(cache / DATASETS)
     build_glue_metric(cache / MODULES)
     return cache
