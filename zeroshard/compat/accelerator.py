@@ -14,6 +14,7 @@ import sys
 
 import torch
 
+from zeroshard import ArgumentError
 from zeroshard.distributed.device import runtime
 from zeroshard.distributed.process_group import default_device, local_rank, use_cuda
 
@@ -53,7 +54,7 @@ class Accelerator:
                 return int(size)
         except ValueError:
             if size.strip():
-                raise ValueError(f"LOCAL_SIZE={size!r} is not a number of local ranks") from None
+                raise ArgumentError(f"LOCAL_SIZE={size!r} is not a number of local ranks") from None
         return _numa_nodes_with_cores()
 
     def is_available(self) -> bool:
