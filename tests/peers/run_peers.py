@@ -13,14 +13,16 @@ models built from code into ``PEERS_DIR/hub`` (``peers_hub.py``). Prints, per su
 ``passed / failed / skipped / errors`` from pytest's JUnit XML, per target and in all, and
 Markdown table rows for ``benchmarks/RESULTS.md``; exits 0 whatever the counts (this is a
 measurement). Each target runs in its own pytest process group under ``--target-timeout``
-seconds: a target that runs past it is killed (its whole process group, ranks included)
-and reported as timed out, so one hang cannot eat the run. ``--only`` runs the targets
+seconds: a target that runs past it is interrupted (its report then counts the tests it
+finished) and its whole process group killed, ranks included, so one hang cannot eat the
+run. ``--only`` runs the targets
 whose path contains one of the given substrings.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import subprocess
@@ -166,14 +168,19 @@ def counts(junit: Path) -> dict[str, int]:
 
 def _run_target(cmd: list[str], root: Path, env: dict[str, str], timeout: float) -> bool:
     """Runs one target's pytest in a process group of its own; False when it ran past
-    ``timeout`` and was killed (with every process it started: DeepSpeed's harness forks
-    ranks, accelerate's tests launch children)."""
+    ``timeout``. Then pytest is interrupted (SIGINT: it stops and still writes its JUnit
+    report of the tests it finished) and, a minute later, its whole process group is
+    killed (DeepSpeed's harness forks ranks, accelerate's tests launch children)."""
     proc = subprocess.Popen(cmd, cwd=root, env=env, start_new_session=True)
     try:
         proc.wait(timeout=timeout)
         return True
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        proc.send_signal(signal.SIGINT)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=60)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
         return False
 
@@ -213,14 +220,17 @@ def run(
             cmd += ["-k", keyword]
         t1 = time.time()
         finished = _run_target(cmd, root, env, target_timeout)
-        if not finished:
-            why = f"timed out after {target_timeout:.0f} s (killed; no counts)"
+        if not finished and not junit.exists():
+            why = f"timed out after {target_timeout:.0f} s (killed; no report)"
             per_target.append((target, why))
         elif junit.exists():
             c = counts(junit)
             for kind, n in c.items():
                 result[kind] += n
-            per_target.append((target, {**c, "seconds": round(time.time() - t1)}))
+            done = {**c, "seconds": round(time.time() - t1)}
+            if not finished:  # the tests it finished before the interrupt
+                done["timed_out"] = 1
+            per_target.append((target, done))
         else:
             per_target.append((target, "no report (pytest died)"))
         print(f"run_peers: {suite.name}: {target}: {per_target[-1][1]}", flush=True)
@@ -265,8 +275,9 @@ def main(argv: list[str] | None = None) -> int:
             if isinstance(c, str):
                 target_rows.append(f"| `{target}` | {c} | | | | |")
             else:
+                cut = " (timed out: the tests finished before it)" if c.get("timed_out") else ""
                 target_rows.append(
-                    f"| `{target}` | {c['passed']} | {c['failed']} | {c['skipped']} "
+                    f"| `{target}`{cut} | {c['passed']} | {c['failed']} | {c['skipped']} "
                     f"| {c['errors']} | {c['seconds']} s |"
                 )
     print("| suite | passed | failed | skipped | errors | wall |")
