@@ -34,9 +34,11 @@ test-all: $(STAMP)
 # The peers' own DeepSpeed suites on zeroshard (issue 30; outside `make test`): transformers
 # 5.24's DeepSpeed trainer tests, accelerate 1.15's tests/deepspeed and 33 files of
 # DeepSpeed 0.16.5's tests/unit/runtime, read from PEERS_DIR (prepared once by
-# `make peers-fetch`; nothing is fetched here). Hub models are tiny stand-ins built from
-# code (tests/peers/peers_hub.py). PEERS=transformers picks suites; K=EXPR is pytest -k.
-# Counts per suite go to stdout (recorded in benchmarks/RESULTS.md); about an hour on 2 cores.
+# `make peers-fetch`; nothing is fetched here). Hub models, the GLUE MRPC data set and
+# metric are stand-ins built from code (tests/peers/peers_hub.py, peers_data.py).
+# PEERS=transformers picks suites; K=EXPR is pytest -k; each target has 900 s.
+# Counts per suite and target go to stdout (recorded in benchmarks/RESULTS.md); well over
+# an hour on 2 cores (DeepSpeed's test_zero.py alone: about half of it).
 PEERS_DIR ?= /work/peers
 PEERS ?=
 test-peers: $(STAMP)

@@ -275,8 +275,7 @@ class Engine(EngineBuild, DeepSpeedEngineCompat, nn.Module):
         self._config = replace(
             self._config, train_micro_batch_size_per_gpu=rows, micro_batch_from_data=False
         )
-        if self.monitor.throughput is not None:
-            self.monitor.throughput.batch_size = self.train_batch_size()
+        self.monitor.throughput.batch_size = self.train_batch_size()
         if self.comm.rank == 0:  # a warning, so that it shows by default, as config notes do
             log.warning(
                 "zeroshard: train_micro_batch_size_per_gpu is not in the config; taken from "
@@ -390,7 +389,10 @@ class Engine(EngineBuild, DeepSpeedEngineCompat, nn.Module):
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True):
         """Backward of ``loss / accumulation steps`` (times the fp16 loss scale); on the
-        reducing micro-steps, gradients are reduced while backward runs."""
+        reducing micro-steps, gradients are reduced while backward runs. Returns, as
+        DeepSpeed's does, the loss divided by the accumulation steps (in fp32) when
+        ``scale_wrt_gas`` and more than one step accumulate (detached: its graph is
+        spent), else ``loss`` itself."""
         self._refuse_without_optimizer("backward")
         self._enter("backward")
         for name, p in self._frozen:
@@ -427,6 +429,8 @@ class Engine(EngineBuild, DeepSpeedEngineCompat, nn.Module):
         self.monitor.backward_end()
         self._backwards_in_window += 1
         self._leave()
+        if scale_wrt_gas and gas > 1:
+            return loss.detach().float() / gas
         return loss
 
     def step(self, lr_kwargs: dict | None = None) -> None:
@@ -619,6 +623,12 @@ class Engine(EngineBuild, DeepSpeedEngineCompat, nn.Module):
     def parsed_config(self):
         """The typed :class:`~zeroshard.config.Config` this engine was built from."""
         return self._config
+
+    @property
+    def tput_timer(self):
+        """DeepSpeed's throughput timer (:class:`zeroshard.monitor.timers.ThroughputTimer`,
+        ``timers.throughput``): started at each forward, stopped at each ``step()``."""
+        return self.monitor.throughput
 
     @property
     def cur_scale(self) -> float:
