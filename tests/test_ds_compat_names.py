@@ -239,6 +239,10 @@ def test_versions_and_accelerator() -> None:
     acc = get_accelerator()
     acc.set_device(0)  # the CPU has one device: nothing to select
     assert acc.max_memory_allocated() >= acc.memory_allocated() > 0
+    import zeroshard
+
+    assert zeroshard.get_accelerator() is acc  # deepspeed.get_accelerator, as DeepSpeed's
+    assert acc.supported_dtypes() == [torch.float32, torch.bfloat16]  # the CPU: no fp16
 
 
 def test_cpu_device_count_reads_local_size_as_deepspeed(monkeypatch, tmp_path) -> None:

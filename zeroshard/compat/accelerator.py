@@ -69,6 +69,16 @@ class Accelerator:
     def is_fp16_supported(self) -> bool:
         return use_cuda()
 
+    def supported_dtypes(self) -> list[torch.dtype]:
+        """The floating dtypes this device computes in, fp32 first (DeepSpeed's tests
+        parametrize over it)."""
+        out = [torch.float32]
+        if self.is_fp16_supported():
+            out.append(torch.float16)
+        if self.is_bf16_supported():
+            out.append(torch.bfloat16)
+        return out
+
     def synchronize(self, device_index: int | None = None) -> None:
         if use_cuda():
             runtime("cuda").synchronize(device_index)
