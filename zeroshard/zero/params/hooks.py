@@ -1,8 +1,8 @@
 """Autograd and attribute plumbing for the stage-3 gatherer (``zero/params/gatherer.py``). No
-communication here: these only call back into the gatherer.
+communication here: these only call the callbacks they are handed.
 
-* :class:`PreBackward`: identity in forward; in backward it asks the gatherer for a
-  module's units just before that module's backward runs.
+* :class:`PreBackward`: identity in forward; in backward it asks for a module's units
+  (the gatherer's callback) just before that module's backward runs.
 * :func:`wrap_outputs`: routes the differentiable tensors of a module's output
   (tensor, tuple, named tuple, list, dict, ``ModelOutput``) through it.
 * :class:`AccessTrackingDict`: a module's ``_parameters`` that reports each
@@ -22,6 +22,8 @@ communication here: these only call back into the gatherer.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from zeroshard import ZeroshardError
@@ -29,16 +31,16 @@ from zeroshard.zero.params.edits import watch
 
 
 class PreBackward(torch.autograd.Function):
-    """Identity in forward; in backward, gathers a module's units before its backward runs."""
+    """Identity in forward; in backward, ``gather(units)`` before the module's backward runs."""
 
     @staticmethod
-    def forward(ctx, gatherer, units, *tensors):
-        ctx.gatherer, ctx.units = gatherer, units
+    def forward(ctx, gather, units, *tensors):
+        ctx.gather, ctx.units = gather, units
         return tensors if len(tensors) > 1 else tensors[0]
 
     @staticmethod
     def backward(ctx, *grads):
-        ctx.gatherer.gather_for_backward(ctx.units)
+        ctx.gather(ctx.units)
         return (None, None, *grads)
 
 
@@ -60,17 +62,18 @@ class AccessTrackingDict(dict):
         return value
 
 
-def wrap_outputs(output, gatherer, units: tuple[int, ...]):
-    """Route the floating-point tensors of ``output`` through :class:`PreBackward`."""
+def wrap_outputs(output, gather: Callable[[tuple[int, ...]], None], units: tuple[int, ...]):
+    """Route the floating-point tensors of ``output`` through :class:`PreBackward`, which
+    calls ``gather(units)`` in backward."""
     if torch.is_tensor(output):
         if output.requires_grad:
-            return PreBackward.apply(gatherer, units, output)
+            return PreBackward.apply(gather, units, output)
         return output
     if isinstance(output, (tuple, list)):
         idx = [i for i, o in enumerate(output) if torch.is_tensor(o) and o.requires_grad]
         if not idx:
             return output
-        wrapped = PreBackward.apply(gatherer, units, *(output[i] for i in idx))
+        wrapped = PreBackward.apply(gather, units, *(output[i] for i in idx))
         wrapped = wrapped if isinstance(wrapped, tuple) else (wrapped,)
         items = list(output)
         for i, w in zip(idx, wrapped, strict=True):
@@ -84,7 +87,7 @@ def wrap_outputs(output, gatherer, units: tuple[int, ...]):
         keys = [k for k, v in output.items() if torch.is_tensor(v) and v.requires_grad]
         if not keys:
             return output
-        wrapped = PreBackward.apply(gatherer, units, *(output[k] for k in keys))
+        wrapped = PreBackward.apply(gather, units, *(output[k] for k in keys))
         wrapped = wrapped if isinstance(wrapped, tuple) else (wrapped,)
         new = output.copy()  # keeps the mapping type (e.g. a transformers ModelOutput)
         for k, w in zip(keys, wrapped, strict=True):
