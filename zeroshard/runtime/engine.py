@@ -58,6 +58,7 @@ from zeroshard.zero.optim.optimizer import ShardedOptimizer
 from zeroshard.zero.params.gathered import register_owner, unregister_owner
 from zeroshard.zero.params.gatherer import ParamGatherer
 from zeroshard.zero.params.leaves import find_leaves
+from zeroshard.zero.params.manager import ParamManager
 from zeroshard.zero.params.whole import WholeParams
 
 if TYPE_CHECKING:
@@ -160,6 +161,8 @@ class Engine(EngineBuild, DeepSpeedEngineCompat, nn.Module):
             # differs when a parameter gets a gradient on some ranks only (a leaf module)
             reduce_comm = mesh.twin("zero_shard")
         on_bucket_ready = None
+        # whole parameters (stages 0-2) or gathered per unit (stage 3): one Protocol
+        self.params: ParamManager
         if self.sharding.parameters:
             gatherer = ParamGatherer(
                 self.flat,

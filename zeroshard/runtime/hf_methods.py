@@ -33,8 +33,7 @@ from zeroshard.runtime.compiling import (
 if TYPE_CHECKING:
     from zeroshard.distributed.comm import Comm
     from zeroshard.runtime.build import Sharding
-    from zeroshard.zero.params.gatherer import ParamGatherer
-    from zeroshard.zero.params.whole import WholeParams
+    from zeroshard.zero.params.manager import ParamManager
 
 
 class DeepSpeedEngineCompat:
@@ -46,7 +45,7 @@ class DeepSpeedEngineCompat:
     _config: Any
     comm: Comm
     sharding: Sharding
-    params: ParamGatherer | WholeParams
+    params: ParamManager
 
     if TYPE_CHECKING:
 

@@ -60,7 +60,15 @@ class GatherMismatchError(ZeroshardError, RuntimeError):
 
 class Units:
     """Every unit's buffer, state and all-gather in flight; the live count and its cap;
-    the gatherer's counters (:meth:`stats`)."""
+    the gatherer's counters (:meth:`stats`, described in :meth:`reset_stats`)."""
+
+    peak_live_numel: int
+    gathers: int
+    prefetched: int
+    prefetch_hits: int
+    evicted: int
+    kept: int
+    reused: int
 
     def __init__(
         self,
