@@ -67,7 +67,7 @@ Hugging Face ``generate()`` keeps every rank running forwards until all are done
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 import torch
 from torch import nn
@@ -129,8 +129,6 @@ class ParamGatherer:
         self.persistent = self.units.persistent
         self.prefetch_numel, self.max_reuse_numel = prefetch_numel, max_reuse_numel
         self.phase = Phase.IDLE
-        #: called with (machine, (state, event)) on every phase move (the transition test)
-        self.on_transition: Callable[[str, tuple], None] | None = None
         self._schedule = Schedule(self.units.numel)
         self._root = module
         for s in range(len(flat.layout.segments)):
@@ -168,7 +166,7 @@ class ParamGatherer:
 
     def _to(self, event: Event) -> Phase:
         """The passes' phase takes ``event`` (``states.PHASE``); the new phase."""
-        self.phase = states.step("phase", (self.phase, event), self.on_transition)
+        self.phase = states.step("phase", (self.phase, event))
         return self.phase
 
     def _install_hooks(self, regions: Iterable[nn.Module]) -> None:

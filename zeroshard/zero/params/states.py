@@ -26,7 +26,6 @@ checks it) unless every use is dropped at once (end of backward, teardown).
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from enum import Enum
 from typing import Any
 
@@ -124,10 +123,10 @@ SPECULATIVE = frozenset({U.PREFETCHING, U.PREFETCHED})
 MACHINES: dict[str, dict[tuple, Any]] = {"phase": PHASE, "unit": UNIT}
 
 
-def step(machine: str, key: tuple, on_step: Callable[[str, tuple], None] | None = None) -> Any:
+def step(machine: str, key: tuple) -> Any:
     """The next state for ``key`` in ``MACHINES[machine]``; an illegal move raises
-    :class:`~zeroshard.InternalError`. ``on_step(machine, key)`` records every move
-    taken (the transition-table test)."""
+    :class:`~zeroshard.InternalError`. Every move of both machines goes through here
+    (the transition-table test, tests/test_param_states.py, records them here)."""
     try:
         out = MACHINES[machine][key]
     except KeyError:
@@ -136,6 +135,4 @@ def step(machine: str, key: tuple, on_step: Callable[[str, tuple], None] | None 
             f"stage-3 gatherer: no {machine} transition from ({state.name}) on {event.name} "
             f"({event.value}); an illegal call order: zero/params/states.py lists the legal ones"
         ) from None
-    if on_step is not None:
-        on_step(machine, key)
     return out

@@ -39,7 +39,7 @@ the parameters point at an empty placeholder, so tensors autograd saved during f
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 import torch
 
@@ -108,8 +108,6 @@ class Units:
         self._next_use = [0] * n  # a kept unit's next use: its position in the trace
         # gathers are checked for agreement until the first backward ends (gatherer.py)
         self.check_every, self.checking = check_every_pass, True
-        #: called with (machine, (state, event)) on every move (the transition test)
-        self.on_transition: Callable[[str, tuple], None] | None = None
         #: gathered elements of non-persistent units right now (in flight included)
         self.live_numel = 0
         self.reset_stats()
@@ -119,7 +117,7 @@ class Units:
         """Unit ``s`` takes ``event`` (``states.UNIT``); the live count and the counters
         follow its state."""
         old = self.state[s]
-        new: UnitState = states.step("unit", (old, event), self.on_transition)
+        new: UnitState = states.step("unit", (old, event))
         self.state[s] = new
         del self._members[old][s]
         self._members[new][s] = None
