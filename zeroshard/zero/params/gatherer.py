@@ -1,9 +1,9 @@
 """Stage 3: parameters live as shards and are gathered per unit around their use
 (:class:`ParamGatherer`; stages 0-2 keep them whole: ``whole.py``). This module decides
-*when* a unit is gathered and released, from module hooks; ``units.py`` does it (and
-holds the live-parameter cap), ``schedule.py`` records the order it plans with, and
-``states.py`` names the states and their legal moves (the phase of the passes, and
-each unit's).
+*when* a unit is gathered and released, from module hooks (``wiring.py`` places them);
+``units.py`` does it (and holds the live-parameter cap), ``schedule.py`` records the
+order it plans with, and ``states.py`` names the states and their legal moves (the
+phase of the passes, and each unit's).
 
 A *unit* is one segment of the flat layout: the parameters a module owns directly
 (``recurse=False``), trainable and frozen ones apart. Parameters below
@@ -29,25 +29,19 @@ Communication (Ψ = parameter bytes of the non-persistent units):
 * ``GatheredParameters``: all-gathers the units holding its parameters; with
   ``modifier_rank``, one broadcast per parameter over ``replicas`` when it closes.
 
-Reuse (``stage3_max_reuse_distance``, DeepSpeed's semantics): once the first forward
-and backward have been recorded, the *trace* is the forward order followed by the
-backward order. At a module's post-forward, with grad enabled, a unit of its that no
-running forward still uses is *kept* gathered instead of freed if its next use along
-the trace, after the furthest unit this forward has used, comes before units of
-``stage3_max_reuse_distance`` elements have been gathered in between. With DeepSpeed's
-default (1e9) a model under about 5e8 parameters (its first unit is next used last in
-backward, about 2Ψ elements later) stays gathered from its forward through its
-backward, so the backward all-gathers nothing but what the cap evicted: stage 3 moves
-4Ψ + 4Ψ instead of 3 x 4Ψ, at the price of holding the gathered parameters between the
-passes; in a larger model, the units within about half the distance of the turn from
-forward to backward. 0 frees every unit after its forward. Units still kept are freed when backward
-ends, and after an optimizer step (a forward without a backward, then a step: the
-shards changed). A forward under ``no_grad`` (evaluation) keeps nothing, and what it
-finds kept it frees after use. How kept and prefetched units yield to
-``stage3_max_live_parameters``: ``units.py``.
-:attr:`ParamGatherer.peak_live_numel` records the highest live count since
-:meth:`ParamGatherer.reset_stats` (with counters of the gathers issued, prefetched,
-prefetches used, units evicted, units kept for reuse and requests they served).
+Reuse (``stage3_max_reuse_distance``, DeepSpeed's semantics): at a module's
+post-forward, with grad enabled, a unit of its that no running forward still uses is
+*kept* gathered instead of freed if its next use along the recorded trace comes within
+that many gathered elements (``schedule.py`` says how it is measured, and what the
+default means: a model under about 5e8 parameters stays gathered from its forward
+through its backward, so stage 3 moves 4Ψ + 4Ψ instead of 3 x 4Ψ). 0 frees every unit
+after its forward. Units still kept are freed when backward ends, and after an
+optimizer step (a forward without a backward, then a step: the shards changed). A
+forward under ``no_grad`` (evaluation) keeps nothing, and what it finds kept it frees
+after use. How kept and prefetched units yield to ``stage3_max_live_parameters``:
+``units.py``. :meth:`ParamGatherer.stats` gives the live count, its peak since
+:meth:`ParamGatherer.reset_stats`, and counters of the gathers issued, prefetched,
+prefetches used, units evicted, units kept for reuse and requests they served.
 
 A released parameter answers its metadata for the whole parameter and refuses every
 other torch op, its ``.data`` included (``hooks.RELEASED_READS``), naming itself and
@@ -55,14 +49,9 @@ other torch op, its ``.data`` included (``hooks.RELEASED_READS``), naming itself
 are whole on every rank: edits made to them outside forward are written into this
 rank's shard when the next step starts (``zero/params/edits.py``), as at stages 0-2.
 
-Agreement: ranks must gather the same units in the same order. During the first forward
-and the first backward (and always with ``zero_optimization.enable_sanity_checks``)
-each gather is preceded by one all-reduce (max) of two int64 (this unit's index, and its
-negation): ranks that would gather different units raise, on every rank, an error naming
-both modules and the remedy (a leaf module), instead of gloo aborting or NCCL hanging.
-With more than one rank, modules carry FSDP2's ``_is_fsdp_managed_module`` marker, so
-Hugging Face ``generate()`` keeps every rank running forwards until all are done
-(``synced_gpus``), as it does for DeepSpeed ZeRO-3 and FSDP.
+Agreement: ranks must gather the same units in the same order; the first forward and
+backward check it (``units.py``: an error naming both modules and the remedy, a leaf
+module, instead of gloo aborting or NCCL hanging).
 """
 
 from __future__ import annotations
@@ -77,27 +66,15 @@ from zeroshard.distributed.comm import Comm
 from zeroshard.zero.layout.flat import FlatParams
 from zeroshard.zero.params import states
 from zeroshard.zero.params.edits import WholeEdits, moved, view_again
-from zeroshard.zero.params.hooks import (
-    AccessTrackingDict,
-    guard,
-    set_gathered,
-    unguard,
-    wrap_outputs,
-)
+from zeroshard.zero.params.hooks import guard, set_gathered, unguard, wrap_outputs
 from zeroshard.zero.params.regions import find_regions
 from zeroshard.zero.params.schedule import Schedule
 from zeroshard.zero.params.states import Event, Phase, UnitState
 from zeroshard.zero.params.units import Units
 from zeroshard.zero.params.whole import segments_of
+from zeroshard.zero.params.wiring import ModuleWiring
 
 E = Event
-
-
-def _outermost(modules: Iterable[nn.Module]) -> list[nn.Module]:
-    """The modules of ``modules`` that are not inside another of them."""
-    modules = list(dict.fromkeys(modules))
-    inner = {id(d) for m in modules for d in m.modules() if d is not m}
-    return [m for m in modules if id(m) not in inner]
 
 
 class ParamGatherer:
@@ -136,18 +113,22 @@ class ParamGatherer:
                 self.units.free(s)
         self.units.refresh_persistent()
         layout = flat.layout
+        self._segment_of = {id(p): layout.param_segment[pi] for pi, p in enumerate(flat.params)}
+        self._stack: list[nn.Module] = []  # modules whose forward is running
+        self._wiring = ModuleWiring(
+            module,
+            leaves,
+            self._segment_of,
+            self.persistent,
+            self.units.names,
+            pre_forward=self._pre_forward,
+            post_forward=self._post_forward,
+            on_access=self._on_access,
+            synced=comm.world_size > 1,
+        )
         # module -> units of the parameters it owns directly (shared parameters included),
         # plus units of parameters it was seen using from other modules (see _on_access)
-        self._segment_of = {id(p): layout.param_segment[pi] for pi, p in enumerate(flat.params)}
-        self.units_of: dict[nn.Module, tuple[int, ...]] = {}
-        self._stack: list[nn.Module] = []  # modules whose forward is running
-        self._hooks: list = []
-        self._leaves = list(leaves)
-        self._install_hooks(regions=())
-        self._synced = comm.world_size > 1  # see the module docstring: synced generate()
-        for m in module.modules():
-            if self._synced and not hasattr(m, "_is_fsdp_managed_module"):
-                m._is_fsdp_managed_module = True  # type: ignore[assignment]
+        self.units_of = self._wiring.units_of
         names: dict[int, str] = {}
         for name, p in module.named_parameters():
             names.setdefault(id(p), name)
@@ -169,39 +150,6 @@ class ParamGatherer:
         self.phase = states.step("phase", (self.phase, event))
         return self.phase
 
-    def _install_hooks(self, regions: Iterable[nn.Module]) -> None:
-        """(Re)install the forward hooks: one pair on each module outside the leaves and
-        ``regions``; a leaf or region gathers all its descendants' units at once. Inside a
-        region, ``_parameters`` are plain dicts (no access tracking), so its forward has
-        no Python of ours in it (``torch.compile`` traces it: :meth:`set_regions`)."""
-        for h in self._hooks:
-            h.remove()
-        self._hooks.clear()
-        regions = list(regions)
-        whole = _outermost([*self._leaves, *regions])
-        inside = {id(d) for m in whole for d in m.modules() if d is not m}
-        plain = {id(d) for r in regions for d in r.modules()}
-        whole_ids = {id(m) for m in whole}
-        self.units_of.clear()
-        for name, m in reversed(list(self._root.named_modules())):
-            owned = m.parameters(recurse=id(m) in whole_ids)
-            units = {self._segment_of[id(p)] for p in owned if id(p) in self._segment_of}
-            for s in units:
-                self.units.names[s] = name or "(the root module)"
-            tracked = isinstance(m._parameters, AccessTrackingDict)
-            if id(m) in plain and tracked:
-                m._parameters = dict(m._parameters)
-                # dynamo takes the marker for FSDP1's (graph break); generate() reads it
-                # on the model only, never inside a region
-                m.__dict__.pop("_is_fsdp_managed_module", None)
-            elif id(m) not in plain and not tracked:
-                m._parameters = AccessTrackingDict(m._parameters, self._on_access)
-            if id(m) in inside:  # gathered with its leaf or region; no hooks of its own
-                continue
-            self.units_of[m] = tuple(sorted(units - self.persistent))
-            self._hooks.append(m.register_forward_pre_hook(self._pre_forward))
-            self._hooks.append(m.register_forward_hook(self._post_forward))
-
     def set_regions(self, regions: Iterable[nn.Module]) -> None:
         """Gather each of ``regions`` (modules whose forward ``engine.compile`` compiles)
         as a whole, with the hooks outside it; between steps only. The recorded orders
@@ -210,28 +158,18 @@ class ParamGatherer:
         if self._stack or self.phase is Phase.BACKWARD:
             raise UsageError("compile regions can change between steps only")
         self.units.free_all()
-        self._install_hooks(regions)
+        self._wiring.install(regions)
         self._schedule.restart()
         self.units.checking = True
 
     def compile_regions(self, module: nn.Module) -> list[nn.Module]:
         """``engine.compile``: the regions to compile (``compiling.py``), each now
         gathered whole with the hooks outside it."""
-        regions = find_regions(module, whole=self._leaves)
+        regions = find_regions(module, whole=self._wiring.leaves)
         self.set_regions(regions)
         return regions
 
     # -- instrumentation (units.py keeps the counters) ----------------------------------
-    @property
-    def live_numel(self) -> int:
-        """Gathered elements of non-persistent units right now (in flight included)."""
-        return self.units.live_numel
-
-    @property
-    def peak_live_numel(self) -> int:
-        """The highest :attr:`live_numel` since :meth:`reset_stats`."""
-        return self.units.peak_live_numel
-
     def reset_stats(self) -> None:
         """Restart the counters; the peak restarts from what is live now."""
         self.units.reset_stats()
@@ -409,14 +347,7 @@ class ParamGatherer:
     def remove(self) -> None:
         """Teardown: remove every hook and give each parameter its whole value back, one
         unit at a time (one all-gather per unit), as plain tensors the module owns."""
-        for h in self._hooks:
-            h.remove()
-        self._hooks.clear()
-        for m in self._root.modules():
-            if isinstance(m._parameters, AccessTrackingDict):
-                m._parameters = dict(m._parameters)
-            if self._synced and getattr(m, "_is_fsdp_managed_module", False):
-                del m._is_fsdp_managed_module
+        self._wiring.remove()
         for p in self.flat.params:
             unguard(p)
         self.units.detach()

@@ -10,6 +10,12 @@ start-up and after each optimizer step; and, while gathers are checked for agree
 all-reduce (max) of two int64 before each gather. ``GatheredParameters(modifier_rank=r)``
 writes the gathered values back into this rank's shard (no collective here).
 
+Agreement: ranks must gather the same units in the same order. During the first forward
+and the first backward (and always with ``zero_optimization.enable_sanity_checks``)
+each gather is preceded by one all-reduce (max) of two int64 (this unit's index, and its
+negation): ranks that would gather different units raise, on every rank, an error naming
+both modules and the remedy (a leaf module), instead of gloo aborting or NCCL hanging.
+
 Live parameters (``stage3_max_live_parameters``, DeepSpeed's semantics): the cap is the
 number of gathered elements of non-persistent units (in flight or complete, padding
 included) held at once. Every live unit is *needed*, *speculative* or *kept*:
@@ -195,7 +201,7 @@ class Units:
         return True
 
     def _agree(self, s: int) -> None:
-        """Check that every rank gathers unit ``s`` now (see ``gatherer.py``)."""
+        """Check that every rank gathers unit ``s`` now (see the module docstring)."""
         mine = torch.tensor([s, -s], dtype=torch.int64, device=self.flat.device)
         self.comm.all_reduce(mine, op="max")
         top, neg_low = mine.tolist()
