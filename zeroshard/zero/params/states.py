@@ -19,9 +19,10 @@ raises :class:`~zeroshard.InternalError` naming the machine, the state and the e
   An all-gather in flight lands before its unit is freed (no row frees FETCHING or
   PREFETCHING), and an on-demand one lands before the request returns.
 
-How many forwards use a unit right now (its users) is data, not a state: a unit with
-users is needed (FETCHING or GATHERED), and it is never released (``Units.move``
-checks it) unless every use is dropped at once (end of backward, teardown).
+How many forwards (and ``GatheredParameters`` blocks) use a unit right now, its users,
+is data, not a state: a unit with users is needed (GATHERED once its request returns;
+tests/test_param_states.py checks it between calls), and only a unit without users is
+released or kept, but when every use is dropped at once (end of backward, teardown).
 """
 
 from __future__ import annotations
