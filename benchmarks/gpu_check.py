@@ -24,6 +24,12 @@
    tensorwise and rowwise at stage 2 (eager and compiled) and stage 3; needs torchao
    (installed, or its wheel carried in ``.whl/``). Reported, not counted toward green
    until it has run on a GPU once.
+5. Mixture of experts (issue 34, ``benchmarks/_gpu_moe.py``'s ``moe_section``, in a
+   process of its own killed at ``MOE_BUDGET_S``): a Mixtral-shaped experts module in
+   bf16 by ``torch._grouped_mm``, padded ``bmm`` and the loop, and DeepSpeed-style
+   experts under ``vmap`` against their loop, forward + backward: tokens/s, x loop, the
+   largest difference from the loop. Reported, not counted toward green until it has
+   run on a GPU once.
 
 It prints one table (progress per row as it goes), appends it to ``benchmarks/RESULTS.md``
 with the card, torch/CUDA versions and commit, and, when every test and row passed,
@@ -58,11 +64,14 @@ sys.path.insert(0, HERE)
 import _gpu_fp8  # noqa: E402
 import _gpu_green  # noqa: E402
 from _gpu_decode import decode_rows, decode_table, partial_result  # noqa: E402
+from _gpu_moe import moe_section  # noqa: E402
 
 TESTS_BUDGET_S = 210  # tests/test_cuda.py
 ROW_BUDGET_S = 40  # each training row's process (1B: ~15 s start + build, timed steps)
 COMPILE_ROW_BUDGET_S = 120  # --compiled-rows: inductor's compile in the warm-up (a guess)
 DECODE_BUDGET_S = 60  # the section caps itself at ~45 s with its process's start
+MOE_BUDGET_S = 60  # the MoE section's process: start, build, six ways of <= 6 s each
+MOE_WAY_S = 6.0  # each way's timed calls in the MoE section
 TOTAL_BUDGET_S = 480
 # dense bf16 tensor-core peaks (spec sheets); other cards: the measured matmul peak
 PEAK_BF16 = {"H100 80GB HBM3": 989e12, "H100 SXM": 989e12, "H200": 989e12, "H100 PCIe": 756e12}
@@ -197,11 +206,20 @@ def train_row(row: dict, args) -> dict:
 
 
 # -- the driver -----------------------------------------------------------------------------
+def _section(kind: str, spec: dict, args) -> dict:
+    """What a child process of ``kind`` (train / decode / moe) computes."""
+    if kind == "train":
+        return train_row(spec, args)
+    if kind == "moe":
+        return {"table": moe_section(args.smoke, MOE_WAY_S)}
+    return decode_rows(args)
+
+
 def _child(kind: str, spec: dict, args, argv: list[str], budget: float) -> dict:
-    """Run ``kind`` (train / decode) in a fresh process (in this one with --smoke)."""
+    """Run ``kind`` (train / decode / moe) in a fresh process (in this one with --smoke)."""
     if args.smoke:
         try:
-            res = train_row(spec, args) if kind == "train" else decode_rows(args)
+            res = _section(kind, spec, args)
             return {"ok": True, "result": res}
         except Exception as exc:  # a failed row is reported in the table, the run goes on
             return {"ok": False, "why": f"{type(exc).__name__}: {exc}"}
@@ -297,6 +315,18 @@ def table(results: dict[str, dict], decode: dict, args, card: str) -> str:
     return head + "\n\n" + "\n".join(lines)
 
 
+def moe_part(run: dict) -> dict[str, Any]:
+    """The MoE section's ``{"ok", "note", "table"}`` from its child's result: ok when
+    every way gave a row; a killed or crashed child is one failed line."""
+    if not run["ok"]:
+        why = run["why"]
+        return {"ok": False, "note": why, "table": f"MoE experts (issue 34): the section failed: {why}"}  # fmt: skip
+    text = run["result"]["table"]
+    failed = [ln.split(" | ")[0][2:] for ln in text.splitlines() if "| failed" in ln]
+    note = f"failed: {', '.join(failed)}" if failed else "every way ran"
+    return {"ok": not failed, "note": note, "table": f"MoE (issue 34, `benchmarks/_gpu_moe.py`, {MOE_BUDGET_S} s cap): {text}"}  # fmt: skip
+
+
 def _commit(given: str | None) -> str:
     if given:
         return given
@@ -340,7 +370,7 @@ def _parser() -> argparse.ArgumentParser:
 def main() -> int:
     if len(sys.argv) > 3 and sys.argv[1] == "_child":
         kind, spec, args = sys.argv[2], json.loads(sys.argv[3]), _parser().parse_args(sys.argv[4:])
-        res = train_row(spec, args) if kind == "train" else decode_rows(args)
+        res = _section(kind, spec, args)
         print("RESULT " + json.dumps(res), flush=True)
         return 0
     argv = sys.argv[1:]
@@ -388,13 +418,16 @@ def main() -> int:
     progress("decode", decode["ok"], "" if decode["ok"] else decode["why"])
     fp8 = _gpu_fp8.section(args.smoke, *peak(card))  # never raises; at most 45 s
     progress("fp8 (issue 33)", fp8["ok"], fp8["note"])
-    body = table(results, decode, args, card) + "\n\n" + fp8["table"]
+    moe = moe_part(_child("moe", {}, args, child_argv, MOE_BUDGET_S))
+    progress("moe (issue 34)", moe["ok"], moe["note"])
+    body = table(results, decode, args, card) + "\n\n" + fp8["table"] + "\n\n" + moe["table"]
     wall = time.perf_counter() - start
     commit = _commit(args.commit)
     # a decode row the section had no time for (skipped) does not make the run red
     decode_ok = decode["ok"] and all(r["ok"] or r.get("skipped") for r in decode["result"]["rows"].values())  # fmt: skip
     rows_ok = decode_ok and all(v["ok"] for v in results.values())
-    # the fp8 section (issue 33, new and not yet run on a GPU) is reported, not counted
+    # the fp8 (issue 33) and MoE (issue 34) sections, new and not yet run on a GPU, are
+    # reported, not counted
     green = tests_ok and rows_ok
     verdict = "green" if green else "NOT green"
     body += f"\n\n`tests/test_cuda.py`: {summary}. {verdict}, {wall:.0f} s in all."
@@ -422,11 +455,9 @@ def main() -> int:
             f.write(section)
         if os.path.exists(args.green):
             shutil.copy(args.green, os.path.join(args.also_to, "GPU_LAST_GREEN.json"))
-    if wall > TOTAL_BUDGET_S + _gpu_fp8.BUDGET_S and not args.smoke:
-        print(
-            f"gpu-check: took {wall:.0f} s, over the {TOTAL_BUDGET_S + _gpu_fp8.BUDGET_S:.0f} s budget",
-            file=sys.stderr,
-        )
+    whole = TOTAL_BUDGET_S + _gpu_fp8.BUDGET_S + MOE_BUDGET_S
+    if wall > whole and not args.smoke:
+        print(f"gpu-check: took {wall:.0f} s, over the {whole:.0f} s budget", file=sys.stderr)
     return 0 if green or (args.smoke and rows_ok) else 1
 
 

@@ -137,3 +137,20 @@ def test_gpu_decode_keeps_the_rows_of_a_killed_section() -> None:
     assert "| bf16 captured | 1000.0 | 3 | 2.400 GB | 50.0% |" in table  # 2.4 GB x 1000 / 4.8 TB/s
     assert "| int4 captured | failed: over its 60 s budget |" in table
     assert "HBM bandwidth of 'CPU' not known" in "\n".join(_gpu_decode.decode_table(result, "CPU"))
+
+
+def test_gpu_moe_part_is_reported_not_raised() -> None:
+    """gpu_check's MoE section (issue 34): a table whose ways all ran is ok; a failed way,
+    or a child killed at the section's cap, is a failed section that says which or why
+    (reported in the table; green does not count it yet)."""
+    sys.path.insert(0, BENCH)
+    import gpu_check
+
+    head = "MoE experts (cuda, torch.bfloat16): ...\n\n| way | tokens/s | x loop | max diff |\n|---|---|---|---|\n"  # fmt: skip
+    good = gpu_check.moe_part({"ok": True, "result": {"table": head + "| loop | 9 | 1.00 | |"}})
+    assert good["ok"] and good["note"] == "every way ran" and "| loop | 9 |" in good["table"]
+    bad = head + "| grouped_mm | failed: RuntimeError: no kernel | | |\n| loop | 9 | | |"
+    part = gpu_check.moe_part({"ok": True, "result": {"table": bad}})
+    assert not part["ok"] and part["note"] == "failed: grouped_mm", part
+    killed = gpu_check.moe_part({"ok": False, "why": "over its 60 s budget"})
+    assert not killed["ok"] and "the section failed: over its 60 s budget" in killed["table"]

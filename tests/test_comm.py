@@ -80,12 +80,47 @@ def _worker(rank: int, world: int) -> dict:
         comms[world].all_gather(torch.empty(7), torch.empty(2), via="send_recv")
     with pytest.raises(ValueError, match="via='bogus'"):
         comms[world].reduce_scatter(torch.empty(1), torch.empty(world), via="bogus")
+    out["uneven"] = _uneven_all_to_all(rank, world)
     return out
+
+
+def _uneven_all_to_all(rank: int, world: int) -> dict:
+    """Split sizes: rank r sends rank j ``r + j + 1`` rows of ``10 r + j``; the ledger
+    counts the send buffer's bytes on the group's axis. Bad splits name the problem."""
+    from zeroshard import ArgumentError
+    from zeroshard.distributed.ledger import Ledger
+
+    comm = Comm(None, Ledger(), axis="ep")
+    sizes = [rank + j + 1 for j in range(world)]  # what rank sends to j = what j sends here
+    inp = torch.cat([torch.full((n, 3), 10.0 * rank + j) for j, n in enumerate(sizes)])
+    got = torch.empty(sum(sizes), 3)
+    comm.all_to_all(got, inp, output_splits=sizes, input_splits=sizes)
+    want = torch.cat([torch.full((n, 3), 10.0 * j + rank) for j, n in enumerate(sizes)])
+    errors = []
+    bad = (
+        lambda: comm.all_to_all(got, inp, input_splits=sizes),
+        lambda: comm.all_to_all(got, inp, output_splits=sizes[:-1], input_splits=sizes),
+    )
+    for call in bad:
+        try:
+            call()
+        except ArgumentError as exc:
+            errors.append(str(exc))
+    return {
+        "exact": bool(torch.equal(got, want)),
+        "bytes": comm.ledger.by_axis()["ep"]["all_to_all"]["bytes"],
+        "sent": inp.numel() * 4,
+        "errors": errors,
+    }
 
 
 def test_reduce_scatter_algorithms_agree() -> None:
     results = multirank.run(_worker, 3, timeout=120)
     for rank, res in enumerate(results):
+        uneven = res.pop("uneven")
+        assert uneven["exact"] and uneven["bytes"] == uneven["sent"], (rank, uneven)
+        assert "both output_splits and input_splits" in uneven["errors"][0], uneven
+        assert "output_splits" in uneven["errors"][1] and "rank parts" in uneven["errors"][1]
         for key, per in res.items():
             size = int(key.split("-")[0])
             # sends and the all-to-all sum in rank order, exactly as the reference does

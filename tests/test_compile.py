@@ -203,8 +203,8 @@ DEEPCOMPILE_019 = {
 
 def test_every_deepcompile_key_is_refused_by_name() -> None:
     """Every DeepCompile key of DeepSpeed 0.19, set, is refused naming it (DeepCompile is
-    not built); at its default it is accepted; ``autoep_non_moe`` (AutoEP's, which
-    zeroshard has not) is reported as meaning nothing."""
+    not built); at its default it is accepted; ``autoep_non_moe`` (DeepCompile's for AutoEP
+    layers) is reported as meaning nothing."""
     from zeroshard.config.features import CompileConfig
 
     known = {f.name for f in dataclasses.fields(CompileConfig)}

@@ -709,7 +709,10 @@ NOT_BUILT_CASES = {
         _with(quantize_training={"enabled": True}),
         "quantize_training.enabled",
     ),
-    "expert_parallel": (_with(expert_parallel={"enabled": True}), "expert_parallel.enabled"),
+    "expert_parallel": (
+        _with(expert_parallel={"enabled": True, "expert_tensor_parallel_size": 2}),
+        "expert_parallel.expert_tensor_parallel_size",
+    ),
     # DeepCompile's keys (DeepSpeed 0.14's torch.compile switch is wired: issue 32)
     "deepcompile": (_with(compile={"deepcompile": True}), "compile.deepcompile"),
     "deepcompile_key": (_with(compile={"free_activation": True}), "compile.free_activation"),

@@ -21,7 +21,9 @@ import pytest
 import torch
 from multirank import run
 
-from zeroshard.compat import ds_moe, ds_ops, ds_runtime_utils, ds_version, ds_zero_names
+from zeroshard.compat import ds_ops, ds_runtime_utils, ds_version, ds_zero_names
+from zeroshard.moe import layer as moe_layer
+from zeroshard.moe import utils as moe_utils
 
 PEER_NAMES = [
     "deepspeed.runtime.lr_schedules.WARMUP_LR",
@@ -43,6 +45,9 @@ PEER_NAMES = [
     "deepspeed.ops.op_builder.FusedLambBuilder",
     "deepspeed.moe.layer.MoE",
     "deepspeed.moe.utils.split_params_into_different_moe_groups_for_optimizer",
+    "deepspeed.moe.utils.is_moe_param",
+    "deepspeed.moe.sharded_moe.top1gating",
+    "deepspeed.moe.sharded_moe.topkgating",
     "deepspeed.pipe.PipelineModule",
     "deepspeed.pipe.LayerSpec",
     "deepspeed.checkpointing.checkpoint",
@@ -92,7 +97,7 @@ PEER_NOT_BUILT = [
     "deepspeed.runtime.pipe.topology",
     "deepspeed.checkpoint.ds_to_universal",
     "deepspeed.checkpoint.model_3d_desc",
-    "deepspeed.moe.sharded_moe",
+    "deepspeed.moe.mappings",
 ]
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
@@ -134,17 +139,30 @@ def test_every_peer_name_resolves_through_the_alias() -> None:
     assert json.loads(out.stdout.strip().splitlines()[-1]) == []
 
 
-def test_not_built_is_refused_where_used() -> None:
-    with pytest.raises(NotImplementedError, match=r"MoE: .*not built yet.*issue 34"):
-        ds_moe.MoE(hidden_size=4, expert=torch.nn.Linear(4, 4), num_experts=2)
+def test_deepspeed_moe_names_are_the_built_layer() -> None:
+    """``deepspeed.moe.layer.MoE`` and ``deepspeed.moe.utils`` are zeroshard's MoE (issue
+    34): the layer builds and runs, its experts are marked and split into groups of
+    their own; a model without experts comes back as given."""
+    moe = moe_layer.MoE(hidden_size=4, expert=torch.nn.Linear(4, 4), num_experts=2)
+    out, l_aux, counts = moe(torch.randn(2, 4, 4))  # top-1 of 8 tokens, capacity 4
+    assert out.shape == (2, 4, 4) and l_aux.ndim == 0 and int(counts.sum()) == 8
+    assert moe_utils.has_moe_layers(torch.nn.Sequential(moe)) == (True, 2)
+    assert moe_utils.has_moe_layers(torch.nn.Linear(2, 2)) == (False, 0)
     p = torch.nn.Parameter(torch.ones(2))
     groups = [{"params": [p], "name": "g"}]
-    assert ds_moe.split_params_into_different_moe_groups_for_optimizer(groups) == groups
-    assert ds_moe.split_params_into_different_moe_groups_for_optimizer(groups[0]) == groups
-    p.allreduce = False  # type: ignore[attr-defined]  # how DeepSpeed marks an expert's
-    with pytest.raises(NotImplementedError, match="issue 34"):
-        ds_moe.split_params_into_different_moe_groups_for_optimizer(groups)
-    assert ds_moe.has_moe_layers(torch.nn.Linear(2, 2)) == (False, 0)
+    assert moe_utils.split_params_into_different_moe_groups_for_optimizer(groups) == groups
+    assert moe_utils.split_params_into_different_moe_groups_for_optimizer(groups[0]) == groups
+    experts = [q for q in moe.parameters() if moe_utils.is_moe_param(q)]
+    assert experts and len(experts) < len(list(moe.parameters()))
+    split = moe_utils.split_params_into_different_moe_groups_for_optimizer(
+        [{"params": list(moe.parameters()), "name": "g"}]
+    )
+    assert [g.get("moe", False) for g in split] == [False, True]
+    assert {id(q) for q in split[1]["params"]} == {id(q) for q in experts}
+
+
+def test_not_built_is_refused_where_used() -> None:
+    p = torch.nn.Parameter(torch.ones(2))
 
     import zeroshard.utils
 
@@ -312,7 +330,7 @@ assert got == [1, 2, 1, 2, 1], got
 try:
     groups._create_expert_and_data_parallel(2)
 except NotBuiltError as e:
-    assert "_create_expert_and_data_parallel: " in str(e) and "issue 34" in str(e), e
+    assert "_create_expert_and_data_parallel: " in str(e) and "ep_size" in str(e), e
 else:
     raise AssertionError("_create_expert_and_data_parallel did not refuse")
 print("ok")
@@ -322,7 +340,8 @@ print("ok")
 def test_lr_schedule_names_and_repeating_loader() -> None:
     """DeepSpeed's constants are its config keys: a config written with them builds the
     schedule they name; RepeatingLoader starts its loader again when it runs out; the
-    expert-parallel groups (MoE, issue 34) refuse by name when called."""
+    expert-parallel group registry (zeroshard builds the ep groups at initialize) refuses
+    by name when called."""
     out = subprocess.run(
         [sys.executable, "-c", _LR_SCHEDULES], capture_output=True, text=True, timeout=120
     )

@@ -2,7 +2,9 @@
 real engines on 4 gloo ranks (one spawn): stages 0, 1, 2, 3, hybrid stage 1 (2
 replicas x 2 shards, for the replicas' all-reduce) and stage 2 with the optimizer
 offloaded under the fake device runtime (the micro-steps before the boundary held on
-the device: phase BACKWARD_HOLDING, window ON_DEVICE). Each engine runs the same call
+the device: phase BACKWARD_HOLDING, window ON_DEVICE); and stages 0, 2 and 3 again with
+a DeepSpeed MoE layer over ep 2 (expert segments reduced over the expert-data-parallel
+group), which must take the very rows of the dense walk. Each engine runs the same call
 sequence, the orders a user (or accelerate, or the pipeline engine) makes: steps with
 no backward, two backwards per step, the boundary unset and set again, a step right
 after an unset backward, zero_grad mid-window, a backward that raises, the pipeline's
@@ -43,6 +45,25 @@ class Net(nn.Module):
         return out + self.extra if extra else out
 
 
+class MoENet(Net):
+    """Net with a DeepSpeed MoE layer of two experts split over ep 2 (one per rank):
+    the expert segments are reduced over the expert-data-parallel ranks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from zeroshard.moe.layer import MoE
+
+        self.moe = MoE(4, nn.Linear(4, 4), num_experts=2, ep_size=2, drop_tokens=False, min_capacity=0)  # fmt: skip
+
+    def forward(self, x, *, extra: bool = False, reentrant: bool = False):
+        h = self.fc1(x)
+        h = h + self.moe(h)[0]
+        if reentrant:
+            h = checkpoint(self.fc1, h, use_reentrant=True)
+        out = self.fc2(torch.tanh(h))
+        return out + self.extra if extra else out
+
+
 class _Boom(torch.autograd.Function):
     """Identity forward; its backward raises (a backward that fails on every rank)."""
 
@@ -67,20 +88,20 @@ def _error(fn) -> list[str]:
     return ["no error", ""]
 
 
-def _walk(rank: int, stage: int, mics: int, offload: bool) -> dict:
+def _walk(rank: int, stage: int, mics: int, offload: bool, experts: bool = False) -> dict:
     from zeroshard.distributed import device
     from zeroshard.distributed.fake_device import FakeRuntime
 
     # offload: a device apart from the host (the fake runtime), so the reducer stages
     with device.use(FakeRuntime()) if offload else contextlib.nullcontext():
-        return _walk_on(rank, stage, mics, offload)
+        return _walk_on(rank, stage, mics, offload, experts)
 
 
-def _walk_on(rank: int, stage: int, mics: int, offload: bool) -> dict:
+def _walk_on(rank: int, stage: int, mics: int, offload: bool, experts: bool) -> dict:
     import zeroshard
 
     torch.manual_seed(0)
-    model = Net()
+    model = MoENet() if experts else Net()
     zc: dict = {"stage": stage, "stage3_param_persistence_threshold": 0, "mics_shard_size": mics}
     if offload:
         zc["offload_optimizer"] = {"device": "cpu"}
@@ -183,8 +204,15 @@ CASES = [(0, -1, False), (1, -1, False), (2, -1, False), (3, -1, False), (1, 2, 
 HELD = {"ON_DEVICE", "FINISH_HOLDING", "BACKWARD_HOLDING"}
 
 
-def _worker(rank: int, world: int) -> list[dict]:
-    return [_walk(rank, stage, mics, offload) for stage, mics, offload in CASES]
+# stages walked again with expert parallelism (ep 2 x dp 2): the same calls, each bucket
+# reduced over the group of its segment's kind
+MOE_STAGES = [0, 2, 3]
+
+
+def _worker(rank: int, world: int) -> dict[str, list[dict]]:
+    dense = [_walk(rank, stage, mics, offload) for stage, mics, offload in CASES]
+    moe = [_walk(rank, stage, -1, False, experts=True) for stage in MOE_STAGES]
+    return {"dense": dense, "moe": moe}
 
 
 @pytest.fixture(scope="module")
@@ -197,7 +225,7 @@ def _rows() -> set[str]:
 
 
 def test_every_transition_is_taken(walked):
-    seen = {k for per_case in walked for case in per_case for k in case["seen"]}
+    seen = {k for per in walked for case in per["dense"] + per["moe"] for k in case["seen"]}
     missing = sorted(_rows() - seen)
     assert not missing, f"rows no engine sequence reached: {missing}"
     assert seen <= _rows()
@@ -206,7 +234,7 @@ def test_every_transition_is_taken(walked):
 def test_each_mode_takes_its_window_rows(walked):
     """Per mode, the walk takes every window row of that mode (the rows of a window
     held on the device: with offload only, and never without it)."""
-    for (stage, mics, offload), case in zip(CASES, walked[0], strict=True):
+    for (stage, mics, offload), case in zip(CASES, walked[0]["dense"], strict=True):
         mode = {0: "REPLICATED", 1: "PARTITIONED"}.get(stage, "SHARDED")
         held = {r for r in _rows() if HELD & set(r.split(":")[1].split(","))}
         want = {r for r in _rows() if r.startswith(f"window:{mode},")}
@@ -217,7 +245,7 @@ def test_each_mode_takes_its_window_rows(walked):
 
 
 def test_illegal_orders_are_named_errors(walked):
-    for (stage, _, _), case in zip(CASES, walked[0], strict=True):
+    for (stage, _, _), case in zip(CASES, walked[0]["dense"], strict=True):
         e = case["errors"]
         assert e["loss.backward()"][0] == "UsageError", e
         assert "outside engine.backward()" in e["loss.backward()"][1]
@@ -235,6 +263,18 @@ def test_illegal_orders_are_named_errors(walked):
         assert "from (BACKWARD_REDUCING) on FINALIZE" in inside[1], (stage, inside)
 
 
+def test_experts_take_the_moves_of_the_dense_walk(walked):
+    """With expert parallelism every rank makes the same calls and moves as without it
+    (the kind picks a segment's group, not a state); the same orders are the same named
+    errors."""
+    for per in walked:
+        plain = zip(CASES, per["dense"], strict=True)
+        dense = {c[0]: walk for c, walk in plain if c[1:] == (-1, False)}
+        for stage, moe in zip(MOE_STAGES, per["moe"], strict=True):
+            assert moe["seen"] == dense[stage]["seen"], (stage, sorted(set(moe["seen"]) ^ set(dense[stage]["seen"])))  # fmt: skip
+            assert moe["errors"] == dense[stage]["errors"], stage
+
+
 def test_tables_stay_inside_each_mode() -> None:
     """No process: a sharded window never holds local sums, a full one never an
     accumulated shard, and every action is one the reducer runs."""
@@ -243,12 +283,13 @@ def test_tables_stay_inside_each_mode() -> None:
     full = {Window.EMPTY, Window.LOCAL, Window.REDUCED}
     sharded = {Window.EMPTY, Window.ACCUMULATED, Window.ON_DEVICE}
     actions = {states.NONE, states.RESTATE, states.REDUCE, states.ZERO, states.CLEAR}
-    actions |= {states.LAND}
+    actions |= {states.LAND, states.RESCALE}
     for (mode, state, _), (nxt, action) in WINDOW.items():
         allowed = sharded if mode is Mode.SHARDED else full
         assert {state, nxt} <= allowed, (mode, state, nxt)
         assert action in actions
         assert action != states.RESTATE or mode is Mode.PARTITIONED
+        assert action != states.RESCALE or mode is Mode.REPLICATED
         # only a window held on the device lands, and it always does before a read
         assert (action == states.LAND) == (
             state is Window.ON_DEVICE

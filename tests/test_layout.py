@@ -36,6 +36,10 @@ SHIMS |= {"zeroshard.pipe", "zeroshard.utils"}
 LAYERS: list[tuple[str, ...]] = [
     ("config", "models", "ops"),  # leaves: the config schema, the built-in GPT, FusedAdam
     ("distributed",),  # process groups, the mesh, Comm and its ledger, the device seam
+    # mixture-of-experts layers (DeepSpeed's MoE, gating, all-to-all dispatch over Comm,
+    # grouped expert compute, the transformers sparse-block plan) and the marks saying
+    # which parameters are experts, read by ZeRO's layout users, AutoTP and checkpoints
+    ("moe",),
     ("offload",),  # where shards and optimizer states live (host, NVMe)
     ("zero.layout",),  # who owns which elements; the flat buffer
     ("zero.params", "zero.grads", "parallel.sequence", "activation", "monitor"),

@@ -20,6 +20,7 @@ from zeroshard.config import ConfigError, load_config
 from zeroshard.distributed.mesh import Mesh, MeshShape
 from zeroshard.distributed.process_group import default_device, init_distributed
 from zeroshard.fp8 import unwrap_fp8_weights
+from zeroshard.moe.apply import expert_parallel_size
 from zeroshard.parallel.pipeline.engine import PipelineEngine
 from zeroshard.parallel.pipeline.module import PipelineModule
 from zeroshard.runtime.engine import Engine
@@ -214,6 +215,12 @@ def initialize(
             micro_batch_from_data=own,
             module_stages=module_stages,
         )
+        if expert_parallel_size(model, cfg) > 1:
+            raise NotBuiltError(
+                "initialize(mpu=...) with expert parallelism (MoE ep_size > 1 or "
+                "expert_parallel.enabled) is not built yet; give the parallel sizes in the "
+                "config instead of an mpu"
+            )
     else:
         cfg = load_config(
             source, world_size=world, micro_batch_from_data=own, module_stages=module_stages
@@ -224,6 +231,7 @@ def initialize(
             sp=cfg.sequence_parallel_size,
             pp=cfg.pipeline_stages,
             shard_size=cfg.zero_optimization.mics_shard_size,
+            ep=expert_parallel_size(model, cfg),
         )
         mesh = Mesh.build(shape, device_type=default_device().type)
     if cfg.seed is not None:

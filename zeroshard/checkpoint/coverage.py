@@ -98,7 +98,7 @@ def check_files_agree(path: str, manifest: dict, headers: list[dict]) -> None:
             e = params.get(name)
             if e is None:
                 continue  # its pieces are reported above
-            for field in ("shape", "group", "tp"):
+            for field in ("shape", "group", "tp", "ep"):
                 if e.get(field) != rec.get(field):
                     problems.append(
                         f"{os.path.join(path, 'manifest.json')}: params[{name!r}].{field} is "

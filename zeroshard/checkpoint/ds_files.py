@@ -215,7 +215,8 @@ def _stage(files: DeepSpeedFiles) -> None:
         if any(c != files.world for c in counts):
             raise CheckpointError(
                 f"{files.file(name)}: partition_count {sd.get('partition_count')!r}, but "
-                f"dp_world_size is {files.world} (expert groups are not built yet)"
+                f"dp_world_size is {files.world} (DeepSpeed's expert-parallel partitions: loading "
+                "them is not built yet)"
             )
     if len(stages) != 1:
         raise CheckpointError(f"{files.path}: the ranks' files record stages {sorted(stages)}")

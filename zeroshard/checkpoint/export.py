@@ -295,9 +295,10 @@ def save_16bit(engine, save_dir: str, filename: str = "model.safetensors") -> st
     raises :class:`CheckpointSaveError` on every rank, and no ``.partial`` file stays.
     Communication: the gathers (stage 3: one all-gather per parameter) and two tiny
     all-reduces (after rank 0 opened the file, at the end)."""
+    from zeroshard.moe.whole import gather_global, global_shapes
     from zeroshard.zero import GatheredParameters
 
-    comm, module = engine.comm, engine.module
+    comm, module, ep = engine.comm, engine.module, engine.mesh.comm("ep")
     named = dict(module.named_parameters(remove_duplicate=False))
     state = module.state_dict(keep_vars=True)
     shapes = {}
@@ -306,7 +307,9 @@ def save_16bit(engine, save_dir: str, filename: str = "model.safetensors") -> st
     entries = []
     for name, t in state.items():
         shape = list(shapes.get(id(t), t.shape))
-        entries.append((name, t.dtype, shape))
+        # experts: one entry per global expert (or the whole fused tensor)
+        for whole_name, whole_shape in global_shapes(module, name, t, shape):
+            entries.append((whole_name, t.dtype, whole_shape))
     out = os.path.join(save_dir, filename)
     partial = _partial(out)
     what = f"save_16bit_model({out!r})"
@@ -319,14 +322,15 @@ def save_16bit(engine, save_dir: str, filename: str = "model.safetensors") -> st
             error = exc
     failed, _ = exchange(comm, engine.device, error)
     raise_if_failed(comm, failed, error, what, CheckpointSaveError)
-    for name, dtype, _ in entries:
-        t = named.get(name, state[name])
+    for name, t in state.items():
+        t = named.get(name, t)
         with GatheredParameters([t] if isinstance(t, torch.nn.Parameter) else []):
-            if writer is not None and error is None:
-                try:
-                    writer.write(name, t.detach().to(dtype))
-                except Exception as exc:  # keep joining the gathers; report at the end
-                    error = exc
+            for whole_name, value in gather_global(module, ep, name, t):
+                if writer is not None and error is None:
+                    try:
+                        writer.write(whole_name, value.to(t.dtype))
+                    except Exception as exc:  # keep joining the gathers; report at the end
+                        error = exc
     if writer is not None:
         try:
             if error is None:

@@ -32,7 +32,14 @@ import torch
 from safetensors import safe_open
 
 from zeroshard.checkpoint.ds_checkpoint import deepspeed_path, open_deepspeed
-from zeroshard.checkpoint.format import exchange, parameter_names, piece_key, raise_if_failed
+from zeroshard.checkpoint.format import (
+    exchange,
+    parameter_names,
+    piece_key,
+    raise_if_failed,
+    saved_split,
+    split_of,
+)
 from zeroshard.checkpoint.safetensors_io import DTYPE_NAMES, DTYPES
 from zeroshard.checkpoint.shards import ShardAccess
 
@@ -47,7 +54,14 @@ from zeroshard.checkpoint.validate import (
     validate,
 )
 from zeroshard.monitor.progress import progress
-from zeroshard.parallel.tensor.slices import TPSlice, assemble, tp_slice_of
+from zeroshard.parallel.tensor.slices import TPSlice, assemble
+
+
+def _held_slice(p: torch.Tensor) -> TPSlice | None:
+    """The slice of a whole tensor ``p`` holds (tensor-parallel, or a fused expert
+    tensor's experts); None when it is held whole."""
+    split = split_of(p)
+    return split[1] if split is not None else None
 
 
 def _same_split(saved: dict, entry: dict, spec: TPSlice) -> bool:
@@ -78,14 +92,14 @@ class PieceReader:
         self, kind: str, name: str, a: int, b: int, dtype: torch.dtype, spec: TPSlice | None = None
     ) -> torch.Tensor:
         """Elements ``[a, b)`` of parameter ``name``'s flattened ``kind``, as the loading
-        rank holds it: whole (``spec`` None) or its tensor-parallel slice ``spec``. A
-        tensor-parallel save is read straight from the slice of the same rank when the
-        split agrees, else assembled whole and re-split."""
+        rank holds it: whole (``spec`` None) or its slice ``spec`` (tensor-parallel, or a
+        fused expert tensor's experts). A split save is read straight from the slice of
+        the same rank when the split agrees, else assembled whole and re-split."""
         if name not in self.manifest["params"]:  # saved whole (frozen, at stages 0-2)
             whole = self.whole(name)
             return (spec.take(whole) if spec else whole).reshape(-1)[a:b].to(dtype)
         entry = self.manifest["params"][name]
-        saved = entry.get("tp")
+        saved = saved_split(entry)
         if saved is None and spec is None:
             return self._read(kind, name, a, b, dtype, None)
         if saved is not None and spec is not None and _same_split(saved, entry, spec):
@@ -117,7 +131,7 @@ class PieceReader:
         optimizer states, the saved dtype for parameters."""
         entry = self.manifest["params"][name]
         dtype = DTYPES[entry["dtype"]] if kind == "param" else torch.float32
-        shape, saved = entry["shape"], entry.get("tp")
+        shape, saved = entry["shape"], saved_split(entry)
         if saved is None:
             return self._read(kind, name, 0, math.prod(shape), dtype, None).view(shape)
         split = TPSlice(
@@ -246,7 +260,7 @@ def load(
             saved = manifest["params"].get(name)  # None: saved whole (frozen at stages 0-2)
             trained = saved is not None and saved["group"] >= 0  # saved with its states
             kind = param_kind if trained else "param"
-            spec = tp_slice_of(engine.flat.params[piece.param])  # None: held whole
+            spec = _held_slice(engine.flat.params[piece.param])  # None: held whole
             access.set("param", a, reader.get(kind, name, piece.lo, piece.hi, dtype, spec))
             if piece.group < 0:
                 continue
@@ -267,7 +281,7 @@ def load(
                 saved = manifest["params"].get(n)
                 if param_kind == "master" and saved is not None and saved["group"] >= 0:
                     # trained, now outside the layout (an engine without an optimizer)
-                    whole = reader.get("master", n, 0, p.numel(), p.dtype, tp_slice_of(p))
+                    whole = reader.get("master", n, 0, p.numel(), p.dtype, _held_slice(p))
                     p.copy_(whole.view_as(p))
                 else:
                     p.copy_(reader.whole(n))

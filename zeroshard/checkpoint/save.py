@@ -45,6 +45,7 @@ from zeroshard.checkpoint.format import (
     parameter_names,
     piece_key,
     raise_if_failed,
+    split_of,
     write_text_atomic,
 )
 from zeroshard.checkpoint.model_config import describe_model
@@ -61,6 +62,7 @@ from zeroshard.checkpoint.paths import (
 from zeroshard.checkpoint.safetensors_io import DTYPE_NAMES, StreamWriter
 from zeroshard.checkpoint.shards import OwnedPiece, ShardAccess
 from zeroshard.distributed.mesh import AXES
+from zeroshard.moe.marks import EXPERT_LIST_ATTR, is_expert
 from zeroshard.monitor.progress import progress
 from zeroshard.parallel.tensor.slices import tp_slice_of
 
@@ -81,15 +83,27 @@ def whole_tensors(engine, exclude_frozen: bool = False) -> dict[str, tuple[torch
     out = {}
     for name, p in engine.module.named_parameters():
         if id(p) not in in_flat and not exclude_frozen:
-            if tp_slice_of(p) is not None:
+            if tp_slice_of(p) is not None or is_expert(p):
+                what = "tensor-parallel slice" if tp_slice_of(p) is not None else "expert"
                 raise NotBuiltError(
-                    f"save_checkpoint: {name!r} is a frozen tensor-parallel slice outside "
-                    "ZeRO's layout (stages 0-2); saving it is not built yet: use stage 3, "
-                    "where frozen parameters are in the layout"
+                    f"save_checkpoint: {name!r} is a frozen {what} outside ZeRO's layout "
+                    "(stages 0-2); saving it is not built yet: use stage 3, where frozen "
+                    "parameters are in the layout"
                 )
             out[name] = (p.detach(), False)
+    expert_buffers = {
+        f"{prefix}.{n}" if prefix else n
+        for prefix, m in engine.module.named_modules()
+        if getattr(m, EXPERT_LIST_ATTR, None) and any(is_expert(p) for p in m.parameters())
+        for n, _ in m.named_buffers()
+    }
     for name, b in engine.module.state_dict(keep_vars=True).items():
         if not isinstance(b, torch.nn.Parameter) and torch.is_tensor(b):
+            if name in expert_buffers:
+                raise NotBuiltError(
+                    f"save_checkpoint: {name!r} is a buffer of experts split over several "
+                    "expert-parallel ranks; saving expert buffers is not built yet"
+                )
             out[name] = (b.detach(), True)
     return out
 
@@ -280,14 +294,17 @@ def _pieces_to_write(engine, access, rank: int) -> list[OwnedPiece]:
         mine = [p for p in mine if p.param in split]
     if engine.flat.partitioned:
         return mine if mesh.coord("zero_replicate", rank) == 0 else []
-    n = mesh.size("replicas")
-    if n == 1:
-        return mine
-    r = mesh.coord("replicas", rank)
-    total = engine.flat.layout.shard_numel
-    a, b = r * total // n, (r + 1) * total // n
+    layout = engine.flat.layout
+    total = layout.shard_numel
+    # dense segments split over every replica; expert ones over the replicas holding
+    # the same experts (each expert-parallel rank writes its own experts)
+    ranges = {}
+    for kind, group in ((0, "replicas"), (1, "expert_replicas")):
+        n, r = mesh.size(group), mesh.coord(group, rank)
+        ranges[kind] = (r * total // n, (r + 1) * total // n)
     out = []
     for p in mine:
+        a, b = ranges[layout.segments[p.segment].kind]
         lo, hi = max(a, p.shard_lo), min(b, p.shard_lo + p.hi - p.lo)
         if lo < hi:
             d = lo - p.shard_lo
@@ -367,17 +384,22 @@ def _manifest(
     flat, world = engine.flat, engine.comm.world_size
     layout = flat.layout
     params: dict = {}
-    splits = [tp_slice_of(p) for p in flat.params]
+    splits = [split_of(p) for p in flat.params]
     skip = _not_saved_here(engine, exclude_frozen)
     ranks = stage_ranks(engine)
+    mesh = engine.mesh
+    # experts' global names as each expert-parallel rank holds them
+    by_ep = [parameter_names(engine, c) for c in range(mesh.size("ep"))]
     for i in range(len(splits)):
         if i in skip:
             continue
-        # split parameters' pieces are of each TP rank's slice: [file, lo, hi, tp rank]
-        params[names[i]] = {**param_record(flat, i), "dtype": DTYPE_NAMES[flat.dtype], "pieces": []}
-    mesh = engine.mesh
+        # split parameters' pieces are of each rank's slice: [file, lo, hi, slice rank]
+        for ep_names in by_ep:
+            record = {**param_record(flat, i), "dtype": DTYPE_NAMES[flat.dtype], "pieces": []}
+            params.setdefault(ep_names[i], record)
     for r in ranks:
         t = mesh.coord("tp", r)
+        names = by_ep[mesh.coord("ep", r)]
         if flat.partitioned:  # the first replica's ranks write the shards
             first = mesh.coord("zero_replicate", r) == 0
             pieces = layout.pieces(mesh.coord("zero_shard", r)) if first else []
@@ -391,7 +413,11 @@ def _manifest(
         for i, lo, hi in spans:
             if i in skip:
                 continue
-            piece = [r, lo, hi] if splits[i] is None else [r, lo, hi, t]
+            split = splits[i]
+            if split is None:
+                piece = [r, lo, hi]
+            else:
+                piece = [r, lo, hi, t if split[0] == "tp" else mesh.coord("ep", r)]
             params[names[i]]["pieces"].append(piece)
     whole = {  # in the file of the stage's first rank (rank 0 without pipelining)
         n: {"shape": list(t.shape), "dtype": DTYPE_NAMES[t.dtype], "buffer": is_buffer}

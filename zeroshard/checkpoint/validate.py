@@ -23,12 +23,18 @@ import os
 import random
 
 from zeroshard.checkpoint.coverage import check_files_agree, check_optimizer_fits, dtype_problems
-from zeroshard.checkpoint.format import MANIFEST, CheckpointError, parameter_names, piece_key
+from zeroshard.checkpoint.format import (
+    MANIFEST,
+    CheckpointError,
+    parameter_names,
+    piece_key,
+    saved_split,
+    split_of,
+)
 from zeroshard.checkpoint.integrity import check_order, check_save_id, check_values, scan_file
 from zeroshard.checkpoint.paths import LATEST, inside, tag_problem
 from zeroshard.checkpoint.safetensors_io import DTYPES, read_header, read_header_raw
 from zeroshard.checkpoint.shards import ShardAccess
-from zeroshard.parallel.tensor.slices import tp_slice_of
 
 log = logging.getLogger("zeroshard")
 
@@ -221,7 +227,7 @@ def _check_structure(m: dict) -> None:
 def _check_tiling(name: str, e: dict, nfiles: int) -> None:
     """The pieces of a parameter tile it exactly; a tensor-parallel save's tile each TP
     rank's slice (``tp``: its split dim, fused parts and TP size)."""
-    numel, split = math.prod(e["shape"]), e.get("tp")
+    numel, split = math.prod(e["shape"]), saved_split(e)
     world = 1
     if split is not None:
         world = split["world"]
@@ -232,7 +238,7 @@ def _check_tiling(name: str, e: dict, nfiles: int) -> None:
             and sum(split["parts"]) == e["shape"][split["dim"]]
         )
         if not ok or any(p % world for p in split["parts"]):
-            raise CheckpointError(f"params[{name!r}]: bad tensor-parallel split {split!r}")
+            raise CheckpointError(f"params[{name!r}]: bad split {split!r}")
     for t in range(world):
         covered = 0
         mine = [p for p in e["pieces"] if (p[3] if len(p) > 3 else 0) == t]
@@ -275,9 +281,12 @@ def check_model(manifest: dict, engine, path: str, strict: bool = True) -> set[s
     from zeroshard.checkpoint.save import whole_tensors
 
     ours = {}
-    for i, n in enumerate(parameter_names(engine)):  # tensor-parallel slices: whole shapes
-        spec = tp_slice_of(engine.flat.params[i])
-        ours[n] = list(spec.full_shape if spec else engine.flat.shapes[i])
+    # slices (tensor-parallel, fused experts): whole shapes; experts of every
+    # expert-parallel rank, under their global names
+    for ep_rank in range(engine.mesh.size("ep")):
+        for i, n in enumerate(parameter_names(engine, ep_rank)):
+            split = split_of(engine.flat.params[i])
+            ours[n] = list(split[1].full_shape if split else engine.flat.shapes[i])
     whole = whole_tensors(engine)
     ours.update({n: list(t.shape) for n, (t, _) in whole.items()})
     theirs = {n: v["shape"] for n, v in manifest["params"].items()}

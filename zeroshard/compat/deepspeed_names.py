@@ -214,23 +214,6 @@ def _ops_names(what: str) -> Callable[[], dict]:
     return names
 
 
-def _moe_names() -> dict:
-    from zeroshard.compat import ds_moe
-
-    return {
-        name: getattr(ds_moe, name)
-        for name in (
-            "MoE",
-            "is_moe_param",
-            "has_moe_layers",
-            "split_params_into_shared_and_expert_params",
-            "split_params_into_different_moe_groups_for_optimizer",
-            "is_moe_param_group",
-            "configure_moe_param_groups",
-        )
-    }
-
-
 def _version_names() -> dict:
     from zeroshard.compat import ds_version as v
 
@@ -284,9 +267,11 @@ MODULES: dict[str, str | Callable[[], dict[str, Any]]] = {
     "deepspeed.ops.adam": "zeroshard.ops.adam",
     "deepspeed.ops.op_builder": _ops_names("builders"),
     "deepspeed.ops.aio": _ops_names("aio"),
-    "deepspeed.moe": lambda: {},
-    "deepspeed.moe.layer": _moe_names,
-    "deepspeed.moe.utils": _moe_names,
+    "deepspeed.moe": "zeroshard.moe",  # DeepSpeed-MoE: MoE, its gate, experts and utils
+    "deepspeed.moe.layer": "zeroshard.moe.layer",
+    "deepspeed.moe.experts": "zeroshard.moe.layer",
+    "deepspeed.moe.sharded_moe": "zeroshard.moe.sharded_moe",
+    "deepspeed.moe.utils": "zeroshard.moe.utils",
     "deepspeed.pipe": "zeroshard.pipe",  # user code: PipelineModule, LayerSpec
     "deepspeed.checkpointing": "zeroshard.checkpointing",  # activation checkpointing
     "deepspeed.runtime": lambda: {},
@@ -341,7 +326,6 @@ NOT_BUILT = {
     "(zeroshard's checkpoints load at any world size and stage as they are)",
     "deepspeed.checkpoint.model_3d_desc": "DeepSpeed's 3D-parallel checkpoint reshaping "
     "(zeroshard's checkpoints load at any world size and stage as they are)",
-    "deepspeed.moe.experts": "mixture-of-experts (issue 34)",
-    "deepspeed.moe.sharded_moe": "mixture-of-experts (issue 34)",
-    "deepspeed.moe.mappings": "mixture-of-experts (issue 34)",
+    "deepspeed.moe.mappings": "DeepSpeed-MoE's tensor-parallel token drop/gather "
+    "(experts split by tensor parallelism)",
 }

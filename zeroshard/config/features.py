@@ -5,11 +5,11 @@ unknown or misspelled key is an error naming it, as everywhere else. Part of
 :mod:`zeroshard.config`'s ``Config``. No collectives, no devices.
 
 Key names and defaults are DeepSpeed 0.19's: ``compile/config.py`` (``compile``, and the
-``enabled``/``backend``/``kwargs`` of its 0.14 form, which is wired: ``engine.compile``), ``runtime/config.py``
-(``hybrid_engine``, ``torch_autocast``), ``autotuning/``, ``module_inject/auto_ep_config.py``
-(``expert_parallel``), ``runtime/data_pipeline/`` (``data_efficiency``). Each section's
-switch is refused when on ("not built yet"); its other keys mean nothing while it is off
-(inert, reported when set). Sections DeepSpeed 0.19 removed (its config refuses them)
+``enabled``/``backend``/``kwargs`` of its 0.14 form, which is wired: ``engine.compile``),
+``runtime/config.py`` (``hybrid_engine``, ``torch_autocast``), ``autotuning/``,
+``runtime/data_pipeline/`` (``data_efficiency``); ``expert_parallel`` is built and lives in
+``parallel.py``. Each section's switch is refused when on ("not built yet"); its other
+keys mean nothing while it is off (inert, reported when set). Sections DeepSpeed 0.19 removed (its config refuses them)
 take only ``{"enabled": false}`` here.
 """
 
@@ -62,7 +62,7 @@ class CompileConfig(Section):
     backend: str = key("inductor", doc="DeepSpeed 0.14: torch.compile's backend (a name torch._dynamo.list_backends() knows).")
     kwargs: dict[str, Any] | None = key(None, doc="DeepSpeed 0.14: torch.compile's keyword arguments (fullgraph, dynamic, mode, options, disable).", check=_check_compile_kwargs)
     deepcompile: bool = key(False, _DC, doc="Turn on DeepCompile.")
-    autoep_non_moe: bool = key(False, INERT("no expert parallelism (AutoEP)"), doc="Compile the callable parents of AutoEP layers.")
+    autoep_non_moe: bool = key(False, INERT("a DeepCompile setting for AutoEP layers; DeepCompile is not built"), doc="Compile the callable parents of AutoEP layers.")
     free_activation: bool = key(False, _DC, doc="DeepCompile: free activations eagerly.")
     free_activation_threshold: int = key(10 * 1024 * 1024, _DC, doc="DeepCompile: bytes from which an activation is freed eagerly.", min=0)
     offload_activation: bool = key(False, _DC, doc="DeepCompile: offload saved activations to pinned host memory.")
@@ -138,51 +138,6 @@ class AutotuningConfig(Section):
     metric: str = key("throughput", _off("autotuning"), doc="What is optimized.", choices=("latency", "throughput", "flops"))
     model_info: dict[str, Any] | None = key(None, _off("autotuning"), doc="The model's size and shape.")
     model_info_path: str | None = key(None, _off("autotuning"), doc="Where the model info is written.")
-
-
-_EP = _off("expert_parallel")
-
-
-@dataclass(frozen=True, kw_only=True)
-class ExpertParallelConfig(Section):
-    """``expert_parallel``: DeepSpeed's AutoEP (expert parallelism for MoE models)."""
-
-    enabled: bool = key(False, NOT_BUILT("expert parallelism (AutoEP)"), doc="Turn on AutoEP.")
-    autoep_size: int = key(1, _EP, doc="Expert-parallel degree.", min=1)
-    expert_tensor_parallel_size: int = key(1, _EP, doc="Tensor-parallel degree inside experts.", min=1)
-    validate_folding_routing: bool = key(False, _EP, doc="Check the folded routing.")
-    async_split_plan: bool = key(False, _EP, doc="Plan the token split asynchronously.")
-    preset_model: str | None = key(None, _EP, doc="A known MoE model family.")
-    moe_layer_pattern: str | None = key(None, _EP, doc="MoE layer name pattern.")
-    expert_pattern: str | None = key(None, _EP, doc="Experts' name pattern.")
-    router_pattern: str | None = key(None, _EP, doc="Router name pattern.")
-    use_grouped_mm: bool = key(True, _EP, doc="Grouped matmuls for experts.")
-    disable_triton_grouped_mm: bool = key(False, _EP, doc="No Triton grouped matmul.")
-    route_norm: bool | None = key(None, _EP, doc="Normalize routing weights.")
-    route_scale: float = key(1.0, _EP, doc="Routing weight scale.")
-    score_apply: str = key("auto", _EP, doc="Where scores apply.", auto=True)
-    combine_impl: str = key("auto", _EP, doc="Combine implementation.", auto=True)
-    row_weighting_impl: str = key("auto", _EP, doc="Row weighting implementation.", auto=True)
-    gate_up_impl: str = key("separate", _EP, doc="Gate/up projection layout.")
-    comm_backend: str = key("comm", _EP, doc="All-to-all backend.")
-    comm_num_sm: int = key(12, _EP, doc="SMs for communication.", min=1)
-    comm_qp_margin: int = key(4, _EP, doc="Queue-pair margin.", min=0)
-    comm_max_tokens_per_rank: int = key(0, _EP, doc="Most tokens per rank (0: any).", min=0)
-    num_expert_groups: int | None = key(None, _EP, doc="Expert groups.", min=1)
-    num_limited_groups: int | None = key(None, _EP, doc="Groups a token may reach.", min=1)
-    score_func: str = key("auto", _EP, doc="Router score function.", auto=True)
-    top_k: object | None = key("auto", _EP, doc="Experts per token (a number, or 'auto').", auto=True)
-    load_balance_coeff: object | None = key(None, _EP, doc="Load-balance loss coefficient.")
-    routed_scaling_factor: object | None = key("auto", _EP, doc="Routed experts' scale (a number, or 'auto').", auto=True)
-    expert_w1: str | None = key(None, _EP, doc="Experts' first weight name.")
-    expert_w2: str | None = key(None, _EP, doc="Experts' second weight name.")
-    expert_w3: str | None = key(None, _EP, doc="Experts' third weight name (null: fused).")
-    num_experts_attr: str | None = key(None, _EP, doc="Attribute holding the expert count.")
-    top_k_attr: str | None = key(None, _EP, doc="Attribute holding top-k.")
-    has_shared_experts: bool | None = key(None, _EP, doc="Whether the model has shared experts.")
-    shared_experts_pattern: str | None = key(None, _EP, doc="Shared experts' name pattern.")
-    shared_experts_gate_pattern: str | None = key(None, _EP, doc="Shared experts' gate pattern.")
-    expert_activation: str | None = key(None, _EP, doc="Experts' activation.")
 
 
 @dataclass(frozen=True, kw_only=True)

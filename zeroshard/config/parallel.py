@@ -1,15 +1,17 @@
 # ruff: noqa: RUF009  (fields are made by key(), which returns a dataclasses.field)
 """The ``tensor_parallel`` section: DeepSpeed's AutoTP training keys, plus zeroshard's
-``tp_plan`` override and Megatron sequence-parallel switch. Part of
-:mod:`zeroshard.config`'s ``Config``; no collectives, no devices.
+``tp_plan`` override and Megatron sequence-parallel switch; the ``expert_parallel``
+section (DeepSpeed's AutoEP keys). Part of :mod:`zeroshard.config`; no
+collectives, no devices.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, fields
 from typing import Any
 
-from zeroshard.config.schema import INERT, NOT_BUILT, Section, key
+from zeroshard.config.schema import INERT, NOT_BUILT, ConfigError, Section, key
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -83,3 +85,96 @@ class PipelineConfig(Section):
     pipe_partitioned: bool = key(True, doc="With tensor parallelism: each tensor-parallel rank sends 1/t of an activation to the next stage, which all-gathers it over its tensor-parallel group (no effect without tensor parallelism).")
     grad_partitioned: bool = key(True, doc="The same for the gradients sent back to the previous stage.")
     # fmt: on
+
+
+_OFF = "read only with expert_parallel.enabled true"
+_EP_UNWIRED = INERT("read only with expert_parallel.enabled true (and not built with it)")
+#: the model families expert parallelism converts (zeroshard/moe/hf.py's PRESETS)
+EP_PRESETS = ("mixtral", "qwen2_moe", "qwen3_moe")
+#: keys of the section the engine reads (the others are refused with enabled true)
+_EP_WIRED = (
+    "enabled",
+    "autoep_size",
+    "preset_model",
+    "use_grouped_mm",
+    "expert_tensor_parallel_size",
+)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExpertParallelConfig(Section):
+    """``expert_parallel``: DeepSpeed's AutoEP section. With ``enabled``, ``initialize``
+    splits the experts of a Hugging Face MoE model over ``autoep_size`` ranks
+    (zeroshard/moe/hf.py); DeepSpeed's routing overrides (top_k, score functions,
+    custom patterns, ...) are refused then: the model's own router runs."""
+
+    # fmt: off
+    enabled: bool = key(False, doc="Turn on expert parallelism for Hugging Face MoE models (Mixtral, Qwen2-MoE, Qwen3-MoE): their experts split over autoep_size ranks.")
+    autoep_size: int = key(1, doc="Expert-parallel degree (the mesh's ep axis; it divides the data-parallel size).", min=1)
+    expert_tensor_parallel_size: int = key(1, NOT_BUILT("experts split by tensor parallelism (expert_parallel.expert_tensor_parallel_size)", lambda v: v != 1), doc="Tensor-parallel degree inside experts.", min=1)
+    validate_folding_routing: bool = key(False, _EP_UNWIRED, doc="Check the folded routing.")
+    async_split_plan: bool = key(False, _EP_UNWIRED, doc="Plan the token split asynchronously.")
+    preset_model: str | None = key(None, doc="The model family whose experts are converted ('mixtral', 'qwen2_moe', 'qwen3_moe'); null: any known one.")
+    moe_layer_pattern: str | None = key(None, _EP_UNWIRED, doc="MoE layer name pattern.")
+    expert_pattern: str | None = key(None, _EP_UNWIRED, doc="Experts' name pattern.")
+    router_pattern: str | None = key(None, _EP_UNWIRED, doc="Router name pattern.")
+    use_grouped_mm: bool = key(True, doc="Run each rank's experts as grouped matmuls (false: one matmul per expert).")
+    disable_triton_grouped_mm: bool = key(False, _EP_UNWIRED, doc="No Triton grouped matmul.")
+    route_norm: bool | None = key(None, _EP_UNWIRED, doc="Normalize routing weights.")
+    route_scale: float = key(1.0, _EP_UNWIRED, doc="Routing weight scale.")
+    score_apply: str = key("auto", _EP_UNWIRED, doc="Where scores apply.", auto=True)
+    combine_impl: str = key("auto", _EP_UNWIRED, doc="Combine implementation.", auto=True)
+    row_weighting_impl: str = key("auto", _EP_UNWIRED, doc="Row weighting implementation.", auto=True)
+    gate_up_impl: str = key("separate", _EP_UNWIRED, doc="Gate/up projection layout.")
+    comm_backend: str = key("comm", _EP_UNWIRED, doc="All-to-all backend.")
+    comm_num_sm: int = key(12, _EP_UNWIRED, doc="SMs for communication.", min=1)
+    comm_qp_margin: int = key(4, _EP_UNWIRED, doc="Queue-pair margin.", min=0)
+    comm_max_tokens_per_rank: int = key(0, _EP_UNWIRED, doc="Most tokens per rank (0: any).", min=0)
+    num_expert_groups: int | None = key(None, _EP_UNWIRED, doc="Expert groups.", min=1)
+    num_limited_groups: int | None = key(None, _EP_UNWIRED, doc="Groups a token may reach.", min=1)
+    score_func: str = key("auto", _EP_UNWIRED, doc="Router score function.", auto=True)
+    top_k: object | None = key("auto", _EP_UNWIRED, doc="Experts per token (a number, or 'auto').", auto=True)
+    load_balance_coeff: object | None = key(None, _EP_UNWIRED, doc="Load-balance loss coefficient.")
+    routed_scaling_factor: object | None = key("auto", _EP_UNWIRED, doc="Routed experts' scale (a number, or 'auto').", auto=True)
+    expert_w1: str | None = key(None, _EP_UNWIRED, doc="Experts' first weight name.")
+    expert_w2: str | None = key(None, _EP_UNWIRED, doc="Experts' second weight name.")
+    expert_w3: str | None = key(None, _EP_UNWIRED, doc="Experts' third weight name (null: fused).")
+    num_experts_attr: str | None = key(None, _EP_UNWIRED, doc="Attribute holding the expert count.")
+    top_k_attr: str | None = key(None, _EP_UNWIRED, doc="Attribute holding top-k.")
+    has_shared_experts: bool | None = key(None, _EP_UNWIRED, doc="Whether the model has shared experts.")
+    shared_experts_pattern: str | None = key(None, _EP_UNWIRED, doc="Shared experts' name pattern.")
+    shared_experts_gate_pattern: str | None = key(None, _EP_UNWIRED, doc="Shared experts' gate pattern.")
+    expert_activation: str | None = key(None, _EP_UNWIRED, doc="Experts' activation.")
+    # fmt: on
+
+    @classmethod
+    def json_compat(
+        cls, values: dict, given: dict[str, str], note: Callable[[str, str], None]
+    ) -> dict:
+        """The keys the engine reads mean nothing while ``enabled`` is off: reported as
+        inert then (set away from their defaults)."""
+        if not values.get("enabled"):
+            defaults = {f.name: f.default for f in fields(cls)}
+            for name in ("autoep_size", "preset_model", "use_grouped_mm"):
+                if name in given and values[name] != defaults[name]:
+                    note(given[name], _OFF)
+        return values
+
+    def __post_init__(self) -> None:
+        if not self.enabled:
+            return
+        if self.preset_model is not None and self.preset_model not in EP_PRESETS:
+            raise ConfigError(
+                "preset_model",
+                f"{self.preset_model!r} is not built yet in zeroshard (built: "
+                f"{', '.join(EP_PRESETS)})",
+            )
+        for f in fields(self):
+            if f.name in _EP_WIRED:
+                continue
+            if getattr(self, f.name) != f.default:
+                raise ConfigError(
+                    f.name,
+                    "is not built yet in zeroshard (with expert_parallel.enabled the "
+                    "model's own router and expert layout are used); leave it out",
+                )

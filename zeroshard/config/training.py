@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from zeroshard import ArgumentError
 from zeroshard.config import features, monitors, sections
 from zeroshard.config.jsonc import read_config_file
-from zeroshard.config.parallel import PipelineConfig, TensorParallelConfig
+from zeroshard.config.parallel import ExpertParallelConfig, PipelineConfig, TensorParallelConfig
 from zeroshard.config.schema import (
     AUTO,
     INERT,
@@ -196,7 +196,7 @@ class Config(Section):
     sparse_gradients: bool = key(False, NOT_BUILT("sparse (CSR) gradients"), doc="Sparse embedding gradients.")
     managed_gradient_accumulation: bool = key(True, NOT_BUILT("unmanaged gradient accumulation"), doc="Accumulate in the engine.")
     graph_harvesting: bool = key(False, NOT_BUILT("CUDA graph harvesting"), doc="CUDA graph harvesting.")
-    use_data_before_expert_parallelism: bool = key(False, INERT("no expert parallelism"), doc="Data vs expert rank order.")
+    use_data_before_expert_parallelism: bool = key(False, doc="Data vs expert rank order (true: refused with expert parallelism; zeroshard places an expert-parallel group's ranks next to each other).")
     timers: monitors.TimersConfig = _section(monitors.TimersConfig, "Timers.")
     tensorboard: monitors.TensorBoardConfig = monitors.monitor(monitors.TensorBoardConfig, "TensorBoard monitor")
     wandb: monitors.WandbConfig = monitors.monitor(monitors.WandbConfig, "Weights & Biases monitor")
@@ -218,7 +218,7 @@ class Config(Section):
     eigenvalue: features.EigenvalueConfig = _section(features.EigenvalueConfig, "Eigenvalue computation (removed in DeepSpeed 0.19).")
     quantize_training: features.QuantizeTrainingConfig = _section(features.QuantizeTrainingConfig, "MoQ (removed in DeepSpeed 0.19).")
     tensor_parallel: TensorParallelConfig = _section(TensorParallelConfig, "Tensor parallelism (AutoTP).")
-    expert_parallel: features.ExpertParallelConfig = _section(features.ExpertParallelConfig, "Expert parallelism (AutoEP).")
+    expert_parallel: ExpertParallelConfig = _section(ExpertParallelConfig, "Expert parallelism for Hugging Face MoE models (AutoEP).")
     compile: features.CompileConfig = _section(features.CompileConfig, "torch.compile and DeepCompile.")
     weight_quantization: dict[str, Any] | None = _feature("weight quantization")
     nebula: features.NebulaConfig = _section(features.NebulaConfig, "The Nebula checkpoint engine (removed in DeepSpeed 0.19).")

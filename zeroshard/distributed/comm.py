@@ -410,15 +410,45 @@ class Comm:
         )
 
     def all_to_all(
-        self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        async_op: bool = False,
+        *,
+        output_splits: list[int] | None = None,
+        input_splits: list[int] | None = None,
     ) -> Handle:
-        """Equal-split all-to-all of flat buffers."""
+        """All-to-all along dim 0: part j of ``input`` goes to rank j, and rank j's part
+        for this rank lands at part j of ``output``. Equal parts unless the split sizes
+        (rows of dim 0, one per rank; both or neither) are given. Counts the input
+        buffer's bytes (the part a rank keeps included)."""
+        if (output_splits is None) != (input_splits is None):
+            raise ArgumentError(
+                "Comm.all_to_all: give both output_splits and input_splits, or neither"
+            )
+        if input_splits is not None and output_splits is not None:
+            for what, splits, t in (
+                ("input", input_splits, input),
+                ("output", output_splits, output),
+            ):
+                if len(splits) != self.world_size or sum(splits) != (t.shape[0] if t.dim() else 0):
+                    raise ArgumentError(
+                        f"Comm.all_to_all: {what}_splits {splits} are not {self.world_size} "
+                        f"rank parts of dim 0 ({tuple(t.shape)})"
+                    )
         if self.world_size == 1:
             return self._local(lambda: output.copy_(input), async_op)
         return self._run(
             "all_to_all",
             _nbytes(input),
-            lambda: dist.all_to_all_single(output, input, group=self.group, async_op=async_op),
+            lambda: dist.all_to_all_single(
+                output,
+                input,
+                output_split_sizes=output_splits,
+                input_split_sizes=input_splits,
+                group=self.group,
+                async_op=async_op,
+            ),
             async_op,
         )
 

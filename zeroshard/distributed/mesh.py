@@ -2,22 +2,27 @@
 
 Axes, outermost first: ``pp`` (pipeline stages), ``dp_replicate`` (data-parallel
 replicas of a sharded model: MiCS / HSDP), ``dp_shard`` (data-parallel ranks that shard
-ZeRO state), ``sp`` (sequence parallel) and ``tp`` (tensor parallel, innermost: adjacent
-ranks, the fastest links). Every axis has size 1 unless configured, so plain data
-parallelism is the mesh ``dp_shard = world``. A rank's coordinates follow from its rank
-in row-major order over the axes.
+ZeRO state), ``ep`` (expert parallel: data-parallel ranks that hold different experts
+of each mixture-of-experts layer and exchange tokens; DeepSpeed's default order, the
+ranks of an expert-parallel group adjacent), ``sp`` (sequence parallel) and ``tp``
+(tensor parallel, innermost: adjacent ranks, the fastest links). Every axis has size 1
+unless configured, so plain data parallelism is the mesh ``dp_shard = world``. A rank's
+coordinates follow from its rank in row-major order over the axes.
 
 Named groups of axes, used by the engine and ZeRO:
 
-* ``dp`` = dp_replicate x dp_shard: the ranks that see different samples (the batch
-  rule divides by its size; the data sampler splits over it);
-* ``zero_shard`` = dp_shard x sp: the ranks ZeRO shards optimizer state, gradients and
-  parameters across (sequence-parallel ranks hold the same parameters, so they shard
-  them too);
+* ``dp`` = dp_replicate x dp_shard x ep: the ranks that see different samples (the
+  batch rule divides by its size; the data sampler splits over it);
+* ``zero_shard`` = dp_shard x ep x sp: the ranks ZeRO shards optimizer state, gradients
+  and parameters across (sequence-parallel ranks hold the same parameters, so they
+  shard them too); expert parameters are sharded over ``expert_shard`` instead;
 * ``zero_replicate`` = dp_replicate: shards are replicated across it (gradient shards
   are all-reduced over it);
-* ``replicas`` = dp_replicate x dp_shard x sp: the ranks that start from identical
-  parameters (the initial broadcast) and whose gradients are averaged;
+* ``replicas`` = dp_replicate x dp_shard x ep x sp: the ranks that start from identical
+  dense parameters (the initial broadcast) and whose gradients are averaged;
+* ``expert_shard`` = dp_shard x sp and ``expert_replicas`` = dp_replicate x dp_shard x
+  sp: the same for expert parameters, which differ along ``ep`` (DeepSpeed's
+  expert-data-parallel group is ``expert_replicas``; ``expert_stage`` adds ``tp``);
 * ``stage`` = every axis but pp: the ranks of one pipeline stage (they hold the same
   layers; tensor parallelism slices them from the same whole values).
 
@@ -45,13 +50,16 @@ from zeroshard.distributed.device import claim_device
 from zeroshard.distributed.ledger import Ledger
 from zeroshard.distributed.process_group import local_rank
 
-AXES = ("pp", "dp_replicate", "dp_shard", "sp", "tp")
+AXES = ("pp", "dp_replicate", "dp_shard", "ep", "sp", "tp")
 GROUPS = {
-    "dp": ("dp_replicate", "dp_shard"),
-    "zero_shard": ("dp_shard", "sp"),
+    "dp": ("dp_replicate", "dp_shard", "ep"),
+    "zero_shard": ("dp_shard", "ep", "sp"),
     "zero_replicate": ("dp_replicate",),
-    "replicas": ("dp_replicate", "dp_shard", "sp"),
-    "stage": ("dp_replicate", "dp_shard", "sp", "tp"),
+    "replicas": ("dp_replicate", "dp_shard", "ep", "sp"),
+    "expert_shard": ("dp_shard", "sp"),
+    "expert_replicas": ("dp_replicate", "dp_shard", "sp"),
+    "expert_stage": ("dp_replicate", "dp_shard", "sp", "tp"),
+    "stage": ("dp_replicate", "dp_shard", "ep", "sp", "tp"),
     "world": AXES,
 }
 
@@ -67,6 +75,7 @@ class MeshShape:
     pp: int = 1
     dp_replicate: int = 1
     dp_shard: int = 1
+    ep: int = 1
     sp: int = 1
     tp: int = 1
 
@@ -113,10 +122,18 @@ class MeshShape:
 
     @classmethod
     def for_world(
-        cls, world: int, *, tp: int = 1, sp: int = 1, pp: int = 1, shard_size: int = 0
+        cls,
+        world: int,
+        *,
+        tp: int = 1,
+        sp: int = 1,
+        pp: int = 1,
+        shard_size: int = 0,
+        ep: int = 1,
     ) -> MeshShape:
         """The mesh for ``world`` ranks: data parallelism takes what tp x sp x pp leave;
-        with ``shard_size`` (MiCS / HSDP) it is split into replicas of that many shards."""
+        with ``shard_size`` (MiCS / HSDP) it is split into replicas of that many shards;
+        ``ep`` expert-parallel ranks are carved out of it (they see different samples)."""
         other = tp * sp * pp
         if world % other:
             raise MeshError(
@@ -124,6 +141,19 @@ class MeshShape:
                 f"pipeline.stages ({pp}) = {other} does not divide the world size ({world})"
             )
         dp = world // other
+        if ep > 1:
+            if dp % ep:
+                raise MeshError(
+                    f"expert parallelism: the expert-parallel size ({ep}: a MoE layer's "
+                    f"ep_size or expert_parallel.autoep_size) does not divide the "
+                    f"data-parallel size ({dp} = world {world} / (tp x sp x pp) {other})"
+                )
+            if shard_size > 0 and shard_size != dp:
+                raise MeshError(
+                    "zero_optimization.mics_shard_size with expert parallelism is not built "
+                    "yet; leave mics_shard_size out"
+                )
+            return cls(pp=pp, dp_shard=dp // ep, ep=ep, sp=sp, tp=tp)
         if shard_size <= 0 or shard_size == dp:
             return cls(pp=pp, dp_shard=dp, sp=sp, tp=tp)
         if dp % shard_size:
@@ -238,10 +268,11 @@ class Mesh:
             "tp": dist.get_rank(tp) if tp is not None else 0,
             "pp": dist.get_rank(pp) if pp is not None else 0,
         }
-        singles = {a: dist.new_group([dist.get_rank()]) for a in ("dp_replicate", "sp")}
+        singles = {a: dist.new_group([dist.get_rank()]) for a in ("dp_replicate", "ep", "sp")}
         groups: dict[tuple[str, ...], dist.ProcessGroup | None] = {
             ("dp_shard",): dp,
             ("dp_replicate",): singles["dp_replicate"],
+            ("ep",): singles["ep"],
             ("sp",): singles["sp"],
             ("tp",): tp if tp is not None else dist.new_group([dist.get_rank()]),
             ("pp",): pp if pp is not None else dist.new_group([dist.get_rank()]),

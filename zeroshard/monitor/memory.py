@@ -269,7 +269,8 @@ def activation_bytes(
 def measure(engine) -> dict:
     """``engine.memory_stats()``: bytes of the persistent buffers this rank holds, by
     kind (params, grads, optimizer_states) and by location; storage shared by views is
-    counted once."""
+    counted once. A model with MoE layers also gets ``experts``: the part of each kind
+    that holds expert parameters."""
     flat_ids = {id(p) for p in engine.flat.params}
     kinds: dict[str, Iterable[torch.Tensor]] = {
         "params": [
@@ -303,6 +304,55 @@ def measure(engine) -> dict:
         if nbytes:
             out[kind] += nbytes
             out["by_location"]["nvme"] = out["by_location"].get("nvme", 0) + nbytes
+    experts = _expert_bytes(engine)
+    if experts is not None:
+        out["experts"] = experts
+    return out
+
+
+def _expert_bytes(engine) -> dict[str, int] | None:
+    """The part of params, grads and optimizer_states that holds expert parameters of
+    MoE layers (the layout's expert segments: whole ones where parameters or gradients
+    are whole, this rank's chunks where sharded). None without experts."""
+    layout = engine.flat.layout
+    segs = [seg for seg in layout.segments if seg.kind]
+    if not segs:
+        return None
+    flat, reducer = engine.flat, engine.reducer
+    whole = sum(seg.numel for seg in segs)
+    chunks = sum(seg.chunk for seg in segs)
+    if flat.full is not None:
+        params = whole * flat.full.element_size()
+    else:
+        params = chunks * getattr(flat.store, "dtype", flat.dtype).itemsize
+    if reducer.grad_full is not None:
+        grads = whole * reducer.grad_full.element_size()
+    else:
+        grads = chunks * reducer.grad_shard.element_size() if reducer.grad_shard is not None else 0
+    return {"params": params, "grads": grads, "optimizer_states": _expert_states(engine)}
+
+
+def _expert_states(engine) -> int:
+    """Bytes of the optimizer states (and separate masters) of expert parameters: each
+    inner optimizer tensor belongs to one piece of one segment (``FlatParams.group_views``);
+    stores that keep them elsewhere (NVMe, a delayed twin) count the expert share of the
+    shard, which their state buffers span."""
+    flat, states = engine.flat, engine.optimizer.states
+    layout = flat.layout
+    inner = getattr(states, "inner", None)
+    if not (isinstance(inner, torch.optim.Optimizer) and hasattr(states, "masters")):
+        chunks = sum(seg.chunk for seg in layout.segments if seg.kind)
+        share = chunks / layout.shard_numel if layout.shard_numel else 0.0
+        return round(share * sum(t.untyped_storage().nbytes() for t in states.buffers()))
+    out = 0
+    for g, group in enumerate(inner.param_groups):
+        for (s, lo, hi, _), view in zip(flat.group_pieces(g), group["params"], strict=False):
+            if not layout.segments[s].kind:
+                continue
+            state = inner.state.get(view, {})
+            out += sum(v.numel() * v.element_size() for v in state.values() if torch.is_tensor(v))
+            if states.separate:
+                out += (hi - lo) * view.element_size()
     return out
 
 

@@ -5,7 +5,9 @@ gradient bookkeeping, the scheduler and the data loader.
 
 Communication: :meth:`EngineBuild._parallelize` broadcasts every parameter and buffer
 from the first rank of the ``replicas`` group (of the ``stage`` group when tensor
-parallelism slices the model next) and lets tensor/sequence parallelism split the model;
+parallelism slices the model next; expert parameters of MoE layers from the first rank
+of their ``expert_replicas`` / ``expert_stage`` group: they differ along ``ep``) and
+lets expert, tensor and sequence parallelism split the model;
 :meth:`EngineBuild._check_agreement` issues the one digest all-gather of
 ``agreement.py``. Nothing else here communicates.
 """
@@ -22,6 +24,8 @@ from torch import nn
 from zeroshard import ArgumentError, NotBuiltError
 from zeroshard.config.schema import ConfigError
 from zeroshard.fp8 import Fp8Error, Fp8Model, check_fp8_device, convert_to_fp8, preconverted
+from zeroshard.moe.apply import bind_layers, convert_hf
+from zeroshard.moe.marks import EXPERT_LIST_ATTR, expert_shard, is_expert
 from zeroshard.offload.store import MemoryShard
 from zeroshard.parallel.apply import (
     Parallelized,
@@ -64,6 +68,23 @@ class Sharding:
     @classmethod
     def for_stage(cls, stage: int) -> Sharding:
         return cls(optimizer=stage >= 1, gradients=stage >= 2, parameters=stage >= 3)
+
+
+def _kind(p: torch.Tensor) -> int:
+    """A parameter's segment kind: 1 for an expert of a MoE layer (sharded and reduced
+    over the expert-data-parallel group: with one expert-parallel rank, the usual one),
+    else 0."""
+    return 1 if expert_shard(p) is not None else 0
+
+
+def _expert_buffers(module: nn.Module) -> set[int]:
+    """Ids of the buffers of DeepSpeed ``Experts`` modules split over several
+    expert-parallel ranks (they differ along ``ep`` as their parameters do)."""
+    out: set[int] = set()
+    for m in module.modules():
+        if getattr(m, EXPERT_LIST_ATTR, None) and any(is_expert(p) for p in m.parameters()):
+            out.update(id(b) for b in m.buffers())
+    return out
 
 
 def nonfinite_policy(config) -> str:
@@ -170,13 +191,24 @@ class EngineBuild:
                 bucket,
                 int(zc.stage3_model_persistence_threshold),
                 alone=self._alone(),
+                kind_of=_kind,
             )
         else:
-            grouping = bucket_segments(self.module, param_groups, bucket, alone=self._alone())
+            grouping = bucket_segments(
+                self.module, param_groups, bucket, alone=self._alone(), kind_of=_kind
+            )
         # with the shard in swap files, chunks start and end on whole disk blocks
         align = _NVME_ALIGN if self.placement.param_nvme else _ALIGN if world > 1 else 1
+        # expert segments (kind 1) are split over the expert-data-parallel ranks: the
+        # ep adjacent ranks of the ZeRO group share each chunk owner (mesh.py's order)
+        ep = self.mesh.size("ep")
         layout = FlatLayout(
-            [p.numel() for p in grouping.params], world, groups=grouping.segments, align=align
+            [p.numel() for p in grouping.params],
+            world,
+            groups=grouping.segments,
+            align=align,
+            kinds=grouping.kinds,
+            strides={1: ep} if world > 1 else None,
         )
         store = self._param_store(layout) if self.sharding.parameters else None
         flat = FlatParams(
@@ -249,25 +281,41 @@ class EngineBuild:
     def _parallelize(self, param_groups: list[dict]) -> list[dict]:
         """Every rank starts from the same model: broadcast from the first rank of each
         replica group (of the whole world, first, when tensor parallelism slices the
-        model next); then tensor and sequence parallelism; returns ``param_groups``
-        holding the parameters that replaced sliced ones."""
+        model next; DeepSpeed MoE layers' experts, bound to the ``ep`` group first, from
+        the first rank holding the same experts); then expert, tensor and sequence
+        parallelism; returns ``param_groups`` holding the parameters that replaced
+        sliced ones."""
         split = self._config.tensor_parallel.size > 1  # AutoTP (an mpu's model is split)
-        if split and any(is_sealed(p) for p in self.module.parameters()):
+        experts_split = self._config.expert_parallel.enabled
+        if (split or experts_split) and any(is_sealed(p) for p in self.module.parameters()):
+            what = "tensor_parallel.autotp_size" if split else "expert_parallel.enabled"
             raise NotBuiltError(
-                "tensor_parallel.autotp_size: a model built under zero.Init with tensor "
-                "parallelism is not built yet; build the model without zero.Init"
+                f"{what}: a model built under zero.Init with this parallelism is not built "
+                "yet; build the model without zero.Init"
             )
+        if any(is_sealed(p) and is_expert(p) for p in self.module.parameters()):
+            raise NotBuiltError(
+                "MoE(ep_size > 1) built under zero.Init is not built yet (zero.Init shards "
+                "over the dense data-parallel group; experts differ along ep): build the "
+                "model without zero.Init"
+            )
+        bind_layers(self.module, self.mesh)
         source = self.mesh.comm("stage" if split else "replicas")
+        expert_source = self.mesh.comm("expert_stage" if split else "expert_replicas")
         for p in self.module.parameters():
             if not is_sealed(p):  # zero.Init slices are rank 0's values already
-                source.broadcast(p.data, src=0)
+                (expert_source if is_expert(p) else source).broadcast(p.data, src=0)
+        expert_buffers = _expert_buffers(self.module)
         for b in self.module.buffers():
-            source.broadcast(b, src=0)
+            (expert_source if id(b) in expert_buffers else source).broadcast(b, src=0)
+        names = {id(p): n for n, p in self.module.named_parameters()}
+        converted = convert_hf(self.module, self.mesh, self._config)
         if not split and self.mesh.size("sp") == 1:
             self._parallel = Parallelized()
+        else:
+            self._parallel = parallelize(self.module, self.mesh, self._config)
+        if not (converted or split or self.mesh.size("sp") > 1):
             return param_groups
-        names = {id(p): n for n, p in self.module.named_parameters()}
-        self._parallel = parallelize(self.module, self.mesh, self._config)
         now = dict(self.module.named_parameters())
         return [{**g, "params": [now[names[id(p)]] for p in g["params"]]} for g in param_groups]
 

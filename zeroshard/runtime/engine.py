@@ -6,8 +6,10 @@ world size, the gradient reducer's mode and, at stage 3, the parameter gatherer.
 
 It works on a :class:`~zeroshard.distributed.mesh.Mesh`: ZeRO shards over the mesh's
 ``zero_shard`` group and replicates shards across ``zero_replicate`` (hybrid sharding,
-MiCS / HSDP); the data loader splits batches over ``dp``; ranks that share a tensor,
-sequence or pipeline group see the same batch.
+MiCS / HSDP); expert parameters of mixture-of-experts layers, which differ along the
+``ep`` axis, are sharded and reduced over ``expert_shard`` (``expert_replicas`` when
+unsharded) instead; the data loader splits batches over ``dp``; ranks that share a
+tensor, sequence or pipeline group see the same batch.
 
 How it is assembled from the config (layout, stores, scheduler, loader) is in
 ``build.py``; the methods integrations call on a DeepSpeed engine are in
@@ -38,6 +40,7 @@ from zeroshard.config.schema import ConfigError
 from zeroshard.distributed import watchdog
 from zeroshard.distributed.mesh import Mesh
 from zeroshard.distributed.process_group import default_device, local_rank
+from zeroshard.moe.apply import check_composition
 from zeroshard.monitor.hub import EngineMonitor
 from zeroshard.monitor.memory import measure
 from zeroshard.offload.placement import Placement
@@ -117,9 +120,14 @@ class Engine(EngineBuild, DeepSpeedEngineCompat, nn.Module):
                 "zero_optimization.mics_shard_size: hybrid sharding needs ZeRO stage 1, 2 or 3 "
                 "(stage 0 shards nothing)"
             )
-        # what ZeRO shards over, and the groups its collectives run in
+        # what ZeRO shards over, and the groups its collectives run in (expert
+        # parameters: over the expert-data-parallel ranks, with expert parallelism)
+        check_composition(mesh.size("ep"), config)
         shard_comm = mesh.comm("zero_shard")
         replicas = mesh.comm("replicas")
+        experts = mesh.size("ep") > 1
+        expert_shard = mesh.comm("expert_shard") if experts else None
+        expert_replicas = mesh.comm("expert_replicas") if experts else None
         self.micro_steps = 0
         self.global_steps = 0
         self.global_samples = 0
@@ -155,11 +163,13 @@ class Engine(EngineBuild, DeepSpeedEngineCompat, nn.Module):
         self.flat, persistent = self._flatten(param_groups)
         zc = config.zero_optimization
         reduce_comm = shard_comm if self.flat.partitioned else replicas
+        expert_reduce = expert_shard if self.flat.partitioned else expert_replicas
         if self.sharding.parameters and self.flat.partitioned:
             # gradients are reduced in a group of their own: in backward the gathers and
             # the reductions each keep one order on every rank, but how they interleave
             # differs when a parameter gets a gradient on some ranks only (a leaf module)
             reduce_comm = mesh.twin("zero_shard")
+            expert_reduce = mesh.twin("expert_shard") if experts else None
         on_bucket_ready = None
         # whole parameters (stages 0-2) or gathered per unit (stage 3): one Protocol
         self.params: ParamManager
@@ -175,6 +185,8 @@ class Engine(EngineBuild, DeepSpeedEngineCompat, nn.Module):
                 max_reuse_numel=int(zc.stage3_max_reuse_distance),
                 leaves=find_leaves(module, zc.leaf_module),
                 check_every_pass=zc.enable_sanity_checks,
+                expert_comm=expert_shard,
+                expert_replicas=expert_replicas,
             )
             self.params, on_bucket_ready = gatherer, gatherer.free_if_idle
         else:
@@ -184,7 +196,13 @@ class Engine(EngineBuild, DeepSpeedEngineCompat, nn.Module):
                     "built yet; leave it out with a pipeline section"
                 )
             self.params = WholeParams(
-                self.flat, shard_comm, replicas, module, overlap=zc.overlap_param_gather
+                self.flat,
+                shard_comm,
+                replicas,
+                module,
+                overlap=zc.overlap_param_gather,
+                expert_comm=expert_shard,
+                expert_replicas=expert_replicas,
             )
         registration = {id(p): i for i, p in enumerate(module.parameters())}
         # as DeepSpeed: prescaling divides by the world size first, else by the factor
@@ -205,6 +223,7 @@ class Engine(EngineBuild, DeepSpeedEngineCompat, nn.Module):
             accum_device=self.placement.optimizer if self.placement.offload_optimizer else None,
             reduce_scatter_via={None: None, True: "native", False: "all_reduce"}[zc.reduce_scatter],
             count_unreached=self.sharding.parameters and reduce_comm.world_size > 1,
+            expert_comm=expert_reduce,
         )
         self.loss_scaler = LossScaler.from_config(config.fp16)
         self.optimizer: ShardedOptimizer | None = None  # None: no optimizer (inference)
@@ -221,6 +240,7 @@ class Engine(EngineBuild, DeepSpeedEngineCompat, nn.Module):
                 tp=self._tp_grads(),
                 clip=config.gradient_clipping,
                 nonfinite=nonfinite_policy(config),
+                expert_grad_comm=expert_reduce,
             )
         #: offload_optimizer.delayed_update: the store stepping one step late, else None
         self._delayed = (

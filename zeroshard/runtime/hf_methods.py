@@ -11,7 +11,8 @@ engine, beyond the training loop itself (a mixin of :class:`zeroshard.runtime.en
   (``compiling.py``).
 
 Communication: ``_zero3_consolidated_16bit_state_dict`` gathers each parameter in turn
-(stage 3: one all-gather per parameter, every rank joins); the rest issue none.
+(stage 3: one all-gather per parameter, every rank joins; experts split over
+expert-parallel ranks: one more all-gather over ``ep`` each); the rest issue none.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from zeroshard.runtime.compiling import (
 
 if TYPE_CHECKING:
     from zeroshard.distributed.comm import Comm
+    from zeroshard.distributed.mesh import Mesh
     from zeroshard.runtime.build import Sharding
     from zeroshard.zero.params.manager import ParamManager
 
@@ -44,6 +46,7 @@ class DeepSpeedEngineCompat:
     module: torch.nn.Module
     _config: Any
     comm: Comm
+    mesh: Mesh
     sharding: Sharding
     params: ParamManager
 
@@ -72,11 +75,15 @@ class DeepSpeedEngineCompat:
         """The module's ``state_dict`` with whole tensors in the working dtype, on the CPU,
         on rank 0 (other ranks get an empty dict; every rank must call it). Tied names
         share one tensor. ``exclude_frozen_parameters`` leaves out parameters that do not
-        require gradients (buffers stay)."""
+        require gradients (buffers stay). Experts split over expert-parallel ranks come
+        whole, under their global names (``save_pretrained(state_dict=...)`` of it loads
+        into the stock model)."""
+        from zeroshard.moe.whole import gather_global
         from zeroshard.zero import GatheredParameters
 
         self.params.settle()  # overlap_param_gather: the last step's gathers have landed
         self._land_delayed()  # offload_optimizer.delayed_update: the step in flight too
+        ep = self.mesh.comm("ep")
         module = self.module
         named = dict(module.named_parameters(remove_duplicate=False))
         state = module.state_dict(keep_vars=True)
@@ -93,8 +100,10 @@ class DeepSpeedEngineCompat:
                     out[name] = copies[id(t)]
                 continue
             with GatheredParameters([t] if isinstance(t, torch.nn.Parameter) else []):
-                if rank0:
-                    copies[id(t)] = out[name] = t.detach().to("cpu", copy=True)
+                # experts: every expert-parallel rank's, under their global names
+                for whole_name, value in gather_global(module, ep, name, t):
+                    if rank0:
+                        copies[id(t)] = out[whole_name] = value.to("cpu", copy=True)
         return out
 
     # -- torch.compile ----------------------------------------------------------------

@@ -41,6 +41,7 @@ from torch.utils.hooks import RemovableHandle
 from zeroshard import models
 from zeroshard.distributed.comm import Comm
 from zeroshard.models.gpt_attention import adapt_gpt_attention
+from zeroshard.moe.marks import is_expert
 from zeroshard.parallel.sequence.attention import prepare_megatron_sp
 from zeroshard.parallel.tensor.autotp_check import (
     check_plan,
@@ -49,7 +50,7 @@ from zeroshard.parallel.tensor.autotp_check import (
     match_plan,
     planned_slices,
 )
-from zeroshard.parallel.tensor.autotp_plans import Style, user_plan_entries
+from zeroshard.parallel.tensor.autotp_plans import PlanEntry, Style, parse_style, user_plan_entries
 from zeroshard.parallel.tensor.autotp_tree import (
     KnownModel,
     TreeNames,
@@ -121,6 +122,21 @@ def _convert(m: nn.Module, style: Style, comm: Comm, sp: bool, tp_input: TPInput
     )
 
 
+def _expert_entries(model: nn.Module) -> list[PlanEntry]:
+    """Experts split over several expert-parallel ranks stay whole in every tensor-
+    parallel rank (the dense layers around them are split): their modules and
+    parameters are replicated, over any plan (experts split by both is not built)."""
+    out = []
+    for name, m in model.named_modules():
+        own = list(m.parameters())
+        if name and own and all(is_expert(p) for p in own):
+            out.append(PlanEntry(name, parse_style("replicate", name), "expert parallelism"))
+    for name, p in model.named_parameters():
+        if is_expert(p):
+            out.append(PlanEntry(name, parse_style("replicate", name), "expert parallelism"))
+    return out
+
+
 def _experts_hooks(m: nn.Module, comm: Comm) -> list[RemovableHandle]:
     """transformers' experts take (hidden_states, top_k_index, top_k_weights): both float
     inputs are replicated into the TP region (f), the partial outputs summed (g)."""
@@ -169,7 +185,8 @@ def apply_tensor_parallel(
     names = TreeNames.of(model)
     user = user_plan_entries(tp_plan)
     check_user_entries(model, user, names, known)
-    mods, params = match_plan(model, user + known_plan_entries(known), names)
+    experts = _expert_entries(model)
+    mods, params = match_plan(model, experts + user + known_plan_entries(known), names)
     left, refused = leftover_entries(model, known, names, mods)
     mods.update(left)
     mods.update(adapter_entries(names, mods, params, sequence_parallel))

@@ -23,6 +23,13 @@ Two modes, chosen once from what is sharded:
   bucket is reduce-scattered in place and the rank's chunk accumulated into the owned
   gradient shard. Memory: the shard plus the staging pool (about two buckets).
 
+With expert parallelism (mixture-of-experts), a segment of kind 1 holds expert
+parameters, which differ along the ``ep`` axis: its bucket is reduced over the
+expert-data-parallel group (``expert_comm``: the ranks holding the same experts) instead,
+and a rank's chunk of it is the one its rank in that group owns (``Segment.owner``). The
+kind picks the group only: buckets of both kinds launch in the one global order and
+every state and move is the same (``zero/grads/states.py``).
+
 Either way :attr:`GradReducer.grad_chunks` ``[segment]`` is the reduced,
 averaged gradient of this rank's chunk, what the sharded optimizer consumes, once
 :meth:`GradReducer.finalize` ran. The reducer's states (backward phase, accumulation
@@ -123,6 +130,12 @@ class GradReducer:
             when ``flat`` is sharded, else every data-parallel replica (all-reduce).
         replicate: with hybrid sharding (MiCS / HSDP), the group of ranks holding the
             same shard: each reduced chunk is then all-reduced over it. None: no replicas.
+        expert_comm: the group the segments of kind 1 (expert parameters of a
+            mixture-of-experts layer, which differ along the expert-parallel axis) are
+            reduced over: the expert-data-parallel ranks (their shard group, or all
+            their replicas when unsharded). Their gradients are averaged over ``comm``'s
+            ranks all the same (DeepSpeed's rule: an expert's gradient already sums the
+            tokens every expert-parallel rank sent it). None: as ``comm``.
         dtype: gradient buffer / communication dtype.
         sharded: keep only this rank's gradient chunks (stages 2, 3).
         overlap: launch a bucket's collective as soon as it is complete; otherwise the
@@ -164,8 +177,10 @@ class GradReducer:
         accum_device: torch.device | None = None,
         reduce_scatter_via: str | None = None,
         count_unreached: bool = False,
+        expert_comm: Comm | None = None,
     ) -> None:
         self.flat, self.comm, self.dtype = flat, comm, dtype
+        self.expert_comm = expert_comm if expert_comm is not None else comm
         self._count_unreached = count_unreached
         self._walk_missed: set[int] = set()  # counted as arrived by the last walk
         self._rs_via = reduce_scatter_via or comm.reduce_scatter_path(flat.device)
@@ -196,9 +211,10 @@ class GradReducer:
         staging_numel = max((seg.numel for seg in reduced), default=0)
         self._staging = _Pool(staging_numel, dtype, flat.device)
         # receive buffers of a point-to-point (or all-to-all) reduce-scatter
-        self._scratch = _Pool(
-            comm.reduce_scatter_scratch(staging_numel, self._rs_via), dtype, flat.device
+        scratch = max(
+            c.reduce_scatter_scratch(staging_numel, self._rs_via) for c in (comm, self.expert_comm)
         )
+        self._scratch = _Pool(scratch, dtype, flat.device)
         # parameters that got a gradient on this rank in this window (data for the
         # step's unused-parameter check, not a state: the window never depends on it)
         self.arrived: set[int] = set()
@@ -364,6 +380,18 @@ class GradReducer:
         for c, saved in zip(self._device_chunks, owned, strict=True):
             c.copy_(saved)
 
+    def _rescale_apart(self) -> None:
+        """Stage 0, another backward after the boundary's reduction: the buffer holds
+        the window's average on every rank. A dense segment's next reduction sums it
+        over every contributor and divides by their count, which gives it back; an
+        expert segment's sums it over its expert-data-parallel group only (1/ep of the
+        contributors), so it is multiplied by ep first (no communication)."""
+        for seg in self.flat.layout.segments:
+            n = self.comm_of(seg.index).world_size
+            if n != self.comm.world_size:
+                part = self._full_grads()[seg.start : seg.start + seg.numel]
+                part.mul_(self.comm.world_size / n)
+
     @property
     def communicates_now(self) -> bool:
         return self.phase in (Phase.BACKWARD_REDUCING, Phase.BACKWARD_HOLDING)
@@ -488,27 +516,33 @@ class GradReducer:
                         self.flat.params[pi].grad = self._views[pi]
                 else:  # accumulated over micro-steps (or cast in): divided here
                     src[lo:hi].div_(self._pre)
+        comm = self.comm_of(b.segment)
         if g.partitioned:
-            if self._scratch.numel and self.comm.world_size > 1:
+            if self._scratch.numel and comm.world_size > 1:
                 b.scratch = self._take(self._scratch)
             # the window's first reduction of a sharded bucket lands in the owned shard
             # itself (no copy out of the staging bucket afterwards)
             b.direct = self.sharded and self._direct_ok and self.window is Window.EMPTY
             out = self._chunks[b.segment] if b.direct else self._own(b, src)
-            handle = self.comm.reduce_scatter(
+            handle = comm.reduce_scatter(
                 out, src, async_op=True, via=self._rs_via, scratch=b.scratch
             )
         else:
-            handle = self.comm.all_reduce(src, async_op=True)
+            handle = comm.all_reduce(src, async_op=True)
         self._pending.append((b, handle, "reduce"))
         if not self.overlap:
             while any(entry[0] is b for entry in self._pending):
                 self._complete_oldest()
 
+    def comm_of(self, segment: int) -> Comm:
+        """The group segment ``segment``'s gradients are reduced over (by its kind)."""
+        return self.expert_comm if self.flat.layout.segments[segment].kind else self.comm
+
     def _own(self, b: _Bucket, src: torch.Tensor) -> torch.Tensor:
         """This rank's chunk of bucket ``b``'s segment-sized buffer ``src``."""
-        chunk = self.flat.layout.segments[b.segment].chunk
-        return src[self.flat.rank * chunk : (self.flat.rank + 1) * chunk]
+        seg = self.flat.layout.segments[b.segment]
+        lo = seg.owner(self.flat.rank) * seg.chunk
+        return src[lo : lo + seg.chunk]
 
     def _take(self, pool: _Pool) -> torch.Tensor:
         """A buffer of ``pool``; with all of them in flight, the oldest pending
@@ -638,6 +672,8 @@ class GradReducer:
             for buf in (self.grad_full, self.grad_shard):
                 if buf is not None:
                     buf.zero_()
+        elif action == states.RESCALE:
+            self._rescale_apart()
         elif action == states.LAND:
             self._land()
         elif action == states.CLEAR:

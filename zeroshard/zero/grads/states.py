@@ -28,6 +28,16 @@ Invariants of the window (full gradients, stages 0-1):
 * REDUCED: stage 0, the buffer holds the window's average on every rank; stage 1, this
   rank's chunk of it does (the rest is stale).
 
+With expert parallelism, expert segments are reduced over the expert-data-parallel
+ranks only (1/ep of the data-parallel ones) and their sum divided by every contributor
+all the same (DeepSpeed's rule), so the invariants read "the sum over the segment's
+group, divided by the contributors". One table serves both kinds; one action differs by
+kind: stage 0's REDUCED holds the average on every rank, which a later backward's
+reduction sums over the group again, so a new backward first rescales (RESCALE) an
+expert segment by ep (its group holds 1/ep of the contributors; dense segments: times
+1, nothing done). Stage 1's RESTATE needs nothing per kind: the restated chunk (times
+the dense group's size, the contributors per replica) sits on one rank of each group.
+
 With sharded gradients (stages 2-3), ACCUMULATED: the owned shard holds the sum of the
 window's reduced micro-steps. ON_DEVICE (optimizer offload only): the device's fp32
 buffer holds that sum and the host shard holds nothing of this window; the micro-steps
@@ -126,6 +136,9 @@ PHASE: dict[tuple[Phase, Event], Phase] = {
 # actions the reducer runs on a window move
 NONE = "none"
 RESTATE = "restate"  # stage 1: own chunk times the group's size, zeros elsewhere
+# stage 0: segments reduced over fewer ranks than the window's contributors (experts,
+# with expert parallelism) times contributors / those ranks; nothing for the others
+RESCALE = "rescale"
 REDUCE = "reduce"  # launch every bucket left, in the global order, and wait for all
 ZERO = "zero"  # the buffers hold the last window's values: zero them
 CLEAR = "clear"  # forget the window's arrivals; param.grad = None
@@ -158,8 +171,9 @@ WINDOW: dict[tuple[Mode, Window, Event], tuple[Window, str]] = {
     **{(Mode.REPLICATED, w, e): v for (w, e), v in _FULL.items()},
     **{(Mode.PARTITIONED, w, e): v for (w, e), v in _FULL.items()},
     # another backward after the reduction: stage 0's average on every rank already
-    # satisfies LOCAL's invariant; stage 1's buffer is restated (d9dbb47, 14aefba)
-    (Mode.REPLICATED, W.REDUCED, E.BEGIN): (W.LOCAL, NONE),
+    # satisfies LOCAL's invariant where every rank sums it (an expert segment, summed
+    # over 1/ep of them, is rescaled); stage 1's buffer is restated (d9dbb47, 14aefba)
+    (Mode.REPLICATED, W.REDUCED, E.BEGIN): (W.LOCAL, RESCALE),
     (Mode.PARTITIONED, W.REDUCED, E.BEGIN): (W.LOCAL, RESTATE),
     # sharded gradients are reduced every backward; the shard accumulates
     (Mode.SHARDED, W.EMPTY, E.BEGIN): (W.EMPTY, NONE),

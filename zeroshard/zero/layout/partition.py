@@ -10,6 +10,13 @@ divided by ``world_size``, and every collective on a segment has equal-sized pie
 Parameters may straddle chunk (and so rank) boundaries; :meth:`FlatLayout.pieces`
 gives, for a rank, which part of which parameter it owns and where that part sits in
 its shard.
+
+A segment may be split over fewer ranks than the layout (its *kind* says which group its
+collectives run in): expert parameters of a mixture-of-experts layer differ along the
+expert-parallel axis, so their segments are split into ``world_size / stride`` chunks
+over the expert-data-parallel ranks, and rank ``r`` owns chunk ``r // stride`` of them
+(the expert-parallel ranks, adjacent in the ZeRO group's order, hold different experts
+in the same place).
 """
 
 from __future__ import annotations
@@ -30,15 +37,21 @@ class Segment:
     used: int  # unpadded size (sum of its parameters' numel)
     params: tuple[int, ...]  # indices of its parameters, in layout order
     shard_start: int  # offset of a rank's chunk of this segment within that rank's shard
-    world_size: int
+    world_size: int  # chunks (ranks of the group its collectives run in)
+    stride: int = 1  # layout ranks per chunk owner: rank r owns chunk r // stride
+    kind: int = 0  # the group its collectives run in (0: the layout's; 1: experts')
 
     @property
     def chunk(self) -> int:
         return self.numel // self.world_size
 
+    def owner(self, rank: int) -> int:
+        """The chunk a layout rank owns (its rank in this segment's group)."""
+        return rank // self.stride
+
     def chunk_range(self, rank: int) -> tuple[int, int]:
-        """Range of ``rank``'s chunk in the full flat buffer."""
-        lo = self.start + rank * self.chunk
+        """Range of (layout) ``rank``'s chunk in the full flat buffer."""
+        lo = self.start + self.owner(rank) * self.chunk
         return lo, lo + self.chunk
 
 
@@ -93,6 +106,9 @@ class FlatLayout:
         groups: explicit segments as lists of parameter indices (contiguous, in order,
             covering every parameter), e.g. one per stage-3 module unit.
         align: each chunk is a multiple of ``align`` elements (vector-friendly offsets).
+        kinds: per segment, the group its collectives run in (default all 0).
+        strides: per kind, how many adjacent layout ranks share a chunk owner (default
+            1): a segment of that kind is split ``world_size // stride`` ways.
     """
 
     def __init__(
@@ -103,6 +119,8 @@ class FlatLayout:
         bucket_numel: int | None = None,
         groups: Sequence[Sequence[int]] | None = None,
         align: int = 1,
+        kinds: Sequence[int] | None = None,
+        strides: dict[int, int] | None = None,
     ) -> None:
         if world_size < 1:
             raise ArgumentError(f"world_size must be >= 1, got {world_size}")
@@ -116,6 +134,16 @@ class FlatLayout:
         if groups is None:
             groups = greedy_segments(self.numels, bucket_numel)
         self._check_groups(groups)
+        kinds = list(kinds) if kinds is not None else [0] * len(groups)
+        if len(kinds) != len(groups):
+            raise ArgumentError(f"{len(kinds)} segment kinds for {len(groups)} segments")
+        strides = dict(strides or {})
+        for kind, stride in strides.items():
+            if stride < 1 or world_size % stride:
+                raise ArgumentError(
+                    f"stride {stride} of segment kind {kind} does not divide the world size "
+                    f"{world_size}"
+                )
         self.param_offset: list[int] = [0] * len(self.numels)
         self.param_segment: list[int] = [0] * len(self.numels)
         segments, start, shard_start = [], 0, 0
@@ -125,10 +153,15 @@ class FlatLayout:
                 self.param_offset[p] = start + used
                 self.param_segment[p] = i
                 used += self.numels[p]
-            numel = _round_up(used, world_size * align)
-            segments.append(Segment(i, start, numel, used, tuple(members), shard_start, world_size))
+            stride = strides.get(kinds[i], 1)
+            ways = world_size // stride
+            numel = _round_up(used, ways * align)
+            seg = Segment(
+                i, start, numel, used, tuple(members), shard_start, ways, stride, kinds[i]
+            )
+            segments.append(seg)
             start += numel
-            shard_start += numel // world_size
+            shard_start += numel // ways
         self.segments: tuple[Segment, ...] = tuple(segments)
         self.total_numel = start
         self.shard_numel = shard_start

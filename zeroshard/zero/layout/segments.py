@@ -9,11 +9,16 @@ are allocated and nothing is communicated.
 
 Inside every segment each optimizer param group's parameters sit next to each other, so
 a group's share of any chunk is contiguous (see ``FlatParams.group_views``).
+
+A segment holds parameters of one *kind* (``kind_of``; 1: expert parameters of a
+mixture-of-experts layer, sharded and reduced over the expert-data-parallel group; 0:
+the rest), so each segment's collectives run in one group.
 """
 
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from torch import nn
@@ -29,10 +34,23 @@ class SegmentPlan:
     group_of: list[int]  # param-group index per parameter (FROZEN for frozen ones)
     segments: list[list[int]]  # indices into ``params``, contiguous and in order
     persistent: list[int]  # segment indices that stay gathered (stage 3)
+    kinds: list[int]  # each segment's kind (the group its collectives run in)
 
 
 #: gradient bucket when the config gives none: DDP's bucket_cap_mb, 25 MiB
 DEFAULT_BUCKET_BYTES = 25 * 2**20
+
+KindOf = Callable[[nn.Parameter], int]
+
+
+def _dense(p: nn.Parameter) -> int:
+    return 0
+
+
+def _by_kind(params: list[nn.Parameter], kind_of: KindOf) -> list[list[nn.Parameter]]:
+    """``params`` split by kind (kind 0 first), each keeping its order; empty ones left out."""
+    kinds = sorted({kind_of(p) for p in params})
+    return [[p for p in params if kind_of(p) == k] for k in kinds]
 
 
 def _group_index(param_groups: list[dict]) -> dict[int, int]:
@@ -44,7 +62,10 @@ def _group_index(param_groups: list[dict]) -> dict[int, int]:
 
 
 def _assemble(
-    members: list[list[nn.Parameter]], group: dict[int, int], persistent_from: int
+    members: list[list[nn.Parameter]],
+    group: dict[int, int],
+    persistent_from: int,
+    kind_of: KindOf = _dense,
 ) -> SegmentPlan:
     params: list[nn.Parameter] = []
     segments: list[list[int]] = []
@@ -57,15 +78,20 @@ def _assemble(
         group_of=[group.get(id(p), FROZEN) for p in params],
         segments=segments,
         persistent=list(range(persistent_from, len(segments))),
+        kinds=[kind_of(seg[0]) if seg else 0 for seg in members],
     )
 
 
 def bucket_segments(
-    module: nn.Module, param_groups: list[dict], bucket_numel: int, alone: frozenset = frozenset()
+    module: nn.Module,
+    param_groups: list[dict],
+    bucket_numel: int,
+    alone: frozenset = frozenset(),
+    kind_of: KindOf = _dense,
 ) -> SegmentPlan:
-    """Stages 0-2: trainable parameters only, in gradient buckets. Parameters whose id
-    is in ``alone`` get a segment each (so their chunks hold the same elements on
-    every pipeline stage that has a copy: tied layers)."""
+    """Stages 0-2: trainable parameters only, in gradient buckets (each of one kind).
+    Parameters whose id is in ``alone`` get a segment each (so their chunks hold the
+    same elements on every pipeline stage that has a copy: tied layers)."""
     group = _group_index(param_groups)
     order = {id(p): i for i, p in enumerate(module.parameters())}
     trainable = [p for spec in param_groups for p in spec["params"] if p.requires_grad]
@@ -73,10 +99,13 @@ def bucket_segments(
     single = [[p] for p in trainable if id(p) in alone]
     trainable = [p for p in trainable if id(p) not in alone]
     members = [
-        [trainable[i] for i in s]
-        for s in greedy_segments([p.numel() for p in trainable], bucket_numel)
+        [kind[i] for i in s]
+        for kind in _by_kind(trainable, kind_of)
+        for s in greedy_segments([p.numel() for p in kind], bucket_numel)
     ]
-    return _assemble(single + members, group, persistent_from=len(single) + len(members))
+    return _assemble(
+        single + members, group, persistent_from=len(single) + len(members), kind_of=kind_of
+    )
 
 
 def unit_segments(
@@ -86,6 +115,7 @@ def unit_segments(
     bucket_numel: int,
     model_persistence_threshold: int | None = None,
     alone: frozenset = frozenset(),
+    kind_of: KindOf = _dense,
 ) -> SegmentPlan:
     """Stage 3: a segment per module of its own parameters, its trainable and its frozen
     ones apart (frozen segments are never reduced and hold no gradient storage); small
@@ -113,13 +143,16 @@ def unit_segments(
                 budget -= p.numel()
             else:
                 own.append(p)
-        units += _split_frozen(own, group)
+        for same in _by_kind(own, kind_of):
+            units += _split_frozen(same, group)
     packed = []
-    for kind in _split_frozen(small, group):
-        packed += [
-            [kind[i] for i in s] for s in greedy_segments([p.numel() for p in kind], bucket_numel)
-        ]
-    return _assemble(units + packed, group, persistent_from=len(units))
+    for same in _by_kind(small, kind_of):
+        for kind in _split_frozen(same, group):
+            packed += [
+                [kind[i] for i in s]
+                for s in greedy_segments([p.numel() for p in kind], bucket_numel)
+            ]
+    return _assemble(units + packed, group, persistent_from=len(units), kind_of=kind_of)
 
 
 def _split_frozen(params: list[nn.Parameter], group: dict[int, int]) -> list[list[nn.Parameter]]:

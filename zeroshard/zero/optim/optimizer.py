@@ -5,11 +5,18 @@ Communication at the step, per accumulation boundary:
 
 * one all-reduce of a single fp32 scalar (the squared gradient norm) over the ZeRO
   shard group when gradients are sharded and clipping or fp16 overflow detection needs
-  the global norm (8 bytes);
+  the global norm (8 bytes). With expert parallelism the shards of expert segments
+  (over the expert-data-parallel ranks, each ``ep`` coordinate holding its own experts)
+  and of dense ones together partition the whole gradient, so the same all-reduce
+  counts each parameter once (at stage 0, where every replica holds whole gradients,
+  each rank sums its share of each segment among the ranks holding it, and the scalar is
+  all-reduced over the gradient group);
 * one all-reduce (max) of a byte per trainable parameter, plus one, over the gradient
   group (and the TP group): which parameters got a gradient on some rank in the window
   (the others are not stepped), and whether some rank saw an inf/nan gradient or loss
-  (then no rank steps);
+  (then no rank steps). With expert parallelism the expert parameters' bytes are a
+  second all-reduce, over the expert-data-parallel group (the ranks holding the same
+  experts): each parameter is flagged in one of the two;
 * with tensor parallelism: the squared norm all-reduced over the TP group too, and one
   all-reduce over it of the gradients of replicated parameters that are partial sums;
 * with pipeline stages: the squared norm all-reduced over the pipeline axis too, and
@@ -94,24 +101,49 @@ class PipelineGrads:
 
 
 def unused_and_bad(
-    grads: ReducedGrads, bad: bool = False, extra: Comm | None = None
+    grads: ReducedGrads,
+    bad: bool = False,
+    extra: Comm | None = None,
+    experts: Comm | None = None,
 ) -> tuple[set[int], bool]:
     """Trainable parameters that got no gradient on any rank in this accumulation
     window, and whether ``bad`` holds on any rank: one all-reduce (max) of a byte per
     trainable parameter, plus one, over every group the gradients were averaged over
     (and over ``extra``, the tensor-parallel group, when given). Torch skips a parameter
     whose ``grad`` is None; a parameter used on some ranks only is stepped, its gradient
-    averaged with zeros, as DDP does."""
+    averaged with zeros, as DDP does.
+
+    ``experts``: with expert parallelism, the group expert parameters (segments of kind
+    1, which differ along the ``ep`` axis) were reduced over, the ranks holding the same
+    experts. Their bytes are a second all-reduce over it (with the hybrid replicas,
+    ``grads.groups[1:]``, and ``extra``): a rank of another ``ep`` coordinate holds other
+    experts at the same index. None: every parameter in the first."""
     flat = grads.flat
+    layout = flat.layout
     trainable = [pi for pi in range(len(flat.params)) if flat.group_of[pi] >= 0]
+    expert = [
+        pi
+        for pi in trainable
+        if experts is not None and layout.segments[layout.param_segment[pi]].kind
+    ]
+    apart = set(expert)
+    dense = [pi for pi in trainable if pi not in apart]
     filled = grads.arrived
-    flags = torch.tensor([*(pi in filled for pi in trainable), bad], dtype=torch.uint8)
+    flags = torch.tensor([*(pi in filled for pi in dense), bad], dtype=torch.uint8)
     flags = flags.to(flat.device)
     for comm in (*grads.groups, extra):
         if comm is not None:
             comm.all_reduce(flags, op="max")
     *used, any_bad = flags.tolist()
-    return {pi for pi, u in zip(trainable, used, strict=True) if not u}, bool(any_bad)
+    unused = {pi for pi, u in zip(dense, used, strict=True) if not u}
+    if expert:
+        mine = torch.tensor([pi in filled for pi in expert], dtype=torch.uint8)
+        mine = mine.to(flat.device)
+        for comm in (experts, *grads.groups[1:], extra):
+            if comm is not None:
+                comm.all_reduce(mine, op="max")
+        unused |= {pi for pi, u in zip(expert, mine.tolist(), strict=True) if not u}
+    return unused, bool(any_bad)
 
 
 class ShardedOptimizer:
@@ -120,7 +152,8 @@ class ShardedOptimizer:
     ``states`` is a :class:`~zeroshard.zero.optim.memory_store.MemoryStates` or a
     :class:`~zeroshard.offload.swapped_adam.SwappedAdam`; its ``param_groups`` are
     exposed so schedulers and users can change ``lr``. It steps on the gradients it is
-    handed (:meth:`apply_step`); ``grad_comm`` is the group they are reduced over,
+    handed (:meth:`apply_step`); ``grad_comm`` is the group they are reduced over
+    (``expert_grad_comm`` the one expert parameters' are, with expert parallelism),
     ``zero_grads`` the still-zero gradient chunks the states are initialized on, and
     ``clear_grads`` what :meth:`zero_grad` calls (the engine's reducer starts a window).
     """
@@ -139,10 +172,12 @@ class ShardedOptimizer:
         clip: float = 0.0,
         nonfinite: str = "skip",
         tp: TensorParallelGrads | None = None,
+        expert_grad_comm: Comm | None = None,
     ) -> None:
         self.flat, self.states = flat, states
         self.comm, self.policy, self.scaler = comm, policy, scaler
         self.grad_comm, self._clear_grads = grad_comm, clear_grads
+        self.expert_grad_comm = expert_grad_comm
         self.tp = tp
         self.pipeline: PipelineGrads | None = None  # set by the pipeline engine
         self.clip = clip
@@ -194,11 +229,16 @@ class ShardedOptimizer:
         parameter counted once), on the device, fp32."""
         chunks = list(grads.chunks)
         replicated = self._replicated_over()
+        split = self._experts_apart
         # offload: the squares the host took as each chunk landed, during backward
-        landed = grads.landed_squares() if replicated is None else None
-        if replicated is not None:  # this rank's share of the whole gradient
+        landed = grads.landed_squares() if replicated is None and not split else None
+        if replicated is not None and split:
+            chunks = self._shares(grads)
+        elif replicated is not None:  # this rank's share of the whole gradient
             total, n, r = self.flat.layout.shard_numel, replicated.world_size, replicated.rank
             chunks = grads.pieces(total * r // n, total * (r + 1) // n)
+        elif split:  # each segment counted by the first rank holding it
+            chunks = [c if self._reduced_over(i).rank == 0 else c[:0] for i, c in enumerate(chunks)]
         if self.tp is not None:
             local = self.tp.local_sum_of_squares(chunks)
         elif landed:
@@ -211,6 +251,31 @@ class ShardedOptimizer:
             local = local - self.pipeline.excluded_sum_of_squares(chunks).to(local.device)
         return local.reshape(1).to(device=self.flat.device, dtype=torch.float32)
 
+    def _reduced_over(self, segment: int) -> Comm:
+        """The group segment ``segment``'s gradients were reduced over (by its kind)."""
+        if self.expert_grad_comm is not None and self.flat.layout.segments[segment].kind:
+            return self.expert_grad_comm
+        return self.grad_comm
+
+    @property
+    def _experts_apart(self) -> bool:
+        """Stage 0 with expert parallelism: every replica holds the whole dense gradient,
+        but only its own experts'."""
+        return not self.flat.partitioned and self.expert_grad_comm is not None
+
+    def _shares(self, grads: ReducedGrads) -> list[torch.Tensor]:
+        """Stage 0 with expert parallelism: this rank's share of each segment's whole
+        gradient among the ranks holding the same one (every replica for dense
+        segments, the expert-data-parallel ones for experts), so that summing over every
+        replica counts each element once."""
+        out = []
+        for seg in self.flat.layout.segments:
+            chunk = grads.chunks[seg.index]
+            comm = self._reduced_over(seg.index)
+            n, r, size = comm.world_size, comm.rank, chunk.numel()
+            out.append(chunk[size * r // n : size * (r + 1) // n])
+        return out
+
     def _global_norm(self, local: torch.Tensor) -> float:
         """L2 norm of the whole (averaged) gradient: local parts summed over shards
         (and over tensor-parallel ranks)."""
@@ -218,6 +283,8 @@ class ShardedOptimizer:
             self.comm.all_reduce(local)
         elif (replicated := self._replicated_over()) is not None:  # shares of one gradient
             replicated.all_reduce(local)
+        elif self._experts_apart:  # each replica counted its part once
+            self.grad_comm.all_reduce(local)
         if self.tp is not None:
             self.tp.comm.all_reduce(local)
         if self.pipeline is not None:  # every stage's parameters
@@ -249,7 +316,7 @@ class ShardedOptimizer:
         # one all-reduce for both: which parameters got gradients, and whether any rank
         # saw a non-finite value
         tp = self.tp.comm if self.tp is not None else None
-        unused, self.overflow = unused_and_bad(grads, bad, extra=tp)
+        unused, self.overflow = unused_and_bad(grads, bad, extra=tp, experts=self.expert_grad_comm)
         self.global_grad_norm = None
         if self.overflow:
             self.scaler.update(overflow=True)

@@ -71,7 +71,7 @@ from zeroshard.zero.params.regions import find_regions
 from zeroshard.zero.params.schedule import Schedule
 from zeroshard.zero.params.states import Event, Phase, UnitState
 from zeroshard.zero.params.units import Units
-from zeroshard.zero.params.whole import segments_of
+from zeroshard.zero.params.whole import replica_source, segments_of
 from zeroshard.zero.params.wiring import ModuleWiring
 
 E = Event
@@ -94,14 +94,20 @@ class ParamGatherer:
         max_reuse_numel: int = 0,
         leaves: Iterable[nn.Module] = (),
         check_every_pass: bool = False,
+        expert_comm: Comm | None = None,
+        expert_replicas: Comm | None = None,
     ) -> None:
         self.flat, self.comm, self.replicas = flat, comm, replicas
+        # units of expert parameters (kind 1) are gathered over the expert shard group,
+        # and GatheredParameters broadcasts their edits over the expert replicas
+        self.expert_replicas = expert_replicas or replicas
         self.units = Units(
             flat,
             comm,
             persistent,
             max_live_numel=max_live_numel,
             check_every_pass=check_every_pass,
+            expert_comm=expert_comm,
         )
         self.persistent = self.units.persistent
         self.prefetch_numel, self.max_reuse_numel = prefetch_numel, max_reuse_numel
@@ -336,7 +342,8 @@ class ParamGatherer:
                 pi = index.get(id(p))
                 if pi is not None and moved(p, views[pi]):  # p.data = t inside
                     view_again(p, views[pi], p.__dict__.get("_zs_name", "?"))
-                self.replicas.broadcast(p.detach(), src=modifier_rank)
+                group, src = replica_source(p, modifier_rank, self.replicas, self.expert_replicas)
+                group.broadcast(p.detach(), src=src)
             for s in segs:
                 self.units.write_back(s)
         for s in segs:

@@ -4,7 +4,8 @@ communication here: these only call the callbacks they are handed.
 * :class:`PreBackward`: identity in forward; in backward it asks for a module's units
   (the gatherer's callback) just before that module's backward runs.
 * :func:`wrap_outputs`: routes the differentiable tensors of a module's output
-  (tensor, tuple, named tuple, list, dict, ``ModelOutput``) through it.
+  (tensor, tuple, named tuple, list, dict, ``ModelOutput``, dataclass instance: e.g.
+  the MoE router's ``Routes``) through it.
 * :class:`AccessTrackingDict`: a module's ``_parameters`` that reports each
   ``module.name`` read, so parameters used outside their own module are gathered too.
 * :func:`guard`: gives a parameter a subclass whose ``__torch_function__`` refuses ops
@@ -22,6 +23,7 @@ communication here: these only call the callbacks they are handed.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import torch
@@ -93,6 +95,16 @@ def wrap_outputs(output, gather: Callable[[tuple[int, ...]], None], units: tuple
         for k, w in zip(keys, wrapped, strict=True):
             new[k] = w
         return new
+    if dataclasses.is_dataclass(output) and not isinstance(output, type):
+        # a router's Routes, say: without the wrap its module's units (a weight read
+        # from a child, gathered on access) would not be gathered for its backward
+        fields = [f.name for f in dataclasses.fields(output) if f.init]
+        names = [n for n in fields if torch.is_tensor(v := getattr(output, n)) and v.requires_grad]
+        if not names:
+            return output
+        wrapped = PreBackward.apply(gather, units, *(getattr(output, n) for n in names))
+        wrapped = wrapped if isinstance(wrapped, tuple) else (wrapped,)
+        return dataclasses.replace(output, **dict(zip(names, wrapped, strict=True)))
     return output
 
 

@@ -4,7 +4,8 @@ gatherer (``gatherer.py``) decides when; this module does it and keeps each unit
 
 Communication (Ψ = parameter bytes of the non-persistent units): one asynchronous
 all-gather over the ZeRO shard group per unit gathered (its chunk from every rank, the
-unit's bytes in all), on demand or prefetched; the persistent units' all-gathers at
+unit's bytes in all; a unit of expert parameters: over the expert shard group), on
+demand or prefetched; the persistent units' all-gathers at
 start-up and after each optimizer step; and, while gathers are checked for agreement
 (the first forward and backward, or always with ``enable_sanity_checks``), one
 all-reduce (max) of two int64 before each gather. ``GatheredParameters(modifier_rank=r)``
@@ -84,8 +85,10 @@ class Units:
         *,
         max_live_numel: int,
         check_every_pass: bool = False,
+        expert_comm: Comm | None = None,
     ) -> None:
         self.flat, self.comm = flat, comm
+        self.expert_comm = expert_comm or comm  # for the units of expert parameters
         self.persistent = set(persistent)
         self.max_live_numel = max_live_numel
         layout = flat.layout
@@ -196,7 +199,8 @@ class Units:
         with torch.autograd._unsafe_preserve_version_counter(buf):
             # uploaded as stored (an fp32 master shard on the host), cast on the device
             chunk = chunk.to(buf.device, non_blocking=True).to(buf.dtype)
-            self._handles[s] = self.comm.all_gather(buf, chunk, async_op=True)
+            comm = self.expert_comm if self.flat.layout.segments[s].kind else self.comm
+            self._handles[s] = comm.all_gather(buf, chunk, async_op=True)
         self.move(s, event)
         return True
 
@@ -298,7 +302,8 @@ class Units:
         differ: ``zero/params/edits.py``)."""
         seg, rank = self.flat.layout.segments[s], self.flat.rank
         chunk = self.flat.store.chunk(s)  # a view in memory, a copy from NVMe
-        take_edits(chunk, self.buffers[s][rank * seg.chunk : (rank + 1) * seg.chunk])
+        lo = seg.owner(rank) * seg.chunk
+        take_edits(chunk, self.buffers[s][lo : lo + seg.chunk])
         self.flat.store.write_chunk(s, chunk)
 
     def detach(self) -> None:

@@ -24,9 +24,23 @@ from __future__ import annotations
 import torch
 
 from zeroshard.distributed.comm import Comm, Handle
+from zeroshard.moe.marks import is_expert
 from zeroshard.zero.layout.flat import FlatParams
 from zeroshard.zero.params.edits import WholeEdits, unwatch, watch
 from zeroshard.zero.params.regions import find_regions
+
+
+def replica_source(
+    p: torch.Tensor, modifier_rank: int, replicas: Comm, expert_replicas: Comm
+) -> tuple[Comm, int]:
+    """The group a ``GatheredParameters(modifier_rank=...)`` edit of ``p`` is broadcast
+    over, and the source's rank in it: an expert parameter's over the ranks holding the
+    same experts, from the modifier's peer there (the rank of its expert-data-parallel
+    coordinate; expert-parallel ranks are adjacent in ``replicas``' order)."""
+    if expert_replicas is replicas or not is_expert(p):
+        return replicas, modifier_rank
+    ep = replicas.world_size // expert_replicas.world_size
+    return expert_replicas, modifier_rank // ep
 
 
 def segments_of(flat: FlatParams, params: list[torch.Tensor]) -> list[int]:
@@ -40,7 +54,9 @@ class WholeParams:
 
     ``comm`` is the group the layout is sharded over (the updated chunks are all-gathered
     in it); ``replicas`` spans every rank holding these parameters (``GatheredParameters``
-    broadcasts a modifier's values over it, ``modifier_rank`` being a rank in it)."""
+    broadcasts a modifier's values over it, ``modifier_rank`` being a rank in it).
+    ``expert_comm`` and ``expert_replicas`` are the same for the segments of expert
+    parameters (kind 1; None: as the others)."""
 
     def __init__(
         self,
@@ -49,8 +65,12 @@ class WholeParams:
         replicas: Comm,
         module: torch.nn.Module | None = None,
         overlap: bool = False,
+        expert_comm: Comm | None = None,
+        expert_replicas: Comm | None = None,
     ) -> None:
         self.flat, self.comm, self.replicas = flat, comm, replicas
+        self.expert_comm = expert_comm or comm
+        self.expert_replicas = expert_replicas or replicas
         self._pending: dict[int, Handle] = {}  # segment -> all-gather in flight
         self._hooks: list = []
         names: dict[int, str] = {}
@@ -148,7 +168,7 @@ class WholeParams:
         chunks = flat.chunks
         assert chunks is not None  # partitioned: every rank owns its chunks
         handles = {
-            seg.index: self.comm.all_gather(
+            seg.index: (self.expert_comm if seg.kind else self.comm).all_gather(
                 flat.segment_view(seg.index), chunks[seg.index], async_op=True
             )
             for seg in flat.layout.segments
@@ -186,7 +206,8 @@ class WholeParams:
         if modifier_rank is None:
             return []
         for p in params:
-            self.replicas.broadcast(p.detach(), src=modifier_rank)
+            replicas, src = replica_source(p, modifier_rank, self.replicas, self.expert_replicas)
+            replicas.broadcast(p.detach(), src=src)
         return segments_of(self.flat, params)
 
     def buffers(self) -> list[torch.Tensor]:
