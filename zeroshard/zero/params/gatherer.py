@@ -66,13 +66,13 @@ from zeroshard.distributed.comm import Comm
 from zeroshard.zero.layout.flat import FlatParams
 from zeroshard.zero.params import states
 from zeroshard.zero.params.edits import WholeEdits, moved, view_again
-from zeroshard.zero.params.hooks import guard, set_gathered, unguard, wrap_outputs
+from zeroshard.zero.params.hooks import guard, set_gathered, unguard
 from zeroshard.zero.params.regions import find_regions
 from zeroshard.zero.params.schedule import Schedule
 from zeroshard.zero.params.states import Event, Phase, UnitState
 from zeroshard.zero.params.units import Units
 from zeroshard.zero.params.whole import replica_source, segments_of
-from zeroshard.zero.params.wiring import ModuleWiring
+from zeroshard.zero.params.wiring import ModuleWiring, wrap_outputs
 
 E = Event
 
@@ -277,7 +277,7 @@ class ParamGatherer:
         return output
 
     def gather_for_backward(self, units: tuple[int, ...]) -> None:
-        """Before a module's backward (``hooks.PreBackward``): gather its units."""
+        """Before a module's backward (``wiring.PreBackward``): gather its units."""
         self._schedule.record(units, backward=True)
         self.units.gather(units)
         self._schedule.advance(units, backward=True)
