@@ -61,6 +61,7 @@ from zeroshard.zero.optim.optimizer import ShardedOptimizer
 from zeroshard.zero.params.gathered import register_owner, unregister_owner
 from zeroshard.zero.params.gatherer import ParamGatherer
 from zeroshard.zero.params.leaves import find_leaves
+from zeroshard.zero.params.manager import ParamManager
 from zeroshard.zero.params.whole import WholeParams
 
 if TYPE_CHECKING:
@@ -170,6 +171,8 @@ class Engine(EngineBuild, DeepSpeedEngineCompat, nn.Module):
             reduce_comm = mesh.twin("zero_shard")
             expert_reduce = mesh.twin("expert_shard") if experts else None
         on_bucket_ready = None
+        # whole parameters (stages 0-2) or gathered per unit (stage 3): one Protocol
+        self.params: ParamManager
         if self.sharding.parameters:
             gatherer = ParamGatherer(
                 self.flat,

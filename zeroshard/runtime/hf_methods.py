@@ -35,8 +35,7 @@ if TYPE_CHECKING:
     from zeroshard.distributed.comm import Comm
     from zeroshard.distributed.mesh import Mesh
     from zeroshard.runtime.build import Sharding
-    from zeroshard.zero.params.gatherer import ParamGatherer
-    from zeroshard.zero.params.whole import WholeParams
+    from zeroshard.zero.params.manager import ParamManager
 
 
 class DeepSpeedEngineCompat:
@@ -49,7 +48,7 @@ class DeepSpeedEngineCompat:
     comm: Comm
     mesh: Mesh
     sharding: Sharding
-    params: ParamGatherer | WholeParams
+    params: ParamManager
 
     if TYPE_CHECKING:
 
