@@ -66,10 +66,11 @@ def _shares_a_fixture(item: pytest.Item) -> bool:
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the xdist_group marks
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    grouped = {item.path.name for item in items if _shares_a_fixture(item)}
-    for item in items:
-        if item.path.name in grouped:
-            item.add_marker(pytest.mark.xdist_group(item.path.stem))
+    if config.pluginmanager.hasplugin("xdist"):
+        grouped = {item.path.name for item in items if _shares_a_fixture(item)}
+        for item in items:
+            if item.path.name in grouped:
+                item.add_marker(pytest.mark.xdist_group(item.path.stem))
     # a stable sort: tests keep their order within a file
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
 
