@@ -1,5 +1,6 @@
 """``engine.tput_timer``: DeepSpeed's throughput timer, with its attributes and their
-meaning (DeepSpeed's unit test_zero_context::test_throughput_calculation reads them)."""
+meaning (DeepSpeed's unit test_zero_context::test_throughput_calculation reads them), and
+``engine.optimizer.optimizer`` (its test_zero::TestZeroAdamOptimizerStepCount reads it)."""
 
 from __future__ import annotations
 
@@ -57,6 +58,10 @@ def _engine_timer(rank: int, world: int) -> dict:
         engine.backward(engine(torch.randn(7, 4)).pow(2).mean())
         engine.step()
     out["after"] = [t.micro_step_count, t.global_step_count, t.total_elapsed_time > 0]
+    # DeepSpeed's engine.optimizer.optimizer: the wrapped torch optimizer, stepped each step
+    inner = engine.optimizer.optimizer
+    out["inner"] = inner is engine.optimizer.inner and isinstance(inner, torch.optim.Adam)
+    out["steps"] = [int(inner.state[p]["step"]) for g in inner.param_groups for p in g["params"]]
     return out
 
 
@@ -64,3 +69,4 @@ def test_engine_tput_timer_runs_with_the_engine() -> None:
     r = multirank.run(_engine_timer, 1, timeout=300)[0]
     assert r["batch"] == 14 and r["fresh"] == [False, 0], r
     assert r["after"] == [8, 4, True], r  # steps 3 and 4 were timed
+    assert r["inner"] and r["steps"] and set(r["steps"]) == {4}, r

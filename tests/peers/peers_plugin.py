@@ -12,6 +12,10 @@ on a CPU-only host, and nothing that changes what a test checks.
 * transformers' ``TrainingArguments(bf16=True)`` asks for a bf16 *GPU* unless ``use_cpu``
   (which turns DeepSpeed off in accelerate); the CPU computes bf16, so the plugin answers
   that bf16 is available.
+* With ``PEERS_OUTCOMES`` set, each test's outcome is appended to that file as it is
+  known (``nodeid outcome``): the runner counts from it when pytest never gets to write
+  its JUnit report (DeepSpeed's harness can hang in its pool's teardown after a failed
+  ``pytest.raises`` in a rank, beyond the reach of SIGINT).
 * ``import deepspeed`` gives zeroshard in this process (``sitecustomize`` does it in every
   process when ``ZEROSHARD_AS_DEEPSPEED=1``); registering here too makes a run without the
   start-up hook fail loudly rather than skip everything as "deepspeed not installed".
@@ -49,3 +53,17 @@ def pytest_configure(config) -> None:
         for name in ("require_non_cpu", "require_multi_device"):
             setattr(att, name, _identity)
             setattr(atu, name, _identity)
+
+
+def pytest_runtest_logreport(report) -> None:
+    path = os.environ.get("PEERS_OUTCOMES")
+    if not path:
+        return
+    outcome = None
+    if report.when == "call" or report.outcome != "passed":
+        outcome = "skipped" if report.skipped else report.outcome
+        if outcome == "failed" and report.when != "call":
+            outcome = "error"
+    if outcome is not None:
+        with open(path, "a") as f:
+            f.write(f"{report.nodeid} {outcome}\n")

@@ -194,6 +194,12 @@ class ShardedOptimizer:
         return self.states.inner
 
     @property
+    def optimizer(self):
+        """DeepSpeed's name for the wrapped optimizer (``engine.optimizer.optimizer``):
+        :attr:`inner`, whose parameters are this rank's fp32 master chunks."""
+        return self.inner
+
+    @property
     def param_groups(self) -> list[dict]:
         return self.states.param_groups
 
