@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -26,7 +27,9 @@ from zeroshard.config.schema import ConfigError
 from zeroshard.fp8 import Fp8Error, Fp8Model, check_fp8_device, convert_to_fp8, preconverted
 from zeroshard.moe.apply import bind_layers, convert_hf
 from zeroshard.moe.marks import EXPERT_LIST_ATTR, expert_shard, is_expert
-from zeroshard.offload.store import MemoryShard
+from zeroshard.monitor.progress import progress
+from zeroshard.offload.states import StateStore
+from zeroshard.offload.store import MemoryShard, ShardStore
 from zeroshard.parallel.apply import (
     Parallelized,
     gradient_summed_over_tp,
@@ -41,6 +44,7 @@ from zeroshard.zero.layout.partition import FlatLayout
 from zeroshard.zero.layout.segments import DEFAULT_BUCKET_BYTES, bucket_segments, unit_segments
 from zeroshard.zero.optim.memory_store import build_memory_states
 from zeroshard.zero.optim.optimizer import TensorParallelGrads
+from zeroshard.zero.params.edits import take_edits
 from zeroshard.zero.params.init import is_sealed, take_value
 
 if TYPE_CHECKING:
@@ -146,7 +150,7 @@ class EngineBuild:
         """Every rank describes the same model and config (``agreement.py``)."""
         check_ranks_agree(self.comm, module, config)
 
-    def _optimizer_states(self, client: torch.optim.Optimizer | None):
+    def _optimizer_states(self, client: torch.optim.Optimizer | None) -> StateStore:
         """Masters and optimizer states: in swap files (NVMe offload) or in memory."""
         if self.placement.optimizer_nvme:
             if client is not None:
@@ -154,7 +158,14 @@ class EngineBuild:
                     "zero_optimization.offload_optimizer.device: NVMe offload steps the "
                     "config's Adam/AdamW itself; pass no optimizer to initialize() with it"
                 )
-            return self._swaps.swapped_adam(self.flat, self.placement.optimizer_nvme)
+            return self._swaps.swapped_adam(
+                self.flat,
+                self.placement.optimizer_nvme,
+                take_edits=take_edits,
+                progress=partial(
+                    progress, desc="writing NVMe swap files", enabled=self.comm.rank == 0
+                ),
+            )
         cfg = self._config.optimizer
         factory = optimizer_factory(cfg, self.device) if cfg is not None else None
         offload = self._config.zero_optimization.offload_optimizer
@@ -166,7 +177,7 @@ class EngineBuild:
             )
         states = build_memory_states(
             self.flat,
-            self.policy,
+            self.policy.master,
             self.placement,
             client=client,
             factory=factory,
@@ -248,7 +259,7 @@ class EngineBuild:
             )
         return numel
 
-    def _param_store(self, layout: FlatLayout):
+    def _param_store(self, layout: FlatLayout) -> ShardStore:
         """Stage 3's shard store: an NVMe swap file, or memory. In memory, where the
         optimizer states live too, the shard is kept in the master dtype: it *is* the
         fp32 master (no second copy, no write-back; gathers cast on the device)."""

@@ -43,6 +43,7 @@ from zeroshard.distributed.process_group import default_device, local_rank
 from zeroshard.moe.apply import check_composition
 from zeroshard.monitor.hub import EngineMonitor
 from zeroshard.monitor.memory import measure
+from zeroshard.offload.delayed import DelayedUpdate
 from zeroshard.offload.placement import Placement
 from zeroshard.offload.swaps import EngineSwaps
 from zeroshard.runtime.build import (
@@ -232,7 +233,6 @@ class Engine(EngineBuild, DeepSpeedEngineCompat, nn.Module):
                 grad_comm=reduce_comm,
                 zero_grads=self.reducer.grad_chunks,
                 clear_grads=self.reducer.zero_grad,
-                policy=self.policy,
                 scaler=self.loss_scaler,
                 tp=self._tp_grads(),
                 clip=config.gradient_clipping,
@@ -240,11 +240,8 @@ class Engine(EngineBuild, DeepSpeedEngineCompat, nn.Module):
                 expert_grad_comm=expert_reduce,
             )
         #: offload_optimizer.delayed_update: the store stepping one step late, else None
-        self._delayed = (
-            self.optimizer.states
-            if self.optimizer is not None and zc.offload_optimizer.delayed_update
-            else None
-        )
+        states = self.optimizer.states if self.optimizer is not None else None
+        self._delayed = states if isinstance(states, DelayedUpdate) else None
         register_owner(module.parameters(), self)
         # parameters frozen now: unfreezing one later needs a new initialize()
         laid_out = {
