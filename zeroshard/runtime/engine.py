@@ -27,6 +27,7 @@ to the first earlier call that needs the parameters (``offload/delayed.py``).
 from __future__ import annotations
 
 import logging
+import math
 import weakref
 from dataclasses import replace
 from typing import TYPE_CHECKING
@@ -43,6 +44,7 @@ from zeroshard.distributed.process_group import default_device, local_rank
 from zeroshard.moe.apply import check_composition
 from zeroshard.monitor.hub import EngineMonitor
 from zeroshard.monitor.memory import measure
+from zeroshard.monitor.readings import EngineInfo, StepState
 from zeroshard.offload.delayed import DelayedUpdate
 from zeroshard.offload.placement import Placement
 from zeroshard.offload.swaps import EngineSwaps
@@ -111,7 +113,6 @@ class Engine(EngineBuild, DeepSpeedEngineCompat, nn.Module):
         self._check_agreement(module, config)
         self.device = default_device()
         self.monitor = EngineMonitor(config, mesh, self.device)  # first: bad input fails here
-        self.monitor.bind(self)
         self.policy = DtypePolicy.from_config(config)
         self.placement = Placement.from_config(config.zero_optimization, self.device)
         self.sharding = Sharding.for_stage(config.zero_optimization.stage)
@@ -242,6 +243,7 @@ class Engine(EngineBuild, DeepSpeedEngineCompat, nn.Module):
         #: offload_optimizer.delayed_update: the store stepping one step late, else None
         states = self.optimizer.states if self.optimizer is not None else None
         self._delayed = states if isinstance(states, DelayedUpdate) else None
+        self.monitor.bind(self._monitor_info())
         register_owner(module.parameters(), self)
         # parameters frozen now: unfreezing one later needs a new initialize()
         laid_out = {
@@ -285,6 +287,35 @@ class Engine(EngineBuild, DeepSpeedEngineCompat, nn.Module):
                 self.gradient_accumulation_steps(),
                 self._config.dp_world_size,
             )
+
+    def _monitor_info(self) -> EngineInfo:
+        """What the monitors read of this engine once (``monitor/readings.py``)."""
+        flat = self.flat  # ZeRO-3 releases parameters: their sizes are the layout's
+        return EngineInfo(
+            name=type(self).__name__,
+            module=self.module,
+            param_numels={
+                id(p): math.prod(s) for p, s in zip(flat.params, flat.shapes, strict=True)
+            },
+            dtype=self.policy.compute,
+            world_size=self.world_size,
+            counters=lambda: (self.global_steps, self.global_samples),
+            memory_stats=self.memory_stats,
+        )
+
+    def _step_state(self) -> StepState:
+        """What the monitors read after a step."""
+        return StepState(
+            global_steps=self.global_steps,
+            global_samples=self.global_samples,
+            skipped_steps=self.skipped_steps,
+            train_batch_size=self.train_batch_size(),
+            micro_batch_size=self.train_micro_batch_size_per_gpu(),
+            gradient_accumulation_steps=self.gradient_accumulation_steps(),
+            lr=tuple(self.get_lr()),
+            grad_norm=self.get_global_grad_norm(),
+            loss_scale=self.cur_scale,
+        )
 
     def _cast_inputs(self, module, args, kwargs):
         dtype = self.policy.compute
@@ -372,7 +403,9 @@ class Engine(EngineBuild, DeepSpeedEngineCompat, nn.Module):
         self._enter("forward")
         if not (torch.is_grad_enabled() and self.module.training):
             self._land_delayed()  # evaluation sees the latest update
-        self.monitor.forward_start(self, args, kwargs)
+        self.monitor.forward_start(
+            args, kwargs, training=self.module.training, step=self.global_steps
+        )
         out = self.module(*args, **kwargs)
         self.monitor.forward_end()
         self._leave()
@@ -472,7 +505,7 @@ class Engine(EngineBuild, DeepSpeedEngineCompat, nn.Module):
             self._backwards_in_window = 0
             self.global_steps += 1
             self.global_samples += self.train_batch_size()
-        self.monitor.step_end(self, boundary)
+        self.monitor.step_end(self._step_state(), boundary)
         self.micro_steps += 1
         if self.preemption is not None and boundary:
             self.preemption.at_step_boundary(self)  # SIGTERM: save, exit 0
