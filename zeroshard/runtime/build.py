@@ -14,6 +14,7 @@ once, on every rank); nothing else here communicates.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 
@@ -139,11 +140,31 @@ class EngineBuilder:
         """Parallelize the model, lay its parameters out, and make the parameter
         manager, the gradient reducer and (when training) the sharded optimizer.
         ``alone``: ids of parameters laid out in segments of their own (the pipeline
-        engine's tied layers)."""
+        engine's tied layers). When a step raises (a config the optimizer refuses, ...),
+        the hooks, conversions and swap files of the parts made so far are removed."""
+        undo: list[Callable[[], None]] = []
+        try:
+            return self._build(param_groups, client_optimizer, alone, undo)
+        except BaseException:
+            for step in reversed(undo):
+                step()
+            raise
+
+    def _build(
+        self,
+        param_groups: list[dict],
+        client_optimizer: torch.optim.Optimizer | None,
+        alone: frozenset,
+        undo: list[Callable[[], None]],
+    ) -> EngineParts:
         config, mesh, sharding = self.config, self.mesh, self.sharding
         param_groups, parallel = parallelize_model(self.module, mesh, config, param_groups)
+        undo.append(parallel.remove)
         fp8 = convert_fp8(self.module, config, self.device, self.rank)
+        if fp8 is not None:
+            undo.append(fp8.undo)
         swaps = EngineSwaps(config, self.rank)
+        undo.append(swaps.close)
         bucket = self._bucket_numel()
         flat, persistent = self._flatten(param_groups, swaps, bucket, alone)
         shard_comm, replicas = mesh.comm("zero_shard"), mesh.comm("replicas")
@@ -177,6 +198,7 @@ class EngineBuilder:
                 expert_replicas=expert_replicas,
             )
             params, on_bucket_ready = gatherer, gatherer.free_if_idle
+            undo.append(gatherer.remove)
         else:
             if zc.overlap_param_gather and mesh.size("pp") > 1:
                 raise ConfigError(
@@ -192,6 +214,7 @@ class EngineBuilder:
                 expert_comm=expert_shard_comm,
                 expert_replicas=expert_replicas,
             )
+            undo.append(params.remove)
         registration = {id(p): i for i, p in enumerate(self.module.parameters())}
         # as DeepSpeed: prescaling divides by the world size first, else by the factor
         predivide = config.gradient_predivide_factor
@@ -213,6 +236,7 @@ class EngineBuilder:
             count_unreached=sharding.parameters and reduce_comm.world_size > 1,
             expert_comm=expert_reduce,
         )
+        undo.append(reducer.remove_hooks)
         loss_scaler = LossScaler.from_config(config.fp16)
         optimizer = None
         if self.trains:

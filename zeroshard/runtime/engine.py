@@ -128,9 +128,13 @@ class Engine(nn.Module):
             self._installed.append(
                 FirstBatchSize(module, self.comm, self.device, self._micro_batch_seen)
             )
-        parts = builder.build(
-            param_groups or [], client_optimizer=client_optimizer, alone=self._alone()
-        )
+        try:
+            parts = builder.build(
+                param_groups or [], client_optimizer=client_optimizer, alone=self._alone()
+            )
+        except BaseException:
+            self._abandon()  # the builder removed what it made
+            raise
         self._parallel, self._fp8, self._swaps = parts.parallel, parts.fp8, parts.swaps
         self._swap_spaces = self._swaps.spaces  # nvme_path -> this rank's swap directory
         self.flat, self.params, self.reducer = parts.flat, parts.params, parts.reducer
@@ -138,15 +142,17 @@ class Engine(nn.Module):
         #: offload_optimizer.delayed_update: the store stepping one step late, else None
         self._delayed = parts.delayed
         self._frozen, self.bucket_numel = parts.frozen, parts.bucket_numel
-        self.monitor.bind(self._monitor_info())
-        register_owner(module.parameters(), self)
-        self.lr_scheduler = make_scheduler(config, self.optimizer, lr_scheduler)
-        self.training_dataloader = make_loader(config, mesh, training_data, collate_fn)
         self._compiler = ModuleCompiler(
             module,
             before=self._before_compile,
             regions_of=lambda m: self.params.compile_regions(m),
         )
+        # from here on a failed initialize() leaves an engine destroy() tears down (the
+        # next initialize() on the model does)
+        self.monitor.bind(self._monitor_info())
+        register_owner(module.parameters(), self)
+        self.lr_scheduler = make_scheduler(config, self.optimizer, lr_scheduler)
+        self.training_dataloader = make_loader(config, mesh, training_data, collate_fn)
         if "activation_checkpointing" in config.raw:  # as DeepSpeed: configures checkpoint()
             from zeroshard.activation import checkpointing
 
@@ -180,6 +186,17 @@ class Engine(nn.Module):
             )
             previous.destroy()
         _ENGINES[module] = weakref.ref(self)
+
+    def _abandon(self) -> None:
+        """The parts could not be built: remove this engine's own hooks, let go of the
+        model and close the monitors (nothing else to tear down)."""
+        for h in self._installed:
+            h.remove()
+        self._installed.clear()
+        if self.module in _ENGINES and _ENGINES[self.module]() is self:
+            del _ENGINES[self.module]
+        self.monitor.close()
+        self.destroyed = True
 
     def _micro_batch_seen(self, rows: int) -> None:
         """The config left the micro-batch size out: take the first batch's ``rows``."""
