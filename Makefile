@@ -18,21 +18,27 @@ demo: $(STAMP)
 	$(BIN)/zeroshard run --nproc 2 examples/train_gpt.py --deepspeed_config examples/ds_config_demo.json
 	$(BIN)/zeroshard plot runs/demo
 
-# the representative cut (CI; well under 15 minutes on 2 cores), after the linters;
-# test-all adds the tests marked slow (the long layout and launch matrices, and, when
-# .venv-bench exists, loading checkpoints the real DeepSpeed makes there and then)
+# the representative cut (CI), after the linters; test-all adds the tests marked slow
+# (the long layout and launch matrices, and, when .venv-bench exists, loading
+# checkpoints the real DeepSpeed makes there and then). Both run on TEST_WORKERS
+# pytest-xdist workers (a file whose tests share a fixture stays on one worker, the
+# longest files start first: tests/conftest.py); TEST_WORKERS=0 runs in one process.
+TEST_WORKERS ?= 2
+XDIST := -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder
 test: lint
-	$(BIN)/python -m pytest tests --durations=15
+	$(BIN)/python -m pytest tests $(XDIST) --durations=15
 
 test-all: $(STAMP)
-	$(BIN)/python -m pytest tests -m 'slow or not slow' --durations=15
+	$(BIN)/python -m pytest tests $(XDIST) -m 'slow or not slow' --durations=15
 
 # The peers' own DeepSpeed suites on zeroshard (issue 30; outside `make test`): transformers
 # 5.24's DeepSpeed trainer tests, accelerate 1.15's tests/deepspeed and 33 files of
 # DeepSpeed 0.16.5's tests/unit/runtime, read from PEERS_DIR (prepared once by
-# `make peers-fetch`; nothing is fetched here). Hub models are tiny stand-ins built from
-# code (tests/peers/peers_hub.py). PEERS=transformers picks suites; K=EXPR is pytest -k.
-# Counts per suite go to stdout (recorded in benchmarks/RESULTS.md); about an hour on 2 cores.
+# `make peers-fetch`; nothing is fetched here). Hub models, the GLUE MRPC data set and
+# metric are stand-ins built from code (tests/peers/peers_hub.py, peers_data.py).
+# PEERS=transformers picks suites; K=EXPR is pytest -k; each target has 900 s.
+# Counts per suite and target go to stdout (recorded in benchmarks/RESULTS.md); well over
+# an hour on 2 cores (DeepSpeed's test_zero.py alone: about half of it).
 PEERS_DIR ?= /work/peers
 PEERS ?=
 test-peers: $(STAMP)

@@ -63,6 +63,7 @@ PEER_NAMES = [
     "deepspeed.runtime.utils.PartitionedTensor",
     "deepspeed.runtime.utils.see_memory_usage",
     "deepspeed.runtime.utils.move_to_device",
+    "deepspeed.runtime.utils.call_to_str",
     "deepspeed.runtime.zero.unwrap_model_for_generation",
     "deepspeed.runtime.zero.config.DeepSpeedZeroConfig",
     "deepspeed.runtime.zero.config.DeepSpeedZeroOffloadParamConfig",
@@ -196,6 +197,9 @@ def test_partition_helpers_answer_as_deepspeed() -> None:
     t: Any = [torch.ones(2), (torch.zeros(1), {"k": torch.ones(3, dtype=torch.int64)})]
     moved = u.move_to_device(t, "cpu", lambda x: torch.is_tensor(x) and x.is_floating_point())
     assert moved[0] is t[0] and moved[1][1]["k"] is t[1][1]["k"]
+    assert u.call_to_str("int") == "int()"
+    assert u.call_to_str("f", 3, "jeff") == "f(3, 'jeff')"
+    assert u.call_to_str("f", 1138, val=3, s="x") == "f(1138, val=3, s='x')"
 
 
 def test_zero_config_classes_read_through_the_schema() -> None:
@@ -235,6 +239,31 @@ def test_versions_and_accelerator() -> None:
     acc = get_accelerator()
     acc.set_device(0)  # the CPU has one device: nothing to select
     assert acc.max_memory_allocated() >= acc.memory_allocated() > 0
+    import zeroshard
+
+    assert zeroshard.get_accelerator() is acc  # deepspeed.get_accelerator, as DeepSpeed's
+    assert acc.supported_dtypes() == [torch.float32, torch.bfloat16]  # the CPU: no fp16
+
+
+def test_cpu_device_count_reads_local_size_as_deepspeed(monkeypatch, tmp_path) -> None:
+    """DeepSpeed's CPU accelerator counts LOCAL_SIZE (the launcher's local ranks) when set,
+    else the NUMA nodes that have cores; its unit-test harness skips a 2-rank test when
+    device_count() < 2."""
+    from zeroshard.compat import accelerator
+
+    acc = accelerator.get_accelerator()
+    monkeypatch.setenv("LOCAL_SIZE", "4")
+    assert acc.device_count() == 4
+    monkeypatch.setenv("LOCAL_SIZE", "0")
+    assert acc.device_count() == accelerator._numa_nodes_with_cores() >= 1
+    monkeypatch.setenv("LOCAL_SIZE", "four")
+    with pytest.raises(ValueError, match="LOCAL_SIZE='four'"):
+        acc.device_count()
+    for name, cpus in (("node0", "0-3"), ("node1", ""), ("node2", "4-7"), ("online", "0-2")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "cpulist").write_text(cpus + "\n")
+    assert accelerator._numa_nodes_with_cores(str(tmp_path)) == 2  # node1: memory only
+    assert accelerator._numa_nodes_with_cores(str(tmp_path / "absent")) == 1
 
 
 def _partitioned(rank: int, world: int) -> list:

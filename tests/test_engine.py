@@ -284,6 +284,33 @@ def test_single_process_without_launcher() -> None:
     assert "OK 1 4" in out.stdout
 
 
+def test_backward_returns_the_loss_scaled_by_accumulation() -> None:
+    """engine.backward(loss) returns what DeepSpeed's returns: ``loss / gas`` in fp32 when
+    more than one micro-step accumulates (DeepSpeed's unit test_multi_output_model checks
+    it), the loss itself at gas 1 or with ``scale_wrt_gas=False``."""
+    code = textwrap.dedent(
+        """
+        import os, torch, zeroshard
+        for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
+            os.environ.pop(k, None)
+        model = torch.nn.Linear(8, 8).to(torch.bfloat16)
+        cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 3,
+               "optimizer": {"type": "AdamW", "params": {"lr": 0.1}}, "bf16": {"enabled": True}}
+        engine, *_ = zeroshard.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+        loss = engine(torch.randn(2, 8, dtype=torch.bfloat16)).float().pow(2).mean().to(torch.bfloat16)
+        out = engine.backward(loss)
+        assert out.dtype == torch.float32 and not out.requires_grad, out
+        assert torch.equal(out, loss.detach().float() / 3), (out, loss)
+        loss = engine(torch.randn(2, 8, dtype=torch.bfloat16)).float().pow(2).mean()
+        assert engine.backward(loss, scale_wrt_gas=False) is loss
+        print("OK")
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "OK" in out.stdout
+
+
 def _scale_edge_cases(rank: int, world: int) -> dict:
     """The clip/unscale factor handed to torch's fused kernel as grad_scale, at its
     edges: an infinite gradient norm (factor 0: applied as a multiply, as torch's

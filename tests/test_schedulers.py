@@ -141,6 +141,28 @@ def test_onecycle_sgd_momentum_matches_adam_betas():
     assert not OneCycle(plain, **kw).cycle_momentum
 
 
+def test_onecycle_get_mom_is_deepspeeds_betas():
+    """DeepSpeed's OneCycle.get_mom() returns each group's betas, ``(beta1, 0.99)``, as its
+    unit tests read it (``get_mom()[0][0]``); for SGD, whose momentum DeepSpeed does not
+    cycle, the momentum alone."""
+    kw: dict[str, Any] = dict(cycle_min_lr=1e-3, cycle_max_lr=1e-2, cycle_first_step_size=4)
+    kw.update(cycle_min_mom=0.08, cycle_max_mom=0.09, decay_mom_rate=0.001, decay_step_size=4)
+    adam, sgd = make_optimizer("adam"), make_optimizer("sgd")
+    a, s = OneCycle(adam, **kw), OneCycle(sgd, **kw)
+    moms: list[Any] = []
+    for _ in range(12):
+        moms.append(a.get_mom())
+        assert s.get_mom() == [m for m, _ in moms[-1]]
+        a.step()
+        s.step()
+        assert [adam.param_groups[0]["betas"]] == a.get_mom()
+    assert moms[0] == [(0.09, 0.99)]
+    assert moms[4] == [(0.08, 0.99)]  # the peak of the cycle: lowest momentum
+    assert moms[11][0][0] > 0.09  # decay phase: momentum grows past max
+    plain = torch.optim.Adagrad([torch.zeros(1, requires_grad=True)], lr=0.1)
+    assert OneCycle(plain, **kw).get_mom() is None
+
+
 def test_tensor_lr_updated_in_place():
     param = torch.zeros(1, requires_grad=True)
     opt = torch.optim.Adam([param], lr=torch.tensor(0.01))

@@ -65,6 +65,7 @@ _LAZY = {
     "DeepSpeedEngine": "zeroshard.runtime.engine",
     "tp_model_init": "zeroshard.compat.deepspeed_names",
     "DeepSpeedConfigError": "zeroshard.config",  # DeepSpeed's name for ConfigError
+    "get_accelerator": "zeroshard.compat.accelerator",  # DeepSpeed exports it at the top
 }
 
 # as deepspeed.<name>: zeroshard.comm.get_rank(), zeroshard.accelerator.get_accelerator(), ...
@@ -83,6 +84,7 @@ __all__ = [
     "accelerator",
     "add_config_arguments",
     "comm",
+    "get_accelerator",
     "init_distributed",
     "init_inference",
     "initialize",

@@ -1,6 +1,7 @@
 """Tiny stand-ins, built from code, for the hub models the peers' suites name.
 
-The peers' tests call ``from_pretrained("sshleifer/tiny-gpt2")`` and the like. Nothing is
+The peers' tests call ``from_pretrained("sshleifer/tiny-gpt2")`` and the like (and
+accelerate's scripts ``load_dataset("nyu-mll/glue", "mrpc")``: peers_data.py). Nothing is
 downloaded here: :func:`build` writes each stand-in (a config, random weights from a fixed
 seed, a tokenizer where the test needs one) into a Hugging Face hub cache laid out as the
 hub client expects (``models--org--name/snapshots/<rev>/...`` and ``refs/main``), and the
@@ -23,6 +24,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from peers_data import (  # type: ignore[import-not-found]  # beside this file
+    build_glue_metric,
+    build_glue_mrpc,
+    pair,
+    source_stamp,
+    vocabulary,
+)
+
 #: the revision name written into every stand-in's ``refs/main``
 REVISION = "0" * 40
 
@@ -37,6 +46,8 @@ class Standin:
     """what the stand-in is, for the README's list"""
     build: Callable[[Path], None]
     """writes the files into a snapshot directory"""
+    uses_data: bool = False
+    """built from ``peers_data``'s generator (its source joins the stamp)"""
 
 
 def _save_model(config, auto_cls: str, out: Path, seed: int = 0) -> None:
@@ -143,6 +154,93 @@ def _t5(out: Path) -> None:
     _save_model(cfg, "AutoModelForSeq2SeqLM", out)
 
 
+def _llama(out: Path) -> None:
+    from transformers import LlamaConfig, LlamaTokenizer
+
+    spiece = _sentencepiece_model(out, vocab=96)
+    LlamaTokenizer(vocab_file=str(spiece)).save_pretrained(out)
+    cfg = LlamaConfig(
+        vocab_size=32000,  # the hub model's: accelerate's script feeds token ids up to 228
+        hidden_size=16,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=512,
+    )
+    _save_model(cfg, "AutoModelForCausalLM", out)
+
+
+def _bert_tokenizer(out: Path, cls_name: str, *, cased: bool) -> int:
+    """A WordPiece tokenizer over peers_data's generated words (each one token); returns
+    the vocabulary size."""
+    import transformers
+
+    words = vocabulary(cased=cased)
+    tok = getattr(transformers, cls_name)(
+        vocab={w: i for i, w in enumerate(words)}, do_lower_case=not cased, model_max_length=512
+    )
+    tok.save_pretrained(out)
+    return len(words)
+
+
+#: the bert-base-cased stand-in's pretraining: BERT's next-sentence objective on
+#: generated pairs (steps, batch, AdamW learning rate)
+BERT_PRETRAIN = (300, 32, 1e-3)
+
+
+def _bert_cased(out: Path) -> None:
+    """A tiny BERT *pretrained in code*: accelerate's scripts fine-tune bert-base-cased on
+    MRPC at lr 2e-5 and assert accuracy >= 0.82, which a randomly initialised encoder cannot
+    reach at that learning rate (it stays on the majority class). As the hub's BERT is
+    pretrained with a next-sentence head on its pooled output, this one is pretrained
+    with the same head (BertForPreTraining's ``seq_relationship``) to tell a generated
+    pair whose second sentence rewrites the first from one that rewrites another sentence
+    (peers_data.pair, its own random stream, not the data set's rows). The classification
+    head that fine-tuning trains is new, initialised by transformers at load."""
+    import random
+
+    import torch
+    from transformers import AutoTokenizer, BertConfig, BertForPreTraining
+
+    vocab = _bert_tokenizer(out, "BertTokenizerFast", cased=True)
+    tok = AutoTokenizer.from_pretrained(out)
+    cfg = BertConfig(
+        vocab_size=vocab,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=128,
+        max_position_embeddings=512,
+    )
+    torch.manual_seed(0)
+    model = BertForPreTraining(cfg)
+    steps, batch, lr = BERT_PRETRAIN
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    rng = random.Random("bert-pretraining")
+    for _ in range(steps):
+        related = [rng.random() < 0.5 for _ in range(batch)]
+        pairs = [pair(rng, r) for r in related]
+        enc = tok([a for a, _ in pairs], [b for _, b in pairs], padding=True, return_tensors="pt")
+        logits = model(**enc).seq_relationship_logits  # BERT: label 0 = "B follows A"
+        loss = torch.nn.functional.cross_entropy(
+            logits, torch.tensor([int(not r) for r in related])
+        )
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    model.save_pretrained(out)
+    cfg.save_pretrained(out)
+
+
+def _distilbert_uncased(out: Path) -> None:
+    from transformers import DistilBertConfig
+
+    vocab = _bert_tokenizer(out, "DistilBertTokenizerFast", cased=False)
+    cfg = DistilBertConfig(vocab_size=vocab, dim=32, n_layers=2, n_heads=4, hidden_dim=64)
+    _save_model(cfg, "AutoModelForMaskedLM", out)
+
+
 STANDINS: tuple[Standin, ...] = (
     Standin(
         name="sshleifer/tiny-gpt2",
@@ -180,6 +278,28 @@ STANDINS: tuple[Standin, ...] = (
         what="MobileViT config only (hidden_sizes [64, 80, 96], as the hub's); no weights",
         build=_mobilevit_config,
     ),
+    Standin(
+        name="hf-internal-testing/tiny-random-LlamaForCausalLM",
+        what="Llama, vocab 32000 (the hub's), hidden 16, 2 layers, 4 heads, with a 96-piece "
+        "sentencepiece tokenizer trained in-process, random weights",
+        build=_llama,
+    ),
+    Standin(
+        name="bert-base-cased",
+        what="BERT, hidden 64, 2 layers, 4 heads, a cased WordPiece vocabulary of the "
+        "generated MRPC stand-in's words, *pretrained in code* ({} steps of BERT's "
+        "next-sentence objective on generated pairs, batch {}, AdamW {}); not the 110M "
+        "model".format(*BERT_PRETRAIN),
+        build=_bert_cased,
+        uses_data=True,
+    ),
+    Standin(
+        name="distilbert-base-uncased",
+        what="DistilBERT, dim 32, 2 layers, 4 heads, an uncased WordPiece vocabulary of the "
+        "generated MRPC stand-in's words, random weights",
+        build=_distilbert_uncased,
+        uses_data=True,
+    ),
 )
 
 
@@ -188,6 +308,8 @@ STAMP = "zeroshard-standin.sha256"  # the builder's source: a changed builder re
 
 def _stamp(s: Standin) -> str:
     source = inspect.getsource(s.build) + inspect.getsource(_save_model)
+    if s.uses_data:
+        source += inspect.getsource(_bert_tokenizer) + repr(BERT_PRETRAIN) + source_stamp()
     return hashlib.sha256(source.encode()).hexdigest()
 
 
@@ -221,21 +343,41 @@ def build(cache: Path) -> Path:
             os.rename(tmp, repo)
         except OSError:  # another process won the race
             shutil.rmtree(tmp, ignore_errors=True)
+    build_glue_mrpc(cache / DATASETS)
+    build_glue_metric(cache / MODULES)
     return cache
+
+
+#: under the hub cache: the ``datasets`` cache and ``evaluate``'s modules cache that hold
+#: the data set and metric stand-ins (peers_data.py)
+DATASETS, MODULES = "zeroshard-datasets", "zeroshard-modules"
+
+DATA_STANDINS = (
+    "- dataset `nyu-mll/glue`, config `mrpc`: generated, not MRPC: MRPC's splits' sizes, "
+    "columns and share of positives, sentences of made-up words; label 1 exactly when "
+    "sentence2 rewrites sentence1 (synonym swaps, two words moved), 0 when it rewrites "
+    "another sentence that keeps 3 of sentence1's words (tests/peers/peers_data.py)",
+    "- metric `glue` (`evaluate-metric/glue`), config `mrpc`: our own code, accuracy and "
+    "F1 of the positive class; other configs refused",
+)
 
 
 def listing() -> str:
     """The stand-ins as Markdown list lines (for RESULTS.md and the README)."""
-    return "\n".join(f"- `{s.name}`: {s.what}" for s in STANDINS)
+    return "\n".join([*(f"- `{s.name}`: {s.what}" for s in STANDINS), *DATA_STANDINS])
 
 
 def env(cache: Path) -> dict[str, str]:
-    """The environment that makes transformers read the hub from ``cache`` only."""
+    """The environment that makes transformers, datasets and evaluate read the hub from
+    ``cache`` only."""
     return {
         "HF_HUB_CACHE": str(cache),
         "HF_HUB_OFFLINE": "1",
         "HF_DATASETS_OFFLINE": "1",
         "TRANSFORMERS_OFFLINE": "1",
+        "HF_DATASETS_CACHE": str(cache / DATASETS),  # load_dataset falls back to it offline
+        "HF_MODULES_CACHE": str(cache / MODULES),  # where evaluate.load looks offline
+        "HF_EVALUATE_OFFLINE": "1",
     }
 
 

@@ -3,8 +3,12 @@ on a CPU-only host, and nothing that changes what a test checks.
 
 * The in-process DeepSpeed tests of transformers and accelerate are marked
   ``require_torch_accelerator`` / ``require_non_cpu`` because DeepSpeed needs a GPU;
-  zeroshard runs them on the CPU (gloo), so those two markers are lifted. Every other
-  marker (``slow``, multi-GPU, fp16 / bf16 support, optional packages) stays.
+  zeroshard runs them on the CPU (gloo), so those two markers are lifted. For the same
+  reason accelerate's ``require_multi_device`` is lifted: it asks for more than one
+  accelerator because each rank of its two-process tests needs a device of its own; here
+  each rank is a CPU process (``accelerate launch --num_processes=2`` still starts two).
+  Every other marker (``slow``, fp16 / bf16 support, optional packages) stays; the
+  runner turns accelerate's ``slow`` tests on (``RUN_SLOW=1``).
 * transformers' ``TrainingArguments(bf16=True)`` asks for a bf16 *GPU* unless ``use_cpu``
   (which turns DeepSpeed off in accelerate); the CPU computes bf16, so the plugin answers
   that bf16 is available.
@@ -42,5 +46,6 @@ def pytest_configure(config) -> None:
         import accelerate.test_utils as atu
         import accelerate.test_utils.testing as att
 
-        setattr(att, "require_non_cpu", _identity)  # noqa: B010
-        setattr(atu, "require_non_cpu", _identity)  # noqa: B010
+        for name in ("require_non_cpu", "require_multi_device"):
+            setattr(att, name, _identity)
+            setattr(atu, name, _identity)

@@ -1,6 +1,7 @@
 """Run the peers' own DeepSpeed test suites on zeroshard (``make test-peers``; issue 30).
 
-    python tests/peers/run_peers.py [SUITE ...] [-k EXPR] [--peers-dir DIR] [--junit-dir DIR]
+    python tests/peers/run_peers.py [SUITE ...] [-k EXPR] [--only SUBSTR] [--target-timeout S]
+                                    [--peers-dir DIR] [--junit-dir DIR]
 
 SUITE is ``transformers``, ``accelerate`` or ``deepspeed`` (default: all three). The
 suites' files are read from ``PEERS_DIR`` (``--peers-dir``; default ``$PEERS_DIR``, else
@@ -9,14 +10,21 @@ versions and files); nothing is fetched here. Each suite runs in its own pytest 
 ``import deepspeed`` served by zeroshard in every process (``sitecustomize.py``), the CPU
 markers lifted (``peers_plugin.py``) and the hub names the tests load answered by tiny
 models built from code into ``PEERS_DIR/hub`` (``peers_hub.py``). Prints, per suite,
-``passed / failed / skipped / errors`` from pytest's JUnit XML and one Markdown table row
-for ``benchmarks/RESULTS.md``; exits 0 whatever the counts (this is a measurement).
+``passed / failed / skipped / errors`` from pytest's JUnit XML, per target and in all, and
+Markdown table rows for ``benchmarks/RESULTS.md``; exits 0 whatever the counts (this is a
+measurement). Each target runs in its own pytest process group under ``--target-timeout``
+seconds: a target that runs past it is interrupted (its report then counts the tests it
+finished) and its whole process group killed, ranks included, so one hang cannot eat the
+run. ``--only`` runs the targets
+whose path contains one of the given substrings.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -41,6 +49,10 @@ class Suite:
     """the files or directories collected, relative to ``root``"""
     extra: tuple[str, ...] = ()
     """further pytest arguments"""
+    env: tuple[tuple[str, str], ...] = ()
+    """further environment variables of the suite's processes"""
+    paths: tuple[str, ...] = ()
+    """directories (under PEERS_DIR) put first on the suite's PYTHONPATH"""
 
 
 # DeepSpeed's tests/unit: the 33 files of the runtime (engine, ZeRO, activation
@@ -102,6 +114,8 @@ SUITES = {
         version="1.15",
         root="accelerate",
         targets=("tests/deepspeed",),
+        env=(("RUN_SLOW", "1"),),  # its @slow tests run accelerate's scripts: they run here
+        paths=("accelerate/src",),  # the package as in accelerate's checkout (fetch_peers.sh)
     ),
     "deepspeed": Suite(
         name="deepspeed",
@@ -152,15 +166,49 @@ def counts(junit: Path) -> dict[str, int]:
     return out
 
 
-def run(suite: Suite, peers: Path, junit_dir: Path, keyword: str | None) -> dict[str, int]:
+def _run_target(cmd: list[str], root: Path, env: dict[str, str], timeout: float) -> bool:
+    """Runs one target's pytest in a process group of its own; False when it ran past
+    ``timeout``. Then pytest is interrupted (SIGINT: it stops and still writes its JUnit
+    report of the tests it finished) and, a minute later, its whole process group is
+    killed (DeepSpeed's harness forks ranks, accelerate's tests launch children)."""
+    proc = subprocess.Popen(cmd, cwd=root, env=env, start_new_session=True)
+    try:
+        proc.wait(timeout=timeout)
+        return True
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGINT)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=60)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        return False
+
+
+def run(
+    suite: Suite,
+    peers: Path,
+    junit_dir: Path,
+    keyword: str | None,
+    *,
+    only: list[str] | None = None,
+    target_timeout: float = 900.0,
+) -> tuple[dict[str, int], list[tuple[str, dict[str, int] | str]]]:
+    """Runs ``suite``; returns its totals and, per target, its counts (or why it has none)."""
     root = peers / suite.root
-    missing = [t for t in suite.targets if not (root / t).exists()]
+    targets = [t for t in suite.targets if not only or any(o in t for o in only)]
+    missing = [t for t in targets if not (root / t).exists()]
     if missing:
         sys.exit(f"run_peers: {suite.name}: {missing} not in {root}; run `make peers-fetch`")
-    env = environment(peers, root)
+    env = {**environment(peers, root), **dict(suite.env)}
+    if suite.paths:
+        first = [str(peers / p) for p in suite.paths]
+        env["PYTHONPATH"] = os.pathsep.join([*first, env["PYTHONPATH"]])
     result = {"passed": 0, "failed": 0, "skipped": 0, "errors": 0}
+    per_target: list[tuple[str, dict[str, int] | str]] = []
     t0 = time.time()
-    for i, target in enumerate(suite.targets):  # one pytest per target: a hang loses one
+    for target in targets:  # one pytest per target: a hang loses one target
+        i = suite.targets.index(target)
         junit = junit_dir / f"{suite.name}-{i:02d}.xml"
         junit.unlink(missing_ok=True)
         cmd = [sys.executable, "-m", "pytest", target, "-p", "peers_plugin", "-q"]
@@ -170,39 +218,75 @@ def run(suite: Suite, peers: Path, junit_dir: Path, keyword: str | None) -> dict
             cmd += ["-m", "not sequential and not nightly and not inference and not evaluation"]
         if keyword:
             cmd += ["-k", keyword]
-        subprocess.run(cmd, cwd=root, env=env, check=False)
-        if junit.exists():
-            for kind, n in counts(junit).items():
+        t1 = time.time()
+        finished = _run_target(cmd, root, env, target_timeout)
+        if not finished and not junit.exists():
+            why = f"timed out after {target_timeout:.0f} s (killed; no report)"
+            per_target.append((target, why))
+        elif junit.exists():
+            c = counts(junit)
+            for kind, n in c.items():
                 result[kind] += n
+            done = {**c, "seconds": round(time.time() - t1)}
+            if not finished:  # the tests it finished before the interrupt
+                done["timed_out"] = 1
+            per_target.append((target, done))
         else:
-            print(f"run_peers: {suite.name}: {target}: no report (pytest died)", flush=True)
+            per_target.append((target, "no report (pytest died)"))
+        print(f"run_peers: {suite.name}: {target}: {per_target[-1][1]}", flush=True)
     result["seconds"] = round(time.time() - t0)
-    return result
+    return result, per_target
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("suites", nargs="*", help=f"of {sorted(SUITES)} (default: all)")
     ap.add_argument("-k", dest="keyword", default=None, help="pytest -k expression")
+    ap.add_argument(
+        "--only", action="append", default=None, help="run only targets containing this"
+    )
+    ap.add_argument(
+        "--target-timeout", type=float, default=900.0, help="seconds per target (default 900)"
+    )
     ap.add_argument("--peers-dir", default=os.environ.get("PEERS_DIR", "/work/peers"))
     ap.add_argument("--junit-dir", default="runs/peers")
     args = ap.parse_args(argv)
     peers, junit_dir = Path(args.peers_dir).resolve(), Path(args.junit_dir).resolve()
     junit_dir.mkdir(parents=True, exist_ok=True)
-    rows = []
+    rows, target_rows = [], []
     for name in args.suites or list(SUITES):
         if name not in SUITES:
             ap.error(f"no suite {name!r}: {sorted(SUITES)}")
         suite = SUITES[name]
-        r = run(suite, peers, junit_dir, args.keyword)
+        r, per_target = run(
+            suite,
+            peers,
+            junit_dir,
+            args.keyword,
+            only=args.only,
+            target_timeout=args.target_timeout,
+        )
         print(f"run_peers: {name}: {r}", flush=True)
         rows.append(
             f"| {name} {suite.version} | {r['passed']} | {r['failed']} | {r['skipped']} "
             f"| {r.get('errors', 0)} | {r['seconds']} s |"
         )
+        for target, c in per_target:
+            if isinstance(c, str):
+                target_rows.append(f"| `{target}` | {c} | | | | |")
+            else:
+                cut = " (timed out: the tests finished before it)" if c.get("timed_out") else ""
+                target_rows.append(
+                    f"| `{target}`{cut} | {c['passed']} | {c['failed']} | {c['skipped']} "
+                    f"| {c['errors']} | {c['seconds']} s |"
+                )
     print("| suite | passed | failed | skipped | errors | wall |")
     print("|---|---|---|---|---|---|")
     print("\n".join(rows))
+    print()
+    print("| target | passed | failed | skipped | errors | wall |")
+    print("|---|---|---|---|---|---|")
+    print("\n".join(target_rows))
     return 0
 
 

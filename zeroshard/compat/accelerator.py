@@ -14,6 +14,7 @@ import sys
 
 import torch
 
+from zeroshard import ArgumentError
 from zeroshard.distributed.device import runtime
 from zeroshard.distributed.process_group import default_device, local_rank, use_cuda
 
@@ -42,7 +43,19 @@ class Accelerator:
         return torch.device(self.device_name(device_index))
 
     def device_count(self) -> int:
-        return runtime("cuda").device_count() if use_cuda() else 1
+        """CUDA's device count; on the CPU, as DeepSpeed's CPU accelerator counts: the
+        launcher's ``LOCAL_SIZE`` (the ranks it starts on this node, each a CPU
+        "device") when set and positive, else the host's NUMA nodes that have cores."""
+        if use_cuda():
+            return runtime("cuda").device_count()
+        size = os.environ.get("LOCAL_SIZE", "")
+        try:
+            if int(size) > 0:
+                return int(size)
+        except ValueError:
+            if size.strip():
+                raise ArgumentError(f"LOCAL_SIZE={size!r} is not a number of local ranks") from None
+        return _numa_nodes_with_cores()
 
     def is_available(self) -> bool:
         return True
@@ -55,6 +68,16 @@ class Accelerator:
 
     def is_fp16_supported(self) -> bool:
         return use_cuda()
+
+    def supported_dtypes(self) -> list[torch.dtype]:
+        """The floating dtypes this device computes in, fp32 first (DeepSpeed's tests
+        parametrize over it)."""
+        out = [torch.float32]
+        if self.is_fp16_supported():
+            out.append(torch.float16)
+        if self.is_bf16_supported():
+            out.append(torch.bfloat16)
+        return out
 
     def synchronize(self, device_index: int | None = None) -> None:
         if use_cuda():
@@ -125,6 +148,23 @@ def _peak_rss_bytes() -> int:
 
 
 _ACCELERATOR = Accelerator()
+
+
+def _numa_nodes_with_cores(root: str = "/sys/devices/system/node") -> int:
+    """NUMA nodes that own at least one CPU (a memory-only node, such as HBM in flat
+    mode, does not count), at least 1."""
+    try:
+        nodes = [n for n in os.listdir(root) if n.startswith("node") and n[4:].isdigit()]
+    except OSError:
+        return 1
+    count = 0
+    for node in nodes:
+        try:
+            with open(os.path.join(root, node, "cpulist")) as f:
+                count += bool(f.read().strip())
+        except OSError:
+            continue
+    return max(count, 1)
 
 
 def get_accelerator() -> Accelerator:

@@ -199,6 +199,7 @@ def _runtime_utils() -> dict:
             "PartitionedTensor",
             "see_memory_usage",
             "move_to_device",
+            "call_to_str",
         )
     }
 

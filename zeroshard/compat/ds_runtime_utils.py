@@ -1,6 +1,6 @@
 """DeepSpeed's ``deepspeed.runtime.utils`` names that user code and tests import:
-partitioning helpers, :class:`PartitionedTensor`, ``see_memory_usage`` and
-``move_to_device``.
+partitioning helpers, :class:`PartitionedTensor`, ``see_memory_usage``,
+``move_to_device`` and ``call_to_str``.
 
 Communication: :meth:`PartitionedTensor.full` gathers the parts over its group (one
 all-gather when the parts are equal, else one broadcast per part); nothing else here
@@ -21,6 +21,13 @@ from zeroshard import ArgumentError
 from zeroshard.compat import comm
 
 log = logging.getLogger("zeroshard")
+
+
+def call_to_str(base: str, *args: Any, **kwargs: Any) -> str:
+    """The text of a call: ``call_to_str("f", 3, "a", k=1) == "f(3, 'a', k=1)"`` (each
+    argument's ``repr``; keywords in the order given)."""
+    parts = [repr(a) for a in args] + [f"{k}={v!r}" for k, v in kwargs.items()]
+    return f"{base}({', '.join(parts)})"
 
 
 def prefix_sum_inc(weights: Sequence[float]) -> list[float]:

@@ -128,8 +128,8 @@ class FlopsProfilerConfig(Section):
 class ThroughputTimerConfig(Section):
     """``timers.throughput``: DeepSpeed's samples/s line every steps_per_print steps."""
 
-    enabled: bool = _enabled(doc="Print DeepSpeed's throughput line (DeepSpeed's default: on; zeroshard's step line already has samples/s).")
-    synchronized: bool = key(True, doc="Synchronize the device before reading the clock.")
+    enabled: bool = _enabled(doc="Print DeepSpeed's throughput line (DeepSpeed's default: on; zeroshard's step line already has samples/s). engine.tput_timer counts either way.")
+    synchronized: bool = key(True, doc="Synchronize the device before reading the clock (when the line is on).")
 
 
 @dataclass(frozen=True, kw_only=True)

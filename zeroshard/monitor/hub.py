@@ -79,9 +79,12 @@ class EngineMonitor:
         timed = config.wall_clock_breakdown or config.flops_profiler.enabled
         self.timers = WallClock(device, micro=config.wall_clock_breakdown) if timed else None
         tput = config.timers.throughput
-        self.throughput = None
-        if tput.enabled:
-            self.throughput = ThroughputTimer(tput.synchronized, config.train_batch_size, device)
+        self.throughput_line = tput.enabled
+        self.throughput = ThroughputTimer(  # engine.tput_timer: counts whatever the config
+            synchronized=tput.enabled and tput.synchronized,
+            batch_size=config.train_batch_size,
+            device=device,
+        )
         self.memory_breakdown = config.memory_breakdown
         self.comms = None
         if config.comms_logger.enabled:
@@ -151,8 +154,7 @@ class EngineMonitor:
             if self.flops is not None:
                 self._profile_forward(self.flops, step)
         self._memory("Engine before forward")
-        if self.throughput is not None:
-            self.throughput.start()
+        self.throughput.start()
         if self.timers is not None:
             self.timers.start("fwd")
 
@@ -206,8 +208,7 @@ class EngineMonitor:
         """After ``engine.step()``; at a boundary, after the step counters moved on."""
         if self.timers is not None:
             self.timers.stop("step")
-        if self.throughput is not None:
-            self.throughput.stop(boundary)
+        self.throughput.stop(global_step=boundary, report_speed=self.rank == 0)
         self._memory("Engine after step")
         if self.timers is not None and self.timers.micro:
             # DeepSpeed prints this line every micro-step; with no accumulation it repeats
@@ -279,10 +280,9 @@ class EngineMonitor:
             if self.metrics is not None:
                 self.metrics.write(record.as_dict())
             self.records[:] = [record]
-        if due and self.throughput is not None and self.rank == 0:
-            self._lines.append(self.throughput.line())
-        if self.throughput is not None:
-            self.throughput.end_step()
+        tput = self.throughput
+        if due and self.throughput_line and tput.report and self.rank == 0:
+            self._lines.append(tput.line())
         self._last_step_s = step_s
         for k, v in (("steps", 1), ("seconds", step_s), ("samples", state.train_batch_size), ("tokens", self._tokens * self.dp_size)):  # fmt: skip
             self.totals[k] += v

@@ -106,54 +106,87 @@ def _line(items) -> str:
 
 
 class ThroughputTimer:
-    """DeepSpeed's ``timers.throughput``: samples/s from the first forward of a step to
-    its end, a running average that skips the first ``start_step`` steps, and its line
-    ``epoch=0/micro_step=20/global_step=20, RunningAvgSamplesPerSec=..., ...``."""
+    """DeepSpeed's throughput timer (``engine.tput_timer``; ``timers.throughput``), with
+    its attributes and their meaning: every ``start()`` (the engine calls it at each
+    forward) opens an interval and every ``stop()`` (at each ``engine.step()``) closes
+    it and counts a micro-step, and a global step when ``global_step``. Intervals are
+    timed only from step ``start_step`` on (``start_time`` stays 0 before), summed into
+    ``step_elapsed_time`` (reset at each global step) and ``total_elapsed_time``. The
+    engine prints :meth:`line` every ``steps_per_print`` steps on rank 0 unless the
+    boundary's ``stop`` said ``report_speed=False``, when ``timers.throughput.enabled``.
 
-    start_step = 2
+    The timer counts and times whatever the config says (host clock reads, as cheap as
+    a step counter), so that ``engine.tput_timer`` answers as DeepSpeed's does with its
+    default config; zeroshard's own default prints no line (its step line has samples/s)
+    and synchronizes the device only when the line is on and ``synchronized``."""
 
-    def __init__(self, synchronized: bool, batch_size: int, device: torch.device) -> None:
-        self.synchronized, self.batch_size, self.device = synchronized, batch_size, device
-        self.started: float | None = None
-        self.micro_steps = self.global_steps = 0
-        self.total_s = self.step_s = 0.0
+    def __init__(
+        self,
+        *,
+        synchronized: bool,
+        batch_size: int | None,
+        device: torch.device,
+        start_step: int = 2,
+    ) -> None:
+        self.synchronized, self.device = synchronized, device
+        self.batch_size = 1 if batch_size is None else batch_size
+        self.start_step = start_step
+        self.start_time = self.end_time = 0.0
+        self.started = self.initialized = False
+        self.epoch_count = self.micro_step_count = self.global_step_count = 0
+        self.total_elapsed_time = self.step_elapsed_time = 0.0
+        self.last_step_time = 0.0  # the last global step's step_elapsed_time, for line()
+        self.report = True  # the last boundary's report_speed
 
     def _sync(self) -> None:
         if self.synchronized:
             runtime(self.device).synchronize(self.device)
 
-    def start(self) -> None:
-        if self.started is None:
-            self._sync()
-            self.started = time.perf_counter()
+    def update_epoch_count(self) -> None:
+        """A new epoch of the data: counts it and restarts the micro-step count."""
+        self.epoch_count += 1
+        self.micro_step_count = 0
 
-    def stop(self, boundary: bool) -> None:
-        if self.started is None:
+    def start(self) -> None:
+        self.initialized = self.started = True
+        if self.global_step_count >= self.start_step:
+            self._sync()
+            self.start_time = time.time()
+
+    def stop(self, global_step: bool = False, report_speed: bool = True) -> None:
+        if not self.started:
             return
-        self.micro_steps += 1
-        self._sync()
-        duration = time.perf_counter() - self.started
-        self.started = None
-        self.step_s += duration
-        if boundary:
-            self.global_steps += 1
-            if self.global_steps > self.start_step:
-                self.total_s += self.step_s
+        self.started = False
+        self.micro_step_count += 1
+        if global_step:
+            self.global_step_count += 1
+            self.report = report_speed
+        if self.start_time > 0:
+            self._sync()
+            self.end_time = time.time()
+            duration = self.end_time - self.start_time
+            self.total_elapsed_time += duration
+            self.step_elapsed_time += duration
+            if global_step:
+                self.last_step_time = self.step_elapsed_time
+                self.step_elapsed_time = 0.0
+
+    def avg_samples_per_sec(self) -> float:
+        """Samples per second over the timed global steps (-inf before any)."""
+        counted = self.global_step_count - self.start_step
+        if counted <= 0 or self.total_elapsed_time <= 0:
+            return float("-inf")
+        return self.batch_size * counted / self.total_elapsed_time
 
     def line(self) -> str:
-        current = self.batch_size / max(self.step_s, 1e-6)
-        counted = self.global_steps - self.start_step
-        average = self.batch_size * counted / self.total_s if counted > 0 else float("-inf")
+        current = self.batch_size / (self.last_step_time + 1e-5)
         allocated = peak = 0.0
         if self.device.type == "cuda":
             allocated = round(torch.cuda.memory_allocated(self.device) / 1024**3, 2)
             peak = round(torch.cuda.max_memory_allocated(self.device) / 1024**3, 2)
         return (
-            f"epoch=0/micro_step={self.micro_steps}/global_step={self.global_steps}, "
-            f"RunningAvgSamplesPerSec={average}, CurrSamplesPerSec={current}, "
+            f"epoch={self.epoch_count}/micro_step={self.micro_step_count}/"
+            f"global_step={self.global_step_count}, "
+            f"RunningAvgSamplesPerSec={self.avg_samples_per_sec()}, CurrSamplesPerSec={current}, "
             f"MemAllocated={allocated}GB, MaxMemAllocated={peak}GB"
         )
-
-    def end_step(self) -> None:
-        """After a boundary: the next step's time starts from zero."""
-        self.step_s = 0.0

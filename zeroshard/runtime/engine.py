@@ -203,8 +203,7 @@ class Engine(nn.Module):
         self._config = replace(
             self._config, train_micro_batch_size_per_gpu=rows, micro_batch_from_data=False
         )
-        if self.monitor.throughput is not None:
-            self.monitor.throughput.batch_size = self.train_batch_size()
+        self.monitor.throughput.batch_size = self.train_batch_size()
         if self.comm.rank == 0:
             say_taken(self._config, rows)
 
@@ -328,7 +327,10 @@ class Engine(nn.Module):
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True):
         """Backward of ``loss / accumulation steps`` (times the fp16 loss scale); on the
-        reducing micro-steps, gradients are reduced while backward runs."""
+        reducing micro-steps, gradients are reduced while backward runs. Returns, as
+        DeepSpeed's does, the loss divided by the accumulation steps (in fp32) when
+        ``scale_wrt_gas`` and more than one step accumulate (detached: its graph is
+        spent), else ``loss`` itself."""
         self._refuse_without_optimizer("backward")
         self._enter("backward")
         steps.check_frozen(self._frozen)
@@ -349,6 +351,8 @@ class Engine(nn.Module):
         self.monitor.backward_end()
         self._backwards_in_window += 1
         self._leave()
+        if scale_wrt_gas and gas > 1:
+            return loss.detach().float() / gas
         return loss
 
     def step(self, lr_kwargs: dict | None = None) -> None:
@@ -577,6 +581,12 @@ class Engine(nn.Module):
     def parsed_config(self):
         """The typed :class:`~zeroshard.config.Config` this engine was built from."""
         return self._config
+
+    @property
+    def tput_timer(self):
+        """DeepSpeed's throughput timer (:class:`zeroshard.monitor.timers.ThroughputTimer`,
+        ``timers.throughput``): started at each forward, stopped at each ``step()``."""
+        return self.monitor.throughput
 
     @property
     def cur_scale(self) -> float:

@@ -230,10 +230,8 @@ class OneCycle(_Schedule):
         factor = 1 + self.decay_lr_rate * self._decay_interval()
         return [lo / factor for lo in self.min_lrs]
 
-    def get_mom(self) -> list[float] | None:
-        """Momentum (``betas[0]``) for the current iteration, or None when not cycled."""
-        if not self.cycle_momentum:
-            return None
+    def _moms(self) -> list[float]:
+        """The momentum (``betas[0]`` or SGD's ``momentum``) of each group now."""
         if self.last_batch_iteration < self.total_size:
             scale = self._scale_factor()
             pairs = zip(self.min_moms, self.max_moms, strict=True)
@@ -243,7 +241,18 @@ class OneCycle(_Schedule):
         factor = 1 + self.decay_mom_rate * self._decay_interval()
         return [hi * factor for hi in self.max_moms]
 
-    def _write_moms(self, moms) -> None:
+    def get_mom(self) -> list[tuple[float, float]] | list[float] | None:
+        """Each group's momentum for the current iteration, or None when not cycled. For
+        an optimizer with ``betas`` it is what is written to the groups, as DeepSpeed's:
+        ``(beta1, 0.99)`` per group; for SGD (``momentum``; DeepSpeed does not cycle it)
+        the momentum alone."""
+        if not self.cycle_momentum:
+            return None
+        if self.momentum_key == "betas":
+            return [(m, 0.99) for m in self._moms()]
+        return self._moms()
+
+    def _write_moms(self, moms: list[float]) -> None:
         if self.momentum_key is None:
             return
         for group, mom in zip(self.optimizer.param_groups, moms, strict=True):
@@ -251,7 +260,7 @@ class OneCycle(_Schedule):
 
     def _apply(self) -> None:
         self._write_lrs(self.get_lr())
-        self._write_moms(self.get_mom())
+        self._write_moms(self._moms())
 
     def _apply_initial(self) -> None:
         self._write_lrs(self.min_lrs)
