@@ -522,7 +522,7 @@ def _reuse_off_path(rank, world, **zero):
     losses, probes = [], {}
 
     def probe(name):
-        probes[name] = {**g.stats(), "kept_now": len(g._kept)}
+        probes[name] = {**g.stats(), "kept_now": len(g.kept_units())}
         g.reset_stats()
 
     def train(step):

@@ -46,6 +46,7 @@ from zeroshard.zero.params.edits import take_edits
 from zeroshard.zero.params.gatherer import ParamGatherer
 from zeroshard.zero.params.init import take_value
 from zeroshard.zero.params.leaves import find_leaves
+from zeroshard.zero.params.manager import ParamManager
 from zeroshard.zero.params.whole import WholeParams
 
 log = logging.getLogger("zeroshard")
@@ -85,8 +86,8 @@ class EngineParts:
     #: the NVMe swap directories, files and pools (closed at ``destroy()``)
     swaps: EngineSwaps
     flat: FlatParams
-    #: whole parameters (stages 0-2) or gathered per unit (stage 3)
-    params: WholeParams | ParamGatherer
+    #: whole parameters (stages 0-2) or gathered per unit (stage 3): one Protocol
+    params: ParamManager
     reducer: GradReducer
     loss_scaler: LossScaler
     #: None: an engine without an optimizer (inference)
@@ -180,7 +181,7 @@ class EngineBuilder:
             reduce_comm = mesh.twin("zero_shard")
             expert_reduce = mesh.twin("expert_shard") if experts else None
         zc = config.zero_optimization
-        params: WholeParams | ParamGatherer
+        params: ParamManager
         on_bucket_ready = None
         if sharding.parameters:
             gatherer = ParamGatherer(

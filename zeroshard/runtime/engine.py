@@ -58,6 +58,7 @@ from zeroshard.runtime.hf_methods import consolidated_16bit_state_dict
 from zeroshard.runtime.optim import make_scheduler
 from zeroshard.runtime.prepare import cast_floating, check_fp8_model, make_loader, move_module
 from zeroshard.zero.params.gathered import register_owner, unregister_owner
+from zeroshard.zero.params.manager import ParamManager
 
 if TYPE_CHECKING:
     from zeroshard.checkpoint.preemption import Preemption
@@ -137,7 +138,9 @@ class Engine(nn.Module):
             raise
         self._parallel, self._fp8, self._swaps = parts.parallel, parts.fp8, parts.swaps
         self._swap_spaces = self._swaps.spaces  # nvme_path -> this rank's swap directory
-        self.flat, self.params, self.reducer = parts.flat, parts.params, parts.reducer
+        self.flat, self.reducer = parts.flat, parts.reducer
+        # whole parameters (stages 0-2) or gathered per unit (stage 3): one Protocol
+        self.params: ParamManager = parts.params
         self.loss_scaler, self.optimizer = parts.loss_scaler, parts.optimizer
         #: offload_optimizer.delayed_update: the store stepping one step late, else None
         self._delayed = parts.delayed

@@ -21,8 +21,7 @@ from zeroshard.offload.delayed import DelayedUpdate
 from zeroshard.runtime.precision import LossScaler
 from zeroshard.zero.grads.reducer import GradReducer
 from zeroshard.zero.optim.optimizer import ShardedOptimizer
-from zeroshard.zero.params.gatherer import ParamGatherer
-from zeroshard.zero.params.whole import WholeParams
+from zeroshard.zero.params.manager import ParamManager
 
 log = logging.getLogger("zeroshard")
 
@@ -56,7 +55,7 @@ def run_backward(
     boundary: bool,
     retain_graph: bool,
     reducer: GradReducer,
-    params: WholeParams | ParamGatherer,
+    params: ParamManager,
     monitor: EngineMonitor,
     delayed: DelayedUpdate | None,
 ) -> None:
@@ -78,7 +77,7 @@ def run_backward(
         params.end_backward()
 
 
-def land_delayed(delayed: DelayedUpdate | None, params: WholeParams | ParamGatherer) -> None:
+def land_delayed(delayed: DelayedUpdate | None, params: ParamManager) -> None:
     """offload_optimizer.delayed_update: wait for the optimizer step in flight, write
     its masters into the parameters and re-assemble them (stages 1-2: all-gather)."""
     if delayed is None or not delayed.in_flight:
@@ -98,7 +97,7 @@ def optimizer_step(
     *,
     optimizer: ShardedOptimizer,
     reducer: GradReducer,
-    params: WholeParams | ParamGatherer,
+    params: ParamManager,
     delayed: DelayedUpdate | None,
     global_steps: int,
     loss_finite: bool,

@@ -3,7 +3,7 @@ communication.
 
 DeepSpeed's stage 3 must be told when a module's forward reads a parameter another
 module owns (a tied output layer reading the embedding's weight). zeroshard's gatherer
-finds such reads itself (the module's parameter dict is watched, see ``hooks.py``), so
+finds such reads itself (the module's parameter dict is watched, see ``wiring.py``), so
 these calls only check their arguments and return.
 """
 

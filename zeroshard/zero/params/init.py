@@ -39,8 +39,7 @@ from torch.nn.modules.module import (
     register_module_module_registration_hook,
     register_module_parameter_registration_hook,
 )
-from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_map
 from torch.utils.hooks import RemovableHandle
 
 from zeroshard import ArgumentError, NotBuiltError, UsageError
@@ -49,8 +48,7 @@ from zeroshard.distributed.device import runtime
 from zeroshard.distributed.process_group import default_device, init_distributed
 from zeroshard.zero.params.hooks import guard, set_released, set_sealed, unguard
 from zeroshard.zero.params.init_ops import FILLS as _FILLS
-from zeroshard.zero.params.init_ops import METADATA as _METADATA
-from zeroshard.zero.params.init_ops import VIEWS as _VIEWS
+from zeroshard.zero.params.init_ops import PartitionMode, storage_key
 
 
 @dataclass
@@ -67,52 +65,6 @@ class Sealed:
     owner: weakref.ref | None = None  # the module it was registered on, and its name there
     local_name: str = ""
     gathered: int = 0  # open GatheredParameters blocks holding it whole
-
-
-def _name(func) -> str:
-    owner = getattr(func, "__self__", None)
-    if type(func).__name__ == "method-wrapper" and owner is not None:
-        return getattr(owner, "__name__", "")  # a property getter: Tensor.shape.__get__
-    return getattr(func, "__name__", "")
-
-
-class _PartitionMode(TorchFunctionMode):
-    def __init__(self, init: Init):
-        super().__init__()
-        self.init = init
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        flat, _ = tree_flatten((args, kwargs))
-        sealed = [t for t in flat if torch.is_tensor(t) and self.init.hidden(t) is not None]
-        name = _name(func)
-        if not sealed or name in _METADATA:
-            with torch._C.DisableTorchFunctionSubclass():  # the guard is for outside Init
-                return func(*args, **kwargs)
-        if name in _VIEWS or _basic_index(name, args):
-            # Views of a sealed parameter stay sealed (same storage). Making one checks
-            # the storage is large enough, so give it its size back for that moment: an
-            # allocation nobody writes to, so no memory is touched.
-            storages = {_storage_key(t): t.untyped_storage() for t in sealed}
-            entries = [self.init.entry(t) for t in sealed]
-            for st, e in zip(storages.values(), entries, strict=False):
-                st.resize_(e.numel * e.shard.element_size())
-            try:
-                with torch._C.DisableTorchFunctionSubclass():
-                    return func(*args, **kwargs)
-            finally:
-                for st in storages.values():
-                    st.resize_(0)
-        return self.init.run_on_full(func, name, args, kwargs)
-
-
-def _basic_index(name: str, args) -> bool:
-    """``t[i]`` / ``t[a:b]`` make views; advanced indexing reads data."""
-    if name != "__getitem__":
-        return False
-    idx = args[1] if len(args) > 1 else None
-    items = idx if isinstance(idx, tuple) else (idx,)
-    return all(isinstance(i, (int, slice)) or i is None or i is Ellipsis for i in items)
 
 
 class Init:
@@ -186,7 +138,7 @@ class Init:
         self.group = data_parallel_group
         self._sealed: dict[int, Sealed] = {}  # storage id -> slice
         self._parent: dict[int, tuple[weakref.ref, str]] = {}  # id(module) -> its parent
-        self._mode: _PartitionMode | None = None
+        self._mode: PartitionMode | None = None
         self._hook: RemovableHandle | None = None
         self._module_hook: RemovableHandle | None = None
 
@@ -200,7 +152,7 @@ class Init:
         self._keep_on = torch.device("cpu") if self.remote_cpu else self.device
         self._hook = register_module_parameter_registration_hook(self._on_register)
         self._module_hook = register_module_module_registration_hook(self._on_module)
-        self._mode = mode = _PartitionMode(self)
+        self._mode = mode = PartitionMode(self)
         mode.__enter__()
         _ACTIVE.append(self)
         return self
@@ -256,7 +208,7 @@ class Init:
             param.data = torch.empty(param.shape, dtype=dtype, device=param.device)
         pin = self.pin_memory and self._keep_on.type == "cpu" and runtime(self.device).pin
         shard = torch.zeros(self._chunk(numel), dtype=dtype, device=self._keep_on, pin_memory=pin)
-        key = _storage_key(param)
+        key = storage_key(param)
         self._sealed[key] = Sealed(weakref.ref(param), shard, numel, build_dtype)
         self._keep_slice(key, value)
         param.untyped_storage().resize_(0)
@@ -275,7 +227,7 @@ class Init:
     def lookup(self, t: torch.Tensor) -> Sealed | None:
         if not self._sealed:
             return None
-        entry = self._sealed.get(_storage_key(t))
+        entry = self._sealed.get(storage_key(t))
         if entry is not None and entry.param() is None:
             return None
         return entry
@@ -317,7 +269,7 @@ class Init:
             entry = self.hidden(t)
             if entry is None:
                 return t
-            key = _storage_key(t)
+            key = storage_key(t)
             param = entry.param()
             if key not in temps:
                 whole = fill and t is first and _covers(t, param)
@@ -331,7 +283,7 @@ class Init:
 
         out = func(*tree_map(swap, args), **tree_map(swap, kwargs))
         if writes_first and torch.is_tensor(first):
-            key = _storage_key(first)
+            key = storage_key(first)
             if key in temps:
                 self._keep_slice(key, temps[key])
                 if torch.is_tensor(out) and out.data_ptr() == temps[key].data_ptr():
@@ -358,7 +310,7 @@ class Init:
         entry = self.entry(param)
         with torch._C.DisableTorchFunction(), torch.no_grad():
             if modifier_rank is not None:
-                self._keep_slice(_storage_key(param), param.detach(), src=modifier_rank)
+                self._keep_slice(storage_key(param), param.detach(), src=modifier_rank)
             entry.gathered -= 1
             if entry.gathered == 0:
                 param.untyped_storage().resize_(0)
@@ -367,7 +319,7 @@ class Init:
     # -- hand-over to the engine ------------------------------------------------------
     def hand_over(self, param: torch.Tensor) -> None:
         """The engine has taken ``param`` over."""
-        if self._sealed.pop(_storage_key(param), None) is not None:
+        if self._sealed.pop(storage_key(param), None) is not None:
             unguard(param)
         if not self._sealed and self in _ACTIVE:
             _ACTIVE.remove(self)
@@ -400,10 +352,6 @@ def config_dtype(source) -> torch.dtype | None:
             f"{on[0][0]}.enabled", f"and {on[-1][0]}.enabled are both true; enable one"
         )
     return on[0][1] if on else None
-
-
-def _storage_key(t: torch.Tensor) -> int:
-    return t.untyped_storage()._cdata
 
 
 def _covers(t: torch.Tensor, param: torch.Tensor | None) -> bool:

@@ -181,10 +181,11 @@ class WholeParams:
         self.mark_clean()
 
     def begin_backward(self) -> None:
-        self.settle()  # parameters the forward did not use
+        """Wait for the gathers still in flight (parameters the forward did not use)."""
+        self.settle()
 
     def end_backward(self) -> None:
-        pass
+        """Nothing to do: whole parameters stay whole through backward."""
 
     def remove(self) -> None:
         """Waits for gathers in flight and removes the forward hooks; the parameters stay
