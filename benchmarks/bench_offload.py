@@ -132,6 +132,7 @@ def _zeroshard(
     copies of the write-back counted (the step ends when they have landed)."""
     import zeroshard
     from zeroshard.offload.staging import STAGE_ON_CPU_ENV
+    from zeroshard.zero.optim.memory_store import MemoryStates
 
     os.environ[STAGE_ON_CPU_ENV] = "1" if staged else "0"
 
@@ -173,6 +174,7 @@ def _zeroshard(
     else:
         whole = _median_time(step, steps)
     states = opt.states
+    assert isinstance(states, MemoryStates)  # CPU offload: the memory store
     states.prepare_step(states.inner, engine.reducer.grad_chunks, 1.0)  # masters' .grad
     inner_t = _median_time(states.inner.step, steps)
     states.clear_grads(states.inner)

@@ -59,6 +59,7 @@ def _batch(step: int, micro: int, seq: int, vocab: int, device) -> tuple:
 
 def _zeroshard_step_fn(model, system: str, args):
     import zeroshard
+    from zeroshard.zero.optim.memory_store import MemoryStates
 
     zero = {"stage": 2, "reduce_bucket_size": args.bucket, "allgather_bucket_size": args.bucket}
     if system != "gpu":
@@ -76,7 +77,9 @@ def _zeroshard_step_fn(model, system: str, args):
     engine, *_ = zeroshard.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     assert engine.optimizer is not None  # the config has an optimizer
     if system == "offload-serial":
-        engine.optimizer.states.pipelined = False
+        states = engine.optimizer.states
+        assert isinstance(states, MemoryStates)  # CPU offload: the memory store
+        states.pipelined = False
 
     opt = engine.optimizer
     norm_fn = opt._global_norm

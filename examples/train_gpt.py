@@ -96,7 +96,7 @@ def main() -> None:
         val = engine(x, y)
         dist.all_reduce(val)
         engine.train()
-    engine.monitor.print_summary(engine)
+    engine.monitor.print_summary()
     if rank == 0:
         uniform = torch.log(torch.tensor(256.0))
         print(f"held-out loss {val.item() / world:.3f} (uniform bytes: {uniform:.3f})")

@@ -69,7 +69,7 @@ def _ranks(rank: int, world: int) -> dict:
             lambda case=case: out.__setitem__("engine", parity.train(case, rank, world)[1])
         )
         out[f"bucket_{name}"] = [
-            out.pop("engine")._bucket_numel(),
+            out.pop("engine").bucket_numel,
             [m for m in said if "25 MiB" in m],
         ]
     # dataloader_drop_last: 10 samples over 2 ranks, micro-batches of 2 -> 2, 2, (1)

@@ -289,7 +289,7 @@ def test_fp8_needs_a_gpu_with_fp8_tensor_cores(monkeypatch) -> None:
     for cap in [(8, 9), (9, 0), (10, 0)]:
         check_fp8_device(cuda, capability=_reports(cap))
     check_fp8_device(torch.device("cpu"), capability=_reports((0, 0)))
-    import zeroshard.runtime.build as build
+    import zeroshard.runtime.prepare as prepare
 
     asked = []
 
@@ -297,7 +297,7 @@ def test_fp8_needs_a_gpu_with_fp8_tensor_cores(monkeypatch) -> None:
         asked.append(device)
         raise Fp8Error("refused by the test")
 
-    monkeypatch.setattr(build, "check_fp8_device", refuse)
+    monkeypatch.setattr(prepare, "check_fp8_device", refuse)
     model = _Mixed()
     cfg = _cfg() | {"optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
     with pytest.raises(Fp8Error, match="refused by the test"):

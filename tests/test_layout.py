@@ -57,26 +57,11 @@ LAYERS: list[tuple[str, ...]] = [
     ("api", "as_deepspeed", *sorted(s.split(".")[1] for s in SHIMS)),  # entry points
 ]
 
-# Upward package edges kept for now, each with the reason and the fix that removes it
-ALLOWED_UP = {
-    # offload/ still reads zero/'s layout types: store.py the FlatLayout (partition),
-    # swaps.py and swapped_adam.py the FlatParams; fix: a ChunkLayout Protocol in
-    # offload/ that FlatLayout satisfies (issue 28's "offload/ depends on a small layout
-    # type, not on zero/'s internals")
-    ("offload", "zero.layout"),
-    # offload/delayed.py wraps zero/optim's MemoryStates; fix: a local Protocol of what
-    # it calls (prepare_step, write_masters, ...)
-    ("offload", "zero.optim"),
-    # offload/swapped_adam.py takes the edits to whole parameters (zero/params/edits.py)
-    # before its step; fix: the caller passes them in
-    ("offload", "zero.params"),
-    # offload/swapped_adam.py shows a progress bar while it writes its swap files:
-    # monitor/progress.py imports nothing of zeroshard's
-    ("offload", "monitor"),
-    # zero/optim reads runtime/precision (the dtype policy, the fp16 loss scaler); fix: a
-    # master dtype argument and a Scaler Protocol
-    ("zero.optim", "runtime"),
-}
+# Upward package edges kept for now, each with the reason and the fix that removes it.
+# None left: offload/ reads the layout and the stores through its own Protocols
+# (offload/layout.py, store.py, states.py), and zero/optim gets the master dtype and a
+# Scaler Protocol instead of runtime/precision.
+ALLOWED_UP: set[tuple[str, str]] = set()
 
 
 @dataclass(frozen=True)

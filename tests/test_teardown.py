@@ -114,3 +114,36 @@ def test_reinitialize_and_destroy() -> None:
             assert "destroyed" in r["stale"], r
             assert r["kept"] == 0.0 and r["trained"] > 0, r
             assert r["destroyed_equal"] == 0.0 and r["loss_finite"], r
+
+
+def test_failed_initialize_leaves_no_hooks(tmp_path) -> None:
+    """An initialize() that fails once the reducer and the stage-3 gatherer are built
+    (here: NVMe optimizer offload with an optimizer of the user's, refused when the
+    optimizer is made) removes their hooks, so the model trains under the next
+    initialize() (it used to keep them: the retry's backward failed with 'a gradient
+    arrived outside engine.backward()')."""
+    import zeroshard
+    from zeroshard.config import ConfigError
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1))
+    zc = {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path)}}
+    refused = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": zc}
+    user_optimizer = torch.optim.AdamW(model.parameters())
+    try:
+        zeroshard.initialize(model=model, optimizer=user_optimizer, config=refused)
+    except ConfigError as exc:
+        assert "pass no optimizer to initialize()" in str(exc), exc
+    else:
+        raise AssertionError("initialize() did not refuse a user's optimizer with NVMe offload")
+    assert _hook_counts(model) == {"forward_pre": 0, "forward": 0, "grad": 0, "tracked": 0}
+    cfg = {
+        "train_micro_batch_size_per_gpu": 2,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+        "zero_optimization": {"stage": 3},
+    }
+    engine, *_ = zeroshard.initialize(model=model, config=cfg)
+    engine.backward(engine(torch.randn(2, 8)).sum())
+    engine.step()
+    assert engine.global_steps == 1 and engine.was_step_applied()
+    engine.destroy()

@@ -26,6 +26,7 @@ from zeroshard.compat.zero_to_fp32 import (
     load_state_dict_from_zero_checkpoint,
     main,
 )
+from zeroshard.zero.optim.memory_store import MemoryStates
 
 
 class Tied(nn.Module):
@@ -88,12 +89,13 @@ def _train_save_load(rank: int, world: int, root: str) -> dict:
         masters = _masters(engine)
         # DeepSpeed's name for them (transformers checks their dtype)
         assert engine.optimizer is not None
+        states = engine.optimizer.states
+        assert isinstance(states, MemoryStates)  # masters in memory (no NVMe)
         flat32 = engine.optimizer.fp32_partitioned_groups_flat
         exposed = {
             "dtypes": sorted({str(t.dtype) for t in flat32}),
             "same_storage": all(
-                a.data_ptr() == b.data_ptr()
-                for a, b in zip(flat32, engine.optimizer.states.masters, strict=True)
+                a.data_ptr() == b.data_ptr() for a, b in zip(flat32, states.masters, strict=True)
             ),
             "numel": sum(t.numel() for t in flat32) == engine.flat.layout.shard_numel,
         }

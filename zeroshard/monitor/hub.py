@@ -14,20 +14,25 @@ Communication: with ``csv_monitor`` on, one ``all_gather_object`` of each rank's
 the metrics file has every rank's memory; ``print_summary`` does one too. Otherwise
 none; each completed collective is counted by a ledger observer (the comm bytes of the
 step line).
+
+The monitors never hold the engine: it hands them frozen records of what they read
+(``readings.py``: :class:`EngineInfo` once, :class:`StepState` after each step) and the
+values of each call.
 """
 
 from __future__ import annotations
 
 import atexit
 import dataclasses
-import math
 import time
 import weakref
 from typing import TYPE_CHECKING
 
 import torch
 
+from zeroshard import InternalError
 from zeroshard.monitor.events import EventWriters
+from zeroshard.monitor.readings import EngineInfo, StepState
 from zeroshard.monitor.steplog import (
     MetricsFile,
     StepRecord,
@@ -105,7 +110,7 @@ class EngineMonitor:
         self._last_step_s: float | None = None
         self.records: list[StepRecord] = []  # the latest record (step line, summary)
         self._run_open = False  # the output directories settled (at the first event)
-        self._engine: weakref.ref | None = None  # its counters, for events before a step
+        self.info: EngineInfo | None = None  # what the engine told bind()
         self.totals = {"steps": 0, "seconds": 0.0, "samples": 0, "tokens": 0}
         self.closed = False
         atexit.register(_close_at_exit, weakref.ref(self))  # files flushed without destroy()
@@ -113,9 +118,15 @@ class EngineMonitor:
             echo(_dump(config))
 
     # -- called by the engine ------------------------------------------------------------
-    def bind(self, engine) -> None:
-        """The engine whose counters say where the run starts (0, or a resumed step)."""
-        self._engine = weakref.ref(engine)
+    def bind(self, info: EngineInfo) -> None:
+        """What the engine tells of itself once built: its counters say where the run
+        starts (0, or a resumed step); see :class:`EngineInfo`."""
+        self.info = info
+
+    def _info(self) -> EngineInfo:
+        if self.info is None:
+            raise InternalError("internal: EngineMonitor used before bind()")
+        return self.info
 
     def _open_run(self, step: int, samples: int) -> None:
         """Before the first event: settle the output directories (an earlier run's files
@@ -132,24 +143,25 @@ class EngineMonitor:
         if self.memory_breakdown and self.rank == 0:
             self._lines.append(breakdown_line(where, self.device))
 
-    def forward_start(self, engine, args, kwargs) -> None:
-        training = engine.module.training and torch.is_grad_enabled()
+    def forward_start(self, args, kwargs, *, training: bool, step: int) -> None:
+        """Before the module's forward on ``args``/``kwargs``; ``training``: the module's
+        mode; ``step``: the engine's ``global_steps``."""
+        training = training and torch.is_grad_enabled()
         if self._window_start is None and training:
             self._window_start = time.perf_counter()
         if training:
             self._tokens += _tokens(args, kwargs)
             if self.flops is not None:
-                self._profile_forward(engine, self.flops)
+                self._profile_forward(self.flops, step)
         self._memory("Engine before forward")
         self.throughput.start()
         if self.timers is not None:
             self.timers.start("fwd")
 
-    def _profile_forward(self, engine, flops: FlopsProfiler) -> None:
-        if not flops.active and flops.wants(engine.global_steps):
-            flat = engine.flat  # ZeRO-3 releases parameters: their sizes are the layout's
-            sizes = {id(p): math.prod(s) for p, s in zip(flat.params, flat.shapes, strict=True)}
-            flops.start(engine.module, type(engine).__name__, sizes)
+    def _profile_forward(self, flops: FlopsProfiler, step: int) -> None:
+        if not flops.active and flops.wants(step):
+            info = self._info()
+            flops.start(info.module, info.name, dict(info.param_numels))
         if flops.active:
             flops.forward_start()
 
@@ -192,7 +204,7 @@ class EngineMonitor:
         if self.timers is not None:
             self.timers.start("step")
 
-    def step_end(self, engine, boundary: bool) -> None:
+    def step_end(self, state: StepState, boundary: bool) -> None:
         """After ``engine.step()``; at a boundary, after the step counters moved on."""
         if self.timers is not None:
             self.timers.stop("step")
@@ -202,11 +214,11 @@ class EngineMonitor:
             # DeepSpeed prints this line every micro-step; with no accumulation it repeats
             # the step line's numbers under other names, so it is printed only with some
             line = self.timers.micro_line()  # read (and reset) on every rank alike
-            if self.rank == 0 and engine.gradient_accumulation_steps() > 1:
+            if self.rank == 0 and state.gradient_accumulation_steps > 1:
                 self._lines.append(line)
         due = False
         if boundary:
-            due = self._boundary(engine)
+            due = self._boundary(state)
         now = time.perf_counter()
         if due or now - self._flushed >= FLUSH_S:
             self.flush()
@@ -226,14 +238,14 @@ class EngineMonitor:
             self.metrics.flush()
 
     # -- at the end of an optimizer step -------------------------------------------------
-    def _boundary(self, engine) -> bool:
+    def _boundary(self, state: StepState) -> bool:
         """The end of an optimizer step; True when it is a ``steps_per_print`` step."""
         now = time.perf_counter()
         start = self._window_start or self._last_boundary or now
         step_s, self._last_boundary = now - start, now
-        steps, samples = engine.global_steps, engine.global_samples
+        steps, samples = state.global_steps, state.global_samples
         if not self._run_open:  # the run started before this step
-            self._open_run(steps - 1, samples - engine.train_batch_size())
+            self._open_run(steps - 1, samples - state.train_batch_size)
         due = self.every is not None and steps % self.every == 0
         show = due and self.rank == 0 and self.step_handler is not None
         gather = self.gather_memory and (steps == 1 or due)  # the same on every rank
@@ -245,11 +257,11 @@ class EngineMonitor:
         if self.events.writers:
             events = []
             if loss is not None:
-                before = samples - engine.train_batch_size()
+                before = samples - state.train_batch_size
                 events.append(("Train/Samples/train_loss", loss, before))
-            events.append(("Train/Samples/lr", engine.get_lr()[0], samples))
+            events.append(("Train/Samples/lr", state.lr[0], samples))
             if fp16:
-                events.append(("Train/Samples/loss_scale", engine.cur_scale, samples))
+                events.append(("Train/Samples/loss_scale", state.loss_scale, samples))
             if self.timers is not None:
                 events += [(EVENTS[n], ms, samples) for n, ms in self.timers.last.items()]
             self.events.write_events(events)
@@ -257,9 +269,9 @@ class EngineMonitor:
             self._lines.append(timer_line)
         if self.flops is not None and self.flops.active:
             self._say()
-            self._profile(engine, self.flops, step_s)
+            self._profile(state, self.flops, step_s)
         if show or gather or self.metrics is not None:
-            record = self._record(engine, loss, step_s, fp16, memory=show or gather)
+            record = self._record(state, loss, step_s, fp16, memory=show or gather)
             if gather:
                 record.memory_ranks = self.comm.all_gather_object(record.memory)
             if show:
@@ -272,51 +284,52 @@ class EngineMonitor:
         if due and self.throughput_line and tput.report and self.rank == 0:
             self._lines.append(tput.line())
         self._last_step_s = step_s
-        for k, v in (("steps", 1), ("seconds", step_s), ("samples", engine.train_batch_size()), ("tokens", self._tokens * self.dp_size)):  # fmt: skip
+        for k, v in (("steps", 1), ("seconds", step_s), ("samples", state.train_batch_size), ("tokens", self._tokens * self.dp_size)):  # fmt: skip
             self.totals[k] += v
         self._loss, self._tokens, self._window_start = None, 0, None
         self._step_comm = {}
         return due
 
-    def _record(self, engine, loss, step_s, fp16, memory: bool) -> StepRecord:
+    def _record(self, state: StepState, loss, step_s, fp16, memory: bool) -> StepRecord:
         tokens = self._tokens * self.dp_size
         mem: dict[str, int] = {}
         if memory:
-            mem = dict(engine.memory_stats()["by_location"])
+            mem = dict(self._info().memory_stats()["by_location"])
             mem.update({f"{self.device} {k}": v for k, v in device_counters(self.device).items() if k in ("allocated", "max_allocated")})  # fmt: skip
             mem["rss"] = rss_bytes()
         return StepRecord(
-            step=engine.global_steps,
-            samples=engine.global_samples,
-            skipped=engine.skipped_steps,
+            step=state.global_steps,
+            samples=state.global_samples,
+            skipped=state.skipped_steps,
             loss=loss,
-            lr=list(engine.get_lr()),
-            grad_norm=engine.get_global_grad_norm(),
-            loss_scale=engine.cur_scale if fp16 else None,
+            lr=list(state.lr),
+            grad_norm=state.grad_norm,
+            loss_scale=state.loss_scale if fp16 else None,
             step_s=step_s,
-            samples_per_s=engine.train_batch_size() / step_s if step_s > 0 else 0.0,
+            samples_per_s=state.train_batch_size / step_s if step_s > 0 else 0.0,
             tokens_per_s=tokens / step_s if tokens and step_s > 0 else None,
             comm=dict(sorted(self._step_comm.items())),
             memory=mem,
         )
 
-    def _profile(self, engine, flops: FlopsProfiler, step_s: float) -> None:
+    def _profile(self, state: StepState, flops: FlopsProfiler, step_s: float) -> None:
         from zeroshard.monitor.flops import peak_flops
 
         flops.stop()
-        dtype = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(engine.policy.compute, "fp32")
+        bound = self._info()
+        dtype = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(bound.dtype, "fp32")
         info = {
-            "world_size": engine.world_size,
+            "world_size": bound.world_size,
             "dp_size": self.dp_size,
-            "micro_batch": engine.train_micro_batch_size_per_gpu(),
-            "batch": engine.train_micro_batch_size_per_gpu() * engine.gradient_accumulation_steps(),
+            "micro_batch": state.micro_batch_size,
+            "batch": state.micro_batch_size * state.gradient_accumulation_steps,
             "device": str(self.device),
             "dtype": dtype,
         }
         latencies = dict(self.timers.last) if self.timers is not None else {}
         iter_s = self._last_step_s or step_s
         peak = peak_flops(str(self.device), dtype)
-        text = flops.report(step=engine.global_steps, info=info, latencies=latencies, iter_s=iter_s, peak=peak)  # fmt: skip
+        text = flops.report(step=state.global_steps, info=info, latencies=latencies, iter_s=iter_s, peak=peak)  # fmt: skip
         path = self.config.flops_profiler.output_file
         if path:
             with open(path, "w") as f:
@@ -329,20 +342,19 @@ class EngineMonitor:
         """DeepSpeed's ``engine.monitor.write_events``: ``(tag, value, samples)`` events
         to every writer of this rank."""
         if not self._run_open:
-            engine = self._engine() if self._engine is not None else None
-            self._open_run(*((engine.global_steps, engine.global_samples) if engine else (0, 0)))
+            self._open_run(*(self.info.counters() if self.info is not None else (0, 0)))
         self.events.write_events(event_list)
 
     def summary(self) -> StepRecord | None:
         """The latest step record (loss, throughput, memory, comm bytes), if any."""
         return self.records[-1] if self.records else None
 
-    def print_summary(self, engine) -> None:
+    def print_summary(self) -> None:
         """The run so far, printed by rank 0: steps, time, throughput, the last loss and
         step's comm bytes, and every rank's memory. Every rank must call it (one
         ``all_gather_object`` of each rank's ``memory_stats()``)."""
         self._say()  # the lines held back so far come before the summary
-        stats = engine.memory_stats()
+        stats = self._info().memory_stats()
         mems = self.comm.all_gather_object({**stats, "rss": rss_bytes()})
         if self.rank != 0:
             return

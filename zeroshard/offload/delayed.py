@@ -43,30 +43,67 @@ one fp32 host copy of this rank's gradient shard.
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 from collections.abc import Set as AbstractSet
+from typing import Any, Protocol
 
 import torch
 
 from zeroshard import ZeroshardError
+from zeroshard.distributed.device import Runtime
 from zeroshard.offload.nvme import OffloadError
-from zeroshard.zero.optim.memory_store import MemoryStates
-from zeroshard.zero.optim.store import StepGrads
+from zeroshard.offload.states import StateStore, StepGrads
 
 
 class DelayedStepError(ZeroshardError, RuntimeError):
     """The delayed optimizer step, run in its thread, failed (the cause is chained)."""
 
 
+class MemoryStore(StateStore, Protocol):
+    """What the delayed update calls on the store it wraps, beyond the state-store
+    protocol: ``zero/optim/memory_store.MemoryStates`` satisfies it."""
+
+    @property
+    def inner(self) -> torch.optim.Optimizer: ...
+
+    @property
+    def masters(self) -> list[torch.Tensor]:
+        """This rank's fp32 master chunks, one per segment."""
+
+    @property
+    def rt(self) -> Runtime:
+        """The device runtime of the parameters (``distributed/device.py``)."""
+
+    def take_upload_event(self) -> Any:
+        """The event after the last non-blocking uploads of the masters, or None."""
+
+    def prepare_step(
+        self,
+        optimizer: torch.optim.Optimizer,
+        chunks: list[torch.Tensor],
+        factor: float,
+        unused: AbstractSet[int] = frozenset(),
+    ) -> bool:
+        """Give ``optimizer``'s masters their gradients from ``chunks``, scaled by
+        ``factor``; True when the scale is left to the fused kernel (``grad_scale``)."""
+
+    def clear_grads(self, optimizer: torch.optim.Optimizer) -> None: ...
+
+    def write_masters(self) -> None:
+        """Write the masters into the parameter store."""
+
+
 class DelayedUpdate:
     """The memory store of ``zero/optim/memory_store.py`` with its step run one step late.
 
-    Answers the same protocol (``step``, ``read``/``write``, ``kinds``, ...); every call
-    that touches masters or states waits for the step in flight first (the engine does
-    so earlier, at its own synchronization points; these waits are a safety net).
+    Answers the same protocol (:class:`~zeroshard.offload.states.StateStore`: ``step``,
+    ``read``/``write``, ``kinds``, ...) and shows the wrapped store's ``masters``; every
+    call that touches masters or states waits for the step in flight first (the engine
+    does so earlier, at its own synchronization points; these waits are a safety net).
     ``armed``: set by the engine before each step, whether this step may be delayed
     (False during the warm-up: the step is the exact one of the wrapped store)."""
 
-    def __init__(self, states: MemoryStates, *, after: int) -> None:
+    def __init__(self, states: MemoryStore, *, after: int) -> None:
         if not states.separate:
             raise OffloadError("internal: the delayed update needs masters apart from parameters")
         self.states, self.after = states, after
@@ -151,20 +188,30 @@ class DelayedUpdate:
 
     # -- the store protocol (waits first) ---------------------------------------------------
     @property
-    def inner(self):
+    def inner(self) -> torch.optim.Optimizer:
         return self.states.inner
+
+    @property
+    def separate(self) -> bool:
+        return self.states.separate  # always (see __init__)
+
+    @property
+    def masters(self) -> list[torch.Tensor]:
+        """The wrapped store's master chunks (read-only use; no wait: the memory report
+        reads their sizes)."""
+        return self.states.masters
 
     @property
     def param_groups(self) -> list[dict]:
         return self.states.param_groups
 
     @property
-    def state(self):
+    def state(self) -> Any:
         self.wait()
         return self.states.state
 
     @property
-    def kinds(self) -> list[str]:
+    def kinds(self) -> Sequence[str]:
         self.wait()
         return self.states.kinds
 
@@ -197,8 +244,3 @@ class DelayedUpdate:
 
     def disk_bytes(self) -> int:
         return 0
-
-    def __getattr__(self, name: str):  # masters, separate, pipelined, ... (read-only use)
-        if name == "states":
-            raise AttributeError(name)
-        return getattr(self.states, name)

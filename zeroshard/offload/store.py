@@ -1,9 +1,10 @@
 """Where a rank's parameter shard lives: memory (the device, or CPU memory, pinned on
 CUDA) or an NVMe swap file. No communication.
 
-Both stores answer one protocol, the one the optimizer-state stores
-(``zero/optim/memory_store.py``) answer too, so the flat parameters, the sharded optimizer and
-checkpoints never ask where a shard is:
+Both stores answer one protocol, :class:`ShardStore` (a ``typing.Protocol`` the type
+checker holds :class:`MemoryShard` and :class:`SwapShard` to), so the flat parameters,
+the sharded optimizer and checkpoints never ask where a shard is. Its first part,
+:class:`Store`, is what the optimizer-state stores answer too (``offload/states.py``):
 
 * ``kinds``: the kinds of state held (here ``("param",)``);
 * ``read(kind, a, b)`` / ``write(kind, a, values)``: a copy of shard positions
@@ -27,18 +28,75 @@ gathers cast to the compute dtype on the device after the upload.
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
+from typing import Protocol
+
 import torch
 
 from zeroshard.distributed.device import runtime
+from zeroshard.offload.layout import ChunkLayout
 from zeroshard.offload.nvme import BufferPool, SwapFile, aligned_empty
-from zeroshard.zero.layout.partition import FlatLayout
 
 # Elements of the device buffer that host values pass through when their dtype differs
 # from the destination's (64 MiB of fp32).
 _UPLOAD_NUMEL = 1 << 24
 
 
-def _ranges(layout: FlatLayout, a: int, b: int):
+class Store(Protocol):
+    """What checkpoints and the memory report read of any store: the shard stores here
+    and the optimizer-state stores (``offload/states.py``)."""
+
+    @property
+    def kinds(self) -> Sequence[str]:
+        """The kinds of state held (``param``; ``master``, ``exp_avg``, ...)."""
+
+    def read(self, kind: str, a: int, b: int) -> torch.Tensor:
+        """A tensor of ``kind`` at shard positions ``[a, b)`` (a view or a copy)."""
+
+    def write(self, kind: str, a: int, values: torch.Tensor) -> None:
+        """Overwrite ``kind`` at shard positions ``[a, a + values.numel())``."""
+
+    def buffers(self) -> list[torch.Tensor]:
+        """The tensors held in memory (``memory_stats()``)."""
+
+    def disk_bytes(self) -> int:
+        """Bytes held in files."""
+
+
+class ShardStore(Store, Protocol):
+    """A rank's parameter shard, wherever it lives; see the module docstring."""
+
+    @property
+    def layout(self) -> ChunkLayout: ...
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype the shard is kept in (not always the compute dtype)."""
+
+    @property
+    def device(self) -> torch.device:
+        """Where the shard's chunks are read from (an NVMe store's: the CPU)."""
+
+    def lend(self, s: int) -> torch.Tensor | None:
+        """Chunk ``s`` to all-gather from; None when a pool of buffers is exhausted."""
+
+    def give_back(self, buf: torch.Tensor) -> None:
+        """The all-gather has read ``buf`` (a chunk :meth:`lend` gave)."""
+
+    def chunk(self, s: int) -> torch.Tensor:
+        """Chunk ``s`` (the stored tensor in memory, a fresh copy from a file)."""
+
+    def fill(self, s: int) -> torch.Tensor:
+        """A writable buffer for chunk ``s``; :meth:`commit` stores it."""
+
+    def commit(self, s: int, buf: torch.Tensor) -> None:
+        """Store ``buf`` (from :meth:`fill`) as chunk ``s``."""
+
+    def write_chunk(self, s: int, values: torch.Tensor, lo: int = 0) -> None:
+        """Store ``values`` from element ``lo`` of chunk ``s``, casting as needed."""
+
+
+def _ranges(layout: ChunkLayout, a: int, b: int) -> Iterator[tuple[int, int, int]]:
     """``(segment, lo, hi)`` pieces of shard positions ``[a, b)``, relative to each chunk."""
     for seg in layout.segments:
         lo, hi = max(a, seg.shard_start), min(b, seg.shard_start + seg.chunk)
@@ -46,7 +104,7 @@ def _ranges(layout: FlatLayout, a: int, b: int):
             yield seg.index, lo - seg.shard_start, hi - seg.shard_start
 
 
-def _write_ranges(store, a: int, values: torch.Tensor) -> None:
+def _write_ranges(store: ShardStore, a: int, values: torch.Tensor) -> None:
     for s, lo, hi in _ranges(store.layout, a, a + values.numel()):
         start = store.layout.segments[s].shard_start
         store.write_chunk(s, values[lo + start - a : hi + start - a], lo)
@@ -63,7 +121,7 @@ class MemoryShard:
     def __init__(
         self,
         buffer: torch.Tensor,
-        layout: FlatLayout,
+        layout: ChunkLayout,
         views: list[torch.Tensor] | None = None,
         *,
         upload_numel: int = _UPLOAD_NUMEL,
@@ -79,7 +137,7 @@ class MemoryShard:
 
     @classmethod
     def empty(
-        cls, layout: FlatLayout, dtype: torch.dtype, device, pin: bool, **kwargs
+        cls, layout: ChunkLayout, dtype: torch.dtype, device, pin: bool, **kwargs
     ) -> MemoryShard:
         # empty, not zeros: pages get touched as values arrive, so building the shard
         # while zero.Init's slices are released one by one does not double the peak
@@ -154,7 +212,9 @@ class SwapShard:
     kinds = ("param",)
     device = torch.device("cpu")
 
-    def __init__(self, file: SwapFile, pool: BufferPool, layout: FlatLayout, dtype) -> None:
+    def __init__(
+        self, file: SwapFile, pool: BufferPool, layout: ChunkLayout, dtype: torch.dtype
+    ) -> None:
         self.file, self.pool, self.layout, self.dtype = file, pool, layout, dtype
         self.esize = torch.empty((), dtype=dtype).element_size()
 

@@ -9,29 +9,51 @@ the parameters, write all three back. With ``pipeline_read`` the next sub-group 
 while this one steps; with ``pipeline_write`` its writes finish while the next one
 steps; RAM holds only the buffer sets (3 buffers of one sub-group each).
 
-It is the NVMe store of the shard-store protocol (``offload/store.py``, and
-``zero/optim/memory_store.py`` for the memory one): ``step(grads, factor)``, ``kinds``,
-``read``/``write`` of a kind at shard positions, ``buffers()`` and ``disk_bytes()``;
-and it quacks like a torch optimizer where schedulers need it to (``param_groups``).
+It is the NVMe store of the optimizer-state store protocol
+(:class:`~zeroshard.offload.states.StateStore`; ``zero/optim/memory_store.py`` holds the
+memory one): ``step(grads, factor)``, ``kinds``, ``read``/``write`` of a kind at shard
+positions, ``buffers()`` and ``disk_bytes()``; and it quacks like a torch optimizer
+where schedulers need it to (``param_groups``). It reads the flat parameters through
+:class:`FlatShard` (``zero/layout/flat.FlatParams`` satisfies it); what it needs from
+above, how a master takes an edited parameter and the progress bar of the swap files'
+set-up, its builder hands it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from collections.abc import Set as AbstractSet
 from concurrent.futures import Future
+from typing import Protocol
 
 import torch
 from torch.optim.adam import adam as adam_functional
 
 from zeroshard.config.schema import ConfigError
-from zeroshard.monitor.progress import progress
+from zeroshard.offload.layout import ChunkLayout
 from zeroshard.offload.nvme import ALIGN, SwapSpace, aligned_empty
-from zeroshard.zero.layout.flat import FlatParams
-from zeroshard.zero.optim.store import StepGrads
-from zeroshard.zero.params.edits import take_edits
+from zeroshard.offload.states import StepGrads
+from zeroshard.offload.store import ShardStore
 
 _KEYS = ("master", "exp_avg", "exp_avg_sq")
+
+
+class FlatShard(Protocol):
+    """What the NVMe Adam reads of the flat parameters: the layout, each param group's
+    hyperparameters and pieces, and the parameter store its new masters go into."""
+
+    @property
+    def layout(self) -> ChunkLayout: ...
+
+    @property
+    def hyperparams(self) -> Sequence[dict]: ...
+
+    @property
+    def store(self) -> ShardStore: ...
+
+    def group_pieces(self, group: int) -> list[tuple[int, int, int, int]]:
+        """``(segment, lo, hi, parameter)`` of each of ``group``'s pieces in this rank's
+        chunks."""
 
 
 class SwappedAdam:
@@ -39,7 +61,7 @@ class SwappedAdam:
 
     def __init__(
         self,
-        flat: FlatParams,
+        flat: FlatShard,
         space: SwapSpace,
         *,
         decoupled: bool,
@@ -47,9 +69,15 @@ class SwappedAdam:
         pipeline_read: bool,
         pipeline_write: bool,
         initial_master: Callable[[int, int], torch.Tensor],
-        show_progress: bool = False,
+        take_edits: Callable[[torch.Tensor, torch.Tensor], None],
+        progress: Callable[[list[tuple[int, int]]], Iterable[tuple[int, int]]] = iter,
     ) -> None:
+        """``initial_master(a, b)``: the fp32 masters of shard positions ``[a, b)`` to
+        start from; ``take_edits(master, values)``: ``master`` takes the elements of
+        ``values`` that were edited (:meth:`refresh`); ``progress(subgroups)``: the
+        sub-groups, wrapped in a progress bar while their masters are written."""
         self.flat, self.space, self.decoupled = flat, space, decoupled
+        self.take_edits = take_edits
         self.param_groups = [dict(h) for h in flat.hyperparams]
         for g in self.param_groups:
             if g.get("amsgrad"):
@@ -83,8 +111,7 @@ class SwappedAdam:
             {k: aligned_empty(size * 4).view(torch.float32) for k in _KEYS} for _ in range(nsets)
         ]
         self._writes: list[list[Future]] = [[] for _ in range(nsets)]
-        shown = progress(self.subgroups, desc="writing NVMe swap files", enabled=show_progress)
-        for a, b in shown:  # masters from the parameters; moments start as zeros
+        for a, b in progress(self.subgroups):  # masters from the parameters; moments start as zeros
             buf = self.sets[0]["master"]
             buf[: b - a].copy_(initial_master(a, b))
             self.files["master"].write(buf[: self._io(a, b)], a * 4)
@@ -109,11 +136,11 @@ class SwappedAdam:
 
     def refresh(self, segments: list[int]) -> None:
         """Parameters of ``segments`` were changed from outside: the masters take the
-        changed values (``zero/params/edits.py``: unchanged elements keep their fp32 bits)."""
+        changed values (``take_edits``: unchanged elements keep their fp32 bits)."""
         for s in segments:
             seg = self.flat.layout.segments[s]
             master = self.read("master", seg.shard_start, seg.shard_start + seg.chunk)
-            take_edits(master, self.flat.store.chunk(s))
+            self.take_edits(master, self.flat.store.chunk(s))
             self.write("master", seg.shard_start, master)
 
     # -- the step -----------------------------------------------------------------------

@@ -4,14 +4,15 @@ masters and moments live in swap files. No communication."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
+
 import torch
 
 from zeroshard.config.schema import ConfigError
+from zeroshard.offload.layout import ChunkLayout
 from zeroshard.offload.nvme import BufferPool, SwapSpace
 from zeroshard.offload.store import SwapShard
-from zeroshard.offload.swapped_adam import SwappedAdam
-from zeroshard.zero.layout.flat import FlatParams
-from zeroshard.zero.layout.partition import FlatLayout
+from zeroshard.offload.swapped_adam import FlatShard, SwappedAdam
 
 
 class EngineSwaps:
@@ -29,7 +30,7 @@ class EngineSwaps:
             self.spaces[path] = SwapSpace(path, f"rank{self.rank}", threads=threads)
         return self.spaces[path]
 
-    def param_store(self, path: str, layout: FlatLayout, dtype: torch.dtype) -> SwapShard:
+    def param_store(self, path: str, layout: ChunkLayout, dtype: torch.dtype) -> SwapShard:
         """The parameter shard's swap file, read and written through a buffer pool."""
         esize = torch.empty((), dtype=dtype).element_size()
         swap = self.space(path).file("params", layout.shard_numel * esize)
@@ -45,8 +46,16 @@ class EngineSwaps:
         pool = BufferPool(off.buffer_count, largest * esize, "offload_param.buffer_size")
         return SwapShard(swap, pool, layout, dtype)
 
-    def swapped_adam(self, flat: FlatParams, path: str) -> SwappedAdam:
-        """Adam/AdamW over ``flat``'s shard with its state in swap files under ``path``."""
+    def swapped_adam(
+        self,
+        flat: FlatShard,
+        path: str,
+        *,
+        take_edits: Callable[[torch.Tensor, torch.Tensor], None],
+        progress: Callable[[list[tuple[int, int]]], Iterable[tuple[int, int]]] = iter,
+    ) -> SwappedAdam:
+        """Adam/AdamW over ``flat``'s shard with its state in swap files under ``path``
+        (``take_edits`` and ``progress``: see :class:`SwappedAdam`)."""
         zc, opt = self.config.zero_optimization, self.config.optimizer
         if opt is None or opt.type == "SGD":
             raise ConfigError(
@@ -62,7 +71,8 @@ class EngineSwaps:
             pipeline_read=off.pipeline_read,
             pipeline_write=off.pipeline_write,
             initial_master=lambda a, b: flat.store.read("param", a, b),
-            show_progress=self.rank == 0,
+            take_edits=take_edits,
+            progress=progress,
         )
 
     def close(self) -> None:

@@ -1,55 +1,53 @@
-"""How the engine is assembled from the config (a mixin of
-:class:`zeroshard.runtime.engine.Engine`): the ZeRO stage as a :class:`Sharding`, the flat layout (gradient buckets at stages 0-2,
-module units at stage 3), the shard and optimizer-state stores, the tensor-parallel
-gradient bookkeeping, the scheduler and the data loader.
+"""How an engine's parts are built from the config: :class:`EngineBuilder` makes the
+ZeRO stage's strategy objects and returns them as :class:`EngineParts`, which the
+engine holds (``runtime/engine.py``). The ZeRO stage is a :class:`Sharding`; the flat
+layout has gradient buckets at stages 0-2 and module units at stage 3; the shard and
+optimizer-state stores follow the placement (``offload/``); the tensor-parallel
+gradient bookkeeping, the scheduler.
 
-Communication: :meth:`EngineBuild._parallelize` broadcasts every parameter and buffer
-from the first rank of the ``replicas`` group (of the ``stage`` group when tensor
-parallelism slices the model next; expert parameters of MoE layers from the first rank
-of their ``expert_replicas`` / ``expert_stage`` group: they differ along ``ep``) and
-lets expert, tensor and sequence parallelism split the model;
-:meth:`EngineBuild._check_agreement` issues the one digest all-gather of
-``agreement.py``. Nothing else here communicates.
+Communication: :meth:`EngineBuilder.build` runs ``prepare.parallelize_model`` (its
+broadcasts), and the flat layout takes each parameter's value through
+``zero/params/init.take_value`` (a parameter built under ``zero.Init`` is all-gathered
+once, on every rank); nothing else here communicates.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from functools import partial
 
 import torch
 from torch import nn
 
-from zeroshard import ArgumentError, NotBuiltError
 from zeroshard.config.schema import ConfigError
-from zeroshard.fp8 import Fp8Error, Fp8Model, check_fp8_device, convert_to_fp8, preconverted
-from zeroshard.moe.apply import bind_layers, convert_hf
-from zeroshard.moe.marks import EXPERT_LIST_ATTR, expert_shard, is_expert
-from zeroshard.offload.store import MemoryShard
-from zeroshard.parallel.apply import (
-    Parallelized,
-    gradient_summed_over_tp,
-    is_tp_sharded,
-    parallelize,
-)
-from zeroshard.runtime.agreement import check_ranks_agree
-from zeroshard.runtime.optim import optimizer_factory
-from zeroshard.runtime.schedulers import build_scheduler
+from zeroshard.distributed.mesh import Mesh
+from zeroshard.fp8 import Fp8Model
+from zeroshard.moe.apply import check_composition
+from zeroshard.moe.marks import expert_shard
+from zeroshard.monitor.progress import progress
+from zeroshard.offload.delayed import DelayedUpdate
+from zeroshard.offload.placement import Placement
+from zeroshard.offload.states import StateStore
+from zeroshard.offload.store import MemoryShard, ShardStore
+from zeroshard.offload.swaps import EngineSwaps
+from zeroshard.parallel.apply import Parallelized, gradient_summed_over_tp, is_tp_sharded
+from zeroshard.runtime.optim import nonfinite_policy, optimizer_factory
+from zeroshard.runtime.precision import DtypePolicy, LossScaler
+from zeroshard.runtime.prepare import convert_fp8, parallelize_model
+from zeroshard.zero.grads.reducer import GradReducer
 from zeroshard.zero.layout.flat import FlatParams
 from zeroshard.zero.layout.partition import FlatLayout
 from zeroshard.zero.layout.segments import DEFAULT_BUCKET_BYTES, bucket_segments, unit_segments
 from zeroshard.zero.optim.memory_store import build_memory_states
-from zeroshard.zero.optim.optimizer import TensorParallelGrads
-from zeroshard.zero.params.init import is_sealed, take_value
-
-if TYPE_CHECKING:
-    from zeroshard.distributed.comm import Comm
-    from zeroshard.distributed.mesh import Mesh
-    from zeroshard.offload.placement import Placement
-    from zeroshard.offload.swaps import EngineSwaps
-    from zeroshard.runtime.precision import DtypePolicy
-    from zeroshard.zero.optim.optimizer import ShardedOptimizer
+from zeroshard.zero.optim.optimizer import ShardedOptimizer, TensorParallelGrads
+from zeroshard.zero.params.edits import take_edits
+from zeroshard.zero.params.gatherer import ParamGatherer
+from zeroshard.zero.params.init import take_value
+from zeroshard.zero.params.leaves import find_leaves
+from zeroshard.zero.params.manager import ParamManager
+from zeroshard.zero.params.whole import WholeParams
 
 log = logging.getLogger("zeroshard")
 
@@ -77,76 +75,209 @@ def _kind(p: torch.Tensor) -> int:
     return 1 if expert_shard(p) is not None else 0
 
 
-def _expert_buffers(module: nn.Module) -> set[int]:
-    """Ids of the buffers of DeepSpeed ``Experts`` modules split over several
-    expert-parallel ranks (they differ along ``ep`` as their parameters do)."""
-    out: set[int] = set()
-    for m in module.modules():
-        if getattr(m, EXPERT_LIST_ATTR, None) and any(is_expert(p) for p in m.parameters()):
-            out.update(id(b) for b in m.buffers())
-    return out
+@dataclass(kw_only=True)
+class EngineParts:
+    """What :meth:`EngineBuilder.build` makes; the engine holds each part."""
 
-
-def nonfinite_policy(config) -> str:
-    """What a step with inf/nan gradients or loss does: "skip", "raise" or "apply"
-    (``nonfinite_gradients``; in bf16, DeepSpeed's ``check_grad_overflow`` when given)."""
-    check = config.bf16.check_grad_overflow
-    if config.bf16.enabled and check is not None:
-        if not check:
-            return "apply"
-        return "skip" if config.nonfinite_gradients == "apply" else config.nonfinite_gradients
-    return config.nonfinite_gradients
-
-
-def cast_floating(obj, dtype: torch.dtype):
-    if torch.is_tensor(obj):
-        return obj.to(dtype) if obj.is_floating_point() else obj
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(cast_floating(o, dtype) for o in obj)
-    if isinstance(obj, dict):
-        return {k: cast_floating(v, dtype) for k, v in obj.items()}
-    return obj
-
-
-def move_module(module: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
-    """``module.to(device)`` and floating tensors to ``dtype``, leaving parameters built
-    under ``zero.Init`` (they hold no data here) for the flat layout to materialize."""
-    with torch.no_grad():
-        for m in module.modules():
-            for p in m._parameters.values():
-                if p is None or is_sealed(p):
-                    continue
-                target = dtype if p.is_floating_point() else p.dtype
-                if p.device != device or p.dtype != target:
-                    p.data = p.data.to(device=device, dtype=target)
-            for name, b in m._buffers.items():
-                if b is not None:
-                    target = dtype if b.is_floating_point() else b.dtype
-                    m._buffers[name] = b.to(device=device, dtype=target)
-
-
-class EngineBuild:
-    """The engine's construction steps; ``Engine.__init__`` calls them in order."""
-
-    # set by Engine.__init__ before the steps that read them
-    module: nn.Module
-    _config: Any
-    mesh: Mesh
-    comm: Comm
-    device: torch.device
-    policy: DtypePolicy
-    placement: Placement
-    sharding: Sharding
+    #: what tensor and sequence parallelism installed (removed at ``destroy()``)
+    parallel: Parallelized
+    #: the fp8 conversion of the ``fp8`` section (undone at ``destroy()``), or None
+    fp8: Fp8Model | None
+    #: the NVMe swap directories, files and pools (closed at ``destroy()``)
+    swaps: EngineSwaps
     flat: FlatParams
+    #: whole parameters (stages 0-2) or gathered per unit (stage 3): one Protocol
+    params: ParamManager
+    reducer: GradReducer
+    loss_scaler: LossScaler
+    #: None: an engine without an optimizer (inference)
     optimizer: ShardedOptimizer | None
-    trains: bool
-    _swaps: EngineSwaps
+    #: ``offload_optimizer.delayed_update``: the store stepping one step late, else None
+    delayed: DelayedUpdate | None
+    #: ``(name, parameter)`` of the parameters frozen now (not laid out): unfreezing one
+    #: later needs a new ``initialize()``
+    frozen: list[tuple[str, nn.Parameter]]
+    #: elements per gradient bucket (stage 3: the cap of a unit of small modules)
+    bucket_numel: int
 
-    def _check_agreement(self, module: nn.Module, config) -> None:
-        """Every rank describes the same model and config (``agreement.py``)."""
-        check_ranks_agree(self.comm, module, config)
 
-    def _optimizer_states(self, client: torch.optim.Optimizer | None):
+class EngineBuilder:
+    """Builds an engine's parts for ``module`` from the config, on ``mesh``: the dtype
+    policy, placement and sharding, with the config's composition checked, when made;
+    the parts at :meth:`build`."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        config,
+        mesh: Mesh,
+        *,
+        device: torch.device,
+        trains: bool,
+    ) -> None:
+        self.module, self.config, self.mesh, self.device = module, config, mesh, device
+        self.trains = trains
+        self.rank = mesh.comm("world").rank
+        self.policy = DtypePolicy.from_config(config)
+        self.placement = Placement.from_config(config.zero_optimization, device)
+        self.sharding = Sharding.for_stage(config.zero_optimization.stage)
+        if mesh.size("zero_replicate") > 1 and not self.sharding.optimizer:
+            raise ConfigError(
+                "zero_optimization.mics_shard_size: hybrid sharding needs ZeRO stage 1, 2 or 3 "
+                "(stage 0 shards nothing)"
+            )
+        # what ZeRO shards over, and the groups its collectives run in (expert
+        # parameters: over the expert-data-parallel ranks, with expert parallelism)
+        check_composition(mesh.size("ep"), config)
+
+    # -- the parts -------------------------------------------------------------------
+    def build(
+        self,
+        param_groups: list[dict],
+        *,
+        client_optimizer: torch.optim.Optimizer | None,
+        alone: frozenset = frozenset(),
+    ) -> EngineParts:
+        """Parallelize the model, lay its parameters out, and make the parameter
+        manager, the gradient reducer and (when training) the sharded optimizer.
+        ``alone``: ids of parameters laid out in segments of their own (the pipeline
+        engine's tied layers). When a step raises (a config the optimizer refuses, ...),
+        the hooks, conversions and swap files of the parts made so far are removed."""
+        undo: list[Callable[[], None]] = []
+        try:
+            return self._build(param_groups, client_optimizer, alone, undo)
+        except BaseException:
+            for step in reversed(undo):
+                step()
+            raise
+
+    def _build(
+        self,
+        param_groups: list[dict],
+        client_optimizer: torch.optim.Optimizer | None,
+        alone: frozenset,
+        undo: list[Callable[[], None]],
+    ) -> EngineParts:
+        config, mesh, sharding = self.config, self.mesh, self.sharding
+        param_groups, parallel = parallelize_model(self.module, mesh, config, param_groups)
+        undo.append(parallel.remove)
+        fp8 = convert_fp8(self.module, config, self.device, self.rank)
+        if fp8 is not None:
+            undo.append(fp8.undo)
+        swaps = EngineSwaps(config, self.rank)
+        undo.append(swaps.close)
+        bucket = self._bucket_numel()
+        flat, persistent = self._flatten(param_groups, swaps, bucket, alone)
+        shard_comm, replicas = mesh.comm("zero_shard"), mesh.comm("replicas")
+        experts = mesh.size("ep") > 1
+        expert_shard_comm = mesh.comm("expert_shard") if experts else None
+        expert_replicas = mesh.comm("expert_replicas") if experts else None
+        reduce_comm = shard_comm if flat.partitioned else replicas
+        expert_reduce = expert_shard_comm if flat.partitioned else expert_replicas
+        if sharding.parameters and flat.partitioned:
+            # gradients are reduced in a group of their own: in backward the gathers and
+            # the reductions each keep one order on every rank, but how they interleave
+            # differs when a parameter gets a gradient on some ranks only (a leaf module)
+            reduce_comm = mesh.twin("zero_shard")
+            expert_reduce = mesh.twin("expert_shard") if experts else None
+        zc = config.zero_optimization
+        params: ParamManager
+        on_bucket_ready = None
+        if sharding.parameters:
+            gatherer = ParamGatherer(
+                flat,
+                shard_comm,
+                replicas,
+                self.module,
+                persistent=persistent,
+                prefetch_numel=int(zc.stage3_prefetch_bucket_size),
+                max_live_numel=int(zc.stage3_max_live_parameters),
+                max_reuse_numel=int(zc.stage3_max_reuse_distance),
+                leaves=find_leaves(self.module, zc.leaf_module),
+                check_every_pass=zc.enable_sanity_checks,
+                expert_comm=expert_shard_comm,
+                expert_replicas=expert_replicas,
+            )
+            params, on_bucket_ready = gatherer, gatherer.free_if_idle
+            undo.append(gatherer.remove)
+        else:
+            if zc.overlap_param_gather and mesh.size("pp") > 1:
+                raise ConfigError(
+                    "zero_optimization.overlap_param_gather with pipeline stages is not "
+                    "built yet; leave it out with a pipeline section"
+                )
+            params = WholeParams(
+                flat,
+                shard_comm,
+                replicas,
+                self.module,
+                overlap=zc.overlap_param_gather,
+                expert_comm=expert_shard_comm,
+                expert_replicas=expert_replicas,
+            )
+            undo.append(params.remove)
+        registration = {id(p): i for i, p in enumerate(self.module.parameters())}
+        # as DeepSpeed: prescaling divides by the world size first, else by the factor
+        predivide = config.gradient_predivide_factor
+        if config.prescale_gradients:
+            predivide = mesh.size("replicas")
+        reducer = GradReducer(
+            flat,
+            reduce_comm,
+            replicate=mesh.comm("zero_replicate"),
+            dtype=self.policy.grad,
+            sharded=sharding.gradients,
+            overlap=zc.overlap_comm or not sharding.optimizer,
+            registration_index=registration,
+            predivide=predivide,
+            # stage 3: a unit's parameters are freed once its gradients are in
+            on_bucket_ready=on_bucket_ready,
+            accum_device=self.placement.optimizer if self.placement.offload_optimizer else None,
+            reduce_scatter_via={None: None, True: "native", False: "all_reduce"}[zc.reduce_scatter],
+            count_unreached=sharding.parameters and reduce_comm.world_size > 1,
+            expert_comm=expert_reduce,
+        )
+        undo.append(reducer.remove_hooks)
+        loss_scaler = LossScaler.from_config(config.fp16)
+        optimizer = None
+        if self.trains:
+            optimizer = ShardedOptimizer(
+                flat,
+                self._optimizer_states(flat, swaps, client_optimizer),
+                shard_comm,
+                grad_comm=reduce_comm,
+                zero_grads=reducer.grad_chunks,
+                clear_grads=reducer.zero_grad,
+                scaler=loss_scaler,
+                tp=self._tp_grads(flat),
+                clip=config.gradient_clipping,
+                nonfinite=nonfinite_policy(config),
+                expert_grad_comm=expert_reduce,
+            )
+        states = optimizer.states if optimizer is not None else None
+        laid_out = {id(p) for p, g in zip(flat.params, flat.group_of, strict=True) if g >= 0}
+        frozen = [
+            (name, p)
+            for name, p in self.module.named_parameters()
+            if not p.requires_grad and id(p) not in laid_out
+        ]
+        return EngineParts(
+            parallel=parallel,
+            fp8=fp8,
+            swaps=swaps,
+            flat=flat,
+            params=params,
+            reducer=reducer,
+            loss_scaler=loss_scaler,
+            optimizer=optimizer,
+            delayed=states if isinstance(states, DelayedUpdate) else None,
+            frozen=frozen,
+            bucket_numel=bucket,
+        )
+
+    def _optimizer_states(
+        self, flat: FlatParams, swaps: EngineSwaps, client: torch.optim.Optimizer | None
+    ) -> StateStore:
         """Masters and optimizer states: in swap files (NVMe offload) or in memory."""
         if self.placement.optimizer_nvme:
             if client is not None:
@@ -154,10 +285,15 @@ class EngineBuild:
                     "zero_optimization.offload_optimizer.device: NVMe offload steps the "
                     "config's Adam/AdamW itself; pass no optimizer to initialize() with it"
                 )
-            return self._swaps.swapped_adam(self.flat, self.placement.optimizer_nvme)
-        cfg = self._config.optimizer
+            return swaps.swapped_adam(
+                flat,
+                self.placement.optimizer_nvme,
+                take_edits=take_edits,
+                progress=partial(progress, desc="writing NVMe swap files", enabled=self.rank == 0),
+            )
+        cfg = self.config.optimizer
         factory = optimizer_factory(cfg, self.device) if cfg is not None else None
-        offload = self._config.zero_optimization.offload_optimizer
+        offload = self.config.zero_optimization.offload_optimizer
         if offload.delayed_update and not isinstance(client, (torch.optim.Optimizer, type(None))):
             raise ConfigError(
                 "zero_optimization.offload_optimizer.delayed_update steps a twin of a "
@@ -165,24 +301,24 @@ class EngineBuild:
                 f"{type(client).__name__} is not one"
             )
         states = build_memory_states(
-            self.flat,
-            self.policy,
+            flat,
+            self.policy.master,
             self.placement,
             client=client,
             factory=factory,
             copy_masters=offload.delayed_update,
         )
         if offload.delayed_update:
-            from zeroshard.offload.delayed import DelayedUpdate
-
             return DelayedUpdate(states, after=offload.delayed_update_after)
         return states
 
-    def _flatten(self, param_groups: list[dict]) -> tuple[FlatParams, list[int]]:
-        """Lay parameters out flat: gradient buckets (stages 0-2) or module units (stage 3)."""
-        zc = self._config.zero_optimization
+    def _flatten(
+        self, param_groups: list[dict], swaps: EngineSwaps, bucket: int, alone: frozenset
+    ) -> tuple[FlatParams, list[int]]:
+        """Lay parameters out flat: gradient buckets of ``bucket`` elements (stages 0-2)
+        or module units (stage 3)."""
+        zc = self.config.zero_optimization
         world = self.mesh.size("zero_shard") if self.sharding.optimizer else 1
-        bucket = self._bucket_numel()
         if self.sharding.parameters:
             grouping = unit_segments(
                 self.module,
@@ -190,12 +326,12 @@ class EngineBuild:
                 int(zc.stage3_param_persistence_threshold),
                 bucket,
                 int(zc.stage3_model_persistence_threshold),
-                alone=self._alone(),
+                alone=alone,
                 kind_of=_kind,
             )
         else:
             grouping = bucket_segments(
-                self.module, param_groups, bucket, alone=self._alone(), kind_of=_kind
+                self.module, param_groups, bucket, alone=alone, kind_of=_kind
             )
         # with the shard in swap files, chunks start and end on whole disk blocks
         align = _NVME_ALIGN if self.placement.param_nvme else _ALIGN if world > 1 else 1
@@ -210,7 +346,7 @@ class EngineBuild:
             kinds=grouping.kinds,
             strides={1: ep} if world > 1 else None,
         )
-        store = self._param_store(layout) if self.sharding.parameters else None
+        store = self._param_store(layout, swaps) if self.sharding.parameters else None
         flat = FlatParams(
             grouping.params,
             grouping.group_of,
@@ -224,22 +360,17 @@ class EngineBuild:
         )
         return flat, grouping.persistent
 
-    def _alone(self) -> frozenset:
-        """Ids of parameters laid out in segments of their own (the pipeline engine's
-        tied layers); none here."""
-        return frozenset()
-
     def _bucket_numel(self) -> int:
         """Elements per gradient bucket: the smaller of the two bucket sizes given (0: each
         gradient on its own, as DeepSpeed); none given: 25 MiB of gradients, DDP's
         default, so that reductions overlap backward (said once, on rank 0)."""
-        zc = self._config.zero_optimization
+        zc = self.config.zero_optimization
         given = [int(b) for b in (zc.reduce_bucket_size, zc.allgather_bucket_size) if b is not None]
         if given:
             return max(1, min(given))
         esize = torch.empty((), dtype=self.policy.grad).element_size()
         numel = DEFAULT_BUCKET_BYTES // esize
-        if self.comm.rank == 0:
+        if self.rank == 0:
             log.info(
                 "zeroshard: zero_optimization.reduce_bucket_size not given: buckets of %d "
                 "elements (25 MiB of %s gradients, as DDP's), so reductions overlap backward",
@@ -248,25 +379,25 @@ class EngineBuild:
             )
         return numel
 
-    def _param_store(self, layout: FlatLayout):
+    def _param_store(self, layout: FlatLayout, swaps: EngineSwaps) -> ShardStore:
         """Stage 3's shard store: an NVMe swap file, or memory. In memory, where the
         optimizer states live too, the shard is kept in the master dtype: it *is* the
         fp32 master (no second copy, no write-back; gathers cast on the device)."""
         place = self.placement
         if place.param_nvme:
-            return self._swaps.param_store(place.param_nvme, layout, self.policy.compute)
+            return swaps.param_store(place.param_nvme, layout, self.policy.compute)
         # (without an optimizer there are no masters: the shard is in the working dtype)
         masters_here = self.trains and place.same_place_for_masters()
         dtype = self.policy.master if masters_here else self.policy.compute
         pin = place.pin_memory and place.param_shard.type == "cpu"
         return MemoryShard.empty(layout, dtype, place.param_shard, pin)
 
-    def _tp_grads(self) -> TensorParallelGrads | None:
+    def _tp_grads(self, flat: FlatParams) -> TensorParallelGrads | None:
         """Where the tensor-parallel group's replicated parameters sit in this rank's
         gradient chunks (see :class:`TensorParallelGrads`)."""
         if self.mesh.size("tp") == 1:
             return None
-        flat, replicated, partial = self.flat, [], []
+        replicated, partial_sums = [], []
         for piece in flat.layout.pieces(flat.rank):
             p = flat.params[piece.param]
             if flat.group_of[piece.param] < 0 or is_tp_sharded(p):
@@ -275,125 +406,5 @@ class EngineBuild:
             where = (piece.segment, lo, lo + piece.numel)
             replicated.append(where)
             if gradient_summed_over_tp(p):
-                partial.append(where)
-        return TensorParallelGrads(self.mesh.comm("tp"), replicated, partial)
-
-    def _parallelize(self, param_groups: list[dict]) -> list[dict]:
-        """Every rank starts from the same model: broadcast from the first rank of each
-        replica group (of the whole world, first, when tensor parallelism slices the
-        model next; DeepSpeed MoE layers' experts, bound to the ``ep`` group first, from
-        the first rank holding the same experts); then expert, tensor and sequence
-        parallelism; returns ``param_groups`` holding the parameters that replaced
-        sliced ones."""
-        split = self._config.tensor_parallel.size > 1  # AutoTP (an mpu's model is split)
-        experts_split = self._config.expert_parallel.enabled
-        if (split or experts_split) and any(is_sealed(p) for p in self.module.parameters()):
-            what = "tensor_parallel.autotp_size" if split else "expert_parallel.enabled"
-            raise NotBuiltError(
-                f"{what}: a model built under zero.Init with this parallelism is not built "
-                "yet; build the model without zero.Init"
-            )
-        if any(is_sealed(p) and is_expert(p) for p in self.module.parameters()):
-            raise NotBuiltError(
-                "MoE(ep_size > 1) built under zero.Init is not built yet (zero.Init shards "
-                "over the dense data-parallel group; experts differ along ep): build the "
-                "model without zero.Init"
-            )
-        bind_layers(self.module, self.mesh)
-        source = self.mesh.comm("stage" if split else "replicas")
-        expert_source = self.mesh.comm("expert_stage" if split else "expert_replicas")
-        for p in self.module.parameters():
-            if not is_sealed(p):  # zero.Init slices are rank 0's values already
-                (expert_source if is_expert(p) else source).broadcast(p.data, src=0)
-        expert_buffers = _expert_buffers(self.module)
-        for b in self.module.buffers():
-            (expert_source if id(b) in expert_buffers else source).broadcast(b, src=0)
-        names = {id(p): n for n, p in self.module.named_parameters()}
-        converted = convert_hf(self.module, self.mesh, self._config)
-        if not split and self.mesh.size("sp") == 1:
-            self._parallel = Parallelized()
-        else:
-            self._parallel = parallelize(self.module, self.mesh, self._config)
-        if not (converted or split or self.mesh.size("sp") > 1):
-            return param_groups
-        now = dict(self.module.named_parameters())
-        return [{**g, "params": [now[names[id(p)]] for p in g["params"]]} for g in param_groups]
-
-    def _check_fp8_model(self, module: nn.Module) -> None:
-        """A model that arrives holding torchao's ``Float8Linear`` layers (accelerate's
-        ``mixed_precision="fp8"`` converts before initialize(), which unwraps weights
-        wrapped for FSDP2's fp8 all-gather) trains them, in bf16 compute; tensor
-        parallelism would replace them with plain shards (refused)."""
-        before = preconverted(module)
-        if not before:
-            return
-        origin = f"the model holds torchao Float8Linear layers ({', '.join(before[:3])}{', ...' if len(before) > 3 else ''}), converted to fp8 before initialize() (accelerate's mixed_precision='fp8' does this)"  # fmt: skip
-        if not self._config.bf16.enabled:
-            raise Fp8Error(f"bf16.enabled: {origin}; fp8 layers compute in bf16: enable bf16")
-        check_fp8_device(self.device)
-        if self._config.tensor_parallel.size > 1:
-            raise Fp8Error(
-                f"tensor_parallel.autotp_size: {origin}; tensor parallelism would replace them "
-                "with bf16 shards. Give initialize() a model of plain nn.Linear layers and "
-                "the config's fp8 section instead (its tensor-parallel layers run fp8)"
-            )
-
-    def _convert_fp8(self) -> Fp8Model | None:
-        """The ``fp8`` section: fp8 matmuls in the Linear layers (after tensor parallelism,
-        before the flat layout); said once, from rank 0."""
-        cfg = self._config.fp8
-        if not cfg.enabled:
-            before = preconverted(self.module)
-            if before and self.comm.rank == 0:
-                log.warning(
-                    "zeroshard: fp8: %d torchao Float8Linear layer(s) converted before "
-                    "initialize() run fp8 matmuls (the config has no fp8 section)",
-                    len(before),
-                )
-            return None
-        check_fp8_device(self.device)
-        fp8 = convert_to_fp8(self.module, cfg)
-        if self.comm.rank == 0:
-            (log.warning if fp8.kept else log.info)(fp8.summary())
-        return fp8
-
-    def _make_scheduler(self, client):
-        sc = self._config.scheduler
-        if self.optimizer is None:
-            if sc is not None or client is not None:
-                from zeroshard.config import ConfigError
-
-                raise ConfigError(
-                    "scheduler",
-                    "a learning-rate scheduler was given (the config's 'scheduler' section "
-                    "or lr_scheduler=) but no optimizer; give an optimizer too, or leave "
-                    "the scheduler out for inference",
-                )
-            return None
-        if sc is not None:
-            if client is not None:
-                raise ArgumentError(
-                    "initialize: both the config's 'scheduler' section and an lr_scheduler "
-                    "argument were given; use one"
-                )
-            return build_scheduler(sc.type, sc.params, self.optimizer.inner)
-        if callable(client) and not hasattr(client, "step"):
-            return client(self.optimizer.inner)
-        return client
-
-    def _make_loader(self, data, collate_fn):
-        if data is None:
-            return None
-        from torch.utils.data import DataLoader, DistributedSampler
-
-        # ranks that share a tensor, sequence or pipeline group get the same samples
-        sampler: DistributedSampler[Any] = DistributedSampler(
-            data, num_replicas=self.mesh.size("dp"), rank=self.mesh.coord("dp")
-        )
-        return DataLoader(
-            data,
-            batch_size=self._config.train_micro_batch_size_per_gpu,
-            sampler=sampler,
-            collate_fn=collate_fn,
-            drop_last=self._config.dataloader_drop_last,  # as DeepSpeed: the sampler still pads
-        )
+                partial_sums.append(where)
+        return TensorParallelGrads(self.mesh.comm("tp"), replicated, partial_sums)

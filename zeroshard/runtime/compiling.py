@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from zeroshard import ArgumentError
+from zeroshard import ArgumentError, NotBuiltError
 
 #: the attribute holding a compiled region's own forward (for :func:`uncompile_regions`)
 _EAGER = "_zs_eager_forward"
@@ -81,3 +81,56 @@ def check_backend(backend: str | Callable | None) -> None:
         raise UnknownBackendError(
             f"unknown torch.compile backend {backend!r}; torch knows {', '.join(sorted(known))}"
         )
+
+
+class ModuleCompiler:
+    """``engine.compile()`` / ``uncompile()`` on one module: ``before()`` runs first (the
+    engine lands what is in flight), ``regions_of(module)`` says what to compile (None:
+    the whole module; see the module docstring)."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        *,
+        before: Callable[[], None],
+        regions_of: Callable[[nn.Module], list[nn.Module] | None],
+    ) -> None:
+        self.module, self.before, self.regions_of = module, before, regions_of
+        self.is_compiled = False
+
+    def compile(
+        self,
+        backend: str | Callable | None,
+        compile_kwargs: dict | None,
+        schedule: Any,
+        compiled_autograd_enabled: bool,
+        extra: dict[str, Any],
+    ) -> None:
+        """``torch.compile`` the module in place (see ``Engine.compile``)."""
+        if schedule is not None:
+            raise NotBuiltError(
+                "engine.compile(schedule=...): DeepCompile's pass schedule; DeepCompile is "
+                "not built yet in zeroshard (torch.compile is: leave schedule out)"
+            )
+        if compiled_autograd_enabled:
+            raise NotBuiltError(
+                "engine.compile(compiled_autograd_enabled=True): compiled autograd is not "
+                "built yet in zeroshard (the backward runs the compiled regions' own "
+                "backward graphs, with the engine's gradient hooks between them)"
+            )
+        options = compile_options(backend, compile_kwargs, extra)
+        check_backend(options.get("backend"))
+        self.before()
+        self.uncompile()
+        regions = self.regions_of(self.module)
+        if regions is None:
+            self.module.compile(**options)
+        else:
+            compile_regions(regions, options)
+        self.is_compiled = True
+
+    def uncompile(self) -> None:
+        """Back to the eager module."""
+        uncompile_regions(self.module)
+        self.module._compiled_call_impl = None  # what nn.Module.compile() set
+        self.is_compiled = False

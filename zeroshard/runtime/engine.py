@@ -1,8 +1,9 @@
 """The training engine: forward, scaled backward, and the step at accumulation boundaries.
 
 The engine orchestrates strategy objects chosen once from the config and holds no
-stage-specific branches: what is sharded (:class:`Sharding`) decides the flat layout's
-world size, the gradient reducer's mode and, at stage 3, the parameter gatherer.
+stage-specific branches: what is sharded (:class:`~zeroshard.runtime.build.Sharding`)
+decides the flat layout's world size, the gradient reducer's mode and, at stage 3, the
+parameter gatherer.
 
 It works on a :class:`~zeroshard.distributed.mesh.Mesh`: ZeRO shards over the mesh's
 ``zero_shard`` group and replicates shards across ``zero_replicate`` (hybrid sharding,
@@ -11,25 +12,30 @@ MiCS / HSDP); expert parameters of mixture-of-experts layers, which differ along
 unsharded) instead; the data loader splits batches over ``dp``; ranks that share a
 tensor, sequence or pipeline group see the same batch.
 
-How it is assembled from the config (layout, stores, scheduler, loader) is in
-``build.py``; the methods integrations call on a DeepSpeed engine are in
-``hf_methods.py``.
+It is composed, not mixed in: ``build.py``'s :class:`~zeroshard.runtime.build.EngineBuilder`
+makes the parts it holds (the model prepared by ``prepare.py``, layout, stores,
+parameter manager, reducer, optimizer); ``step.py`` is what backward and step do to
+them; the methods integrations call on a DeepSpeed engine delegate to ``hf_methods.py``
+and ``compiling.py``; the monitors get records of it (``monitor/readings.py``).
 
-Communication it issues itself: at construction, one broadcast per parameter and
-buffer over the ``replicas`` group (its first rank's initial values; see
-``build.py``). Everything else
-comes from the reducer (backward) and the sharded optimizer (step); see their module
-docstrings. With ``offload_optimizer.delayed_update`` the all-gather of the updated
-parameters (stages 1-2) moves from the end of ``step()`` to the next step boundary, or
-to the first earlier call that needs the parameters (``offload/delayed.py``).
+Communication it issues itself: at construction, the agreement digest
+(``agreement.py``) and one broadcast per parameter and buffer over the ``replicas``
+group (its first rank's initial values; ``prepare.py``). Everything else comes from
+the reducer (backward) and the sharded optimizer (step); see their module docstrings.
+With ``offload_optimizer.delayed_update`` the all-gather of the updated parameters
+(stages 1-2) moves from the end of ``step()`` to the next step boundary, or to the first
+earlier call that needs the parameters (``offload/delayed.py``).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import weakref
+from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -40,29 +46,19 @@ from zeroshard.config.schema import ConfigError
 from zeroshard.distributed import watchdog
 from zeroshard.distributed.mesh import Mesh
 from zeroshard.distributed.process_group import default_device, local_rank
-from zeroshard.moe.apply import check_composition
 from zeroshard.monitor.hub import EngineMonitor
 from zeroshard.monitor.memory import measure
-from zeroshard.offload.placement import Placement
-from zeroshard.offload.swaps import EngineSwaps
-from zeroshard.runtime.build import (
-    EngineBuild,
-    Sharding,
-    cast_floating,
-    move_module,
-    nonfinite_policy,
-)
-from zeroshard.runtime.compiling import UnknownBackendError
-from zeroshard.runtime.first_batch import FirstBatchSize, not_learned
-from zeroshard.runtime.hf_methods import DeepSpeedEngineCompat
-from zeroshard.runtime.precision import DtypePolicy, LossScaler
-from zeroshard.zero.grads.reducer import GradReducer
-from zeroshard.zero.optim.optimizer import ShardedOptimizer
+from zeroshard.monitor.readings import EngineInfo, StepState
+from zeroshard.runtime import step as steps
+from zeroshard.runtime.agreement import check_ranks_agree
+from zeroshard.runtime.build import EngineBuilder
+from zeroshard.runtime.compiling import ModuleCompiler, UnknownBackendError
+from zeroshard.runtime.first_batch import FirstBatchSize, not_learned, say_taken
+from zeroshard.runtime.hf_methods import consolidated_16bit_state_dict
+from zeroshard.runtime.optim import make_scheduler
+from zeroshard.runtime.prepare import cast_floating, check_fp8_model, make_loader, move_module
 from zeroshard.zero.params.gathered import register_owner, unregister_owner
-from zeroshard.zero.params.gatherer import ParamGatherer
-from zeroshard.zero.params.leaves import find_leaves
 from zeroshard.zero.params.manager import ParamManager
-from zeroshard.zero.params.whole import WholeParams
 
 if TYPE_CHECKING:
     from zeroshard.checkpoint.preemption import Preemption
@@ -73,7 +69,7 @@ log = logging.getLogger("zeroshard")
 _ENGINES: weakref.WeakKeyDictionary[nn.Module, weakref.ref] = weakref.WeakKeyDictionary()
 
 
-class Engine(EngineBuild, DeepSpeedEngineCompat, nn.Module):
+class Engine(nn.Module):
     """What ``zeroshard.initialize`` returns first; call it like the model.
 
     ``engine.config`` is the DeepSpeed config as a dict (as DeepSpeed's engine has it);
@@ -111,42 +107,19 @@ class Engine(EngineBuild, DeepSpeedEngineCompat, nn.Module):
         self._check_agreement(module, config)
         self.device = default_device()
         self.monitor = EngineMonitor(config, mesh, self.device)  # first: bad input fails here
-        self.monitor.bind(self)
-        self.policy = DtypePolicy.from_config(config)
-        self.placement = Placement.from_config(config.zero_optimization, self.device)
-        self.sharding = Sharding.for_stage(config.zero_optimization.stage)
-        if mesh.size("zero_replicate") > 1 and not self.sharding.optimizer:
-            raise ConfigError(
-                "zero_optimization.mics_shard_size: hybrid sharding needs ZeRO stage 1, 2 or 3 "
-                "(stage 0 shards nothing)"
-            )
-        # what ZeRO shards over, and the groups its collectives run in (expert
-        # parameters: over the expert-data-parallel ranks, with expert parallelism)
-        check_composition(mesh.size("ep"), config)
-        shard_comm = mesh.comm("zero_shard")
-        replicas = mesh.comm("replicas")
-        experts = mesh.size("ep") > 1
-        expert_shard = mesh.comm("expert_shard") if experts else None
-        expert_replicas = mesh.comm("expert_replicas") if experts else None
-        self.micro_steps = 0
-        self.global_steps = 0
-        self.global_samples = 0
-        self.skipped_steps = 0
+        builder = EngineBuilder(module, config, mesh, device=self.device, trains=self.trains)
+        self.policy, self.placement = builder.policy, builder.placement
+        self.sharding = builder.sharding
+        self.micro_steps = self.global_steps = self.global_samples = self.skipped_steps = 0
         self.checkpointed_step = 0  # global_steps at the last save or load
         self._step_applied = False
+        self._boundary_override: bool | None = None  # set_gradient_accumulation_boundary
         self._backwards_in_window = 0  # backward() calls since the last boundary step
         self._loss_finite: torch.Tensor | None = None  # every loss of this window finite
-        previous = _ENGINES[module]() if module in _ENGINES else None
-        if previous is not None and not previous.destroyed:
-            log.warning(
-                "zeroshard: initialize() on a model another engine manages; that engine "
-                "is destroyed first (call engine.destroy() yourself to silence this)"
-            )
-            previous.destroy()
-        _ENGINES[module] = weakref.ref(self)
+        self._take_over(module)
         self.destroyed = False
         self.preemption: Preemption | None = None  # set by Preemption.enable()
-        self._check_fp8_model(module)
+        check_fp8_model(module, config, self.device)
         move_module(module, self.device, self.policy.compute)
         self._installed: list[RemovableHandle | FirstBatchSize] = []
         if self.policy.compute != torch.float32:
@@ -156,110 +129,33 @@ class Engine(EngineBuild, DeepSpeedEngineCompat, nn.Module):
             self._installed.append(
                 FirstBatchSize(module, self.comm, self.device, self._micro_batch_seen)
             )
-        param_groups = self._parallelize(param_groups or [])
-        self._fp8 = self._convert_fp8()
-        self._swaps = EngineSwaps(config, self.comm.rank)
+        try:
+            parts = builder.build(
+                param_groups or [], client_optimizer=client_optimizer, alone=self._alone()
+            )
+        except BaseException:
+            self._abandon()  # the builder removed what it made
+            raise
+        self._parallel, self._fp8, self._swaps = parts.parallel, parts.fp8, parts.swaps
         self._swap_spaces = self._swaps.spaces  # nvme_path -> this rank's swap directory
-        self.flat, persistent = self._flatten(param_groups)
-        zc = config.zero_optimization
-        reduce_comm = shard_comm if self.flat.partitioned else replicas
-        expert_reduce = expert_shard if self.flat.partitioned else expert_replicas
-        if self.sharding.parameters and self.flat.partitioned:
-            # gradients are reduced in a group of their own: in backward the gathers and
-            # the reductions each keep one order on every rank, but how they interleave
-            # differs when a parameter gets a gradient on some ranks only (a leaf module)
-            reduce_comm = mesh.twin("zero_shard")
-            expert_reduce = mesh.twin("expert_shard") if experts else None
-        on_bucket_ready = None
+        self.flat, self.reducer = parts.flat, parts.reducer
         # whole parameters (stages 0-2) or gathered per unit (stage 3): one Protocol
-        self.params: ParamManager
-        if self.sharding.parameters:
-            gatherer = ParamGatherer(
-                self.flat,
-                shard_comm,
-                replicas,
-                module,
-                persistent=persistent,
-                prefetch_numel=int(zc.stage3_prefetch_bucket_size),
-                max_live_numel=int(zc.stage3_max_live_parameters),
-                max_reuse_numel=int(zc.stage3_max_reuse_distance),
-                leaves=find_leaves(module, zc.leaf_module),
-                check_every_pass=zc.enable_sanity_checks,
-                expert_comm=expert_shard,
-                expert_replicas=expert_replicas,
-            )
-            self.params, on_bucket_ready = gatherer, gatherer.free_if_idle
-        else:
-            if zc.overlap_param_gather and mesh.size("pp") > 1:
-                raise ConfigError(
-                    "zero_optimization.overlap_param_gather with pipeline stages is not "
-                    "built yet; leave it out with a pipeline section"
-                )
-            self.params = WholeParams(
-                self.flat,
-                shard_comm,
-                replicas,
-                module,
-                overlap=zc.overlap_param_gather,
-                expert_comm=expert_shard,
-                expert_replicas=expert_replicas,
-            )
-        registration = {id(p): i for i, p in enumerate(module.parameters())}
-        # as DeepSpeed: prescaling divides by the world size first, else by the factor
-        predivide = config.gradient_predivide_factor
-        if config.prescale_gradients:
-            predivide = mesh.size("replicas")
-        self.reducer = GradReducer(
-            self.flat,
-            reduce_comm,
-            replicate=mesh.comm("zero_replicate"),
-            dtype=self.policy.grad,
-            sharded=self.sharding.gradients,
-            overlap=zc.overlap_comm or not self.sharding.optimizer,
-            registration_index=registration,
-            predivide=predivide,
-            # stage 3: a unit's parameters are freed once its gradients are in
-            on_bucket_ready=on_bucket_ready,
-            accum_device=self.placement.optimizer if self.placement.offload_optimizer else None,
-            reduce_scatter_via={None: None, True: "native", False: "all_reduce"}[zc.reduce_scatter],
-            count_unreached=self.sharding.parameters and reduce_comm.world_size > 1,
-            expert_comm=expert_reduce,
-        )
-        self.loss_scaler = LossScaler.from_config(config.fp16)
-        self.optimizer: ShardedOptimizer | None = None  # None: no optimizer (inference)
-        if self.trains:
-            self.optimizer = ShardedOptimizer(
-                self.flat,
-                self._optimizer_states(client_optimizer),
-                shard_comm,
-                grad_comm=reduce_comm,
-                zero_grads=self.reducer.grad_chunks,
-                clear_grads=self.reducer.zero_grad,
-                policy=self.policy,
-                scaler=self.loss_scaler,
-                tp=self._tp_grads(),
-                clip=config.gradient_clipping,
-                nonfinite=nonfinite_policy(config),
-                expert_grad_comm=expert_reduce,
-            )
+        self.params: ParamManager = parts.params
+        self.loss_scaler, self.optimizer = parts.loss_scaler, parts.optimizer
         #: offload_optimizer.delayed_update: the store stepping one step late, else None
-        self._delayed = (
-            self.optimizer.states
-            if self.optimizer is not None and zc.offload_optimizer.delayed_update
-            else None
+        self._delayed = parts.delayed
+        self._frozen, self.bucket_numel = parts.frozen, parts.bucket_numel
+        self._compiler = ModuleCompiler(
+            module,
+            before=self._before_compile,
+            regions_of=lambda m: self.params.compile_regions(m),
         )
+        # from here on a failed initialize() leaves an engine destroy() tears down (the
+        # next initialize() on the model does)
+        self.monitor.bind(self._monitor_info())
         register_owner(module.parameters(), self)
-        # parameters frozen now: unfreezing one later needs a new initialize()
-        laid_out = {
-            id(p) for p, g in zip(self.flat.params, self.flat.group_of, strict=True) if g >= 0
-        }
-        self._frozen = [
-            (name, p)
-            for name, p in module.named_parameters()
-            if not p.requires_grad and id(p) not in laid_out
-        ]
-        self.lr_scheduler = self._make_scheduler(lr_scheduler)
-        self.training_dataloader = self._make_loader(training_data, collate_fn)
+        self.lr_scheduler = make_scheduler(config, self.optimizer, lr_scheduler)
+        self.training_dataloader = make_loader(config, mesh, training_data, collate_fn)
         if "activation_checkpointing" in config.raw:  # as DeepSpeed: configures checkpoint()
             from zeroshard.activation import checkpointing
 
@@ -273,27 +169,79 @@ class Engine(EngineBuild, DeepSpeedEngineCompat, nn.Module):
             except UnknownBackendError as err:
                 raise ConfigError("compile.backend", str(err)) from None
 
+    # -- construction (the pipeline engine overrides these two) --------------------------
+    def _check_agreement(self, module: nn.Module, config) -> None:
+        """Every rank describes the same model and config (``agreement.py``)."""
+        check_ranks_agree(self.comm, module, config)
+
+    def _alone(self) -> frozenset:
+        """Ids of parameters laid out in segments of their own (the pipeline engine's
+        tied layers); none here."""
+        return frozenset()
+
+    def _take_over(self, module: nn.Module) -> None:
+        """This engine manages ``module`` now; another live one is destroyed first."""
+        previous = _ENGINES[module]() if module in _ENGINES else None
+        if previous is not None and not previous.destroyed:
+            log.warning(
+                "zeroshard: initialize() on a model another engine manages; that engine "
+                "is destroyed first (call engine.destroy() yourself to silence this)"
+            )
+            previous.destroy()
+        _ENGINES[module] = weakref.ref(self)
+
+    def _abandon(self) -> None:
+        """The parts could not be built: remove this engine's own hooks, let go of the
+        model and close the monitors (nothing else to tear down)."""
+        for h in self._installed:
+            h.remove()
+        self._installed.clear()
+        if self.module in _ENGINES and _ENGINES[self.module]() is self:
+            del _ENGINES[self.module]
+        self.monitor.close()
+        self.destroyed = True
+
     def _micro_batch_seen(self, rows: int) -> None:
         """The config left the micro-batch size out: take the first batch's ``rows``."""
         self._config = replace(
             self._config, train_micro_batch_size_per_gpu=rows, micro_batch_from_data=False
         )
         self.monitor.throughput.batch_size = self.train_batch_size()
-        if self.comm.rank == 0:  # a warning, so that it shows by default, as config notes do
-            log.warning(
-                "zeroshard: train_micro_batch_size_per_gpu is not in the config; taken from "
-                "the first batch: %d (train_batch_size %d = %d x gradient_accumulation_steps "
-                "%d x %d data-parallel ranks)",
-                rows,
-                self.train_batch_size(),
-                rows,
-                self.gradient_accumulation_steps(),
-                self._config.dp_world_size,
-            )
+        if self.comm.rank == 0:
+            say_taken(self._config, rows)
 
     def _cast_inputs(self, module, args, kwargs):
         dtype = self.policy.compute
         return cast_floating(args, dtype), cast_floating(kwargs, dtype)
+
+    def _monitor_info(self) -> EngineInfo:
+        """What the monitors read of this engine once (``monitor/readings.py``)."""
+        flat = self.flat  # ZeRO-3 releases parameters: their sizes are the layout's
+        return EngineInfo(
+            name=type(self).__name__,
+            module=self.module,
+            param_numels={
+                id(p): math.prod(s) for p, s in zip(flat.params, flat.shapes, strict=True)
+            },
+            dtype=self.policy.compute,
+            world_size=self.world_size,
+            counters=lambda: (self.global_steps, self.global_samples),
+            memory_stats=self.memory_stats,
+        )
+
+    def _step_state(self) -> StepState:
+        """What the monitors read after a step."""
+        return StepState(
+            global_steps=self.global_steps,
+            global_samples=self.global_samples,
+            skipped_steps=self.skipped_steps,
+            train_batch_size=self.train_batch_size(),
+            micro_batch_size=self.train_micro_batch_size_per_gpu(),
+            gradient_accumulation_steps=self.gradient_accumulation_steps(),
+            lr=tuple(self.get_lr()),
+            grad_norm=self.get_global_grad_norm(),
+            loss_scale=self.cur_scale,
+        )
 
     # -- teardown ---------------------------------------------------------------------
     def destroy(self) -> None:
@@ -351,20 +299,8 @@ class Engine(EngineBuild, DeepSpeedEngineCompat, nn.Module):
             self._land_delayed()
 
     def _land_delayed(self) -> None:
-        """offload_optimizer.delayed_update: wait for the optimizer step in flight, write
-        its masters into the parameters and re-assemble them (stages 1-2: all-gather)."""
-        d = getattr(self, "_delayed", None)
-        if d is None or not d.in_flight:
-            return
-        if self.params.edited():
-            log.warning(
-                "zeroshard: parameters were changed in place while a delayed optimizer "
-                "step was in flight (offload_optimizer.delayed_update); the step's values "
-                "overwrite the change (use GatheredParameters(..., modifier_rank=...))"
-            )
-        d.wait()
-        self.params.after_step()
-        d.in_flight = False
+        """offload_optimizer.delayed_update: land the step in flight (``step.py``)."""
+        steps.land_delayed(self._delayed, self.params)
 
     def wait_param_gather(self) -> None:
         """With ``zero_optimization.overlap_param_gather``: wait until the parameters
@@ -377,7 +313,9 @@ class Engine(EngineBuild, DeepSpeedEngineCompat, nn.Module):
         self._enter("forward")
         if not (torch.is_grad_enabled() and self.module.training):
             self._land_delayed()  # evaluation sees the latest update
-        self.monitor.forward_start(self, args, kwargs)
+        self.monitor.forward_start(
+            args, kwargs, training=self.module.training, step=self.global_steps
+        )
         out = self.module(*args, **kwargs)
         self.monitor.forward_end()
         self._leave()
@@ -398,37 +336,21 @@ class Engine(EngineBuild, DeepSpeedEngineCompat, nn.Module):
         spent), else ``loss`` itself."""
         self._refuse_without_optimizer("backward")
         self._enter("backward")
-        for name, p in self._frozen:
-            if p.requires_grad:
-                raise UsageError(
-                    f"parameter {name!r} was frozen (requires_grad=False) when initialize() "
-                    "ran and now requires grad: zeroshard laid out its gradient and optimizer "
-                    "storage then. Call engine.destroy() and initialize() again after "
-                    "changing requires_grad, or unfreeze it before initialize()"
-                )
+        steps.check_frozen(self._frozen)
         finite = torch.isfinite(loss.detach()).all()  # read at the step (no sync here)
         self._loss_finite = finite if self._loss_finite is None else self._loss_finite & finite
-        scaled = loss
         gas = self.gradient_accumulation_steps()
-        if scale_wrt_gas and gas > 1:
-            scaled = scaled / gas
-        if self.loss_scaler.scale != 1.0:
-            scaled = scaled * self.loss_scaler.scale
+        scaled = steps.scaled_loss(loss, gas, self.loss_scaler.scale, scale_wrt_gas)
         self.monitor.backward_start(loss, gas)
-        if self._delayed is not None:  # the step in flight has copied the last gradients
-            self._delayed.release_gradients()
-        self.reducer.begin(self.is_gradient_accumulation_boundary(), [scaled])
-        self.params.begin_backward()
-        try:
-            scaled.backward(retain_graph=retain_graph)
-            self.monitor.backward_inner_end()
-        except BaseException:
-            self.reducer.abandon()  # no backward runs any more; the window keeps its state
-            raise
-        else:
-            self.reducer.finish()
-        finally:
-            self.params.end_backward()
+        steps.run_backward(
+            scaled,
+            boundary=self.is_gradient_accumulation_boundary(),
+            retain_graph=retain_graph,
+            reducer=self.reducer,
+            params=self.params,
+            monitor=self.monitor,
+            delayed=self._delayed,
+        )
         self.monitor.backward_end()
         self._backwards_in_window += 1
         self._leave()
@@ -446,43 +368,28 @@ class Engine(EngineBuild, DeepSpeedEngineCompat, nn.Module):
         self._step_applied = False
         boundary = self.is_gradient_accumulation_boundary()
         if boundary:
-            optimizer = self.optimizer
-            assert optimizer is not None  # refused above
-            self._land_delayed()
-            if self._delayed is not None:
-                self._delayed.armed = self.global_steps >= self._delayed.after
-            # e.g. p.clamp_() after the last step: the masters take it (zero/params/edits.py)
-            optimizer.refresh_masters(self.params.take_edits())
+            assert self.optimizer is not None  # refused above
             loss_finite = self._loss_finite is None or bool(self._loss_finite)
             self._loss_finite = None
-            grads = self.reducer.finalize()  # reduces a window of local sums first
-            self._step_applied = optimizer.apply_step(grads, loss_finite)
-            if self._step_applied:
-                if self._delayed is None or not self._delayed.in_flight:
-                    self.params.after_step()
-                if self.lr_scheduler is not None:
-                    self.lr_scheduler.step(**(lr_kwargs or {}))
-            else:
+            self._step_applied = steps.optimizer_step(
+                optimizer=self.optimizer,
+                reducer=self.reducer,
+                params=self.params,
+                delayed=self._delayed,
+                global_steps=self.global_steps,
+                loss_finite=loss_finite,
+            )
+            if not self._step_applied:
                 self.skipped_steps += 1
                 if self.comm.rank == 0:
-                    what = (
-                        "fp16 overflow" if self.loss_scaler.dynamic else "inf/nan gradients or loss"
-                    )
-                    log.warning(
-                        "zeroshard: step %d skipped on every rank (%s on some rank; %d "
-                        "skipped so far)%s",
-                        self.global_steps + 1,
-                        what,
-                        self.skipped_steps,
-                        f"; loss scale now {self.loss_scaler.scale:g}"
-                        if self.loss_scaler.dynamic
-                        else "",
-                    )
+                    steps.say_skipped(self.global_steps + 1, self.skipped_steps, self.loss_scaler)
+            elif self.lr_scheduler is not None:
+                self.lr_scheduler.step(**(lr_kwargs or {}))
             self.reducer.zero_grad()
             self._backwards_in_window = 0
             self.global_steps += 1
             self.global_samples += self.train_batch_size()
-        self.monitor.step_end(self, boundary)
+        self.monitor.step_end(self._step_state(), boundary)
         self.micro_steps += 1
         if self.preemption is not None and boundary:
             self.preemption.at_step_boundary(self)  # SIGTERM: save, exit 0
@@ -584,6 +491,57 @@ class Engine(EngineBuild, DeepSpeedEngineCompat, nn.Module):
             self.optimizer.refresh_masters(edited)
             self.optimizer.refresh_masters(closed)
         self.params.mark_clean()
+
+    # -- what transformers and accelerate call (hf_methods.py, compiling.py) -----------
+    def set_gradient_accumulation_boundary(self, is_boundary: bool | None) -> None:
+        """Whether the coming micro-step ends an accumulation window (accelerate calls
+        this before each backward with its ``sync_gradients``). It holds until changed;
+        ``None`` goes back to counting ``gradient_accumulation_steps`` micro-steps."""
+        self._boundary_override = None if is_boundary is None else bool(is_boundary)
+
+    def zero_gather_16bit_weights_on_model_save(self) -> bool:
+        """The config's ``zero_optimization.stage3_gather_16bit_weights_on_model_save``:
+        whether a stage-3 ``save_model`` may gather the whole weights."""
+        return bool(self._config.zero_optimization.stage3_gather_16bit_weights_on_model_save)
+
+    def _zero3_consolidated_16bit_state_dict(
+        self, exclude_frozen_parameters: bool = False
+    ) -> OrderedDict:
+        """The module's ``state_dict``, whole, in the working dtype, on rank 0's CPU
+        (``hf_methods.consolidated_16bit_state_dict``; every rank must call it)."""
+        self.params.settle()  # overlap_param_gather: the last step's gathers have landed
+        self._land_delayed()  # offload_optimizer.delayed_update: the step in flight too
+        rank0 = self.comm.rank == 0
+        ep = self.mesh.comm("ep")
+        return consolidated_16bit_state_dict(self.module, ep, rank0, exclude_frozen_parameters)
+
+    def compile(
+        self,
+        backend: str | Callable | None = None,
+        compile_kwargs: dict | None = None,
+        schedule: Any = None,
+        compiled_autograd_enabled: bool = False,
+        **kw: Any,
+    ) -> None:
+        """``torch.compile`` the wrapped module in place (DeepSpeed's ``engine.compile``),
+        at every ZeRO stage, offload included: the whole module, or one region per
+        gathered unit with the engine's hooks outside the compiled code (stage 3; see
+        ``zeroshard/runtime/compiling.py``). ``backend`` and ``compile_kwargs`` (and further
+        keywords) go to ``torch.compile``. Call it between steps; again to recompile
+        with other options."""
+        self._compiler.compile(backend, compile_kwargs, schedule, compiled_autograd_enabled, kw)
+
+    def _before_compile(self) -> None:
+        self._land_delayed()
+        self.params.settle()
+
+    def uncompile(self) -> None:
+        """Back to the eager module (also at ``destroy()``)."""
+        self._compiler.uncompile()
+
+    @property
+    def is_compiled(self) -> bool:
+        return self._compiler.is_compiled
 
     # -- DeepSpeed-compatible accessors ---------------------------------------------
     def train_batch_size(self) -> int:

@@ -14,6 +14,7 @@ takes the same size or every rank raises.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -25,6 +26,8 @@ from zeroshard.config import ConfigError
 from zeroshard.distributed.comm import Comm
 
 KEY = "train_micro_batch_size_per_gpu"
+
+log = logging.getLogger("zeroshard")
 
 
 def rows_of(args, kwargs) -> int | None:
@@ -88,6 +91,21 @@ class FirstBatchSize:
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
+
+
+def say_taken(config, rows: int) -> None:
+    """The log line (a warning, so that it shows by default, as config notes do) saying
+    the size was taken: ``config`` has it filled in now. Rank 0 says it."""
+    log.warning(
+        "zeroshard: train_micro_batch_size_per_gpu is not in the config; taken from "
+        "the first batch: %d (train_batch_size %d = %d x gradient_accumulation_steps "
+        "%d x %d data-parallel ranks)",
+        rows,
+        config.train_batch_size,
+        rows,
+        config.gradient_accumulation_steps,
+        config.dp_world_size,
+    )
 
 
 def not_learned() -> ConfigError:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from zeroshard import ArgumentError, InternalError
-from zeroshard.offload.store import MemoryShard
+from zeroshard.offload.store import MemoryShard, ShardStore
 from zeroshard.zero.layout.partition import FlatLayout
 
 
@@ -51,7 +51,7 @@ class FlatParams:
         *,
         device: torch.device,
         dtype: torch.dtype,
-        store=None,
+        store: ShardStore | None = None,
         value_of=None,
     ) -> None:
         if layout.numels != tuple(p.numel() for p in params):
@@ -73,7 +73,7 @@ class FlatParams:
             store = MemoryShard(self.full, layout, views)
         else:
             self._fill(store, value_of)
-        self.store = store
+        self.store: ShardStore = store
         # per group: (segment, lo, hi, parameter) of each piece of the group's parameters
         # this rank owns, relative to the chunk, in shard order
         self._pieces: list[list[tuple[int, int, int, int]]] = [[] for _ in hyperparams]
@@ -84,7 +84,7 @@ class FlatParams:
                 lo = piece.shard_lo - start
                 self._pieces[g].append((piece.segment, lo, lo + piece.numel, piece.param))
 
-    def _fill(self, store, value_of) -> None:
+    def _fill(self, store: ShardStore, value_of) -> None:
         """Fill this rank's shard segment by segment (calling ``value_of`` for every
         parameter in layout order, on every rank)."""
         layout, rank = self.layout, self.rank

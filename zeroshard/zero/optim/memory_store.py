@@ -1,9 +1,10 @@
 """Optimizer state in memory: fp32 master chunks and a torch optimizer stepping them.
 No communication.
 
-This is the memory store of the shard-store protocol (``offload/store.py``): ``kinds``,
-``read(kind, a, b)`` / ``write(kind, a, values)`` at shard positions, ``buffers()``,
-``disk_bytes()``, plus ``step(grads, factor)``. Its NVMe counterpart is
+This is the memory store of the optimizer-state store protocol
+(:class:`~zeroshard.offload.states.StateStore`): ``kinds``, ``read(kind, a, b)`` /
+``write(kind, a, values)`` at shard positions, ``buffers()``, ``disk_bytes()``, plus
+``step(grads, factor)``. Its NVMe counterpart is
 :class:`~zeroshard.offload.swapped_adam.SwappedAdam`; the sharded optimizer and
 checkpoints use either through the protocol.
 
@@ -28,9 +29,8 @@ import torch
 from zeroshard import ArgumentError, InternalError
 from zeroshard.distributed.device import runtime
 from zeroshard.offload.placement import Placement
-from zeroshard.runtime.precision import DtypePolicy
+from zeroshard.offload.states import StepGrads
 from zeroshard.zero.layout.flat import FlatParams
-from zeroshard.zero.optim.store import StepGrads
 from zeroshard.zero.params.edits import take_edits
 
 _EAGER_STATE = (torch.optim.Adam, torch.optim.AdamW)
@@ -306,7 +306,7 @@ def fold_scale(optimizer: torch.optim.Optimizer, device: torch.device, factor: f
 
 def build_memory_states(
     flat: FlatParams,
-    policy: DtypePolicy,
+    master_dtype: torch.dtype,
     placement: Placement,
     *,
     client: torch.optim.Optimizer | None = None,
@@ -315,6 +315,7 @@ def build_memory_states(
 ) -> MemoryStates:
     """Make this rank's master chunks (one per segment) and the torch optimizer that
     steps them, one param group per ``flat`` group holding that group's master views.
+    ``master_dtype``: the masters' dtype (the dtype policy's, fp32).
 
     ``client``: a user's optimizer instance, re-pointed at the masters in place (so an
     lr scheduler already bound to it keeps working). ``factory(param_groups)``: builds
@@ -324,12 +325,12 @@ def build_memory_states(
     views = (
         not copy_masters
         and flat.chunks is not None
-        and (store.dtype == policy.master and placement.same_place_for_masters())
+        and (store.dtype == master_dtype and placement.same_place_for_masters())
     )
     if views and flat.chunks is not None:
         masters = [c.detach() for c in flat.chunks]
     else:
-        buf = placement.empty(flat.layout.shard_numel, policy.master, placement.optimizer)
+        buf = placement.empty(flat.layout.shard_numel, master_dtype, placement.optimizer)
         masters = [buf[s.shard_start : s.shard_start + s.chunk] for s in flat.layout.segments]
         for s, master in enumerate(masters):
             master.copy_(store.chunk(s))
@@ -358,7 +359,7 @@ def build_memory_states(
         masters,
         separate=not views,
         pipelined=pipelined,
-        master_dtype=policy.master,
+        master_dtype=master_dtype,
         # host masters into a parameter store in device memory (not the host shard of
         # stage 3's offload_param, which they are written into on the host)
         uploads=placement.optimizer_on_host and not placement.param_on_host,

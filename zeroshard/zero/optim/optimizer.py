@@ -26,22 +26,39 @@ and nothing else: re-assembling whole parameters from the updated chunks is the 
 
 Where the fp32 masters and the optimizer states live (device or host memory:
 ``zero/optim/memory_store.py``; NVMe files: ``offload/swapped_adam.py``) is the store's business:
-both answer one protocol (``step``, ``read``/``write`` of a kind of state, ``buffers``).
+both answer one protocol (:class:`~zeroshard.offload.states.StateStore`: ``step``,
+``read``/``write`` of a kind of state, ``buffers``). The fp16 loss scale comes in as a
+:class:`Scaler` (``runtime/precision.LossScaler`` satisfies it).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 import torch
 
 from zeroshard import NonFiniteError, UsageError
 from zeroshard.distributed.comm import Comm
-from zeroshard.runtime.precision import DtypePolicy, LossScaler
+from zeroshard.offload.states import StateStore
 from zeroshard.zero.grads.reducer import chunk_sum_of_squares
 from zeroshard.zero.grads.result import ReducedGrads
 from zeroshard.zero.layout.flat import FlatParams
+
+
+class Scaler(Protocol):
+    """The loss scale the gradients carry (fp16; 1 otherwise), told of each step."""
+
+    @property
+    def scale(self) -> float: ...
+
+    @property
+    def dynamic(self) -> bool:
+        """Whether overflows change the scale (then every step checks for them)."""
+
+    def update(self, overflow: bool) -> None:
+        """One step was attempted (skipped when ``overflow``)."""
 
 
 class TensorParallelGrads:
@@ -149,8 +166,8 @@ def unused_and_bad(
 class ShardedOptimizer:
     """Unscale, check overflow, clip by global norm, then step the state store.
 
-    ``states`` is a :class:`~zeroshard.zero.optim.memory_store.MemoryStates` or a
-    :class:`~zeroshard.offload.swapped_adam.SwappedAdam`; its ``param_groups`` are
+    ``states`` is a :class:`~zeroshard.offload.states.StateStore` (memory, NVMe, or the
+    delayed update over memory); its ``param_groups`` are
     exposed so schedulers and users can change ``lr``. It steps on the gradients it is
     handed (:meth:`apply_step`); ``grad_comm`` is the group they are reduced over
     (``expert_grad_comm`` the one expert parameters' are, with expert parallelism),
@@ -161,21 +178,20 @@ class ShardedOptimizer:
     def __init__(
         self,
         flat: FlatParams,
-        states,
+        states: StateStore,
         comm: Comm,
         *,
         grad_comm: Comm,
         zero_grads: Sequence[torch.Tensor],
         clear_grads: Callable[[], None],
-        policy: DtypePolicy,
-        scaler: LossScaler,
+        scaler: Scaler,
         clip: float = 0.0,
         nonfinite: str = "skip",
         tp: TensorParallelGrads | None = None,
         expert_grad_comm: Comm | None = None,
     ) -> None:
         self.flat, self.states = flat, states
-        self.comm, self.policy, self.scaler = comm, policy, scaler
+        self.comm, self.scaler = comm, scaler
         self.grad_comm, self._clear_grads = grad_comm, clear_grads
         self.expert_grad_comm = expert_grad_comm
         self.tp = tp
@@ -188,7 +204,7 @@ class ShardedOptimizer:
         states.init_state(list(zero_grads))
 
     @property
-    def inner(self):
+    def inner(self) -> Any:
         """The torch optimizer (or NVMe Adam) holding the param groups: what schedulers
         take."""
         return self.states.inner
@@ -204,7 +220,7 @@ class ShardedOptimizer:
         return self.states.param_groups
 
     @property
-    def state(self):
+    def state(self) -> Any:
         return self.states.state
 
     @property
