@@ -59,8 +59,10 @@ def _engine_timer(rank: int, world: int) -> dict:
         engine.step()
     out["after"] = [t.micro_step_count, t.global_step_count, t.total_elapsed_time > 0]
     # DeepSpeed's engine.optimizer.optimizer: the wrapped torch optimizer, stepped each step
-    inner = engine.optimizer.optimizer
-    out["inner"] = inner is engine.optimizer.inner and isinstance(inner, torch.optim.Adam)
+    opt = engine.optimizer
+    assert opt is not None
+    inner = opt.optimizer
+    out["inner"] = inner is opt.inner and isinstance(inner, torch.optim.Adam)
     out["steps"] = [int(inner.state[p]["step"]) for g in inner.param_groups for p in g["params"]]
     return out
 
