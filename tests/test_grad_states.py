@@ -22,6 +22,7 @@ import contextlib
 import multirank
 import pytest
 import torch
+from state_walks import error_of, row_key
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -76,18 +77,6 @@ class _Boom(torch.autograd.Function):
         raise ArithmeticError("boom")
 
 
-def _key(machine: str, key: tuple) -> str:
-    return machine + ":" + ",".join(k.name for k in key)
-
-
-def _error(fn) -> list[str]:
-    try:
-        fn()
-    except Exception as exc:  # the type and message are what the test checks
-        return [type(exc).__name__, str(exc)]
-    return ["no error", ""]
-
-
 def _walk(rank: int, stage: int, mics: int, offload: bool, experts: bool = False) -> dict:
     from zeroshard.distributed import device
     from zeroshard.distributed.fake_device import FakeRuntime
@@ -117,7 +106,7 @@ def _walk_on(rank: int, stage: int, mics: int, offload: bool, experts: bool) -> 
     )
     r = engine.reducer
     seen: set[str] = set()
-    r.on_transition = lambda machine, key: seen.add(_key(machine, key))
+    r.on_transition = lambda machine, key: seen.add(row_key(machine, key))
     x = torch.randn(2, 4, generator=torch.Generator().manual_seed(rank))
     full = not r.sharded
 
@@ -175,16 +164,16 @@ def _walk_on(rank: int, stage: int, mics: int, offload: bool, experts: bool) -> 
 
     # orders a tired user makes, each a named error; the reducer goes on afterwards
     errors = {
-        "loss.backward()": _error(lambda: loss().backward()),
-        "finish without begin": _error(r.finish),
+        "loss.backward()": error_of(lambda: loss().backward()),
+        "finish without begin": error_of(r.finish),
     }
     engine.zero_grad()
     r.begin(True)
-    errors["begin twice"] = _error(lambda: r.begin(True))
+    errors["begin twice"] = error_of(lambda: r.begin(True))
     r.abandon()
     engine.backward(loss())
-    errors["local_grad after the reduction"] = _error(lambda: r.local_grad(0))
-    errors["step inside a backward"] = _error(lambda: _step_inside(engine, loss))
+    errors["local_grad after the reduction"] = error_of(lambda: r.local_grad(0))
+    errors["step inside a backward"] = error_of(lambda: _step_inside(engine, loss))
     engine.zero_grad()
     engine.backward(loss())
     engine.step()
@@ -221,7 +210,7 @@ def walked():
 
 
 def _rows() -> set[str]:
-    return {_key(m, k) for m, table in states.MACHINES.items() for k in table}
+    return {row_key(m, k) for m, table in states.MACHINES.items() for k in table}
 
 
 def test_every_transition_is_taken(walked):

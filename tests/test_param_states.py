@@ -29,6 +29,7 @@ import os
 import multirank
 import pytest
 import torch
+from state_walks import error_of, row_key
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -64,18 +65,6 @@ class Net(nn.Module):
             h = torch.tanh(self.c(h))
         out = self.head(h) * self.scale
         return out + self(x) if nested else out
-
-
-def _key(machine: str, key: tuple) -> str:
-    return machine + ":" + ",".join(k.name for k in key)
-
-
-def _error(fn) -> list[str]:
-    try:
-        fn()
-    except Exception as exc:  # the type and message are what the test checks
-        return [type(exc).__name__, str(exc)]
-    return ["no error", ""]
 
 
 def _engine(rank: int, tmp: str, **zero):
@@ -133,7 +122,7 @@ def _plain(rank: int, tmp: str) -> dict:
     with GatheredParameters([w]):
         out["whole_inside"] = tuple(w.shape) == (8, 8) and w.untyped_storage().nbytes() > 0
         held = g.units.state.index(states.UnitState.GATHERED)  # the one unit held here
-        out["evict_needed"] = _error(lambda: g.units.move(held, Event.EVICT))
+        out["evict_needed"] = error_of(lambda: g.units.move(held, Event.EVICT))
     out["released_after"] = w.untyped_storage().nbytes() == 0
     with GatheredParameters([w], modifier_rank=0), torch.no_grad():
         w.fill_(float(rank + 1))  # every rank writes; rank 0's values are kept
@@ -141,10 +130,10 @@ def _plain(rank: int, tmp: str) -> dict:
     with GatheredParameters([w]):
         out["edit_seen"] = w.detach().clone().tolist()
     persistent = next(iter(g.persistent))
-    out["fetch_persistent"] = _error(lambda: g.units.move(persistent, Event.FETCH))
-    out["end_without_begin"] = _error(g.end_backward)
+    out["fetch_persistent"] = error_of(lambda: g.units.move(persistent, Event.FETCH))
+    out["end_without_begin"] = error_of(g.end_backward)
     g.begin_backward()
-    out["begin_twice"] = _error(g.begin_backward)
+    out["begin_twice"] = error_of(g.begin_backward)
     g.end_backward()
     # the whole model checkpointed: its forward re-runs inside backward
     x = _x(rank, 4).requires_grad_()
@@ -202,13 +191,13 @@ def _worker(rank: int, world: int, tmp: str) -> dict:
     if drop:
         machine = drop.split(":")[0]
         table = states.MACHINES[machine]
-        del table[next(k for k in table if _key(machine, k) == drop)]
+        del table[next(k for k in table if row_key(machine, k) == drop)]
     seen: set[str] = set()
     step = states.step
 
     def recorded(machine: str, key: tuple):  # every move of every engine, start-up included
         out = step(machine, key)
-        seen.add(_key(machine, key))
+        seen.add(row_key(machine, key))
         return out
 
     states.step = recorded  # this rank's process only
@@ -237,7 +226,7 @@ def walked(tmp_path_factory):
 
 
 def _rows() -> set[str]:
-    return {_key(m, k) for m, table in states.MACHINES.items() for k in table}
+    return {row_key(m, k) for m, table in states.MACHINES.items() for k in table}
 
 
 def test_every_transition_is_taken(walked):
