@@ -33,6 +33,20 @@ def _local(engine) -> dict[str, torch.Tensor]:
         return {n: p.detach().clone() for n, p in engine.module.named_parameters()}
 
 
+def _train(engine, kind: str, index: int, world: int) -> dict:
+    """STEPS steps of ``moe_cases``' data for batch ``index``; the losses, the
+    one-process reference's, and the largest parameter difference to it."""
+    losses = []
+    for step in range(STEPS):
+        loss = mc.loss_of(engine, kind, step, index)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    ref_losses, _, ref = mc.reference(kind, world, STEPS)
+    diff = mc.diff_to_reference(engine.module, _local(engine), ref)
+    return {"losses": losses, "ref_losses": ref_losses, "diff": diff}
+
+
 def _tp(rank: int, stage: int) -> dict:
     import zeroshard
 
@@ -45,18 +59,10 @@ def _tp(rank: int, stage: int) -> dict:
     }
     engine, *_ = zeroshard.initialize(model=mc.tiny_mixtral(), config=cfg)
     dp, ndp = engine.mesh.coord("dp"), engine.mesh.size("dp")
-    losses = []
-    for step in range(STEPS):
-        loss = mc.loss_of(engine, "hf", step, dp)
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
-    ref_losses, _, ref = mc.reference("hf", ndp, STEPS)
+    trained = _train(engine, "hf", dp, ndp)
     split = sum(1 for p in engine.module.parameters() if hasattr(p, "zeroshard_tp_slice"))
     out = {
-        "losses": losses,
-        "ref_losses": ref_losses,
-        "diff": mc.diff_to_reference(engine.module, _local(engine), ref),
+        **trained,
         "mesh": engine.mesh.describe(),
         "tp_split": split,
         "dp": dp,
@@ -129,17 +135,8 @@ def _offload(rank: int, device: str = "cpu") -> dict:
     cfg = {"train_micro_batch_size_per_gpu": 2, "optimizer": _opt(), "zero_optimization": zero}
     model = mc.DSMoEModel(ep_size=2, ep_rank=rank % 2)
     engine, *_ = zeroshard.initialize(model=model, config=cfg)
-    losses = []
-    for step in range(STEPS):
-        loss = mc.loss_of(engine, "ds", step, rank)
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
-    ref_losses, _, ref = mc.reference("ds", WORLD, STEPS)
     out = {
-        "losses": losses,
-        "ref_losses": ref_losses,
-        "diff": mc.diff_to_reference(engine.module, _local(engine), ref),
+        **_train(engine, "ds", rank, WORLD),
         "cpu": engine.memory_stats()["by_location"].get("cpu", 0),
     }
     engine.destroy()
@@ -159,18 +156,7 @@ def _zero_init(rank: int) -> dict:
     with zeroshard.zero.Init(config_dict_or_path=cfg):
         model = mc.DSMoEModel(ep_size=2, ep_rank=rank % 2)
     engine, *_ = zeroshard.initialize(model=model, config=cfg)
-    losses = []
-    for step in range(STEPS):
-        loss = mc.loss_of(engine, "ds", step, rank)
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
-    ref_losses, _, ref = mc.reference("ds", WORLD, STEPS)
-    out = {
-        "losses": losses,
-        "ref_losses": ref_losses,
-        "diff": mc.diff_to_reference(engine.module, _local(engine), ref),
-    }
+    out = _train(engine, "ds", rank, WORLD)
     engine.destroy()
     return out
 
