@@ -95,15 +95,19 @@ def test_top2_drops_by_position_and_normalizes() -> None:
     assert d.weights[2].tolist() == [0.0, 0.0]
 
 
+# DeepSpeed's TestTopkGate logits for 4 tokens over 6 experts (its top-3 case)
+TOPK_LOGITS = torch.tensor(
+    [[0.5858, 0.4801, 0.6269, 0.5397, 0.9722, 0.7034],
+     [0.5445, 0.6332, 0.4519, 0.6308, 0.0519, 0.6450],
+     [0.4874, 0.8110, 0.7467, 0.8474, 0.0277, 0.3068],
+     [0.8570, 0.6714, 0.5310, 0.3274, 0.4836, 0.9892]]
+)  # fmt: skip
+
+
 def test_topk_keeps_largest_gates() -> None:
     """k > 2: normalized over kept routes; 'probs' drops the smallest gate values per
     expert (DeepSpeed after its top-k fix: by probability), 'position' the latest."""
-    logits = torch.tensor(
-        [[0.5858, 0.4801, 0.6269, 0.5397, 0.9722, 0.7034],
-         [0.5445, 0.6332, 0.4519, 0.6308, 0.0519, 0.6450],
-         [0.4874, 0.8110, 0.7467, 0.8474, 0.0277, 0.3068],
-         [0.8570, 0.6714, 0.5310, 0.3274, 0.4836, 0.9892]]
-    )  # fmt: skip
+    logits = TOPK_LOGITS.clone()
     gates = F.softmax(logits, 1)
     r = gating.topk(logits, 3, 1.0, 1, drop_tokens=True, drop_policy="probs")
     assert r.capacity == 2 and torch.allclose(r.l_aux, gating.topk(logits, 3, 1.0, 1).l_aux)
@@ -140,12 +144,7 @@ def test_dense_forms_match_deepspeeds_tests() -> None:
         got = topkgating(logits, 2, 1, min_capacity=1, drop_policy="position")[2]
         want = [[0, 1, 0], [0, 3, 0], [1, 0, 0], [1, 1, 1], [2, 2, 0], [2, 3, 1], [3, 2, 1]]
         assert torch.equal(got, mask(want, 4, 4, 2))
-    logits = torch.tensor(
-        [[0.5858, 0.4801, 0.6269, 0.5397, 0.9722, 0.7034],
-         [0.5445, 0.6332, 0.4519, 0.6308, 0.0519, 0.6450],
-         [0.4874, 0.8110, 0.7467, 0.8474, 0.0277, 0.3068],
-         [0.8570, 0.6714, 0.5310, 0.3274, 0.4836, 0.9892]]
-    )  # fmt: skip
+    logits = TOPK_LOGITS.clone()
     got = topkgating(logits, 3, 1, min_capacity=1, drop_policy="position")[2]
     want = [[0, 2, 0], [0, 4, 0], [0, 5, 0], [1, 1, 0], [1, 3, 0], [1, 5, 1], [2, 1, 1],
             [2, 2, 1], [2, 3, 1], [3, 0, 0]]  # fmt: skip
