@@ -1,0 +1,225 @@
+"""The fp8 all-gather of ZeRO-3 weights (``fp8.enable_fsdp_float8_all_gather``) on 2 gloo
+ranks, one spawn: every run against the same run gathering bf16 weights.
+
+The bound is zero. The fp8 matmul casts the whole bf16 weight with one tensorwise scale
+from its amax; the fp8 all-gather takes the same amax (the max of the shards' amaxes, an
+exact reduction) before the cast, and the cast is elementwise, so the cast of a shard is
+the shard of the cast, bit for bit; the matmul then runs the same ``torch._scaled_mm``
+on the same operands (``scaled_mm.py`` is torchao's numerics, tests/test_fp8.py checks
+it bitwise). The model has no Linear biases, so both runs lay parameters out in the
+same units (an fp8 weight is alone in its unit either way): the gradient reductions,
+the clipping norm and Adam see the same numbers in the same order. Losses and the fp32
+masters must therefore be equal, not close; a run whose gather or matmul differs by one
+rounding anywhere fails.
+
+The ledger: with no reuse or prefetch, each fp8 Linear weight is gathered once in
+forward and once for backward per step, so the all-gather bytes fall by exactly
+``2 x (elements of those weights)`` a step (2 bytes a element to 1), and each of those
+gathers adds one all-reduce of one float32 amax (8 bytes as the ledger counts an
+all-reduce). Without the feature the bytes stay equal and the test fails.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import multirank
+import pytest
+import torch
+
+pytest.importorskip(
+    "torchao", reason="torchao is not installed (optional: pip install 'zeroshard[fp8]')"
+)
+
+STEPS = 3
+PLAIN = {"stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0, "stage3_prefetch_bucket_size": 0}  # fmt: skip
+
+
+def _model() -> torch.nn.Module:
+    from zeroshard.models import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    return GPT(GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=2, d_model=32, bias=False))
+
+
+def _config(case: dict, gather: bool) -> dict:
+    zero = {"stage": 3, "reduce_scatter": True, **case.get("zero", {})}
+    if case.get("offload"):
+        zero |= {"offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}
+    return {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": case.get("gas", 1),
+        "gradient_clipping": case.get("clip", 0.0),
+        "bf16": {"enabled": True},
+        "data_types": {"grad_accum_dtype": "fp32"},
+        "fp8": {"enabled": True, "enable_fsdp_float8_all_gather": gather},
+        "zero_optimization": zero,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}},
+        "steps_per_print": 10**6,
+    }
+
+
+def _train(case: dict, gather: bool, rank: int, root: str) -> dict[str, Any]:
+    import zeroshard
+    from zeroshard.checkpoint.export import open_checkpoint
+    from zeroshard.checkpointing import checkpoint
+
+    model = _model()
+    if case.get("ac"):
+        for block in model.blocks:
+            block.forward = lambda *a, _f=block.forward: checkpoint(_f, *a)
+    engine, *_ = zeroshard.initialize(model=model, model_parameters=model.parameters(), config=_config(case, gather))  # fmt: skip
+    losses, ledger = [], []
+    gas = case.get("gas", 1)
+    for step in range(STEPS):
+        engine.reset_comm_stats()
+        for m in range(gas):
+            g = torch.Generator().manual_seed(100 * step + 10 * m + rank)
+            x = torch.randint(0, 64, (2, 17), generator=g)
+            loss = engine(x[:, :-1], x[:, 1:])
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.float().item())
+        stats = engine.comm_stats()
+        ledger.append({op: stats[op] for op in ("all_gather", "all_reduce") if op in stats})
+    path = os.path.join(root, f"{case['name']}-{gather}")
+    engine.save_checkpoint(path, tag="t")
+    entries, fetch, _ = open_checkpoint(os.path.join(path, "t"))
+    masters = {name: fetch(name).float() for name, _, _ in entries}
+    out: dict[str, Any] = {"losses": losses, "ledger": ledger, "engine": engine}
+    out["masters"] = masters
+    return out
+
+
+def _gathered_weight_checks(engine: Any) -> dict[str, Any]:
+    """Outside the passes, GatheredParameters gives an fp8-gathered weight's bf16 values
+    (the masters'); inside its forward the weight's values are refused by name."""
+    from zeroshard.zero import GatheredParameters
+
+    layer = engine.module.blocks[0].mlp.fc
+    with GatheredParameters([layer.weight]):
+        value = layer.weight.detach().float().clone()
+    refused = ""
+
+    def peek(module, args):
+        module.weight.sum()
+
+    handle = layer.register_forward_pre_hook(peek)
+    try:
+        x = torch.zeros(2, 17, dtype=torch.long)
+        engine(x[:, :-1], x[:, 1:])
+    except Exception as err:  # the class and text are checked
+        refused = f"{type(err).__name__}: {err}"
+    handle.remove()
+    engine.module.zero_grad(set_to_none=True)
+    return {"fc_weight": value, "refused": refused}
+
+
+def _no_eligible_layer(rank: int) -> str:
+    """A model whose only Linear layer's weight is tied to an embedding: refused by name."""
+    import zeroshard
+
+    class Tied(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = torch.nn.Embedding(64, 32)
+            self.head = torch.nn.Linear(32, 64, bias=False)
+            self.head.weight = self.emb.weight
+
+        def forward(self, x):
+            return self.head(self.emb(x)).float().mean()
+
+    model = Tied()
+    try:
+        zeroshard.initialize(model=model, model_parameters=model.parameters(), config=_config({}, True))  # fmt: skip
+    except Exception as err:
+        return f"{type(err).__name__}: {err}"
+    return "accepted"
+
+
+def _worker(rank: int, world: int, root: str) -> dict[str, Any]:
+    model = _model()
+    fp8_weights = sum(
+        m.weight.numel()
+        for n, m in model.named_modules()
+        if isinstance(m, torch.nn.Linear) and n != "head"  # head: tied to tok_emb
+    )
+    out: dict[str, Any] = {"fp8_weights": fp8_weights, "fp8_layers": 4 * 2}
+    for case in [
+        {"name": "plain", "zero": PLAIN},
+        {
+            "name": "composed",
+            "gas": 2,
+            "clip": 0.05,
+            "ac": True,
+            "offload": True,
+            "zero": {"stage3_param_persistence_threshold": 0},
+        },
+    ]:
+        runs = {}
+        for gather in (False, True):
+            run = _train(case, gather, rank, root)
+            engine = run.pop("engine")
+            if gather and case["name"] == "plain":
+                got = _gathered_weight_checks(engine)
+                master = run["masters"]["blocks.0.mlp.fc.weight"].bfloat16().float()
+                out["gathered"] = {"is_master": torch.equal(got.pop("fc_weight"), master), **got}
+            engine.destroy()
+            runs[gather] = run
+        out[case["name"]] = {
+            "losses_equal": runs[False]["losses"] == runs[True]["losses"],
+            "losses": runs[True]["losses"],
+            "masters_equal": all(
+                torch.equal(runs[False]["masters"][n], t) for n, t in runs[True]["masters"].items()
+            ),
+            "ledger": [runs[g]["ledger"] for g in (False, True)],
+        }
+    out["no_eligible"] = _no_eligible_layer(rank)
+    return out
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> list[dict[str, Any]]:
+    return multirank.run(_worker, 2, str(tmp_path_factory.mktemp("fp8g")), timeout=600)
+
+
+@pytest.mark.parametrize("case", ["plain", "composed"])
+def test_fp8_all_gather_trains_bitwise_as_the_bf16_gather(results, case: str) -> None:
+    """plain: no reuse, prefetch or persistent units; composed: gradient accumulation,
+    clipping, activation checkpointing, optimizer and parameters offloaded to the CPU,
+    the default prefetch and reuse."""
+    for r in results:
+        got = r[case]
+        assert got["losses_equal"] and got["masters_equal"], got["losses"]
+        assert all(0 < loss < 10 for loss in got["losses"])
+
+
+def test_ledger_all_gather_bytes_of_fp8_weights_halve(results) -> None:
+    for r in results:
+        saved, layers = 2 * r["fp8_weights"], r["fp8_layers"]
+        for bf16, fp8 in zip(*r["plain"]["ledger"], strict=True):
+            assert fp8["all_gather"]["calls"] == bf16["all_gather"]["calls"]
+            # 2 bytes per element -> 1, for a forward and a backward gather of each weight
+            assert bf16["all_gather"]["bytes"] - fp8["all_gather"]["bytes"] == saved
+            amax = fp8["all_reduce"]["calls"] - bf16.get("all_reduce", {"calls": 0})["calls"]
+            amax_bytes = fp8["all_reduce"]["bytes"] - bf16.get("all_reduce", {"bytes": 0})["bytes"]  # fmt: skip
+            assert (amax, amax_bytes) == (2 * layers, 2 * layers * 8)
+        composed = r["composed"]["ledger"]
+        for bf16, fp8 in zip(*composed, strict=True):
+            assert fp8["all_gather"]["bytes"] < bf16["all_gather"]["bytes"]
+
+
+def test_weight_values_outside_and_inside_the_passes(results) -> None:
+    for r in results:
+        got = r["gathered"]
+        assert got["is_master"]
+        assert got["refused"].startswith("PartitionedParameterError"), got["refused"]
+        assert "'blocks.0.mlp.fc.weight'" in got["refused"]
+
+
+def test_a_model_with_no_weight_to_gather_in_fp8_is_refused_by_name(results) -> None:
+    for r in results:
+        msg = r["no_eligible"]
+        assert msg.startswith("Fp8Error: fp8.enable_fsdp_float8_all_gather: no Linear"), msg
+        assert "head (its weight is also emb.weight (tied)" in msg
