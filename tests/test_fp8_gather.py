@@ -36,7 +36,7 @@ STEPS = 3
 PLAIN = {"stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0, "stage3_prefetch_bucket_size": 0}  # fmt: skip
 
 
-def _model() -> torch.nn.Module:
+def _model() -> Any:
     from zeroshard.models import GPT, GPTConfig
 
     torch.manual_seed(0)
@@ -146,7 +146,7 @@ def _worker(rank: int, world: int, root: str) -> dict[str, Any]:
         if isinstance(m, torch.nn.Linear) and n != "head"  # head: tied to tok_emb
     )
     out: dict[str, Any] = {"fp8_weights": fp8_weights, "fp8_layers": 4 * 2}
-    for case in [
+    cases: list[dict[str, Any]] = [
         {"name": "plain", "zero": PLAIN},
         {
             "name": "composed",
@@ -156,7 +156,8 @@ def _worker(rank: int, world: int, root: str) -> dict[str, Any]:
             "offload": True,
             "zero": {"stage3_param_persistence_threshold": 0},
         },
-    ]:
+    ]
+    for case in cases:
         runs = {}
         for gather in (False, True):
             run = _train(case, gather, rank, root)
