@@ -31,6 +31,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 SYSTEMS = ("bf16 all-gather", "fp8 all-gather")
+HEADER = (
+    "| gather | step (s), median [min-max] | x bf16 gather | all-gather bytes/step | calls "
+    "| all-reduce bytes/step | calls | loss first -> last | losses equal |"
+)
 
 
 def _rank(argv: list[str]) -> None:
@@ -138,7 +142,7 @@ def main() -> None:
         f"tensorwise, ZeRO-3 (persistence threshold 0), 2 ranks (gloo, 1 thread each), "
         f"{args.rounds} rounds x {args.steps} timed steps; bytes per step and rank (ledger).",
         "",
-        "| gather | step (s), median [min-max] | x bf16 gather | all-gather bytes/step | calls | all-reduce bytes/step | calls | loss first -> last | losses equal |",  # fmt: skip
+        HEADER,
         "|---|---|---|---|---|---|---|---|---|",
     ]
     ref = per_round[SYSTEMS[0]]
