@@ -47,6 +47,8 @@ def _config(case: dict, gather: bool) -> dict:
     zero = {"stage": 3, "reduce_scatter": True, **case.get("zero", {})}
     if case.get("offload"):
         zero |= {"offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}
+    if case.get("nvme"):  # the shard in a swap file (a directory per run)
+        zero |= {"offload_param": {"device": "nvme", "nvme_path": f"{case['nvme']}-{gather}"}}
     return {
         "train_micro_batch_size_per_gpu": 2,
         "gradient_accumulation_steps": case.get("gas", 1),
@@ -94,8 +96,16 @@ def _train(case: dict, gather: bool, rank: int, root: str) -> dict[str, Any]:
 
 def _gathered_weight_checks(engine: Any) -> dict[str, Any]:
     """Outside the passes, GatheredParameters gives an fp8-gathered weight's bf16 values
-    (the masters'); inside its forward the weight's values are refused by name."""
+    (the masters'); inside its forward the weight's values are refused by name; so is
+    engine.compile() (not built with the fp8 all-gather)."""
+    from zeroshard import NotBuiltError
     from zeroshard.zero import GatheredParameters
+
+    try:
+        engine.compile(backend="eager")
+        compiled = "accepted"
+    except NotBuiltError as err:
+        compiled = str(err)
 
     layer = engine.module.blocks[0].mlp.fc
     with GatheredParameters([layer.weight]):
@@ -113,7 +123,7 @@ def _gathered_weight_checks(engine: Any) -> dict[str, Any]:
         refused = f"{type(err).__name__}: {err}"
     handle.remove()
     engine.module.zero_grad(set_to_none=True)
-    return {"fc_weight": value, "refused": refused}
+    return {"fc_weight": value, "refused": refused, "compile": compiled}
 
 
 def _no_eligible_layer(rank: int) -> str:
@@ -156,6 +166,7 @@ def _worker(rank: int, world: int, root: str) -> dict[str, Any]:
             "offload": True,
             "zero": {"stage3_param_persistence_threshold": 0},
         },
+        {"name": "nvme", "nvme": os.path.join(root, "swap"), "zero": PLAIN},
     ]
     for case in cases:
         runs = {}
@@ -185,11 +196,11 @@ def results(tmp_path_factory) -> list[dict[str, Any]]:
     return multirank.run(_worker, 2, str(tmp_path_factory.mktemp("fp8g")), timeout=600)
 
 
-@pytest.mark.parametrize("case", ["plain", "composed"])
+@pytest.mark.parametrize("case", ["plain", "composed", "nvme"])
 def test_fp8_all_gather_trains_bitwise_as_the_bf16_gather(results, case: str) -> None:
     """plain: no reuse, prefetch or persistent units; composed: gradient accumulation,
     clipping, activation checkpointing, optimizer and parameters offloaded to the CPU,
-    the default prefetch and reuse."""
+    the default prefetch and reuse; nvme: the parameter shard in a swap file."""
     for r in results:
         got = r[case]
         assert got["losses_equal"] and got["masters_equal"], got["losses"]
@@ -217,6 +228,8 @@ def test_weight_values_outside_and_inside_the_passes(results) -> None:
         assert got["is_master"]
         assert got["refused"].startswith("PartitionedParameterError"), got["refused"]
         assert "'blocks.0.mlp.fc.weight'" in got["refused"]
+        assert "gathered only in fp8 (fp8.enable_fsdp_float8_all_gather)" in got["refused"]
+        assert got["compile"].startswith("engine.compile() with fp8.enable_fsdp_float8_all_gather is not built")  # fmt: skip
 
 
 def test_a_model_with_no_weight_to_gather_in_fp8_is_refused_by_name(results) -> None:

@@ -47,6 +47,8 @@ class Fp8WeightCodec:
     unit's padding, storage freed between gathers) and its scale (one float32, rewritten
     in place at each gather, so a backward sees the one its gather made)."""
 
+    gathered_as = f"in fp8 ({KEY})"
+
     def __init__(self, shape: tuple[int, ...], padded: int, device: torch.device) -> None:
         self.shape, self.numel = shape, math.prod(shape)
         self.data = torch.empty(padded, dtype=E4M3, device=device)

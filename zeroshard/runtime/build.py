@@ -206,7 +206,7 @@ class EngineBuilder:
                 check_every_pass=zc.enable_sanity_checks,
                 expert_comm=expert_shard_comm,
                 expert_replicas=expert_replicas,
-                codecs=dict(codecs or {}),
+                codecs=codecs,
             )
             params, on_bucket_ready = gatherer, gatherer.free_if_idle
             undo.append(gatherer.remove)

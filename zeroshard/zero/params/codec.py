@@ -24,6 +24,9 @@ from zeroshard.distributed.comm import Comm
 class UnitCodec(Protocol):
     """One unit's encoded all-gather (one parameter alone in its unit)."""
 
+    #: how the unit travels, for errors: "in fp8 (fp8.enable_fsdp_float8_all_gather)"
+    gathered_as: str
+
     def encode(self, chunk: torch.Tensor, valid: int, comm: Comm) -> torch.Tensor:
         """This rank's chunk (compute dtype, on the device; its first ``valid`` elements
         are the parameter's, the rest padding) as 1-D ``uint8``, every rank's the same

@@ -46,7 +46,7 @@ the parameters point at an empty placeholder, so tensors autograd saved during f
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 import torch
 
@@ -56,7 +56,7 @@ from zeroshard.zero.layout.flat import FlatParams
 from zeroshard.zero.params import states
 from zeroshard.zero.params.codec import UnitCodec
 from zeroshard.zero.params.edits import take_edits
-from zeroshard.zero.params.hooks import set_gathered
+from zeroshard.zero.params.hooks import set_encoded, set_gathered
 from zeroshard.zero.params.states import IN_FLIGHT, LIVE, SPECULATIVE, Event, UnitState
 
 E, U = Event, UnitState
@@ -87,7 +87,7 @@ class Units:
         max_live_numel: int,
         check_every_pass: bool = False,
         expert_comm: Comm | None = None,
-        codecs: dict[int, UnitCodec] | None = None,
+        codecs: Mapping[int, UnitCodec] | None = None,
     ) -> None:
         self.flat, self.comm = flat, comm
         #: units that travel encoded when the hooks gather them (``codec.py``)
@@ -101,6 +101,9 @@ class Units:
         n = len(layout.segments)
         self.numel = [seg.numel for seg in layout.segments]
         self.placeholder = torch.empty(0, dtype=flat.dtype, device=flat.device)
+        for s, codec in self.codecs.items():
+            for pi in layout.segments[s].params:
+                set_encoded(flat.params[pi], codec.gathered_as)
         # an encoded unit's parameters: their whole shape, one element of storage
         self._stand_in = torch.zeros((), dtype=flat.dtype, device=flat.device)
         self.buffers = [torch.empty(k, dtype=flat.dtype, device=flat.device) for k in self.numel]
