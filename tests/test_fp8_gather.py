@@ -98,7 +98,7 @@ def _gathered_weight_checks(engine: Any) -> dict[str, Any]:
     """Outside the passes, GatheredParameters gives an fp8-gathered weight's bf16 values
     (the masters'); inside its forward the weight's values are refused by name; so is
     engine.compile() (not built with the fp8 all-gather)."""
-    from zeroshard import NotBuiltError
+    from zeroshard import NotBuiltError, UsageError
     from zeroshard.zero import GatheredParameters
 
     try:
@@ -110,9 +110,15 @@ def _gathered_weight_checks(engine: Any) -> dict[str, Any]:
     layer = engine.module.blocks[0].mlp.fc
     with GatheredParameters([layer.weight]):
         value = layer.weight.detach().float().clone()
-    refused = ""
+    refused, inside = "", ""
 
     def peek(module, args):
+        nonlocal inside
+        try:
+            with GatheredParameters([module.weight]):
+                pass
+        except UsageError as err:
+            inside = str(err)
         module.weight.sum()
 
     handle = layer.register_forward_pre_hook(peek)
@@ -123,7 +129,11 @@ def _gathered_weight_checks(engine: Any) -> dict[str, Any]:
         refused = f"{type(err).__name__}: {err}"
     handle.remove()
     engine.module.zero_grad(set_to_none=True)
-    return {"fc_weight": value, "refused": refused, "compile": compiled}
+    # after both refusals the engine still trains (the uses they took are dropped)
+    x = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(7))
+    engine.backward(engine(x[:, :-1], x[:, 1:]))
+    engine.step()
+    return {"fc_weight": value, "refused": refused, "inside": inside, "compile": compiled}
 
 
 def _no_eligible_layer(rank: int) -> str:
@@ -229,6 +239,7 @@ def test_weight_values_outside_and_inside_the_passes(results) -> None:
         assert got["refused"].startswith("PartitionedParameterError"), got["refused"]
         assert "'blocks.0.mlp.fc.weight'" in got["refused"]
         assert "gathered only in fp8 (fp8.enable_fsdp_float8_all_gather)" in got["refused"]
+        assert got["inside"].startswith("GatheredParameters on the parameters of 'blocks.0.mlp.fc'"), got["inside"]  # fmt: skip
         assert got["compile"].startswith("engine.compile() with fp8.enable_fsdp_float8_all_gather is not built")  # fmt: skip
 
 

@@ -342,7 +342,12 @@ class ParamGatherer:
         segs = segments_of(self.flat, params)
         for s in segs:
             self.units.users[s] += 1
-        self.units.gather(segs, values=True)
+        try:
+            self.units.gather(segs, values=True)
+        except UsageError:  # refused before any gather (units.py): the uses are dropped
+            for s in segs:
+                self.units.users[s] -= 1
+            raise
 
     def close(self, params: list[torch.Tensor], modifier_rank: int | None) -> list[int]:
         """Optionally take ``modifier_rank``'s values into every shard; free the units."""
