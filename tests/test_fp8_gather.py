@@ -77,6 +77,12 @@ def _train(case: dict, gather: bool, rank: int, root: str) -> dict[str, Any]:
     from zeroshard.checkpointing import checkpoint
 
     model = _model()
+    if case.get("before"):  # accelerate's fp8: torchao converts first, weights wrapped for FSDP2
+        from zeroshard.fp8 import torchao_float8
+
+        f8 = torchao_float8()
+        cfg = f8.Float8LinearConfig(pad_inner_dim=True, enable_fsdp_float8_all_gather=True)
+        f8.convert_to_float8_training(model, config=cfg, module_filter_fn=lambda m, fqn: fqn != "head")  # fmt: skip
     if case.get("ac"):
         for block in model.blocks:
             block.forward = lambda *a, _f=block.forward: checkpoint(_f, *a)
@@ -98,7 +104,7 @@ def _train(case: dict, gather: bool, rank: int, root: str) -> dict[str, Any]:
     engine.save_checkpoint(path, tag="t")
     entries, fetch, _ = open_checkpoint(os.path.join(path, "t"))
     masters = {name: fetch(name).float() for name, _, _ in entries}
-    out: dict[str, Any] = {"losses": losses, "ledger": ledger, "engine": engine}
+    out: dict[str, Any] = {"losses": losses, "ledger": ledger, "engine": engine, "model": model}
     out["masters"] = masters
     return out
 
@@ -186,17 +192,20 @@ def _worker(rank: int, world: int, root: str) -> dict[str, Any]:
             "zero": {"stage3_param_persistence_threshold": 0},
         },
         {"name": "nvme", "nvme": os.path.join(root, "swap"), "zero": PLAIN},
+        {"name": "before", "before": True, "zero": PLAIN},
     ]
     for case in cases:
         runs = {}
         for gather in (False, True):
             run = _train(case, gather, rank, root)
-            engine = run.pop("engine")
+            engine, model = run.pop("engine"), run.pop("model")
             if gather and case["name"] == "plain":
                 got = _gathered_weight_checks(engine)
                 master = run["masters"]["blocks.0.mlp.fc.weight"].bfloat16().float()
                 out["gathered"] = {"is_master": torch.equal(got.pop("fc_weight"), master), **got}
             engine.destroy()
+            # destroy() gave every layer its own forward back (those converted before too)
+            run["patched"] = [n for n, m in model.named_modules() if "forward" in m.__dict__ and "Linear" in type(m).__name__]  # fmt: skip
             runs[gather] = run
         out[case["name"]] = {
             "losses_equal": runs[False]["losses"] == runs[True]["losses"],
@@ -205,6 +214,7 @@ def _worker(rank: int, world: int, root: str) -> dict[str, Any]:
                 torch.equal(runs[False]["masters"][n], t) for n, t in runs[True]["masters"].items()
             ),
             "ledger": [runs[g]["ledger"] for g in (False, True)],
+            "patched": runs[True]["patched"],
         }
     out["no_eligible"] = _no_eligible_layer(rank)
     return out
@@ -215,14 +225,17 @@ def results(tmp_path_factory) -> list[dict[str, Any]]:
     return multirank.run(_worker, 2, str(tmp_path_factory.mktemp("fp8g")), timeout=600)
 
 
-@pytest.mark.parametrize("case", ["plain", "composed", "nvme"])
+@pytest.mark.parametrize("case", ["plain", "composed", "nvme", "before"])
 def test_fp8_all_gather_trains_bitwise_as_the_bf16_gather(results, case: str) -> None:
     """plain: no reuse, prefetch or persistent units; composed: gradient accumulation,
     clipping, activation checkpointing, optimizer and parameters offloaded to the CPU,
-    the default prefetch and reuse; nvme: the parameter shard in a swap file."""
+    the default prefetch and reuse; nvme: the parameter shard in a swap file; before:
+    the Linear layers converted by torchao before initialize() (accelerate's fp8, weights
+    wrapped for FSDP2's fp8 all-gather), with the same bytes saved."""
     for r in results:
         got = r[case]
         assert got["losses_equal"] and got["masters_equal"], got["losses"]
+        assert got["patched"] == []
         assert all(0 < loss < 10 for loss in got["losses"])
 
 
@@ -236,6 +249,8 @@ def test_ledger_all_gather_bytes_of_fp8_weights_halve(results) -> None:
             amax = fp8["all_reduce"]["calls"] - bf16.get("all_reduce", {"calls": 0})["calls"]
             amax_bytes = fp8["all_reduce"]["bytes"] - bf16.get("all_reduce", {"bytes": 0})["bytes"]  # fmt: skip
             assert (amax, amax_bytes) == (2 * layers, 2 * layers * 8)
+        for bf16, fp8 in zip(*r["before"]["ledger"], strict=True):
+            assert bf16["all_gather"]["bytes"] - fp8["all_gather"]["bytes"] == saved
         composed = r["composed"]["ledger"]
         for bf16, fp8 in zip(*composed, strict=True):
             assert fp8["all_gather"]["bytes"] < bf16["all_gather"]["bytes"]

@@ -18,13 +18,15 @@ Communication, per gather of such a unit (forward, and again before its backward
 the unit is kept): one all-reduce (max) of one float32 over the unit's shard group, one
 all-gather of ``numel`` bytes (padding included) instead of ``2 x numel``.
 
-Eligible: the ``nn.Linear`` layers the ``fp8`` section converted to torchao's
-``Float8Linear`` whose weight no other module holds (a weight tied to an embedding is
-read in bf16 there). The others gather in bf16, each named once at start-up.
+Eligible: torchao ``Float8Linear`` layers whose weight no other module holds (a weight
+tied to an embedding is read in bf16 there): those the ``fp8`` section converted, and
+those converted before initialize() (accelerate's fp8) with torchao's tensorwise recipe.
+The others gather in bf16, each named once at start-up.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections.abc import Iterable, Sequence
@@ -36,7 +38,7 @@ import torch
 from torch import nn
 
 from zeroshard.distributed.comm import Comm
-from zeroshard.fp8.convert import Fp8Error, Fp8Model
+from zeroshard.fp8.convert import Fp8Error, Fp8Model, torchao_float8
 from zeroshard.fp8.scaled_mm import E4M3, amax_to_scale, fp8_linear_gathered, scaled_to_fp8
 
 KEY = "fp8.enable_fsdp_float8_all_gather"
@@ -140,6 +142,19 @@ class Fp8AllGather:
         self._patched.clear()
 
 
+def _not_tensorwise(m: nn.Module) -> str | None:
+    """Why a ``Float8Linear`` converted before initialize() (accelerate's fp8) cannot
+    take the fp8 all-gather, or None: it must compute as torchao's tensorwise recipe
+    (``fp8_linear_gathered``'s numerics), its own fp8 all-gather switch aside."""
+    w = cast(torch.Tensor, m.weight)
+    if w.shape[0] % 16 or w.shape[1] % 16:
+        return f"converted before initialize(); matmul {w.shape[1]} -> {w.shape[0]}: fp8 kernels need dimensions divisible by 16"  # fmt: skip
+    recipe = torchao_float8().Float8LinearConfig.from_recipe_name("tensorwise")
+    want = dataclasses.replace(recipe, pad_inner_dim=True)
+    got = dataclasses.replace(cast(Any, m).config, enable_fsdp_float8_all_gather=False, pad_inner_dim=True)  # fmt: skip
+    return None if got == want else "converted before initialize() with another recipe than torchao's tensorwise"  # fmt: skip
+
+
 def plan_fp8_all_gather(module: nn.Module, report: Fp8Model) -> Fp8AllGather:
     """The layers whose weights gather in fp8 (see the module docstring); the others
     named with why. Raises :class:`Fp8Error` when there is none."""
@@ -149,15 +164,17 @@ def plan_fp8_all_gather(module: nn.Module, report: Fp8Model) -> Fp8AllGather:
             if p is not None:
                 owners.setdefault(id(p), []).append(f"{name}.{attr}" if name else attr)
     plan = Fp8AllGather()
-    for name in report.torchao:
+    for name in [*report.torchao, *report.before]:
         m = module.get_submodule(name)
         w = cast(torch.Tensor, m.weight)
         others = [o for o in owners.get(id(w), []) if o != f"{name}.weight"]
+        why = _not_tensorwise(m) if name in report.before else None
         if others:
             plan.kept.append((name, f"its weight is also {', '.join(others)} (tied), read in bf16 there"))  # fmt: skip
+        elif why:
+            plan.kept.append((name, why))
         else:
             plan.layers[name] = m
-    plan.kept += [(n, "converted by torchao before initialize()") for n in report.before]
     plan.kept += [(n, "tensor-parallel or Conv1D layer") for n in report.hand]
     if not plan.layers:
         why = "; ".join(f"{n} ({w})" for n, w in plan.kept) or "no fp8 Linear layer"

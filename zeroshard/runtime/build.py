@@ -166,9 +166,9 @@ class EngineBuilder:
             undo.append(fp8.undo)
         # stage 3: fp8 Linear weights gathered in fp8, each alone in its unit (fp8/gather.py)
         fp8_gather = plan_fp8_gather(self.module, fp8, config, self.rank)
-        if fp8_gather is not None:
+        if fp8_gather is not None and fp8 is not None:
             alone = alone | fp8_gather.weight_ids
-            undo.append(fp8_gather.undo)
+            fp8.also_undo(fp8_gather.undo)  # destroy() undoes fp8 (layers from before too)
         swaps = EngineSwaps(config, self.rank)
         undo.append(swaps.close)
         bucket = self._bucket_numel()
