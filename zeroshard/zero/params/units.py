@@ -5,11 +5,13 @@ gatherer (``gatherer.py``) decides when; this module does it and keeps each unit
 Communication (Ψ = parameter bytes of the non-persistent units): one asynchronous
 all-gather over the ZeRO shard group per unit gathered (its chunk from every rank, the
 unit's bytes in all; a unit of expert parameters: over the expert shard group), on
-demand or prefetched; the persistent units' all-gathers at
-start-up and after each optimizer step; and, while gathers are checked for agreement
-(the first forward and backward, or always with ``enable_sanity_checks``), one
-all-reduce (max) of two int64 before each gather. ``GatheredParameters(modifier_rank=r)``
-writes the gathered values back into this rank's shard (no collective here).
+demand or prefetched (a unit with a codec, ``codec.py``, gathered by the hooks travels
+encoded instead, after what the codec reduces first: fp8, one float32 all-reduce (max));
+the persistent units' all-gathers at start-up and after each optimizer step; and, while
+gathers are checked for agreement (the first forward and backward, or always with
+``enable_sanity_checks``), one all-reduce (max) of two int64 before each gather.
+``GatheredParameters(modifier_rank=r)`` writes the gathered values back into this rank's
+shard (no collective here).
 
 Agreement: ranks must gather the same units in the same order. During the first forward
 and the first backward (and always with ``zero_optimization.enable_sanity_checks``)
@@ -204,8 +206,8 @@ class Units:
             return
         raise UsageError(
             f"GatheredParameters on the parameters of {self.names[s]!r} while its forward "
-            "or backward runs: they are gathered in fp8 there (fp8.enable_fsdp_float8_all_"
-            "gather), not as values; use GatheredParameters outside the model's passes"
+            f"or backward runs: they are gathered {self.codecs[s].gathered_as} there, not "
+            "as values; use GatheredParameters outside the model's passes"
         )
 
     def launch(self, s: int, event: Event, encoded: bool = True) -> bool:
@@ -227,19 +229,16 @@ class Units:
         codec = self.codecs.get(s) if encoded else None
         # uploaded as stored (an fp32 master shard on the host), cast on the device
         chunk = chunk.to(self.flat.device, non_blocking=True).to(self.flat.dtype)
-        if codec is not None:
+        if codec is not None:  # this rank's part of the parameter: the chunk's first `valid`
             valid = min(max(seg.used - seg.owner(self.flat.rank) * seg.chunk, 0), seg.chunk)
-            wire = codec.encode(chunk, valid, comm)
-            out = self._received[s] = codec.receive(seg.numel)
-            with torch.autograd._unsafe_preserve_version_counter(out):
-                self._handles[s] = comm.all_gather(out, wire, async_op=True)
+            chunk = codec.encode(chunk, valid, comm)
+            buf = self._received[s] = codec.receive(seg.numel)
             self._encoded.add(s)
-            self.move(s, event)
-            return True
-        buf = self.buffers[s]
-        nbytes = buf.numel() * buf.element_size()
-        if buf.untyped_storage().nbytes() != nbytes:  # a same-size resize_ reallocates
-            buf.untyped_storage().resize_(nbytes)
+        else:
+            buf = self.buffers[s]
+            nbytes = buf.numel() * buf.element_size()
+            if buf.untyped_storage().nbytes() != nbytes:  # a same-size resize_ reallocates
+                buf.untyped_storage().resize_(nbytes)
         with torch.autograd._unsafe_preserve_version_counter(buf):
             self._handles[s] = comm.all_gather(buf, chunk, async_op=True)
         self.move(s, event)
