@@ -14,7 +14,11 @@ row with the reason.
    ``Float8Linear``) at ZeRO stage 2, compiled (``engine.compile()``: inductor fuses
    torchao's amax/scale/cast into neighbouring kernels) and eager (each cast is kernels
    of its own, which is where most of fp8's gain goes), and stage 3 eager
-   (``engine.compile()`` is not built at stage 3). Step time (median of the steps after
+   (``engine.compile()`` is not built at stage 3), bf16 weights gathered and then cast,
+   or (``fp8.enable_fsdp_float8_all_gather``) cast before an all-gather of 1 byte per
+   element. On one GPU that gather is a local copy: the row measures what the cast before
+   it costs, not the bytes it saves between GPUs (benchmarks/bench_fp8_gather.py counts
+   those on 2 ranks; not yet measured on a GPU). Step time (median of the steps after
    the warm-up, which holds compilation), MFU against the bf16 peak, the loss after the
    last steps against bf16's.
 
@@ -72,6 +76,7 @@ ORDER = [
     (2, True, "bf16"), (2, True, "fp8 tensorwise"),
     (2, False, "fp8 rowwise"), (2, True, "fp8 rowwise"),
     (3, False, "bf16"), (3, False, "fp8 tensorwise"),
+    (3, False, "fp8 tensorwise, fp8 all-gather"),
 ]  # fmt: skip
 HEADLINE = {"stage 2, compiled, bf16", "stage 2, compiled, fp8 tensorwise"}
 
@@ -178,7 +183,10 @@ def train_row(row: dict, dev: torch.device, smoke: bool, batches: list, deadline
         "steps_per_print": 10**9,
     }
     if row["precision"].startswith("fp8"):
-        config["fp8"] = {"enabled": True, "recipe_name": row["precision"].split()[1]}
+        recipe = row["precision"].split()[1].rstrip(",")
+        config["fp8"] = {"enabled": True, "recipe_name": recipe}
+        if row["precision"].endswith("fp8 all-gather"):  # fp8.enable_fsdp_float8_all_gather
+            config["fp8"]["enable_fsdp_float8_all_gather"] = True
     engine, *_ = zeroshard.initialize(model=model, model_parameters=model.parameters(), config=config)  # fmt: skip
     try:
         if row["compiled"]:
@@ -362,7 +370,9 @@ def table(parts: list[dict], peak: float, how: str, why: str = "", smoke: bool =
             continue
         ran.add(name)
         r = p["result"]
-        twin = by.get(name.rsplit(", ", 1)[0] + ", bf16", {})
+        twin = by.get(
+            f"stage {row['stage']}, {'compiled' if row['compiled'] else 'eager'}, bf16", {}
+        )
         base = twin.get("result") if twin.get("ok") and "fp8" in name else None
         speed = f"{base['step_s'] / r['step_s']:.2f}" if base else ""
         dloss = r["loss_end"] / base["loss_end"] - 1 if base else None

@@ -21,7 +21,8 @@
    reported as failed; the rows done before a kill at its budget are kept.
 4. fp8 (issue 33, ``benchmarks/_gpu_fp8.py``, capped at 45 s): bf16 against fp8 matmuls at
    Llama-3-8B's MLP shape, and training steps of a d_model 4096 GPT in bf16, fp8
-   tensorwise and rowwise at stage 2 (eager and compiled) and stage 3; needs torchao
+   tensorwise and rowwise at stage 2 (eager and compiled) and stage 3 (with and without
+   ``fp8.enable_fsdp_float8_all_gather``, the fp8 all-gather of weights); needs torchao
    (installed, or its wheel carried in ``.whl/``). Reported, not counted toward green
    until it has run on a GPU once.
 5. Mixture of experts (issue 34, ``benchmarks/_gpu_moe.py``'s ``moe_section``, in a

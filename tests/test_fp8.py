@@ -147,8 +147,12 @@ def _cfg(**fp8) -> dict:
     return {"train_batch_size": 4, "bf16": {"enabled": True}, "fp8": {"enabled": True, **fp8}}
 
 
+Z3 = {"zero_optimization": {"stage": 3}}
+
+
 def test_config_names_and_refusals() -> None:
     cfg = load_config(_cfg(recipe="ROWWISE", skip=["head"]))
+    assert load_config({**_cfg(enable_fsdp_float8_all_gather=True), **Z3}).fp8.enable_fsdp_float8_all_gather  # fmt: skip
     assert cfg.fp8.recipe_name == "rowwise" and cfg.fp8.filter_fqns == ["head"]
     assert load_config({"train_batch_size": 4}).fp8.enabled is False
     for bad, where, what in [
@@ -160,9 +164,39 @@ def test_config_names_and_refusals() -> None:
         ),
         (_cfg(recipe="rowwize"), "fp8.recipe", "did you mean 'rowwise'"),
         (_cfg(recipe="rowwise", recipe_name="rowwise"), "fp8.recipe", "name the same setting"),
+        # the fp8 all-gather of ZeRO-3 weights, where it cannot work (tests/test_fp8_gather.py)
         (
             _cfg(enable_fsdp_float8_all_gather=True),
             "fp8.enable_fsdp_float8_all_gather",
+            "stage is 0",
+        ),
+        (
+            {**_cfg(enable_fsdp_float8_all_gather=True), "zero_optimization": {"stage": 2}},
+            "fp8.enable_fsdp_float8_all_gather",
+            "stage is 2",
+        ),
+        (
+            {**_cfg(enable_fsdp_float8_all_gather=True, recipe="rowwise"), **Z3},
+            "fp8.enable_fsdp_float8_all_gather",
+            "tensorwise recipe",
+        ),
+        (
+            {**_cfg(enabled=False, enable_fsdp_float8_all_gather=True), **Z3},
+            "fp8.enable_fsdp_float8_all_gather",
+            "set fp8.enabled true",
+        ),
+        (
+            {
+                **_cfg(enable_fsdp_float8_all_gather=True),
+                **Z3,
+                "tensor_parallel": {"autotp_size": 2},
+            },
+            "fp8.enable_fsdp_float8_all_gather",
+            "tensor parallelism",
+        ),
+        (
+            {**_cfg(precompute_float8_dynamic_scale_for_fsdp=True), **Z3},
+            "fp8.precompute_float8_dynamic_scale_for_fsdp",
             "not built",
         ),
         (_cfg(filter_fqns=[""]), "fp8.filter_fqns[0]", "non-empty"),

@@ -244,8 +244,8 @@ def initialize(
         log.warning(
             "zeroshard: fp8: %d Float8Linear weight(s) were wrapped for FSDP2's fp8 all-gather "
             "(torchao's enable_fsdp_float8_all_gather, on in accelerate's default fp8 recipe): "
-            "not built in zeroshard, whose stage 3 gathers bf16 weights; they train as plain "
-            "Parameters",
+            "they train as plain Parameters; at ZeRO stage 3 the config's "
+            "fp8.enable_fsdp_float8_all_gather gathers them in fp8",
             len(fp8_weights),
         )
     engine_class: type[Engine] = Engine

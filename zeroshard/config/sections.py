@@ -212,7 +212,8 @@ class FP8Config(Section):
     enabled: bool = key(False, doc="Run the Linear layers' matmuls in fp8 (needs bf16.enabled and torchao).")
     recipe_name: str = key("tensorwise", doc="tensorwise: one dynamic scale per tensor, e4m3 weights and activations, e5m2 gradients (fastest); rowwise: one scale per row, powers of 2, e4m3 throughout; rowwise_with_gw_hp: rowwise, with the weight gradient in bf16 (most accurate).", choices=FP8_RECIPES, aliases=("recipe",))
     filter_fqns: list[str] = key(doc="Linear layers kept in bf16: a layer whose name (as named_modules() gives it) contains one of these strings (torchtitan's rule); each must match at least one Linear layer.", factory=list, aliases=("skip",))
-    enable_fsdp_float8_all_gather: bool = key(False, NOT_BUILT("fp8 all-gather of stage-3 weights (they are gathered in bf16)"), doc="Stage 3: all-gather weights cast to fp8.")
+    enable_fsdp_float8_all_gather: bool = key(False, doc="ZeRO stage 3, tensorwise recipe: each fp8 Linear layer's weight is cast to e4m3 before its all-gather, with the whole weight's scale (one max all-reduce of the shards' amaxes), so the gather moves 1 byte per element instead of 2 and the fp8 matmul uses the gathered weight as it comes.")
+    precompute_float8_dynamic_scale_for_fsdp: bool = key(False, NOT_BUILT("one all-reduce of every fp8 weight's amax after the step (fp8.precompute_float8_dynamic_scale_for_fsdp); with fp8.enable_fsdp_float8_all_gather each gather all-reduces its own amax"), doc="torchtitan's: the fp8 all-gather's scales for all weights from one all-reduce after each step.")
     # fmt: on
 
     def __post_init__(self) -> None:

@@ -288,6 +288,17 @@ class Config(Section):
         if self.fp8.enabled:  # fp8 matmuls take bf16 operands and give bf16 results
             other = "fp16 (fp16.enabled)" if self.fp16.enabled else "fp32 (no bf16 or fp16 section enabled)"  # fmt: skip
             check(self.bf16.enabled, "fp8.enabled", f"fp8 matmuls run inside bf16 training: set bf16.enabled true (the config trains in {other}; fp8 with fp16 or fp32 compute is not supported)")  # fmt: skip
+        if self.fp8.enable_fsdp_float8_all_gather:
+            self._check_fp8_all_gather()
+
+    def _check_fp8_all_gather(self) -> None:
+        """Where the fp8 all-gather of stage-3 weights cannot work, refused by name."""
+        key_ = "fp8.enable_fsdp_float8_all_gather"
+        stage = self.zero_optimization.stage
+        check(self.fp8.enabled, key_, "it casts the weights of the fp8 Linear layers: set fp8.enabled true too")  # fmt: skip
+        check(stage == 3, key_, f"only ZeRO stage 3 gathers weights before their use (zero_optimization.stage is {stage}: the weights stay whole, in bf16, on every rank)")  # fmt: skip
+        check(self.fp8.recipe_name == "tensorwise", key_, f"the fp8 all-gather needs the tensorwise recipe (one scale per weight, taken before the gather; fp8.recipe_name is {self.fp8.recipe_name!r}, whose per-row scales torchao does not gather in fp8 either)")  # fmt: skip
+        check(self.tensor_parallel.size == 1, key_, "with tensor parallelism is not built yet (the tensor-parallel layers' weights would need their amax reduced over the tp group too); leave it out with tensor_parallel")  # fmt: skip
 
     @classmethod
     def json_compat(cls, values: dict, given: dict[str, str], note: Callable[[str, str], None]) -> dict:  # fmt: skip

@@ -110,6 +110,11 @@ class Fp8Model:
     kept: list[tuple[str, str]] = field(default_factory=list)  # (name, why) in bf16
     _swapped: list[tuple[nn.Module, str, nn.Module]] = field(default_factory=list, repr=False)
     _patched: list[nn.Module] = field(default_factory=list, repr=False)
+    _also: list[Callable[[], None]] = field(default_factory=list, repr=False)
+
+    def also_undo(self, step: Callable[[], None]) -> None:
+        """Run ``step`` first at :meth:`undo` (the fp8 all-gather's forwards, gather.py)."""
+        self._also.append(step)
 
     def summary(self) -> str:
         """One start-up line: how many layers run fp8, and each kept in bf16, with why."""
@@ -126,6 +131,9 @@ class Fp8Model:
 
     def undo(self) -> None:
         """Every converted layer back to what it was (the same Parameters)."""
+        for step in reversed(self._also):
+            step()
+        self._also.clear()
         for parent, attr, original in reversed(self._swapped):
             setattr(parent, attr, original)
         for m in self._patched:

@@ -89,12 +89,21 @@ def _cast(x: torch.Tensor, dtype: torch.dtype, axis: int | None, pow2: bool,
             wide = amax.float()  # max is exact in any dtype; the wire takes fp32
             split.all_reduce(wide, op="max")
             amax = wide.to(amax.dtype)
-        scale = (torch.finfo(dtype).max / torch.clamp(amax.double(), min=_EPS)).float()
-        if pow2:
-            scale = torch.exp2(torch.floor(torch.log2(scale)))
+        scale = amax_to_scale(amax, dtype, pow2)
+    return _Fp8(scaled_to_fp8(x, scale, dtype), scale, axis is not None)
+
+
+def amax_to_scale(amax: torch.Tensor, dtype: torch.dtype, pow2: bool = False) -> torch.Tensor:
+    """torchao's scale for an amax: ``fp8_max / max(amax, 1e-12)`` in float64, then
+    float32 (rounded down to a power of 2 when ``pow2``)."""
+    scale = (torch.finfo(dtype).max / torch.clamp(amax.double(), min=_EPS)).float()
+    return torch.exp2(torch.floor(torch.log2(scale))) if pow2 else scale
+
+
+def scaled_to_fp8(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``clamp(x * scale, ±fp8_max)`` in ``dtype`` (torchao's saturated cast)."""
     top = torch.finfo(dtype).max
-    data = (x.float() * scale).clamp(-top, top).to(dtype)
-    return _Fp8(data, scale, axis is not None)
+    return (x.float() * scale).clamp(-top, top).to(dtype)
 
 
 def _pad_inner(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -178,6 +187,52 @@ class _Fp8Linear(torch.autograd.Function):
                 xq = _cast(x2, E4M3, axis, recipe.pow2, comm, 1 if k_split else None)
                 grad_w = _mm(gq.t(), xq, grad.dtype, fast_accum=False)
         return grad_x, grad_w, None, None
+
+
+class _Fp8LinearGathered(torch.autograd.Function):
+    """``x @ wᵀ`` (tensorwise) with the weight already in fp8: ``w8`` (out, in) and its
+    ``scale``, cast before the stage-3 all-gather with the whole weight's scale
+    (``fp8/gather.py``). ``w`` is the Parameter itself, an input only so that its
+    gradient (high precision, as :class:`_Fp8Linear` gives it) reaches it; its values
+    are never read. ``w8`` is saved as a view of the unit's buffer, which the gatherer
+    fills again (the same values: the same shard, the same amax) before this backward;
+    ``scale`` is the gatherer's tensor, rewritten in place at each gather."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor):
+        ctx.save_for_backward(x, w8)
+        ctx.scale, ctx.recipe = scale, RECIPES["tensorwise"]
+        x2 = x.reshape(-1, x.shape[-1])
+        xq = _cast(x2, E4M3, None, False)
+        out = _mm(xq, _Fp8(w8.t(), scale, False), x.dtype, fast_accum=True)
+        return out.reshape(*x.shape[:-1], out.shape[-1])
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor):
+        x, w8 = ctx.saved_tensors
+        recipe = ctx.recipe
+        go = grad.reshape(-1, grad.shape[-1])
+        grad_x = grad_w = None
+        if ctx.needs_input_grad[0]:
+            gq = _cast(go, recipe.grad_dtype, None, False)
+            grad_x = _mm(gq, _Fp8(w8, ctx.scale, False), grad.dtype, fast_accum=False)
+            grad_x = grad_x.reshape(x.shape)
+        if ctx.needs_input_grad[1]:
+            gq = _cast(go, recipe.grad_dtype, None, False)
+            xq = _cast(x.reshape(-1, x.shape[-1]), E4M3, None, False)
+            grad_w = _mm(gq.t(), xq, grad.dtype, fast_accum=False)
+        return grad_x, grad_w, None, None
+
+
+def fp8_linear_gathered(
+    x: torch.Tensor, weight: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor
+) -> torch.Tensor:
+    """``x @ weightᵀ`` as :func:`fp8_linear` computes it in the tensorwise recipe, with the
+    weight given already cast: ``w8`` (e4m3, shaped as ``weight``) and its ``scale`` (0-d
+    float32, the one :func:`amax_to_scale` gives for the whole weight's amax); the
+    gradient of ``weight`` (the Parameter, whose values are not read) comes back in
+    ``x``'s dtype."""
+    return _Fp8LinearGathered.apply(x, weight, w8, scale)
 
 
 def _split_dims(split: Split | None) -> tuple[bool, bool]:

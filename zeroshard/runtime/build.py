@@ -35,7 +35,7 @@ from zeroshard.offload.swaps import EngineSwaps
 from zeroshard.parallel.apply import Parallelized, gradient_summed_over_tp, is_tp_sharded
 from zeroshard.runtime.optim import nonfinite_policy, optimizer_factory
 from zeroshard.runtime.precision import DtypePolicy, LossScaler
-from zeroshard.runtime.prepare import convert_fp8, parallelize_model
+from zeroshard.runtime.prepare import convert_fp8, parallelize_model, plan_fp8_gather
 from zeroshard.zero.grads.reducer import GradReducer
 from zeroshard.zero.layout.flat import FlatParams
 from zeroshard.zero.layout.partition import FlatLayout
@@ -164,6 +164,11 @@ class EngineBuilder:
         fp8 = convert_fp8(self.module, config, self.device, self.rank)
         if fp8 is not None:
             undo.append(fp8.undo)
+        # stage 3: fp8 Linear weights gathered in fp8, each alone in its unit (fp8/gather.py)
+        fp8_gather = plan_fp8_gather(self.module, fp8, config, self.rank)
+        if fp8_gather is not None and fp8 is not None:
+            alone = alone | fp8_gather.weight_ids
+            fp8.also_undo(fp8_gather.undo)  # destroy() undoes fp8 (layers from before too)
         swaps = EngineSwaps(config, self.rank)
         undo.append(swaps.close)
         bucket = self._bucket_numel()
@@ -184,6 +189,10 @@ class EngineBuilder:
         params: ParamManager
         on_bucket_ready = None
         if sharding.parameters:
+            codecs = None
+            if fp8_gather is not None:
+                layout = flat.layout
+                codecs = fp8_gather.attach(flat.params, layout.param_segment, layout.segments, persistent, self.device)  # fmt: skip
             gatherer = ParamGatherer(
                 flat,
                 shard_comm,
@@ -197,6 +206,7 @@ class EngineBuilder:
                 check_every_pass=zc.enable_sanity_checks,
                 expert_comm=expert_shard_comm,
                 expert_replicas=expert_replicas,
+                codecs=codecs,
             )
             params, on_bucket_ready = gatherer, gatherer.free_if_idle
             undo.append(gatherer.remove)

@@ -22,6 +22,7 @@ from torch import nn
 from zeroshard import NotBuiltError
 from zeroshard.distributed.mesh import Mesh
 from zeroshard.fp8 import Fp8Error, Fp8Model, check_fp8_device, convert_to_fp8, preconverted
+from zeroshard.fp8.gather import Fp8AllGather, plan_fp8_all_gather
 from zeroshard.moe.apply import bind_layers, convert_hf
 from zeroshard.moe.marks import EXPERT_LIST_ATTR, is_expert
 from zeroshard.parallel.apply import Parallelized, parallelize
@@ -151,6 +152,17 @@ def convert_fp8(module: nn.Module, config, device: torch.device, rank: int) -> F
     if rank == 0:
         (log.warning if fp8.kept else log.info)(fp8.summary())
     return fp8
+
+
+def plan_fp8_gather(module: nn.Module, fp8: Fp8Model | None, config, rank: int) -> Fp8AllGather | None:  # fmt: skip
+    """``fp8.enable_fsdp_float8_all_gather`` (stage 3; the config refused it elsewhere):
+    which weights gather in fp8; said once, from rank 0."""
+    if fp8 is None or not config.fp8.enable_fsdp_float8_all_gather:
+        return None
+    plan = plan_fp8_all_gather(module, fp8)
+    if rank == 0:
+        (log.warning if plan.kept else log.info)(plan.summary())
+    return plan
 
 
 def make_loader(config, mesh: Mesh, data, collate_fn):

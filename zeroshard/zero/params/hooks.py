@@ -89,7 +89,15 @@ _VIEWS = frozenset(
 )  # fmt: skip
 
 
-def _released_error(name: str, op: str) -> PartitionedParameterError:
+def _released_error(name: str, op: str, encoded: str | None = None) -> PartitionedParameterError:
+    if encoded:  # gathered in another form for its module (zero/params/codec.py)
+        return PartitionedParameterError(
+            f"parameter {name!r} is partitioned across ranks (ZeRO stage 3) and gathered "
+            f"only {encoded} for its module's forward and backward, never as values, so "
+            f"{op} cannot use it; read or change it inside `with zeroshard.zero."
+            "GatheredParameters(params, modifier_rank=...)` outside the model's forward "
+            "and backward"
+        )
     return PartitionedParameterError(
         f"parameter {name!r} is partitioned across ranks (ZeRO stage 3) and only this "
         f"rank's shard is held here, so {op} cannot use it; read or change it inside "
@@ -205,9 +213,9 @@ def _check_then_run(cls, func, types, args=(), kwargs=None):
         if not d.get("_zs_sealed"):  # released by the stage-3 gatherer: empty placeholder
             if name == "__set__":  # assigning .grad is fine; .data would be undone
                 if _set_name(func) == "data":
-                    raise _released_error(d.get("_zs_name"), "assigning .data")
+                    raise _released_error(d.get("_zs_name"), "assigning .data", d.get("_zs_encoded"))  # fmt: skip
             elif a is not args[0] or name not in RELEASED_READS:
-                raise _released_error(d.get("_zs_name"), name or func)
+                raise _released_error(d.get("_zs_name"), name or func, d.get("_zs_encoded"))
             elif name in WHOLE_METADATA:
                 return func(d["_zs_whole"], *args[1:], **kwargs)
             elif name == "data":
@@ -244,6 +252,8 @@ def _released_alias(param: torch.Tensor) -> ReleasedData:
         out = data.as_subclass(ReleasedData)
     for key in ("_zs_name", "_zs_whole", "_zs_released"):
         out.__dict__[key] = param.__dict__[key]
+    if "_zs_encoded" in param.__dict__:
+        out.__dict__["_zs_encoded"] = param.__dict__["_zs_encoded"]
     return out
 
 
@@ -282,6 +292,15 @@ def guard(param: torch.nn.Parameter, name: str, shape: tuple[int, ...] | None = 
         param.__dict__["_zs_whole"] = torch.empty(whole, dtype=param.dtype, device="meta")
 
 
+def set_encoded(param: torch.Tensor, how: str | None) -> None:
+    """Note that ``param``'s unit is gathered ``how`` (e.g. "in fp8 ..."), not as values,
+    for its module (``codec.py``): its errors say so; None removes the note."""
+    if how is None:
+        param.__dict__.pop("_zs_encoded", None)
+    else:
+        param.__dict__["_zs_encoded"] = how
+
+
 def set_released(param: torch.Tensor, released: bool) -> None:
     param.__dict__["_zs_released"] = released
 
@@ -317,6 +336,7 @@ def unguard(param: torch.Tensor) -> None:
     elif cls.__module__ == __name__ and cls.__name__.startswith("Partitioned"):
         param.__class__ = cls.__mro__[1]
     param.__dict__.pop("_zs_name", None)
+    param.__dict__.pop("_zs_encoded", None)
     param.__dict__.pop("_zs_whole", None)
     param.__dict__.pop("_zs_data_read", None)
     param.__dict__.pop("_zs_released", None)

@@ -5,11 +5,13 @@ gatherer (``gatherer.py``) decides when; this module does it and keeps each unit
 Communication (Ψ = parameter bytes of the non-persistent units): one asynchronous
 all-gather over the ZeRO shard group per unit gathered (its chunk from every rank, the
 unit's bytes in all; a unit of expert parameters: over the expert shard group), on
-demand or prefetched; the persistent units' all-gathers at
-start-up and after each optimizer step; and, while gathers are checked for agreement
-(the first forward and backward, or always with ``enable_sanity_checks``), one
-all-reduce (max) of two int64 before each gather. ``GatheredParameters(modifier_rank=r)``
-writes the gathered values back into this rank's shard (no collective here).
+demand or prefetched (a unit with a codec, ``codec.py``, gathered by the hooks travels
+encoded instead, after what the codec reduces first: fp8, one float32 all-reduce (max));
+the persistent units' all-gathers at start-up and after each optimizer step; and, while
+gathers are checked for agreement (the first forward and backward, or always with
+``enable_sanity_checks``), one all-reduce (max) of two int64 before each gather.
+``GatheredParameters(modifier_rank=r)`` writes the gathered values back into this rank's
+shard (no collective here).
 
 Agreement: ranks must gather the same units in the same order. During the first forward
 and the first backward (and always with ``zero_optimization.enable_sanity_checks``)
@@ -46,16 +48,17 @@ the parameters point at an empty placeholder, so tensors autograd saved during f
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 import torch
 
-from zeroshard import ZeroshardError
+from zeroshard import UsageError, ZeroshardError
 from zeroshard.distributed.comm import Comm, Handle
 from zeroshard.zero.layout.flat import FlatParams
 from zeroshard.zero.params import states
+from zeroshard.zero.params.codec import UnitCodec
 from zeroshard.zero.params.edits import take_edits
-from zeroshard.zero.params.hooks import set_gathered
+from zeroshard.zero.params.hooks import set_encoded, set_gathered
 from zeroshard.zero.params.states import IN_FLIGHT, LIVE, SPECULATIVE, Event, UnitState
 
 E, U = Event, UnitState
@@ -86,8 +89,13 @@ class Units:
         max_live_numel: int,
         check_every_pass: bool = False,
         expert_comm: Comm | None = None,
+        codecs: Mapping[int, UnitCodec] | None = None,
     ) -> None:
         self.flat, self.comm = flat, comm
+        #: units that travel encoded when the hooks gather them (``codec.py``)
+        self.codecs = dict(codecs or {})
+        self._encoded: set[int] = set()  # live units gathered encoded now
+        self._received: dict[int, torch.Tensor] = {}  # their all-gathers' outputs in flight
         self.expert_comm = expert_comm or comm  # for the units of expert parameters
         self.persistent = set(persistent)
         self.max_live_numel = max_live_numel
@@ -95,6 +103,11 @@ class Units:
         n = len(layout.segments)
         self.numel = [seg.numel for seg in layout.segments]
         self.placeholder = torch.empty(0, dtype=flat.dtype, device=flat.device)
+        for s, codec in self.codecs.items():
+            for pi in layout.segments[s].params:
+                set_encoded(flat.params[pi], codec.gathered_as)
+        # an encoded unit's parameters: their whole shape, one element of storage
+        self._stand_in = torch.zeros((), dtype=flat.dtype, device=flat.device)
         self.buffers = [torch.empty(k, dtype=flat.dtype, device=flat.device) for k in self.numel]
         #: each parameter's view of its unit's buffer
         self.views: list[torch.Tensor] = []
@@ -158,10 +171,16 @@ class Units:
         return self.state[s] in LIVE or self.state[s] in (U.REFRESHING, U.PERSISTENT)
 
     # -- gather -------------------------------------------------------------------------
-    def gather(self, units: Iterable[int]) -> None:
+    def gather(self, units: Iterable[int], values: bool = False) -> None:
         """Gather ``units`` now, whatever the cap; first free kept units (the furthest next
-        use first), then speculative ones, while the live count would exceed it."""
+        use first), then speculative ones, while the live count would exceed it.
+        ``values``: the parameters' values are wanted (``GatheredParameters``, teardown),
+        so units with a codec are gathered in the compute dtype, not encoded."""
         units = [s for s in dict.fromkeys(units) if s not in self.persistent]
+        if values:
+            for s in units:
+                if s in self._encoded:
+                    self._decode_for_values(s)
         for s in units:
             if self.state[s] in SPECULATIVE:  # a prefetch issued it already
                 self.move(s, E.CLAIM)
@@ -175,13 +194,26 @@ class Units:
             self.free(max(speculative, key=self._prefetch_order.__getitem__), E.EVICT)
         for s in units:
             if self.state[s] is U.RELEASED:
-                self.launch(s, E.FETCH)
+                self.launch(s, E.FETCH, encoded=not values)
         for s in units:
             self.wait(s)
 
-    def launch(self, s: int, event: Event) -> bool:
+    def _decode_for_values(self, s: int) -> None:
+        """Unit ``s`` is live encoded and its values are wanted: free it to gather it
+        again in the compute dtype, unless a running forward or backward holds it."""
+        if self.state[s] in (U.KEPT, *SPECULATIVE):
+            self.free(s, E.EVICT if self.state[s] is U.KEPT else E.RELEASE)
+            return
+        raise UsageError(
+            f"GatheredParameters on the parameters of {self.names[s]!r} while its forward "
+            f"or backward runs: they are gathered {self.codecs[s].gathered_as} there, not "
+            "as values; use GatheredParameters outside the model's passes"
+        )
+
+    def launch(self, s: int, event: Event, encoded: bool = True) -> bool:
         """Start unit ``s``'s all-gather (``event``: FETCH, PREFETCH or REFRESH); whether
-        it started (a prefetch does not wait for a pool buffer)."""
+        it started (a prefetch does not wait for a pool buffer). A unit with a codec
+        travels encoded unless ``encoded`` is False (its values are wanted)."""
         if self.comm.world_size > 1 and (self.check_every or self.checking):
             self._agree(s)
         store = self.flat.store
@@ -192,14 +224,22 @@ class Units:
             self.wait(next(o for o in self._handles if o in self._reads))
             chunk = store.lend(s)
         self._reads[s] = chunk
-        buf = self.buffers[s]
-        nbytes = buf.numel() * buf.element_size()
-        if buf.untyped_storage().nbytes() != nbytes:  # a same-size resize_ reallocates
-            buf.untyped_storage().resize_(nbytes)
+        seg = self.flat.layout.segments[s]
+        comm = self.expert_comm if seg.kind else self.comm
+        codec = self.codecs.get(s) if encoded else None
+        # uploaded as stored (an fp32 master shard on the host), cast on the device
+        chunk = chunk.to(self.flat.device, non_blocking=True).to(self.flat.dtype)
+        if codec is not None:  # this rank's part of the parameter: the chunk's first `valid`
+            valid = min(max(seg.used - seg.owner(self.flat.rank) * seg.chunk, 0), seg.chunk)
+            chunk = codec.encode(chunk, valid, comm)
+            buf = self._received[s] = codec.receive(seg.numel)
+            self._encoded.add(s)
+        else:
+            buf = self.buffers[s]
+            nbytes = buf.numel() * buf.element_size()
+            if buf.untyped_storage().nbytes() != nbytes:  # a same-size resize_ reallocates
+                buf.untyped_storage().resize_(nbytes)
         with torch.autograd._unsafe_preserve_version_counter(buf):
-            # uploaded as stored (an fp32 master shard on the host), cast on the device
-            chunk = chunk.to(buf.device, non_blocking=True).to(buf.dtype)
-            comm = self.expert_comm if self.flat.layout.segments[s].kind else self.comm
             self._handles[s] = comm.all_gather(buf, chunk, async_op=True)
         self.move(s, event)
         return True
@@ -226,7 +266,9 @@ class Units:
         """Land unit ``s``'s all-gather in flight, if any: its parameters view it."""
         if self.state[s] not in IN_FLIGHT:
             return
-        with torch.autograd._unsafe_preserve_version_counter(self.buffers[s]):
+        encoded = s in self._encoded
+        target = self._received.pop(s) if encoded else self.buffers[s]
+        with torch.autograd._unsafe_preserve_version_counter(target):
             self._handles.pop(s).wait()
         read = self._reads.pop(s, None)
         if read is not None:  # the all-gather has consumed it
@@ -235,7 +277,13 @@ class Units:
         for pi in self.flat.layout.segments[s].params:
             p = self.flat.params[pi]
             set_gathered(p, True)  # first: a released parameter refuses a new .data
-            p.data = self.views[pi]
+            if encoded:  # the whole shape for autograd; the values refused (codec.py)
+                p.data = self._stand_in.expand(self.flat.shapes[pi])
+                set_gathered(p, False)
+            else:
+                p.data = self.views[pi]
+        if encoded:
+            self.codecs[s].landed()
 
     def refresh_persistent(self) -> None:
         """All-gather the persistent units (at start-up and after each optimizer step)."""
@@ -250,11 +298,17 @@ class Units:
         all-gather in flight has landed."""
         self.wait(s)
         self.move(s, event)
+        encoded = s in self._encoded
         for pi in self.flat.layout.segments[s].params:
             p = self.flat.params[pi]
+            if encoded:  # released already (its values refused): its .data may change now
+                set_gathered(p, True)
             p.data = self.placeholder
             set_gathered(p, False)
         self.buffers[s].untyped_storage().resize_(0)
+        if s in self._encoded:
+            self._encoded.discard(s)
+            self.codecs[s].release()
 
     def free_if_idle(self, s: int) -> None:
         """Free unit ``s`` unless it is persistent or still in use by a running forward."""
@@ -311,7 +365,7 @@ class Units:
         all-gather per unit), as a plain tensor of its own."""
         self.free_all()
         for s in range(len(self.buffers)):
-            self.gather((s,))  # persistent units are whole already
+            self.gather((s,), values=True)  # persistent units are whole already
             seg = self.flat.layout.segments[s]
             whole = [self.views[pi].detach().clone() for pi in seg.params]
             if s not in self.persistent:
