@@ -236,6 +236,8 @@ class EngineBuilder:
             reduce_scatter_via={None: None, True: "native", False: "all_reduce"}[zc.reduce_scatter],
             count_unreached=sharding.parameters and reduce_comm.world_size > 1,
             expert_comm=expert_reduce,
+            # Twin-Flow: the gradients of the optimizer's share on the device stay there
+            device_segments=self.placement.device_segments(flat.layout) if self.trains else 0,
         )
         undo.append(reducer.remove_hooks)
         loss_scaler = LossScaler.from_config(config.fp16)

@@ -15,6 +15,12 @@ views of it: no copy and no write-back. Otherwise (bf16/fp16 parameters, or mast
 host memory apart from device parameters) they are an fp32 copy of this rank's chunks
 and the updated values are written back into the parameter store after each step.
 
+Twin-Flow (``offload_optimizer.ratio`` below 1, ZeRO-Offload++): the leading segments'
+masters and states are in device memory, the others in host memory, all stepped by the
+one torch optimizer (its param groups are the schedulers' and checkpoints' as ever):
+segment by segment, the device's first, so the device runs its share of the step while
+the host steps the rest.
+
 Gradient scaling (fp16 unscale times the clip factor) is handed to torch's fused
 kernels as ``grad_scale``, so it costs no pass of its own over the gradients.
 """
@@ -51,8 +57,14 @@ class MemoryStates:
         pipelined: bool,
         master_dtype: torch.dtype,
         uploads: bool = False,
+        device_segments: int = 0,
     ) -> None:
         self.flat, self.inner, self.masters = flat, inner, masters
+        #: Twin-Flow: the leading segments whose masters and states are on the device
+        #: (the others in host memory); 0 without a split
+        self.device_segments = device_segments
+        #: shard positions below this are on the device
+        self.device_numel = sum(seg.chunk for seg in flat.layout.segments[:device_segments])
         #: whether the masters are a copy (written back into the parameters each step)
         self.separate = separate
         #: step segment by segment, each write-back overlapping the next step
@@ -102,7 +114,12 @@ class MemoryStates:
     ) -> list[torch.Tensor]:
         """Point every master view's ``.grad`` (in ``optimizer``'s param groups, default
         this store's) at the reduced gradient (fp32)."""
-        if self.masters and (chunks[0].dtype, chunks[0].device) != (
+        if self.device_segments:  # Twin-Flow: each chunk where its master is
+            chunks = [
+                c if (c.dtype, c.device) == (m.dtype, m.device) else c.to(m.device, m.dtype)
+                for c, m in zip(chunks, self.masters, strict=True)
+            ]
+        elif self.masters and (chunks[0].dtype, chunks[0].device) != (
             self.masters[0].dtype,
             self.masters[0].device,
         ):
@@ -197,10 +214,21 @@ class MemoryStates:
                 ]
                 for s in range(len(self.masters))
             ]
+        # Twin-Flow: the device's segments come first, so their steps and write-backs
+        # are queued on the device (asynchronously) before the host steps its own; each
+        # device gets the fused kernel's grad_scale in its own memory (one in the
+        # other's would make the host wait for the device)
+        scale = getattr(self.inner, "grad_scale", None)
+        scales = {} if scale is None or not self.device_segments else {scale.device: scale}
         try:
             for s, per_group in enumerate(self._by_segment):
                 for g, params in zip(groups, per_group, strict=True):
                     g["params"] = params
+                if scales:
+                    where = self.masters[s].device
+                    if where not in scales:
+                        scales[where] = scale.to(where)  # type: ignore[union-attr]  # scales non-empty: scale is set
+                    self.inner.grad_scale = scales[where]  # type: ignore[attr-defined]  # read by getattr
                 self.inner.step()
                 self.flat.store.write_chunk(s, self.masters[s])
         finally:
@@ -285,6 +313,20 @@ class MemoryStates:
     def disk_bytes(self) -> int:
         return 0
 
+    def buffers_by_place(self) -> dict[str, list[torch.Tensor]]:
+        """:meth:`buffers` by where they live: ``device`` (Twin-Flow's share kept on the
+        device) and ``host`` (the offloaded rest, or everything without a split)."""
+        place = {"device": [], "host": []}  # type: dict[str, list[torch.Tensor]]
+        if self.separate:
+            for seg, master in zip(self.flat.layout.segments, self.masters, strict=True):
+                place["device" if seg.index < self.device_segments else "host"].append(master)
+        for _, lo, _, view, _ in self._views:
+            where = "device" if lo < self.device_numel else "host"
+            place[where] += [
+                v for v in self.inner.state.get(view, {}).values() if torch.is_tensor(v)
+            ]
+        return place
+
 
 def fold_scale(optimizer: torch.optim.Optimizer, device: torch.device, factor: float) -> bool:
     """Let torch's fused kernel scale the gradients (unscale and clip) inside its one
@@ -322,16 +364,27 @@ def build_memory_states(
     a new one. ``copy_masters``: masters apart from the parameters even where they could
     be views of them (the delayed update steps them while the parameters are in use)."""
     store = flat.store
+    twin = placement.device_segments(flat.layout)
     views = (
-        not copy_masters
+        not twin
+        and not copy_masters
         and flat.chunks is not None
         and (store.dtype == master_dtype and placement.same_place_for_masters())
     )
     if views and flat.chunks is not None:
         masters = [c.detach() for c in flat.chunks]
     else:
-        buf = placement.empty(flat.layout.shard_numel, master_dtype, placement.optimizer)
-        masters = [buf[s.shard_start : s.shard_start + s.chunk] for s in flat.layout.segments]
+        # Twin-Flow: the leading ``twin`` segments' masters on the device (``cut``
+        # elements), the rest where the optimizer is placed
+        cut = sum(seg.chunk for seg in flat.layout.segments[:twin])
+        here = torch.empty(cut, dtype=master_dtype, device=placement.device)
+        buf = placement.empty(flat.layout.shard_numel - cut, master_dtype, placement.optimizer)
+        masters = [
+            here[s.shard_start : s.shard_start + s.chunk]
+            if s.index < twin
+            else buf[s.shard_start - cut : s.shard_start - cut + s.chunk]
+            for s in flat.layout.segments
+        ]
         for s, master in enumerate(masters):
             master.copy_(store.chunk(s))
     groups = [
@@ -363,6 +416,7 @@ def build_memory_states(
         # host masters into a parameter store in device memory (not the host shard of
         # stage 3's offload_param, which they are written into on the host)
         uploads=placement.optimizer_on_host and not placement.param_on_host,
+        device_segments=twin,
     )
 
 

@@ -117,6 +117,14 @@ class PipelineGrads:
         return bool(flag.item())
 
 
+def _stack(squares: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """The per-chunk squares as one tensor; where they are on two devices (Twin-Flow: the
+    share of the shard on the device, the rest on the host), on ``device``."""
+    if len({t.device for t in squares}) > 1:
+        squares = [t.to(device) for t in squares]
+    return torch.stack(squares)
+
+
 def unused_and_bad(
     grads: ReducedGrads,
     bad: bool = False,
@@ -264,9 +272,9 @@ class ShardedOptimizer:
         if self.tp is not None:
             local = self.tp.local_sum_of_squares(chunks)
         elif landed:
-            local = torch.stack(landed).sum()
+            local = _stack(landed, self.flat.device).sum()
         elif chunks:
-            local = torch.stack([chunk_sum_of_squares(c) for c in chunks]).sum()
+            local = _stack([chunk_sum_of_squares(c) for c in chunks], self.flat.device).sum()
         else:
             local = torch.zeros((), dtype=torch.float32)
         if self.pipeline is not None and self.pipeline.excluded:
