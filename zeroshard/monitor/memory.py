@@ -144,10 +144,10 @@ def estimate(
     """
     if stage not in (0, 1, 2, 3) or offload not in OFFLOADS or precision not in PRECISIONS:
         raise ArgumentError(f"stage/offload/precision: got {stage}, {offload!r}, {precision!r}")
-    if offload_ratio < 1 and (offload != "cpu" or offload_params or not 0 <= offload_ratio):
+    if not 0 <= offload_ratio <= 1 or (offload_ratio < 1 and (offload != "cpu" or offload_params)):
         raise ArgumentError(
-            f"offload_ratio {offload_ratio}: a ratio below 1 needs CPU optimizer offload "
-            "without parameter offload (offload='cpu', offload_params=False)"
+            f"offload_ratio {offload_ratio}: a share between 0 and 1; below 1 it needs CPU "
+            "optimizer offload without parameter offload (offload='cpu', offload_params=False)"
         )
     world = nproc * nnodes
     if tp < 1 or sp < 1 or world % (tp * sp):
@@ -340,7 +340,9 @@ def _twin_flow_bytes(engine) -> dict | None:
     fraction of this rank's shard kept on the device. Apart from ``by_location`` because
     the CPU-only rehearsal of the GPU path (``ZEROSHARD_STAGE_ON_CPU=1``) has both in
     CPU memory. None without a split."""
-    states = engine.optimizer.states if engine.optimizer is not None else None
+    if engine.optimizer is None:
+        return None
+    states = engine.optimizer.states
     if not getattr(states, "device_segments", 0):
         return None
     places = states.buffers_by_place()

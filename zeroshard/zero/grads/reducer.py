@@ -812,8 +812,8 @@ class GradReducer:
 
     def buffers(self) -> list[torch.Tensor]:
         """Persistent gradient buffers: the full buffer or the shard, plus the staging pool."""
-        bufs = [self.grad_full, self.grad_shard, self.twin_shard, self._dev_acc]
-        bufs = [b for b in bufs if b is not None]
+        held = (self.grad_full, self.grad_shard, self.twin_shard, self._dev_acc)
+        bufs = [b for b in held if b is not None]
         bufs += self._staging.free + self._scratch.free
         bufs += [b.scratch for b in self._buckets if b.scratch is not None]
         bufs += [b.staging for b in self._buckets if b.staging is not None]
