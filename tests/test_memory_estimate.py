@@ -217,7 +217,11 @@ def test_cli_plan_picks_least_communication_that_fits(capsys) -> None:
         "0.00 activations), 26.08 GiB exchanged per step"
     )
     assert lines["why"].startswith("why: it fits, exchanges as few bytes as any layout that fits")
-    assert lines["runner-up"].startswith("runner-up: stage 2, offload cpu: 13.09 GiB")
+    # the runner-up keeps all but the smallest Twin-Flow share of the optimizer on the
+    # device: 0.05 of it (and of the gradient shard) offloaded
+    assert lines["runner-up"].startswith(
+        "runner-up: stage 2, offload cpu (ratio 0.05: Twin-Flow): 34.76 GiB"
+    )
     # DeepSpeed's 5e8-element bucket, double-buffered: 2 GB more, and stage 2 no longer fits
     code, out = _cli(
         capsys, "plan", "--params", "7e9", "--nproc", "4", "--device-memory", "40GB",
@@ -229,7 +233,11 @@ def test_cli_plan_picks_least_communication_that_fits(capsys) -> None:
         "--precision", "bf16",
     )  # fmt: skip
     assert code == 0 and "plan: stage 3, offload none: 26.08" not in out
-    assert _plan_lines(out)["plan"].startswith("plan: stage 3, offload cpu")
+    # the smallest Twin-Flow ratio that fits: 0.8 of the optimizer offloaded, the rest
+    # and the parameter shard on the device; then everything offloaded
+    lines = _plan_lines(out)
+    assert lines["plan"].startswith("plan: stage 3, offload cpu (ratio 0.8: Twin-Flow): 8.75"), out
+    assert lines["runner-up"].startswith("runner-up: stage 3, offload cpu: 4.19"), out
 
 
 def _plan_lines(out: str) -> dict[str, str]:
@@ -256,7 +264,8 @@ def _pasted_config(out: str) -> dict:
     ("argv", "plan", "world"),
     [
         (["--params", "7e9", "--nproc", "4", "--device-memory", "40GB"], (2, "none"), 4),
-        (["--params", "7e9", "--nproc", "4", "--device-memory", "10GB"], (3, "cpu"), 4),
+        (["--params", "7e9", "--nproc", "4", "--device-memory", "10GB"], (3, "cpu", 0.8), 4),
+        (["--params", "7e9", "--nproc", "4", "--device-memory", "5GB"], (3, "cpu"), 4),
         (
             ["--params", "7e9", "--nproc", "4", "--device-memory", "10GB", "--cpu-memory", "10GB"],
             (3, "nvme"),
@@ -288,7 +297,7 @@ def _pasted_config(out: str) -> dict:
     ],
 )
 def test_cli_plan_states_its_assumptions_and_prints_a_config_that_loads(
-    capsys, argv: list[str], plan: tuple[int, str], world: int
+    capsys, argv: list[str], plan: tuple, world: int
 ) -> None:
     from zeroshard.config import load_config
 
@@ -300,12 +309,15 @@ def test_cli_plan_states_its_assumptions_and_prints_a_config_that_loads(
     assert lines["optimizer"].startswith("optimizer: Adam/AdamW, fp32 master weights"), out
     for word in ("model", "ranks", "micro-batch", "gradient bucket", "memory", "activations"):
         assert word in lines, (word, out)
-    stage, offload = plan
-    assert lines["plan"].startswith(f"plan: stage {stage}, offload {offload}:"), out
+    stage, offload, *twin = plan
+    ratio = twin[0] if twin else 1.0
+    said = f" (ratio {ratio:g}: Twin-Flow)" if twin else ""
+    assert lines["plan"].startswith(f"plan: stage {stage}, offload {offload}{said}:"), out
     pasted = _pasted_config(out)
     cfg = load_config(pasted, world_size=world)  # the loader DeepSpeed users' configs meet
     assert cfg.zero_optimization.stage == stage
     assert cfg.zero_optimization.offload_optimizer.device == offload
+    assert cfg.zero_optimization.offload_optimizer.ratio == ratio
     assert cfg.zero_optimization.offload_param.device == ("nvme" if offload == "nvme" else "none")
     assert cfg.bf16.enabled == (precision == "bf16") and cfg.fp16.enabled == (precision == "fp16")
     assert cfg.train_micro_batch_size_per_gpu == (4 if "--micro-batch" in argv else 1)

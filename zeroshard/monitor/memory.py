@@ -138,7 +138,8 @@ def estimate(
     (4 bytes per shard element, counted in ``buffers``).
     ``offload_ratio`` (``offload_optimizer.ratio``, CPU offload without parameter
     offload): Twin-Flow keeps ``1 - offload_ratio`` of the masters, optimizer states and
-    (stages 2-3) the fp32 reduced gradient shard on the device; the rest is offloaded.
+    (stages 2-3) the reduced gradient shard, in the gradient dtype, on the device; the
+    rest is offloaded (the gradients in fp32).
     The engine splits at segment boundaries, never above ``1 - offload_ratio`` on the
     device, so this is the most it holds there.
     """
@@ -184,9 +185,11 @@ def estimate(
         loc["device"] -= away
         # the owned gradient shard is accumulated in CPU memory, in fp32 (stage 1: a
         # copy there at the boundary, besides the full gradient on the device); the
-        # device's share keeps its fp32 shard there (stage 1: in the full gradient)
+        # device's share keeps its shard there, in the gradient dtype (stage 1: in the
+        # full gradient)
         host_grads = round(4 * shard * r)
-        kept_grads = round(4 * shard * (1 - r)) if stage >= 2 else 0
+        kept = stage >= 2 and gradient_accumulation == 1  # else read from the device's sum
+        kept_grads = round(g_b * shard * (1 - r)) if kept else 0
         if stage >= 2:
             loc["device"] += kept_grads - grad_bytes
             grad_bytes = host_grads + kept_grads

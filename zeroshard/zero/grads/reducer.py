@@ -50,8 +50,11 @@ accumulation 1). The host's thread that lands each chunk (``HostStager``) also t
 its fp32 sum of squares then, while backward goes on: the step's global norm adds those
 up (:meth:`ReducedGrads.landed_squares`) instead of reading the shard again. With
 Twin-Flow (``device_segments``) the leading segments, whose optimizer steps on the
-device, keep their reduced chunks there instead (stages 2-3: an fp32 shard of their own;
-stage 1: the reduced chunk in the full gradient buffer); only the others cross.
+device, keep their reduced chunks there instead; only the others cross. Stages 2-3: a
+shard of their own in the gradient dtype, as without offload, until micro-steps first
+accumulate on the device: from then on they are read from that fp32 sum itself (the
+same values the host's share gets) and their shard is dropped. Stage 1: the reduced
+chunk in the full gradient buffer.
 """
 
 from __future__ import annotations
@@ -250,9 +253,9 @@ class GradReducer:
             self.grad_shard = torch.zeros(sum(s.chunk for s in away), dtype=host, device=where)
             self._chunks = self._shard_chunks(self.grad_shard, away)
             here = [s for s in reduced if s.index in self._on_device]
-            if sharded and here:  # in fp32 too: the device's optimizer reads them
+            if sharded and here:  # in the gradient dtype, as without offload
                 self.twin_shard = torch.zeros(
-                    sum(s.chunk for s in here), dtype=host, device=flat.device
+                    sum(s.chunk for s in here), dtype=dtype, device=flat.device
                 )
                 for s, c in enumerate(self._shard_chunks(self.twin_shard, here)):
                     if c.numel():
@@ -376,6 +379,13 @@ class GradReducer:
             )
             self._dev_acc = torch.empty(numel, dtype=self.grad_shard.dtype, device=self.flat.device)
             self._dev_acc_chunks = self._shard_chunks(self._dev_acc)
+            if self.twin_shard is not None:
+                # Twin-Flow: the device's share is read from the fp32 sum itself from now
+                # on (exact, as the host's share); its own shard is no longer needed
+                for s in self._on_device:
+                    if self._chunks[s].numel():
+                        self._chunks[s] = self._dev_acc_chunks[s]
+                self.twin_shard = None
         self._walk_missed = set()
         self._move_window(Event.BEGIN)
         if self._count_unreached and roots is not None and self.communicates_now:
@@ -629,6 +639,10 @@ class GradReducer:
         if self._stager is not None:  # offload at stages 0, 1: the boundary's chunk to host
             self._to_shard(b.segment, self._device_chunks[b.segment], accumulate=False)
 
+    def _twin_acc(self) -> torch.Tensor | None:
+        """The device's fp32 sum when Twin-Flow's share is read from it, else None."""
+        return self._dev_acc if self._on_device and self.sharded else None
+
     def _to_shard(self, s: int, src: torch.Tensor, accumulate: bool) -> object:
         """Offload: segment ``s``'s reduced chunk ``src`` (on the device) into the owned
         shard: through the host stager (returns its copy's event), or, for a segment
@@ -702,7 +716,7 @@ class GradReducer:
         elif action == states.REDUCE:
             self._reduce_rest()
         elif action == states.ZERO:
-            for buf in (self.grad_full, self.grad_shard, self.twin_shard):
+            for buf in (self.grad_full, self.grad_shard, self.twin_shard, self._twin_acc()):
                 if buf is not None:
                     buf.zero_()
         elif action == states.RESCALE:
