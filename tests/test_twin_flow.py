@@ -5,9 +5,11 @@ step there; the rest is offloaded and steps on the host.
 On this CPU-only machine the split is taken on the GPU's code path
 (``ZEROSHARD_STAGE_ON_CPU=1``: "staged"): separate masters, gradients staged to the host
 for the offloaded share only. Parity at stages 1-3 and ratios 0 / 0.3 / 1 against the
-single-process fp32 reference; where each share lives; fp16 overflow skipping and bf16
-beside plain offload; a checkpoint saved at one ratio resumed at another ratio, stage and
-world size. One spawn of 2 ranks (and one of 1 rank for the world-size change).
+single-process fp32 reference, and at stage 3 with NVMe (the offloaded share's states in
+swap files); where each share lives; fp16 overflow skipping and bf16 beside plain
+offload; a checkpoint saved at one ratio resumed at another ratio, stage, device (CPU,
+NVMe) and world size. One spawn of 2 ranks (and one of 1 rank for the world-size
+change).
 """
 
 from __future__ import annotations
@@ -43,6 +45,21 @@ PARITY = [
     _case(2, 0.3, staged=False),
     _case(2, 0.3, dtype="bf16"),
 ]
+
+
+def _nvme(root: str, ratio: float, name: str) -> dict:
+    """Twin-Flow with NVMe: the device's share in memory, the rest in swap files."""
+    off = {"device": "nvme", "nvme_path": os.path.join(root, name), "ratio": ratio}
+    off |= {"pipeline_read": True, "pipeline_write": True, "buffer_count": 6}
+    return {"offload_optimizer": off, "sub_group_size": 2000}
+
+
+def _parity_cases(root: str) -> list[dict]:
+    nvme = [
+        {**_case(3, ratio, dtype=dtype), "extra": {Z: _nvme(root, ratio, f"p{ratio}{dtype}")}}
+        for ratio, dtype in ((0.0, "fp32"), (0.3, "fp32"), (0.6, "bf16"))
+    ]
+    return PARITY + nvme
 
 
 def _where(rank: int, world: int) -> list[dict]:
@@ -92,6 +109,30 @@ def _where(rank: int, world: int) -> list[dict]:
 FP16_STEPS = 8
 
 
+def _where_nvme(rank: int, world: int, root: str) -> dict:
+    """Twin-Flow with NVMe, ratio 0.3 at stage 3 (gas 1): what is on the device, in
+    the swap files and in host memory."""
+    case = {**_case(3, 0.3), "gas": 1, "steps": 2, "extra": {Z: _nvme(root, 0.3, "where")}}
+    _, engine = parity.train(case, rank, world)
+    states = engine.optimizer.states
+    memory = engine.memory_stats()
+    return {
+        "store": type(states).__name__,
+        "device_numel": states.device_numel,
+        "shard": engine.flat.layout.shard_numel,
+        "nvme": memory["by_location"].get("nvme", 0),
+        "twin": memory["twin_flow"],
+        "moved": engine.reducer._stager.submitted,
+        "with_grads": sum(1 for c in engine.reducer.grad_chunks if c.numel()),
+        "on_device": sum(
+            1
+            for s, c in enumerate(engine.reducer.grad_chunks)
+            if c.numel() and s < states.device_segments
+        ),
+        "kinds": list(states.kinds),
+    }
+
+
 def _fp16_skips(rank: int, world: int) -> list[dict]:
     """fp16 with a loss scale that overflows the first steps: twin and plain offload
     skip the same steps and end with the same parameters."""
@@ -112,12 +153,26 @@ def _fp16_skips(rank: int, world: int) -> list[dict]:
 
 
 RESUME = {"stage": 2, "zero": _offload(0.3)}
-LOADS = [  # saved at ratio 0.3, stage 2: resumed at ...
-    {"stage": 2, "zero": _offload(1.0)},
-    {"stage": 2, "zero": _offload(0.0)},
-    {"stage": 3, "zero": _offload(0.6)},
-    {"stage": 1, "zero": {"offload_optimizer": {"device": "none"}}},
-]
+
+
+def _chains(root: str) -> list[tuple[dict, list[dict]]]:
+    """(saved at, [resumed at, ...]): across ratios, stages and NVMe both ways."""
+    return [
+        (
+            RESUME,
+            [
+                {"stage": 2, "zero": _offload(1.0)},
+                {"stage": 2, "zero": _offload(0.0)},
+                {"stage": 3, "zero": _offload(0.6)},
+                {"stage": 1, "zero": {"offload_optimizer": {"device": "none"}}},
+                {"stage": 3, "zero": _nvme(root, 0.5, "load")},
+            ],
+        ),
+        (
+            {"stage": 3, "zero": _nvme(root, 0.5, "save")},
+            [{"stage": 3, "zero": _offload(1.0)}, {"stage": 2, "zero": _offload(0.3)}],
+        ),
+    ]
 
 
 def _staged(case: dict, world: int):
@@ -137,28 +192,35 @@ def _summary(engine, losses: list[float]) -> dict:
     }
 
 
-def _resume(rank: int, world: int, root: str, phase: str) -> list[dict]:
-    """``first``: the straight run (10 steps) and a checkpoint after 5, at ratio 0.3;
-    ``second``: each of LOADS resumed from it for the last 5."""
-    ckpt = os.path.join(root, "ckpt")
-    if phase == "first":
-        engine = _staged(RESUME, world)
-        losses = resume.train(engine, rank, world, range(5))
-        engine.save_checkpoint(ckpt)
-        return [_summary(engine, losses + resume.train(engine, rank, world, range(5, 10)))]
+def _resume(rank: int, world: int, root: str, phase: str) -> list[list[dict]]:
+    """Per chain of :func:`_chains`: ``first``, the straight run (10 steps) of the saved
+    config and its checkpoint after 5; ``second``, each resumed config from that
+    checkpoint for the last 5."""
     out = []
-    for case in LOADS:
-        engine = _staged(case, world)
-        engine.load_checkpoint(ckpt)
-        assert engine.global_steps == 5
-        out.append(_summary(engine, resume.train(engine, rank, world, range(5, 10))))
+    for i, (saved, loads) in enumerate(_chains(root)):
+        ckpt = os.path.join(root, f"ckpt{i}")
+        if phase == "first":
+            engine = _staged(saved, world)
+            losses = resume.train(engine, rank, world, range(5))
+            engine.save_checkpoint(ckpt)
+            losses += resume.train(engine, rank, world, range(5, 10))
+            out.append([_summary(engine, losses)])
+            continue
+        done = []
+        for case in loads:
+            engine = _staged(case, world)
+            engine.load_checkpoint(ckpt)
+            assert engine.global_steps == 5
+            done.append(_summary(engine, resume.train(engine, rank, world, range(5, 10))))
+        out.append(done)
     return out
 
 
 def _job(rank: int, world: int, root: str) -> dict:
     return {
-        "parity": parity.run_cases(rank, world, PARITY),
+        "parity": parity.run_cases(rank, world, _parity_cases(root)),
         "where": _where(rank, world),
+        "nvme": _where_nvme(rank, world, root),
         "fp16": _fp16_skips(rank, world),
         "resume": _resume(rank, world, root, "first"),
         "resumed": _resume(rank, world, root, "second"),
@@ -172,11 +234,11 @@ def two_ranks(tmp_path_factory) -> tuple[list[dict], str]:
 
 
 def test_parity_at_every_stage_and_ratio(two_ranks) -> None:
-    results, _ = two_ranks
-    parity.assert_parity(PARITY, [r["parity"] for r in results], 2)
+    results, root = two_ranks
+    parity.assert_parity(_parity_cases(root), [r["parity"] for r in results], 2)
     # on this CPU the device's share steps with the same kernels: bit for bit the
     # losses of plain offload (ratio 1)
-    by = {(c["stage"], c["extra"][Z]["offload_optimizer"]["ratio"], c.get("staged"), c.get("dtype")): r for c, r in zip(PARITY, results[0]["parity"], strict=True)}  # fmt: skip
+    by = {(c["stage"], c["extra"][Z]["offload_optimizer"]["ratio"], c.get("staged"), c.get("dtype")): r for c, r in zip(PARITY, results[0]["parity"], strict=False)}  # fmt: skip
     for stage in (1, 2, 3):
         plain = by[stage, 1.0, True, None]["losses"]
         assert by[stage, 0.3, True, None]["losses"] == plain, stage
@@ -220,6 +282,22 @@ def test_each_share_lives_where_the_ratio_says(two_ranks) -> None:
             assert grads["device"] + grads["host"] <= r["grads"], r
 
 
+def test_nvme_holds_the_offloaded_share(two_ranks) -> None:
+    results, _ = two_ranks
+    for per_rank in results:
+        r = per_rank["nvme"]
+        assert r["store"] == "TwinStates", r
+        rest = r["shard"] - r["device_numel"]
+        assert 0.6 < r["twin"]["device_share"] <= 0.7, r
+        # masters and both moments of the offloaded share, in whole disk blocks
+        assert 12 * rest <= r["nvme"] < 12 * rest + 3 * 4096, r
+        # the device's share: masters and moments in device memory; the host keeps
+        # only the swap buffers
+        assert r["twin"]["optimizer_states"]["device"] >= 12 * r["device_numel"] - 8 * 256, r
+        assert r["moved"] == 2 * (r["with_grads"] - r["on_device"]), r  # 2 steps
+        assert r["kinds"] == ["exp_avg", "exp_avg_sq", "master"], r
+
+
 def test_fp16_overflow_skips_alike(two_ranks) -> None:
     results, _ = two_ranks
     for per_rank in results:
@@ -229,20 +307,25 @@ def test_fp16_overflow_skips_alike(two_ranks) -> None:
         assert twin["losses"] == plain["losses"] and twin["params"] == plain["params"]
 
 
+def _same_training(straight: dict, got: dict, what: Any) -> None:
+    assert got["lr"] == straight["lr"], what
+    diff = max(abs(a - b) for a, b in zip(got["losses"], straight["losses"][5:], strict=True))
+    assert diff <= parity.TOL, (what, diff)
+    for name, values in straight["params"].items():
+        err = max(abs(a - b) for a, b in zip(got["params"][name], values, strict=True))
+        assert err <= parity.TOL, (what, name, err)
+
+
 def test_checkpoint_resumes_at_another_ratio_stage_and_world_size(two_ranks) -> None:
     results, root = two_ranks
-    straight = results[0]["resume"][0]
-    for case, got in zip(LOADS, results[0]["resumed"], strict=True):
-        assert got["lr"] == straight["lr"], case
-        diff = max(abs(a - b) for a, b in zip(got["losses"], straight["losses"][5:], strict=True))
-        assert diff <= parity.TOL, (case, diff)
-        for name, values in straight["params"].items():
-            err = max(abs(a - b) for a, b in zip(got["params"][name], values, strict=True))
-            assert err <= parity.TOL, (case, name, err)
+    chains = _chains(root)
+    for (saved, loads), (straight,), resumed in zip(chains, results[0]["resume"], results[0]["resumed"], strict=True):  # fmt: skip
+        for case, got in zip(loads, resumed, strict=True):
+            _same_training(straight, got, (saved, case))
     one = multirank.run(_resume, 1, root, "second", timeout=300)[0]
-    for case, got in zip(LOADS, one, strict=True):
-        diff = max(abs(a - b) for a, b in zip(got["losses"], straight["losses"][5:], strict=True))
-        assert diff <= parity.TOL, ("1 rank", case, diff)
+    for (saved, loads), (straight,), resumed in zip(chains, results[0]["resume"], one, strict=True):  # fmt: skip
+        for case, got in zip(loads, resumed, strict=True):
+            _same_training(straight, got, ("1 rank", saved, case))
 
 
 # -- config and index math (no processes) -------------------------------------------------
@@ -253,15 +336,23 @@ def _zero(**offload: Any) -> dict:
 @pytest.mark.parametrize(
     ("zero", "says"),
     [
-        ({"offload_optimizer": {"device": "none", "ratio": 0.5}}, 'needs device "cpu"'),
-        ({"offload_optimizer": {"device": "nvme", "nvme_path": "/tmp", "ratio": 0.5}}, 'needs device "cpu"'),  # fmt: skip
-        ({"offload_optimizer": {"device": "cpu", "ratio": 0.5, "delayed_update": True}}, "delayed_update"),  # fmt: skip
-        ({"offload_optimizer": {"device": "cpu", "ratio": 0.5}, "offload_param": {"device": "cpu"}}, "offload_param"),  # fmt: skip
+        ({"offload_optimizer": {"device": "none", "ratio": 0.5}}, 'needs device "cpu" or "nvme"'),
+        (
+            {"offload_optimizer": {"device": "cpu", "ratio": 0.5, "delayed_update": True}},
+            "delayed_update",
+        ),
+        (
+            {
+                "offload_optimizer": {"device": "cpu", "ratio": 0.5},
+                "offload_param": {"device": "cpu"},
+            },
+            "offload_param",
+        ),
         ({"offload_optimizer": {"device": "cpu", "ratio": 1.5}}, "ratio"),
     ],
 )
 def test_ratios_not_built_are_refused_by_name(zero: dict, says: str) -> None:
-    with pytest.raises(ConfigError, match="offload_optimizer.ratio") as err:
+    with pytest.raises(ConfigError, match=r"offload_optimizer\.ratio") as err:
         load_config(_zero(**zero))
     assert says in str(err.value)
 
@@ -273,13 +364,14 @@ def test_ratio_is_read() -> None:
 
 
 class _Seg:
-    def __init__(self, chunk: int) -> None:
-        self.chunk = chunk
+    def __init__(self, index: int, shard_start: int, chunk: int) -> None:
+        self.index, self.shard_start, self.chunk = index, shard_start, chunk
 
 
 class _Layout:
     def __init__(self, chunks: list[int]) -> None:
-        self.segments = [_Seg(c) for c in chunks]
+        starts = [sum(chunks[:i]) for i in range(len(chunks))]
+        self.segments = [_Seg(i, a, c) for i, (a, c) in enumerate(zip(starts, chunks, strict=True))]  # fmt: skip
         self.shard_numel = sum(chunks)
 
 

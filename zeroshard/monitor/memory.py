@@ -136,7 +136,7 @@ def estimate(
     ``gradient_accumulation`` above 1 with the optimizer offloaded at stages 2-3: the
     micro-steps before the boundary add up on the device, in an fp32 gradient shard
     (4 bytes per shard element, counted in ``buffers``).
-    ``offload_ratio`` (``offload_optimizer.ratio``, CPU offload without parameter
+    ``offload_ratio`` (``offload_optimizer.ratio``, CPU or NVMe offload without parameter
     offload): Twin-Flow keeps ``1 - offload_ratio`` of the masters, optimizer states and
     (stages 2-3) the reduced gradient shard, in the gradient dtype, on the device; the
     rest is offloaded (the gradients in fp32).
@@ -145,10 +145,11 @@ def estimate(
     """
     if stage not in (0, 1, 2, 3) or offload not in OFFLOADS or precision not in PRECISIONS:
         raise ArgumentError(f"stage/offload/precision: got {stage}, {offload!r}, {precision!r}")
-    if not 0 <= offload_ratio <= 1 or (offload_ratio < 1 and (offload != "cpu" or offload_params)):
+    if not 0 <= offload_ratio <= 1 or (offload_ratio < 1 and (offload == "none" or offload_params)):
         raise ArgumentError(
-            f"offload_ratio {offload_ratio}: a share between 0 and 1; below 1 it needs CPU "
-            "optimizer offload without parameter offload (offload='cpu', offload_params=False)"
+            f"offload_ratio {offload_ratio}: a share between 0 and 1; below 1 it needs "
+            "optimizer offload without parameter offload (offload 'cpu' or 'nvme', "
+            "offload_params=False)"
         )
     world = nproc * nnodes
     if tp < 1 or sp < 1 or world % (tp * sp):
@@ -188,8 +189,8 @@ def estimate(
         # device's share keeps its shard there, in the gradient dtype (stage 1: in the
         # full gradient)
         host_grads = round(4 * shard * r)
-        kept = stage >= 2 and gradient_accumulation == 1  # else read from the device's sum
-        kept_grads = round(g_b * shard * (1 - r)) if kept else 0
+        own = stage >= 2 and gradient_accumulation == 1  # else read from the device's sum
+        kept_grads = round(g_b * shard * (1 - r)) if own else 0
         if stage >= 2:
             loc["device"] += kept_grads - grad_bytes
             grad_bytes = host_grads + kept_grads

@@ -89,9 +89,10 @@ class Placement:
         the device; the others are offloaded. The most segments whose chunks hold at
         most ``1 - ratio`` of the shard's elements (the device never holds more than it
         was given); the same count on every rank (chunk sizes agree). 0 unless the
-        optimizer is in host memory apart from the device (on a CPU-only run both are
-        the one memory: nothing to split)."""
-        if not self.optimizer_on_host or self.optimizer_ratio >= 1:
+        optimizer is offloaded (CPU memory or NVMe files) from a device apart from the
+        host (on a CPU-only run both are the one memory: nothing to split)."""
+        offloaded = self.offload_optimizer and self.host_is_separate
+        if not offloaded or self.optimizer_ratio >= 1:
             return 0
         room = (1.0 - self.optimizer_ratio) * layout.shard_numel
         held = count = 0

@@ -60,6 +60,9 @@ class MemoryStates:
         device_segments: int = 0,
     ) -> None:
         self.flat, self.inner, self.masters = flat, inner, masters
+        # the segments this store holds: the first len(masters) (Twin-Flow with NVMe:
+        # the device's; the swap files hold the others), each group's pieces in them
+        self.pieces = held_pieces(flat, len(masters))
         #: Twin-Flow: the leading segments whose masters and states are on the device
         #: (the others in host memory); 0 without a split
         self.device_segments = device_segments
@@ -80,7 +83,7 @@ class MemoryStates:
         # (group, shard_lo, shard_hi, master view, parameter) of every optimizer tensor
         self._views: list[tuple[int, int, int, torch.Tensor, int]] = []
         for g, group in enumerate(inner.param_groups):
-            for (s, lo, hi, pi), view in zip(flat.group_pieces(g), group["params"], strict=False):
+            for (s, lo, hi, pi), view in zip(self.pieces[g], group["params"], strict=False):
                 start = flat.layout.segments[s].shard_start
                 self._views.append((g, start + lo, start + hi, view, pi))
 
@@ -117,7 +120,7 @@ class MemoryStates:
         if self.device_segments:  # Twin-Flow: each chunk where its master is
             chunks = [
                 c if (c.dtype, c.device) == (m.dtype, m.device) else c.to(m.device, m.dtype)
-                for c, m in zip(chunks, self.masters, strict=True)
+                for c, m in zip(chunks, self.masters, strict=False)
             ]
         elif self.masters and (chunks[0].dtype, chunks[0].device) != (
             self.masters[0].dtype,
@@ -127,7 +130,7 @@ class MemoryStates:
             chunks = [c.to(device=where, dtype=self.masters[0].dtype) for c in chunks]
         grads = []
         for gi, group in enumerate((optimizer or self.inner).param_groups):
-            for m, g in zip(group["params"], self.flat.group_views(chunks, gi), strict=True):
+            for m, g in zip(group["params"], group_views(chunks, self.pieces[gi]), strict=True):
                 m.grad = g
                 grads.append(g)
         return grads
@@ -187,7 +190,7 @@ class MemoryStates:
         folded = self.prepare_step(self.inner, list(grads.chunks), factor, unused)
         try:
             if self.pipelined:
-                self._step_and_write_back_by_segment()
+                self._step_and_write_back_by_segment(1.0 / factor if folded else None)
                 self._record_uploads()
             else:
                 self.inner.step()
@@ -198,7 +201,7 @@ class MemoryStates:
                 del self.inner.grad_scale  # type: ignore[attr-defined]  # torch's fused step reads it by getattr
         self.clear_grads(self.inner)
 
-    def _step_and_write_back_by_segment(self) -> None:
+    def _step_and_write_back_by_segment(self, inv_scale: float | None = None) -> None:
         """Offload to a separate host: step one segment's masters, then start its
         non-blocking copy back into the device parameters, so the copy of segment k runs
         while the host steps segment k+1 (elementwise optimizers only: a segment's
@@ -206,7 +209,7 @@ class MemoryStates:
         groups = self.inner.param_groups
         every = [g["params"] for g in groups]
         if self._by_segment is None:  # per segment, per group: its master views (once)
-            spans = [self.flat.group_pieces(gi) for gi in range(len(groups))]
+            spans = self.pieces
             self._by_segment = [
                 [
                     [m for m, (seg, *_) in zip(params, sp, strict=False) if seg == s]
@@ -216,10 +219,13 @@ class MemoryStates:
             ]
         # Twin-Flow: the device's segments come first, so their steps and write-backs
         # are queued on the device (asynchronously) before the host steps its own; each
-        # device gets the fused kernel's grad_scale in its own memory (one in the
-        # other's would make the host wait for the device)
+        # memory gets the fused kernel's grad_scale (``inv_scale``, folded by the caller)
+        # in a tensor of its own, the host's made from the float: a copy of the device's
+        # would make the host wait for every step queued there
         scale = getattr(self.inner, "grad_scale", None)
-        scales = {} if scale is None or not self.device_segments else {scale.device: scale}
+        scales = {}
+        if scale is not None and inv_scale is not None and self.device_segments:
+            scales[scale.device] = scale
         try:
             for s, per_group in enumerate(self._by_segment):
                 for g, params in zip(groups, per_group, strict=True):
@@ -227,7 +233,7 @@ class MemoryStates:
                 if scales:
                     where = self.masters[s].device
                     if where not in scales:
-                        scales[where] = scale.to(where)  # type: ignore[union-attr]  # scales non-empty: scale is set
+                        scales[where] = torch.tensor(inv_scale, dtype=torch.float32, device=where)
                     self.inner.grad_scale = scales[where]  # type: ignore[attr-defined]  # read by getattr
                 self.inner.step()
                 self.flat.store.write_chunk(s, self.masters[s])
@@ -318,7 +324,7 @@ class MemoryStates:
         device) and ``host`` (the offloaded rest, or everything without a split)."""
         place = {"device": [], "host": []}  # type: dict[str, list[torch.Tensor]]
         if self.separate:
-            for seg, master in zip(self.flat.layout.segments, self.masters, strict=True):
+            for seg, master in zip(self.flat.layout.segments, self.masters, strict=False):
                 place["device" if seg.index < self.device_segments else "host"].append(master)
         for _, lo, _, view, _ in self._views:
             where = "device" if lo < self.device_numel else "host"
@@ -326,6 +332,24 @@ class MemoryStates:
                 v for v in self.inner.state.get(view, {}).values() if torch.is_tensor(v)
             ]
         return place
+
+
+def held_pieces(flat: FlatParams, segments: int) -> list[list[tuple[int, int, int, int]]]:
+    """Per param group, its pieces (``FlatParams.group_pieces``) in the first
+    ``segments`` segments."""
+    return [
+        [piece for piece in flat.group_pieces(g) if piece[0] < segments]
+        for g in range(len(flat.hyperparams))
+    ]
+
+
+def group_views(
+    per_segment: list[torch.Tensor], pieces: list[tuple[int, int, int, int]]
+) -> list[torch.Tensor]:
+    """``FlatParams.group_views`` over ``pieces`` (one group's, maybe some only): one view
+    per piece, or one empty view for none (optimizers refuse empty param lists)."""
+    views = [per_segment[s][lo:hi] for s, lo, hi, _ in pieces]
+    return views or [per_segment[0][:0] if per_segment else torch.empty(0)]
 
 
 def fold_scale(optimizer: torch.optim.Optimizer, device: torch.device, factor: float) -> bool:
@@ -354,6 +378,7 @@ def build_memory_states(
     client: torch.optim.Optimizer | None = None,
     factory=None,
     copy_masters: bool = False,
+    device_only: bool = False,
 ) -> MemoryStates:
     """Make this rank's master chunks (one per segment) and the torch optimizer that
     steps them, one param group per ``flat`` group holding that group's master views.
@@ -362,7 +387,9 @@ def build_memory_states(
     ``client``: a user's optimizer instance, re-pointed at the masters in place (so an
     lr scheduler already bound to it keeps working). ``factory(param_groups)``: builds
     a new one. ``copy_masters``: masters apart from the parameters even where they could
-    be views of them (the delayed update steps them while the parameters are in use)."""
+    be views of them (the delayed update steps them while the parameters are in use).
+    ``device_only``: Twin-Flow with NVMe: only the device's segments (the swap files
+    hold the others' states: ``offload/twin.py``)."""
     store = flat.store
     twin = placement.device_segments(flat.layout)
     views = (
@@ -378,17 +405,20 @@ def build_memory_states(
         # elements), the rest where the optimizer is placed
         cut = sum(seg.chunk for seg in flat.layout.segments[:twin])
         here = torch.empty(cut, dtype=master_dtype, device=placement.device)
-        buf = placement.empty(flat.layout.shard_numel - cut, master_dtype, placement.optimizer)
+        rest = 0 if device_only else flat.layout.shard_numel - cut
+        buf = placement.empty(rest, master_dtype, placement.optimizer)
         masters = [
             here[s.shard_start : s.shard_start + s.chunk]
             if s.index < twin
             else buf[s.shard_start - cut : s.shard_start - cut + s.chunk]
             for s in flat.layout.segments
+            if s.index < twin or not device_only
         ]
         for s, master in enumerate(masters):
             master.copy_(store.chunk(s))
+    pieces = held_pieces(flat, len(masters))
     groups = [
-        {**hyper, "params": flat.group_views(masters, gi)}
+        {**hyper, "params": group_views(masters, pieces[gi])}
         for gi, hyper in enumerate(flat.hyperparams)
     ]
     if client is None:
