@@ -84,7 +84,8 @@ class TensorParallelGrads:
     def sum_partial(self, chunks: list[torch.Tensor], device: torch.device) -> None:
         if not self.partial:
             return
-        flat = torch.cat([chunks[s][lo:hi] for s, lo, hi in self.partial]).to(device)
+        # (Twin-Flow: the chunks of the device's share and of the host's are apart)
+        flat = torch.cat([chunks[s][lo:hi].to(device) for s, lo, hi in self.partial])
         self.comm.all_reduce(flat)
         offset = 0
         for s, lo, hi in self.partial:
