@@ -8,6 +8,7 @@ import multirank
 import pytest
 import torch
 
+from zeroshard import ArgumentError
 from zeroshard.monitor.memory import activation_bytes, estimate, paper_bytes
 
 GB = 10**9
@@ -68,6 +69,47 @@ def test_offload_moves_the_optimizer_side() -> None:
     acc = estimate(psi, 2, stage=2, precision="bf16", offload="cpu", gradient_accumulation=8)
     assert acc.by_location["device"] - one.by_location["device"] == 4 * psi // 2
     assert acc.by_location["cpu"] == one.by_location["cpu"]
+
+
+def test_twin_flow_ratio_splits_the_optimizer_side() -> None:
+    """offload_optimizer.ratio r: r of the masters, moments and gradient shard offloaded,
+    the rest (and the gradients in the gradient dtype) on the device."""
+    psi, n = 10**9, 2
+    shard = psi // n
+    plain = estimate(psi, n, stage=2, precision="bf16", offload="cpu")
+    assert estimate(psi, n, stage=2, precision="bf16", offload="cpu", offload_ratio=1.0) == plain
+    # ratio 0: everything on the device, as without offload
+    none = estimate(psi, n, stage=2, precision="bf16")
+    zero = estimate(psi, n, stage=2, precision="bf16", offload="cpu", offload_ratio=0.0)
+    assert zero.by_location == none.by_location
+    twin = estimate(psi, n, stage=2, precision="bf16", offload="cpu", offload_ratio=0.25)
+    assert twin.by_location["cpu"] == (12 + 4) * shard // 4
+    # 2 bytes of parameters per parameter, 3/4 of the 2-byte gradient and 12-byte states
+    assert twin.by_location["device"] == 2 * psi + (2 + 12) * shard * 3 // 4 + twin.buffers
+    # NVMe: the offloaded masters and moments on disk, its gradients in CPU memory
+    nvme = estimate(psi, n, stage=3, precision="bf16", offload="nvme", offload_ratio=0.5)
+    assert nvme.by_location["nvme"] == 12 * shard // 2 and nvme.by_location["cpu"] == 4 * shard // 2
+    for bad in (
+        {"offload": "none", "offload_ratio": 0.5},
+        {"offload": "cpu", "offload_params": True, "offload_ratio": 0.5},
+        {"offload": "cpu", "offload_ratio": 1.5},
+    ):
+        with pytest.raises(ArgumentError, match="offload_ratio"):
+            estimate(psi, n, stage=3, precision="bf16", **bad)
+
+
+def test_cli_estimate_offload_ratio_rows(capsys) -> None:
+    code, out = _cli(capsys, "estimate", "--params", "1e9", "--precision", "bf16", "--offload-ratio", "0.3")  # fmt: skip
+    assert code == 0, out
+    rows = {}
+    for line in out.splitlines():
+        cells = line.replace("|", " ").split()
+        if len(cells) == 11 and cells[0] == "bf16":
+            rows[int(cells[1]), cells[2]] = [float(c) for c in cells[3:]]
+    assert (2, "cpu0.3") in rows and (2, "cpu") not in rows, rows
+    e = estimate(10**9, stage=2, precision="bf16", offload="cpu", offload_ratio=0.3)
+    assert rows[2, "cpu0.3"][6] == round(e.by_location["cpu"] / 2**30, 2)  # the cpu column
+    assert "cpu0.3: offload_optimizer.ratio 0.3 (Twin-Flow)" in out
 
 
 def _measure(rank: int, world: int, stage: int) -> dict:
