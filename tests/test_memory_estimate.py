@@ -89,13 +89,9 @@ def test_twin_flow_ratio_splits_the_optimizer_side() -> None:
     # NVMe: the offloaded masters and moments on disk, its gradients in CPU memory
     nvme = estimate(psi, n, stage=3, precision="bf16", offload="nvme", offload_ratio=0.5)
     assert nvme.by_location["nvme"] == 12 * shard // 2 and nvme.by_location["cpu"] == 4 * shard // 2
-    for bad in (
-        {"offload": "none", "offload_ratio": 0.5},
-        {"offload": "cpu", "offload_params": True, "offload_ratio": 0.5},
-        {"offload": "cpu", "offload_ratio": 1.5},
-    ):
+    for offload, params_too, ratio in (("none", False, 0.5), ("cpu", True, 0.5), ("cpu", False, 1.5)):  # fmt: skip
         with pytest.raises(ArgumentError, match="offload_ratio"):
-            estimate(psi, n, stage=3, precision="bf16", **bad)
+            estimate(psi, n, stage=3, offload=offload, offload_params=params_too, offload_ratio=ratio)  # fmt: skip
 
 
 def test_cli_estimate_offload_ratio_rows(capsys) -> None:
