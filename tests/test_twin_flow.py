@@ -44,6 +44,9 @@ PARITY = [
     # a CPU-only run: host and device are one memory, nothing to split (as plain offload)
     _case(2, 0.3, staged=False),
     _case(2, 0.3, dtype="bf16"),
+    # a torch optimizer of the user's, re-pointed at masters on both sides; SGD's momentum
+    _case(3, 0.3, client=True),
+    _case(1, 0.3, opt="SGD", lr=0.1),
 ]
 
 
@@ -236,13 +239,18 @@ def two_ranks(tmp_path_factory) -> tuple[list[dict], str]:
 def test_parity_at_every_stage_and_ratio(two_ranks) -> None:
     results, root = two_ranks
     parity.assert_parity(_parity_cases(root), [r["parity"] for r in results], 2)
+
     # on this CPU the device's share steps with the same kernels: bit for bit the
     # losses of plain offload (ratio 1)
-    by = {(c["stage"], c["extra"][Z]["offload_optimizer"]["ratio"], c.get("staged"), c.get("dtype")): r for c, r in zip(PARITY, results[0]["parity"], strict=False)}  # fmt: skip
+    def key(c: dict) -> tuple:
+        ratio = c["extra"][Z]["offload_optimizer"]["ratio"]
+        return (c["stage"], ratio, c.get("staged"), c.get("dtype"), c.get("opt"), c.get("client"))
+
+    by = {key(c): r for c, r in zip(PARITY, results[0]["parity"], strict=False)}
     for stage in (1, 2, 3):
-        plain = by[stage, 1.0, True, None]["losses"]
-        assert by[stage, 0.3, True, None]["losses"] == plain, stage
-        assert by[stage, 0.0, True, None]["losses"] == plain, stage
+        plain = by[stage, 1.0, True, None, None, None]["losses"]
+        assert by[stage, 0.3, True, None, None, None]["losses"] == plain, stage
+        assert by[stage, 0.0, True, None, None, None]["losses"] == plain, stage
 
 
 def test_each_share_lives_where_the_ratio_says(two_ranks) -> None:
