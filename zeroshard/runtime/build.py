@@ -284,7 +284,6 @@ class EngineBuilder:
         """Masters and optimizer states: in swap files (NVMe offload) or in memory; with
         Twin-Flow and NVMe, the device's share in memory and the rest in swap files."""
         cfg = self.config.optimizer
-        factory = optimizer_factory(cfg, self.device) if cfg is not None else None
         twin = self.placement.device_segments(flat.layout)
         if self.placement.optimizer_nvme and twin < len(flat.layout.segments):
             if client is not None:
@@ -299,12 +298,17 @@ class EngineBuilder:
                 progress=partial(progress, desc="writing NVMe swap files", enabled=self.rank == 0),
                 start=sum(seg.chunk for seg in flat.layout.segments[:twin]),
             )
-            if not twin:
+            if not twin or cfg is None:  # (swapped_adam refused a missing optimizer)
                 return disk
             device = build_memory_states(
-                flat, self.policy.master, self.placement, factory=factory, device_only=True
+                flat,
+                self.policy.master,
+                self.placement,
+                factory=optimizer_factory(cfg, self.device),
+                device_only=True,
             )
             return TwinStates(device, disk)
+        factory = optimizer_factory(cfg, self.device) if cfg is not None else None
         offload = self.config.zero_optimization.offload_optimizer
         if offload.delayed_update and not isinstance(client, (torch.optim.Optimizer, type(None))):
             raise ConfigError(
