@@ -119,7 +119,7 @@ def _where_nvme(rank: int, world: int, root: str) -> dict:
     _, engine = parity.train(case, rank, world)
     states = engine.optimizer.states
     memory = engine.memory_stats()
-    return {
+    out = {
         "store": type(states).__name__,
         "device_numel": states.device_numel,
         "shard": engine.flat.layout.shard_numel,
@@ -134,6 +134,14 @@ def _where_nvme(rank: int, world: int, root: str) -> dict:
         ),
         "kinds": list(states.kinds),
     }
+    # a scheduler's change reaches the device's optimizer at the next step
+    for g in engine.optimizer.param_groups:
+        g["lr"] *= 0.5
+    x, y = parity.batch(9, world)
+    engine.backward(engine(x[rank : rank + 1], y[rank : rank + 1]))
+    engine.step()
+    out["lrs"] = [[g["lr"] for g in groups.param_groups] for groups in (states, states.device)]
+    return out
 
 
 def _fp16_skips(rank: int, world: int) -> list[dict]:
@@ -304,6 +312,8 @@ def test_nvme_holds_the_offloaded_share(two_ranks) -> None:
         assert r["twin"]["optimizer_states"]["device"] >= 12 * r["device_numel"] - 8 * 256, r
         assert r["moved"] == 2 * (r["with_grads"] - r["on_device"]), r  # 2 steps
         assert r["kinds"] == ["exp_avg", "exp_avg_sq", "master"], r
+        halved = [parity.LR / 2, parity.LR_NODECAY / 2]
+        assert r["lrs"] == [halved, halved], r["lrs"]
 
 
 def test_fp16_overflow_skips_alike(two_ranks) -> None:
