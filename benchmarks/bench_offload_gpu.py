@@ -16,6 +16,11 @@ Systems, each in a fresh process, interleaved round by round:
   parameter update, ``delayed_update_after: 0`` so every timed step is delayed): the
   CPU step of step t runs in a thread during step t+1's forward and backward. Not the
   same update rule: its losses differ from the others' after the first step;
+* ``offload-twin``: ``offload`` with ZeRO-Offload++ Twin-Flow (``ratio``: ``--ratio``,
+  default 0.35, what ``zeroshard plan`` proposes for the 1B GPT at stage 2 on a device
+  holding 0.85 of its all-GPU need, as ``gpu_check.py``'s row): the leading segments'
+  masters, moments and gradients stay on the GPU and step there while the CPU steps the
+  rest;
 * ``naive``: a hand-written CPU-AdamW hybrid (seeds/004 without ZeRO): after backward,
   the bf16 gradients go to the CPU (``.float().cpu()``), torch's fused AdamW steps fp32
   masters there, and the result is copied back into the parameters.
@@ -42,7 +47,7 @@ from _record import append_section
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-SYSTEMS = ("gpu", "offload", "offload-dpu", "offload-serial", "naive")
+SYSTEMS = ("gpu", "offload", "offload-dpu", "offload-twin", "offload-serial", "naive")
 PHASES = {"fwd+bwd": 0.0, "step": 0.0, "norm": 0.0}  # seconds summed over timed steps
 
 
@@ -66,6 +71,8 @@ def _zeroshard_step_fn(model, system: str, args):
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
     if system == "offload-dpu":
         zero["offload_optimizer"] |= {"delayed_update": True, "delayed_update_after": 0}
+    if system == "offload-twin":
+        zero["offload_optimizer"] |= {"ratio": args.ratio}
     cfg = {
         "train_micro_batch_size_per_gpu": args.micro,
         "gradient_clipping": 1.0,
@@ -190,6 +197,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--systems", default=",".join(SYSTEMS))
+    p.add_argument("--ratio", type=float, default=0.35, help="offload-twin's offload_optimizer.ratio")  # fmt: skip
     p.add_argument("--results", default=os.path.join(HERE, "RESULTS.md"))
     p.add_argument("--no-record", action="store_true")
     p.add_argument(

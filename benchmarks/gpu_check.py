@@ -10,7 +10,10 @@
    bf16, fused AdamW) and zeroshard stages 0-3, with step time, tokens/s and MFU
    (6 N + 12 L d s FLOPs per token against the card's dense bf16 peak); CPU optimizer
    offload at stage 2, exact and with the delayed update, as ratios to the all-GPU
-   stage-2 step, at gradient accumulation 1 and 8; with ``--compiled-rows`` also stages 0
+   stage-2 step, at gradient accumulation 1 and 8; at accumulation 1 also ZeRO-Offload++
+   Twin-Flow (``offload_optimizer.ratio``) with the ratio ``zeroshard plan`` proposes at
+   stage 2 for a device that holds ``--twin-fit`` (0.85) of what the all-GPU stage-2
+   step needs by the estimator (the model nearly fits); with ``--compiled-rows`` also stages 0
    and 3 with ``engine.compile()`` against their eager rows (off by default: inductor's
    compile of the 1B model has not been timed on a GPU, its rows' budget is a guess).
 3. Batch-1 decode of the same GPT, ``benchmarks/_gpu_decode.py``'s section (one call:
@@ -79,8 +82,30 @@ PEAK_BF16 = {"H100 80GB HBM3": 989e12, "H100 SXM": 989e12, "H200": 989e12, "H100
 
 
 # -- the rows -------------------------------------------------------------------------------
-def rows(gas_big: int, compiled: bool = False) -> list[dict[str, Any]]:
-    """Every training row: name, system, stage, offload, delayed, accumulation."""
+def planned_ratio(args) -> tuple[float, float]:
+    """Twin-Flow's ratio as ``zeroshard plan`` chooses it (its smallest ratio that fits,
+    ``tools/plan.smallest_ratio``) for the GPT preset at stage 2, bf16, on one device
+    holding ``args.twin_fit`` of the all-GPU stage-2 step's estimated bytes; and those
+    bytes in GiB. 1.0 (plain offload) when no ratio below 1 fits."""
+    from zeroshard.monitor.memory import estimate
+    from zeroshard.tools.estimate import activations, facts_from_args
+    from zeroshard.tools.plan import smallest_ratio
+
+    ns = argparse.Namespace(model=args.preset, params=None, seq=args.seq, micro_batch=args.micro, checkpointing="none", tp=1, sp=1, megatron_sp=False)  # fmt: skip
+    facts = facts_from_args(ns)
+    act, _ = activations(facts, ns, "bf16")
+
+    def at(offload: str, ratio: float = 1.0):
+        return estimate(facts["params"], 1, stage=2, precision="bf16", offload=offload, bucket_numel=args.bucket, activations=act, offload_ratio=ratio)  # fmt: skip
+
+    room = args.twin_fit * at("none").device
+    twin = smallest_ratio(lambda r: at("cpu", r), int(room))
+    return (twin.offload_ratio if twin is not None else 1.0), room / 2**30
+
+
+def rows(gas_big: int, compiled: bool = False, twin: tuple[float, float] | None = None) -> list[dict[str, Any]]:  # fmt: skip
+    """Every training row: name, system, stage, offload, delayed, accumulation; ``twin``:
+    the Twin-Flow row's ratio and the device GiB the plan was given."""
     out: list[dict[str, Any]] = [{"name": "torch (autocast + fused AdamW)", "system": "torch", "gas": 1}]  # fmt: skip
     out += [{"name": f"zeroshard stage {s}", "system": "zeroshard", "stage": s, "gas": 1} for s in range(4)]  # fmt: skip
     # engine.compile() (inductor; stage 3: one compiled region per block), against the eager rows
@@ -91,6 +116,9 @@ def rows(gas_big: int, compiled: bool = False) -> list[dict[str, Any]]:
             out.append({"name": f"stage 2, gas {gas}", "system": "zeroshard", "stage": 2, "gas": gas})  # fmt: skip
         out.append({"name": f"stage 2 + CPU offload, gas {gas}", "system": "zeroshard", "stage": 2, "offload": True, "gas": gas})  # fmt: skip
         out.append({"name": f"stage 2 + CPU offload, delayed, gas {gas}", "system": "zeroshard", "stage": 2, "offload": True, "delayed": True, "gas": gas})  # fmt: skip
+        if gas == 1 and twin is not None:
+            ratio, room = twin
+            out.append({"name": f"stage 2 + CPU offload, Twin-Flow ratio {ratio:g} (plan for {room:.1f} GiB), gas 1", "system": "zeroshard", "stage": 2, "offload": True, "ratio": ratio, "gas": 1})  # fmt: skip
     return out
 
 
@@ -133,6 +161,8 @@ def _step_fn(row: dict, model, args, dev: torch.device):
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": dev.type == "cuda"}
         if row.get("delayed"):
             zero["offload_optimizer"] |= {"delayed_update": True, "delayed_update_after": 0}
+        if row.get("ratio") is not None:  # Twin-Flow
+            zero["offload_optimizer"]["ratio"] = row["ratio"]
     cfg = {
         "train_micro_batch_size_per_gpu": args.micro,
         "gradient_accumulation_steps": gas,
@@ -350,6 +380,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--steps-big", type=int, default=2, help="timed steps at --gas")
+    p.add_argument("--twin-fit", type=float, default=0.85, help="the Twin-Flow row: the share of the all-GPU stage-2 step's estimated device bytes the plan is given")  # fmt: skip
     p.add_argument("--new", type=int, default=128, help="decode: new tokens")
     p.add_argument("--compiled-rows", action="store_true", help="training rows with engine.compile()")  # fmt: skip
     p.add_argument("--compile-backend", default="inductor", help="the compiled training rows'")
@@ -406,7 +437,7 @@ def main() -> int:
     tests_ok, summary = run_tests(args)
     progress("tests/test_cuda.py", tests_ok, summary)
     results: dict[str, dict] = {}
-    for row in rows(args.gas, args.compiled_rows):
+    for row in rows(args.gas, args.compiled_rows, planned_ratio(args)):
         left = TOTAL_BUDGET_S - DECODE_BUDGET_S - (time.perf_counter() - start)
         if left < 10 and not args.smoke:
             results[row["name"]] = {"ok": False, "why": "not run: the 8-minute budget is spent"}

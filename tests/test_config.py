@@ -723,9 +723,16 @@ NOT_BUILT_CASES = {
         "bf16.bf16_master_weights_and_grads",
     ),
     "allreduce_sum": (_with(gradient_allreduce_op="SUM"), "gradient_allreduce_op"),
-    # accepted with no effect before issue 12; refused until built
-    "partial_offload": (
-        _with(zero_optimization={"stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 0.5}}),
+    # accepted with no effect before issue 12; built (Twin-Flow, tests/test_twin_flow.py)
+    # but not with the parameter shard offloaded
+    "partial_offload_with_offload_param": (
+        _with(
+            zero_optimization={
+                "stage": 3,
+                "offload_optimizer": {"device": "cpu", "ratio": 0.5},
+                "offload_param": {"device": "cpu"},
+            }
+        ),
         "zero_optimization.offload_optimizer.ratio",
     ),
     "bf16_immediate": (_with(bf16={"immediate_grad_update": True}), "bf16.immediate_grad_update"),

@@ -81,8 +81,49 @@ def _cases(tmp) -> list[dict]:
         # other optimizers through the pipelined write-back
         {**acc, "stage": 2, "opt": "SGD", "lr": 0.1, "extra": {Z: {"offload_optimizer": CPU}}},
         {**acc, "stage": 1, "opt": "Adam-L2", "extra": {Z: {"offload_optimizer": CPU}}},
+        # Twin-Flow: part of the optimizer stays and steps on the GPU, the rest on the host
+        {**acc, "stage": 2, "extra": {Z: {"offload_optimizer": TWIN}}},
+        {**acc, "stage": 3, "extra": {Z: {"offload_optimizer": {**CPU, "ratio": 0.5}, **part}}},
+        {"stage": 2, "gas": 2, "dtype": "bf16", "extra": {Z: {"offload_optimizer": TWIN}}},
+        {"stage": 1, "gas": 1, "dtype": "bf16", "extra": {Z: {"offload_optimizer": TWIN}}},
     ]
     return cases
+
+
+TWIN = {**CPU, "ratio": 0.3}
+
+
+def _twin_places(rank: int, world: int) -> list[dict]:
+    """Where Twin-Flow puts each share on the GPU, at stages 1-3 (bf16, gas 1)."""
+    out = []
+    for stage in (1, 2, 3):
+        case = {"stage": stage, "steps": 2, "dtype": "bf16", "extra": {Z: {"offload_optimizer": TWIN}}}  # fmt: skip
+        _, engine = parity.train(case, rank, world)
+        states, k = engine.optimizer.states, engine.optimizer.states.device_segments
+        chunks = engine.reducer.grad_chunks
+        out.append(
+            {
+                "k": k,
+                "n": len(states.masters),
+                "masters": [str(m.device) for m in states.masters],
+                "pinned": [m.is_pinned() for m in states.masters[k:]],
+                "grads": [str(c.device) for c in chunks if c.numel()],
+                "twin": engine.memory_stats()["twin_flow"],
+            }
+        )
+    return out
+
+
+def test_twin_flow_keeps_its_share_on_the_gpu() -> None:
+    """offload_optimizer.ratio 0.3: the leading segments' masters and reduced gradients
+    on the GPU, the others' masters in pinned host memory, their gradients on the host."""
+    for r in multirank.run(_twin_places, 1, timeout=300)[0]:
+        k, n = r["k"], r["n"]
+        assert 0 < k < n, r
+        assert r["masters"] == ["cuda:0"] * k + ["cpu"] * (n - k), r
+        assert all(r["pinned"]), r
+        assert r["grads"][0] == "cuda:0" and r["grads"][-1] == "cpu", r
+        assert 0.5 < r["twin"]["device_share"] <= 0.7, r
 
 
 def test_parity_on_cuda_one_rank(tmp_path) -> None:

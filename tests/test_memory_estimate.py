@@ -8,6 +8,7 @@ import multirank
 import pytest
 import torch
 
+from zeroshard import ArgumentError
 from zeroshard.monitor.memory import activation_bytes, estimate, paper_bytes
 
 GB = 10**9
@@ -68,6 +69,43 @@ def test_offload_moves_the_optimizer_side() -> None:
     acc = estimate(psi, 2, stage=2, precision="bf16", offload="cpu", gradient_accumulation=8)
     assert acc.by_location["device"] - one.by_location["device"] == 4 * psi // 2
     assert acc.by_location["cpu"] == one.by_location["cpu"]
+
+
+def test_twin_flow_ratio_splits_the_optimizer_side() -> None:
+    """offload_optimizer.ratio r: r of the masters, moments and gradient shard offloaded,
+    the rest (and the gradients in the gradient dtype) on the device."""
+    psi, n = 10**9, 2
+    shard = psi // n
+    plain = estimate(psi, n, stage=2, precision="bf16", offload="cpu")
+    assert estimate(psi, n, stage=2, precision="bf16", offload="cpu", offload_ratio=1.0) == plain
+    # ratio 0: everything on the device, as without offload
+    none = estimate(psi, n, stage=2, precision="bf16")
+    zero = estimate(psi, n, stage=2, precision="bf16", offload="cpu", offload_ratio=0.0)
+    assert zero.by_location == none.by_location
+    twin = estimate(psi, n, stage=2, precision="bf16", offload="cpu", offload_ratio=0.25)
+    assert twin.by_location["cpu"] == (12 + 4) * shard // 4
+    # 2 bytes of parameters per parameter, 3/4 of the 2-byte gradient and 12-byte states
+    assert twin.by_location["device"] == 2 * psi + (2 + 12) * shard * 3 // 4 + twin.buffers
+    # NVMe: the offloaded masters and moments on disk, its gradients in CPU memory
+    nvme = estimate(psi, n, stage=3, precision="bf16", offload="nvme", offload_ratio=0.5)
+    assert nvme.by_location["nvme"] == 12 * shard // 2 and nvme.by_location["cpu"] == 4 * shard // 2
+    for offload, params_too, ratio in (("none", False, 0.5), ("cpu", True, 0.5), ("cpu", False, 1.5)):  # fmt: skip
+        with pytest.raises(ArgumentError, match="offload_ratio"):
+            estimate(psi, n, stage=3, offload=offload, offload_params=params_too, offload_ratio=ratio)  # fmt: skip
+
+
+def test_cli_estimate_offload_ratio_rows(capsys) -> None:
+    code, out = _cli(capsys, "estimate", "--params", "1e9", "--precision", "bf16", "--offload-ratio", "0.3")  # fmt: skip
+    assert code == 0, out
+    rows = {}
+    for line in out.splitlines():
+        cells = line.replace("|", " ").split()
+        if len(cells) == 11 and cells[0] == "bf16":
+            rows[int(cells[1]), cells[2]] = [float(c) for c in cells[3:]]
+    assert (2, "cpu0.3") in rows and (2, "cpu") not in rows, rows
+    e = estimate(10**9, stage=2, precision="bf16", offload="cpu", offload_ratio=0.3)
+    assert rows[2, "cpu0.3"][6] == round(e.by_location["cpu"] / 2**30, 2)  # the cpu column
+    assert "cpu0.3: offload_optimizer.ratio 0.3 (Twin-Flow)" in out
 
 
 def _measure(rank: int, world: int, stage: int) -> dict:
@@ -217,7 +255,11 @@ def test_cli_plan_picks_least_communication_that_fits(capsys) -> None:
         "0.00 activations), 26.08 GiB exchanged per step"
     )
     assert lines["why"].startswith("why: it fits, exchanges as few bytes as any layout that fits")
-    assert lines["runner-up"].startswith("runner-up: stage 2, offload cpu: 13.09 GiB")
+    # the runner-up keeps all but the smallest Twin-Flow share of the optimizer on the
+    # device: 0.05 of it (and of the gradient shard) offloaded
+    assert lines["runner-up"].startswith(
+        "runner-up: stage 2, offload cpu (ratio 0.05: Twin-Flow): 34.76 GiB"
+    )
     # DeepSpeed's 5e8-element bucket, double-buffered: 2 GB more, and stage 2 no longer fits
     code, out = _cli(
         capsys, "plan", "--params", "7e9", "--nproc", "4", "--device-memory", "40GB",
@@ -229,7 +271,11 @@ def test_cli_plan_picks_least_communication_that_fits(capsys) -> None:
         "--precision", "bf16",
     )  # fmt: skip
     assert code == 0 and "plan: stage 3, offload none: 26.08" not in out
-    assert _plan_lines(out)["plan"].startswith("plan: stage 3, offload cpu")
+    # the smallest Twin-Flow ratio that fits: 0.8 of the optimizer offloaded, the rest
+    # and the parameter shard on the device; then everything offloaded
+    lines = _plan_lines(out)
+    assert lines["plan"].startswith("plan: stage 3, offload cpu (ratio 0.8: Twin-Flow): 8.75"), out
+    assert lines["runner-up"].startswith("runner-up: stage 3, offload cpu: 4.19"), out
 
 
 def _plan_lines(out: str) -> dict[str, str]:
@@ -256,7 +302,8 @@ def _pasted_config(out: str) -> dict:
     ("argv", "plan", "world"),
     [
         (["--params", "7e9", "--nproc", "4", "--device-memory", "40GB"], (2, "none"), 4),
-        (["--params", "7e9", "--nproc", "4", "--device-memory", "10GB"], (3, "cpu"), 4),
+        (["--params", "7e9", "--nproc", "4", "--device-memory", "10GB"], (3, "cpu", 0.8), 4),
+        (["--params", "7e9", "--nproc", "4", "--device-memory", "5GB"], (3, "cpu"), 4),
         (
             ["--params", "7e9", "--nproc", "4", "--device-memory", "10GB", "--cpu-memory", "10GB"],
             (3, "nvme"),
@@ -288,7 +335,7 @@ def _pasted_config(out: str) -> dict:
     ],
 )
 def test_cli_plan_states_its_assumptions_and_prints_a_config_that_loads(
-    capsys, argv: list[str], plan: tuple[int, str], world: int
+    capsys, argv: list[str], plan: tuple, world: int
 ) -> None:
     from zeroshard.config import load_config
 
@@ -300,12 +347,15 @@ def test_cli_plan_states_its_assumptions_and_prints_a_config_that_loads(
     assert lines["optimizer"].startswith("optimizer: Adam/AdamW, fp32 master weights"), out
     for word in ("model", "ranks", "micro-batch", "gradient bucket", "memory", "activations"):
         assert word in lines, (word, out)
-    stage, offload = plan
-    assert lines["plan"].startswith(f"plan: stage {stage}, offload {offload}:"), out
+    stage, offload, *twin = plan
+    ratio = twin[0] if twin else 1.0
+    said = f" (ratio {ratio:g}: Twin-Flow)" if twin else ""
+    assert lines["plan"].startswith(f"plan: stage {stage}, offload {offload}{said}:"), out
     pasted = _pasted_config(out)
     cfg = load_config(pasted, world_size=world)  # the loader DeepSpeed users' configs meet
     assert cfg.zero_optimization.stage == stage
     assert cfg.zero_optimization.offload_optimizer.device == offload
+    assert cfg.zero_optimization.offload_optimizer.ratio == ratio
     assert cfg.zero_optimization.offload_param.device == ("nvme" if offload == "nvme" else "none")
     assert cfg.bf16.enabled == (precision == "bf16") and cfg.fp16.enabled == (precision == "fp16")
     assert cfg.train_micro_batch_size_per_gpu == (4 if "--micro-batch" in argv else 1)

@@ -80,6 +80,8 @@ def _config(case: dict) -> dict:
     zc = {"stage": case["stage"], "stage3_param_persistence_threshold": 0}
     if case.get("offload"):
         zc["offload_optimizer"] = {"device": "cpu"}
+        if "ratio" in case:  # Twin-Flow: part of the optimizer stays on the device
+            zc["offload_optimizer"]["ratio"] = case["ratio"]
     cfg = {
         "train_micro_batch_size_per_gpu": 2,
         "gradient_clipping": case.get("clip", 0.0),
@@ -148,6 +150,16 @@ CASES = [
     {"model": "llama", "tp": True, "stage": 1, "clip": 0.5},
     {"model": "llama", "tp": True, "stage": 3, "offload": True},
     {"model": "llama", "tp": True, "msp": True, "stage": 2},
+    # Twin-Flow: the partial sums of replicated norms span both shares (on a GPU: two devices)
+    {
+        "model": "llama",
+        "tp": True,
+        "msp": True,
+        "stage": 2,
+        "offload": True,
+        "ratio": 0.5,
+        "clip": 0.5,
+    },
     {"model": "llama", "sp": "ulysses", "stage": 3, "clip": 0.5},
     {"model": "llama", "sp": "ring", "stage": 2},
     {"model": "gpt2", "tp": True, "stage": 2, "clip": 0.5},

@@ -271,7 +271,7 @@ class OffloadOptimizerConfig(OffloadConfig):
     pipeline_read: bool = key(False, doc="Read the next sub-group during this one's step.")
     pipeline_write: bool = key(False, doc="Write the last sub-group during this one's step.")
     fast_init: bool = key(False, INERT("swap files are written once, at construction"), doc="Fast NVMe state init.")
-    ratio: float = key(1.0, NOT_BUILT("partial optimizer offload (ratio < 1)"), doc="Share of the step on the CPU.", min=0, max=1)
+    ratio: float = key(1.0, doc="ZeRO-Offload++ Twin-Flow: the share of this rank's optimizer (fp32 masters, optimizer states and their step), by elements, kept and stepped on the CPU; the rest stays and steps on the device, at the same time. Split at segment (bucket / stage-3 unit) boundaries: the first segments of the shard on the device, the last ones on the CPU (device nvme: in swap files), never more than 1 - ratio on the device. 1: all offloaded (plain offload); 0: all on the device. Device cpu at stages 1-3 (DeepSpeed: stage 3 only), nvme at stage 3.", min=0, max=1)
     super_offload: bool = key(False, NOT_BUILT("SuperOffload"), doc="DeepSpeed's SuperOffload.")
     cpuadam_cores_perc: float = key(0.8, INERT("a SuperOffload setting"), doc="CPU cores for SuperOffload.", min=0, max=1)
     delayed_update: bool = key(False, doc="zeroshard (DeepSpeed has no such key): ZeRO-Offload's one-step delayed parameter update (DPU), device cpu only. step() hands the reduced gradients to the CPU optimizer in a background thread and returns; the next step's forward and backward run on the parameters from before that update, which land at the next step boundary (or before any checkpoint, GatheredParameters, eval forward or engine.wait_param_gather()). Faster (the CPU step overlaps compute) but not the same training: each gradient is taken one update late, as in the ZeRO-Offload paper, which found it converges alike after a few dozen exact steps (delayed_update_after); off, training is unchanged.")
@@ -281,6 +281,9 @@ class OffloadOptimizerConfig(OffloadConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         check(not self.delayed_update or self.device == "cpu", "delayed_update", f'the delayed update overlaps the CPU optimizer step with compute: it needs device "cpu" (device is "{self.device}"; NVMe offload is not built with it)')  # fmt: skip
+        if self.ratio < 1:
+            check(self.device != "none", "ratio", 'a ratio below 1 keeps part of the optimizer on the device and offloads the rest: it needs device "cpu" or "nvme" (device is "none": everything is on the device already)')  # fmt: skip
+            check(not self.delayed_update, "ratio", "a ratio below 1 with delayed_update (whose step runs on the CPU only): leave one out; Twin-Flow with the delayed update is not built yet in zeroshard")  # fmt: skip
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -377,6 +380,8 @@ class ZeroConfig(Section):
         if opt.delayed_update:
             check(self.offload_param.device != "nvme", "offload_optimizer.delayed_update", "is not built with parameters in NVMe swap files (offload_param.device nvme); use offload_param cpu or none")  # fmt: skip
             check(not self.overlap_param_gather, "offload_optimizer.delayed_update", "is not built with overlap_param_gather; leave one out")  # fmt: skip
+        if opt.ratio < 1:
+            check(not self.offload_param.enabled, "offload_optimizer.ratio", f"a ratio below 1 keeps part of the fp32 masters on the device, but offload_param.device {self.offload_param.device} keeps the parameter shard off it: use offload_param none; Twin-Flow with parameter offload is not built yet in zeroshard")  # fmt: skip
         if opt.device == "nvme":
             check(stage == 3, "offload_optimizer.device", f"NVMe optimizer offload needs ZeRO stage 3 (stage is {stage})")  # fmt: skip
             # a sub-group in flight holds its master and both moments (the gradient stays

@@ -81,6 +81,8 @@ class Estimate:
     by_location: dict[str, int] = field(default_factory=dict)
     activations: int = 0
     comm_bytes_per_step: int = 0
+    #: offload_optimizer.ratio: the share of the optimizer side offloaded (Twin-Flow)
+    offload_ratio: float = 1.0
 
     @property
     def model_states(self) -> int:
@@ -113,6 +115,7 @@ def estimate(
     max_live_numel: int = 10**9,
     p2p_reduce: bool = False,
     gradient_accumulation: int = 1,
+    offload_ratio: float = 1.0,
 ) -> Estimate:
     """Per-rank bytes for ``params`` parameters on ``nproc * nnodes`` ranks, ``tp``
     tensor-parallel and ``sp`` sequence-parallel ranks among them (ZeRO shards over the
@@ -133,9 +136,21 @@ def estimate(
     ``gradient_accumulation`` above 1 with the optimizer offloaded at stages 2-3: the
     micro-steps before the boundary add up on the device, in an fp32 gradient shard
     (4 bytes per shard element, counted in ``buffers``).
+    ``offload_ratio`` (``offload_optimizer.ratio``, CPU or NVMe offload without parameter
+    offload): Twin-Flow keeps ``1 - offload_ratio`` of the masters, optimizer states and
+    (stages 2-3) the reduced gradient shard, in the gradient dtype, on the device; the
+    rest is offloaded (the gradients in fp32).
+    The engine splits at segment boundaries, never above ``1 - offload_ratio`` on the
+    device, so this is the most it holds there.
     """
     if stage not in (0, 1, 2, 3) or offload not in OFFLOADS or precision not in PRECISIONS:
         raise ArgumentError(f"stage/offload/precision: got {stage}, {offload!r}, {precision!r}")
+    if not 0 <= offload_ratio <= 1 or (offload_ratio < 1 and (offload == "none" or offload_params)):
+        raise ArgumentError(
+            f"offload_ratio {offload_ratio}: a share between 0 and 1; below 1 it needs "
+            "optimizer offload without parameter offload (offload 'cpu' or 'nvme', "
+            "offload_params=False)"
+        )
     world = nproc * nnodes
     if tp < 1 or sp < 1 or world % (tp * sp):
         raise ArgumentError(f"tp ({tp}) x sp ({sp}) must divide the {world} ranks")
@@ -166,20 +181,27 @@ def estimate(
         buffers += round(in_flight * g_b * bucket * (n - 1) / n)
     loc = {"device": param_bytes + grad_bytes + opt_bytes + buffers}
     if offload != "none" and stage >= 1:
-        loc["device"] -= opt_bytes
+        r = offload_ratio  # Twin-Flow: 1 - r of the optimizer side stays on the device
+        away = round(opt_bytes * r)
+        loc["device"] -= away
         # the owned gradient shard is accumulated in CPU memory, in fp32 (stage 1: a
-        # copy there at the boundary, besides the full gradient on the device)
-        host_grads = round(4 * shard)
+        # copy there at the boundary, besides the full gradient on the device); the
+        # device's share keeps its shard there, in the gradient dtype (stage 1: in the
+        # full gradient)
+        host_grads = round(4 * shard * r)
+        own = stage >= 2 and gradient_accumulation == 1  # else read from the device's sum
+        kept_grads = round(g_b * shard * (1 - r)) if own else 0
         if stage >= 2:
-            loc["device"] -= grad_bytes
-            grad_bytes = host_grads
+            loc["device"] += kept_grads - grad_bytes
+            grad_bytes = host_grads + kept_grads
         else:
             grad_bytes += host_grads
         loc["cpu"] = host_grads
-        loc[offload] = loc.get(offload, 0) + opt_bytes
+        loc[offload] = loc.get(offload, 0) + away
         if stage >= 2 and gradient_accumulation > 1:  # the device's fp32 sum
-            buffers += host_grads
-            loc["device"] += host_grads
+            acc = round(4 * shard)
+            buffers += acc
+            loc["device"] += acc
     if offload_params and stage == 3:
         loc["device"] -= param_bytes
         where = "nvme" if offload == "nvme" else "cpu"
@@ -201,6 +223,7 @@ def estimate(
         by_location={k: v for k, v in loc.items() if v},
         activations=activations,
         comm_bytes_per_step=comm,
+        offload_ratio=offload_ratio,
     )
 
 
@@ -307,7 +330,35 @@ def measure(engine) -> dict:
     experts = _expert_bytes(engine)
     if experts is not None:
         out["experts"] = experts
+    twin = _twin_flow_bytes(engine)
+    if twin is not None:
+        out["twin_flow"] = twin
     return out
+
+
+def _twin_flow_bytes(engine) -> dict | None:
+    """``offload_optimizer.ratio`` below 1 (Twin-Flow): the optimizer side by where it
+    is, ``device`` (the share stepped there) or ``host``: masters and optimizer states
+    (``optimizer_states``), the reduced gradient shard (``grads``: stages 2-3; stage 1
+    reads the device's share from its full gradient buffer), and ``device_share``, the
+    fraction of this rank's shard kept on the device. Apart from ``by_location`` because
+    the CPU-only rehearsal of the GPU path (``ZEROSHARD_STAGE_ON_CPU=1``) has both in
+    CPU memory. None without a split."""
+    if engine.optimizer is None:
+        return None
+    states = engine.optimizer.states
+    if not getattr(states, "device_segments", 0):
+        return None
+    places = states.buffers_by_place()
+    reducer = engine.reducer
+    grads = {"device": reducer.twin_shard, "host": reducer.grad_shard}
+    return {
+        "device_share": states.device_numel / max(1, engine.flat.layout.shard_numel),
+        "optimizer_states": {
+            k: sum(t.numel() * t.element_size() for t in v) for k, v in places.items()
+        },
+        "grads": {k: 0 if t is None else t.numel() * t.element_size() for k, t in grads.items()},
+    }
 
 
 def _expert_bytes(engine) -> dict[str, int] | None:

@@ -7,7 +7,9 @@ config sections decide where those shards are kept:
 * ``param_shard``: this rank's stage-3 parameter shard (device, or CPU memory);
 * ``optimizer``: fp32 master weights, optimizer states and, from stage 2, the
   accumulated gradient shard (device, or CPU memory: ZeRO-Offload and the CPU-AdamW
-  hybrid of seeds/004).
+  hybrid of seeds/004); with ``offload_optimizer.ratio`` below 1 (ZeRO-Offload++'s
+  Twin-Flow) the leading segments of the shard keep all three on the device
+  (:meth:`Placement.device_segments`) and only the rest is offloaded.
 
 With CUDA, the CPU-side fp32 masters are page-locked unless ``pin_memory`` is false, so
 their copies to the device run asynchronously (the gradient staging buffers of
@@ -21,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from zeroshard.distributed.device import host_apart, runtime
+from zeroshard.offload.layout import ChunkLayout
 
 _CPU = torch.device("cpu")
 
@@ -35,6 +38,8 @@ class Placement:
     optimizer_offload: str = "none"  # the config's offload_optimizer.device
     param_nvme: str | None = None
     optimizer_nvme: str | None = None
+    #: the config's offload_optimizer.ratio: the share of the optimizer on the host
+    optimizer_ratio: float = 1.0
 
     @classmethod
     def from_config(cls, zero, device: torch.device) -> Placement:
@@ -49,6 +54,7 @@ class Placement:
             optimizer_offload=op.device,
             param_nvme=pa.nvme_path if pa.device == "nvme" else None,
             optimizer_nvme=op.nvme_path if op.device == "nvme" else None,
+            optimizer_ratio=op.ratio,
         )
 
     @property
@@ -76,6 +82,26 @@ class Placement:
     def param_on_host(self) -> bool:
         """The stage-3 parameter shard in host memory apart from the device's."""
         return self.param_offload == "cpu" and self.host_is_separate
+
+    def device_segments(self, layout: ChunkLayout) -> int:
+        """Twin-Flow (``offload_optimizer.ratio`` below 1): how many leading segments of
+        this rank's shard keep their masters, optimizer states and reduced gradients on
+        the device; the others are offloaded. The most segments whose chunks hold at
+        most ``1 - ratio`` of the shard's elements (the device never holds more than it
+        was given); the same count on every rank (chunk sizes agree). 0 unless the
+        optimizer is offloaded (CPU memory or NVMe files) from a device apart from the
+        host (on a CPU-only run both are the one memory: nothing to split)."""
+        offloaded = self.offload_optimizer and self.host_is_separate
+        if not offloaded or self.optimizer_ratio >= 1:
+            return 0
+        room = (1.0 - self.optimizer_ratio) * layout.shard_numel
+        held = count = 0
+        for seg in layout.segments:
+            if held + seg.chunk > room:
+                break
+            held += seg.chunk
+            count += 1
+        return count
 
     def same_place_for_masters(self) -> bool:
         """Whether the parameter shard and the optimizer states share one memory, so

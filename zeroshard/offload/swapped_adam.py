@@ -71,12 +71,16 @@ class SwappedAdam:
         initial_master: Callable[[int, int], torch.Tensor],
         take_edits: Callable[[torch.Tensor, torch.Tensor], None],
         progress: Callable[[list[tuple[int, int]]], Iterable[tuple[int, int]]] = iter,
+        start: int = 0,
     ) -> None:
         """``initial_master(a, b)``: the fp32 masters of shard positions ``[a, b)`` to
         start from; ``take_edits(master, values)``: ``master`` takes the elements of
         ``values`` that were edited (:meth:`refresh`); ``progress(subgroups)``: the
-        sub-groups, wrapped in a progress bar while their masters are written."""
+        sub-groups, wrapped in a progress bar while their masters are written.
+        ``start``: the first shard position held (a segment's start; Twin-Flow keeps the
+        positions before it on the device): the files hold ``[start, shard_numel)``."""
         self.flat, self.space, self.decoupled = flat, space, decoupled
+        self.start = start
         self.take_edits = take_edits
         self.param_groups = [dict(h) for h in flat.hyperparams]
         for g in self.param_groups:
@@ -87,13 +91,10 @@ class SwappedAdam:
         self.state: dict = {}
         # steps taken per parameter (torch's Adam counts them per tensor: a parameter
         # left without gradients is not stepped, and its bias correction waits)
-        self.steps = {
-            pi: 0 for g in range(len(self.param_groups)) for *_, pi in flat.group_pieces(g)
-        }
         n = flat.layout.shard_numel
         elem = ALIGN // 2  # sub-group boundaries aligned for fp32 and 16-bit files alike
-        size = max(elem, (min(sub_group_numel, max(n, 1)) // elem) * elem)
-        self.subgroups = [(a, min(a + size, n)) for a in range(0, n, size)]
+        size = max(elem, (min(sub_group_numel, max(n - start, 1)) // elem) * elem)
+        self.subgroups = [(a, min(a + size, n)) for a in range(start, n, size)]
         self.runs = sorted(
             (
                 flat.layout.segments[s].shard_start + lo,
@@ -103,8 +104,10 @@ class SwappedAdam:
             )
             for g in range(len(self.param_groups))
             for s, lo, hi, pi in flat.group_pieces(g)
+            if flat.layout.segments[s].shard_start >= start
         )
-        self.files = {k: space.file(k, n * 4) for k in _KEYS}
+        self.steps = {pi: 0 for *_, pi in self.runs}
+        self.files = {k: space.file(k, (n - start) * 4) for k in _KEYS}
         self.pipeline_read, self.pipeline_write = pipeline_read, pipeline_write
         nsets = 2 if (pipeline_read or pipeline_write) else 1
         self.sets = [
@@ -114,7 +117,7 @@ class SwappedAdam:
         for a, b in progress(self.subgroups):  # masters from the parameters; moments start as zeros
             buf = self.sets[0]["master"]
             buf[: b - a].copy_(initial_master(a, b))
-            self.files["master"].write(buf[: self._io(a, b)], a * 4)
+            self.files["master"].write(buf[: self._io(a, b)], (a - start) * 4)
 
     kinds = _KEYS
     separate = True  # the masters are files of their own
@@ -156,7 +159,8 @@ class SwappedAdam:
             f.result()  # the buffers are free once their previous writes are done
         self._writes[slot] = []
         n = self._io(a, b)
-        return [self.space.read_async(self.files[k], self.sets[slot][k][:n], a * 4) for k in _KEYS]
+        at = (a - self.start) * 4
+        return [self.space.read_async(self.files[k], self.sets[slot][k][:n], at) for k in _KEYS]
 
     def swapped_step(
         self,
@@ -185,8 +189,9 @@ class SwappedAdam:
             self._apply(a, b, bufs, g, unused)
             on_updated(a, b, bufs["master"])
             n = self._io(a, b)
+            at = (a - self.start) * 4
             writes = [
-                self.space.write_async(self.files[k], self.sets[slot][k][:n], a * 4) for k in _KEYS
+                self.space.write_async(self.files[k], self.sets[slot][k][:n], at) for k in _KEYS
             ]
             if self.pipeline_write:
                 self._writes[slot] += writes
@@ -254,6 +259,7 @@ class SwappedAdam:
 
     def read(self, key: str, a: int, b: int) -> torch.Tensor:
         """A copy of ``master``/``exp_avg``/``exp_avg_sq`` for shard range [a, b)."""
+        a, b = a - self.start, b - self.start  # file positions
         lo, hi = (a // (ALIGN // 4)) * (ALIGN // 4), -(-b // (ALIGN // 4)) * (ALIGN // 4)
         buf = aligned_empty((hi - lo) * 4).view(torch.float32)
         self.files[key].read(buf, lo * 4)
@@ -261,6 +267,7 @@ class SwappedAdam:
 
     def write(self, key: str, a: int, values: torch.Tensor) -> None:
         """Overwrite ``key`` at shard positions ``[a, a + len(values))`` (checkpoint load)."""
+        a -= self.start  # file positions
         b, e = a + values.numel(), ALIGN // 4
         lo, hi = (a // e) * e, -(-b // e) * e
         buf = aligned_empty((hi - lo) * 4).view(torch.float32)

@@ -53,9 +53,11 @@ class EngineSwaps:
         *,
         take_edits: Callable[[torch.Tensor, torch.Tensor], None],
         progress: Callable[[list[tuple[int, int]]], Iterable[tuple[int, int]]] = iter,
+        start: int = 0,
     ) -> SwappedAdam:
-        """Adam/AdamW over ``flat``'s shard with its state in swap files under ``path``
-        (``take_edits`` and ``progress``: see :class:`SwappedAdam`)."""
+        """Adam/AdamW over ``flat``'s shard from shard position ``start`` (Twin-Flow keeps
+        the positions before it on the device) with its state in swap files under
+        ``path`` (``take_edits``, ``progress`` and ``start``: see :class:`SwappedAdam`)."""
         zc, opt = self.config.zero_optimization, self.config.optimizer
         if opt is None or opt.type == "SGD":
             raise ConfigError(
@@ -73,6 +75,7 @@ class EngineSwaps:
             initial_master=lambda a, b: flat.store.read("param", a, b),
             take_edits=take_edits,
             progress=progress,
+            start=start,
         )
 
     def close(self) -> None:

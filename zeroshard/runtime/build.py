@@ -32,6 +32,7 @@ from zeroshard.offload.placement import Placement
 from zeroshard.offload.states import StateStore
 from zeroshard.offload.store import MemoryShard, ShardStore
 from zeroshard.offload.swaps import EngineSwaps
+from zeroshard.offload.twin import TwinStates
 from zeroshard.parallel.apply import Parallelized, gradient_summed_over_tp, is_tp_sharded
 from zeroshard.runtime.optim import nonfinite_policy, optimizer_factory
 from zeroshard.runtime.precision import DtypePolicy, LossScaler
@@ -246,6 +247,8 @@ class EngineBuilder:
             reduce_scatter_via={None: None, True: "native", False: "all_reduce"}[zc.reduce_scatter],
             count_unreached=sharding.parameters and reduce_comm.world_size > 1,
             expert_comm=expert_reduce,
+            # Twin-Flow: the gradients of the optimizer's share on the device stay there
+            device_segments=self.placement.device_segments(flat.layout) if self.trains else 0,
         )
         undo.append(reducer.remove_hooks)
         loss_scaler = LossScaler.from_config(config.fp16)
@@ -288,20 +291,33 @@ class EngineBuilder:
     def _optimizer_states(
         self, flat: FlatParams, swaps: EngineSwaps, client: torch.optim.Optimizer | None
     ) -> StateStore:
-        """Masters and optimizer states: in swap files (NVMe offload) or in memory."""
-        if self.placement.optimizer_nvme:
+        """Masters and optimizer states: in swap files (NVMe offload) or in memory; with
+        Twin-Flow and NVMe, the device's share in memory and the rest in swap files."""
+        cfg = self.config.optimizer
+        twin = self.placement.device_segments(flat.layout)
+        if self.placement.optimizer_nvme and twin < len(flat.layout.segments):
             if client is not None:
                 raise ConfigError(
                     "zero_optimization.offload_optimizer.device: NVMe offload steps the "
                     "config's Adam/AdamW itself; pass no optimizer to initialize() with it"
                 )
-            return swaps.swapped_adam(
+            disk = swaps.swapped_adam(
                 flat,
                 self.placement.optimizer_nvme,
                 take_edits=take_edits,
                 progress=partial(progress, desc="writing NVMe swap files", enabled=self.rank == 0),
+                start=sum(seg.chunk for seg in flat.layout.segments[:twin]),
             )
-        cfg = self.config.optimizer
+            if not twin or cfg is None:  # (swapped_adam refused a missing optimizer)
+                return disk
+            device = build_memory_states(
+                flat,
+                self.policy.master,
+                self.placement,
+                factory=optimizer_factory(cfg, self.device),
+                device_only=True,
+            )
+            return TwinStates(device, disk)
         factory = optimizer_factory(cfg, self.device) if cfg is not None else None
         offload = self.config.zero_optimization.offload_optimizer
         if offload.delayed_update and not isinstance(client, (torch.optim.Optimizer, type(None))):

@@ -198,6 +198,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="reduce_bucket_size (default: zeroshard's, 25 MiB of gradients)",
     )
+    parser.add_argument(
+        "--offload-ratio",
+        type=float,
+        default=1.0,
+        help="offload_optimizer.ratio (Twin-Flow): the cpu rows keep 1 - ratio of the "
+        "optimizer side on the device, and the parameter shard there (default 1: all "
+        "offloaded, stage 3's parameter shard with it)",
+    )
     add_parallel_arguments(parser)
 
 
@@ -219,6 +227,9 @@ def main(args: argparse.Namespace) -> int:
     facts = facts_from_args(args)
     psi, n = facts["params"], args.nproc * args.nnodes
     precisions = list(PRECISIONS) if args.precision == "all" else [args.precision]
+    ratio = args.offload_ratio
+    if not 0 <= ratio <= 1:
+        raise SystemExit(f"--offload-ratio {ratio}: expected a share between 0 and 1")
     if n % (args.tp * args.sp):
         raise SystemExit(f"--tp {args.tp} x --sp {args.sp} must divide the {n} ranks")
     split = (
@@ -257,7 +268,8 @@ def main(args: argparse.Namespace) -> int:
                     stage=stage,
                     precision=prec,
                     offload=off,
-                    offload_params=off != "none",
+                    offload_params=off == "nvme" or (off == "cpu" and ratio == 1),
+                    offload_ratio=ratio if off == "cpu" else 1.0,
                     bucket_numel=bucket_numel(args.bucket, prec),
                     largest_unit=facts.get("largest_unit", 0),
                     activations=acts[prec],
@@ -267,8 +279,9 @@ def main(args: argparse.Namespace) -> int:
                     gradient_accumulation=args.gas,
                 )
                 loc = e.by_location
+                label = f"cpu{ratio:g}" if off == "cpu" and ratio < 1 else off
                 print(
-                    f"{prec:9} {stage:>5} {off:>7} | {gib(e.params)} {gib(e.grads)} "
+                    f"{prec:9} {stage:>5} {label:>7} | {gib(e.params)} {gib(e.grads)} "
                     f"{gib(e.optimizer_states)} {gib(e.model_states)} {gib(e.buffers)} | "
                     f"{gib(e.device)} {gib(loc.get('cpu', 0))} {gib(loc.get('nvme', 0))}"
                 )
@@ -278,6 +291,12 @@ def main(args: argparse.Namespace) -> int:
         "device, buffers and activations included, and at stage 3 the parameters kept "
         "gathered from forward to backward (DeepSpeed's default stage3_max_reuse_distance "
         "and stage3_max_live_parameters, 1e9: min(params, 5e8) elements)"
+        + (
+            f"; cpu{ratio:g}: offload_optimizer.ratio {ratio:g} (Twin-Flow), "
+            f"{1 - ratio:g} of the optimizer side and the parameter shard on the device"
+            if ratio < 1
+            else ""
+        )
     )
     return 0
 

@@ -3,9 +3,12 @@
     zeroshard plan --device-memory 24GiB --nproc 2 --model 25M --seq 1024 --micro-batch 4
 
 Candidates are every stage x offload (NVMe only at stage 3, with the parameter shard
-offloaded too) for the chosen precision; each is judged by the estimator. Among those
-that fit, the order is: least inter-rank communication per step, then least offload
-traffic (none < CPU < NVMe), then most free device memory.
+offloaded too) for the chosen precision, and, at stages 1-3 with CPU offload, the
+smallest ZeRO-Offload++ Twin-Flow ratio (``offload_optimizer.ratio``, in steps of
+0.05) that fits: the optimizer's share kept and stepped on the device when the model
+nearly fits there. Each is judged by the estimator. Among those that fit, the order is:
+least inter-rank communication per step, then least offload traffic (none < CPU < NVMe;
+among CPU ones the smaller ratio), then most free device memory.
 
 The output starts with what the estimate assumed (precision, optimizer, batch, ranks,
 bucket, activations, memory limits: each with the option that changes it) and ends with
@@ -32,6 +35,7 @@ from zeroshard.tools.estimate import (
 from zeroshard.zero.layout.segments import DEFAULT_BUCKET_BYTES
 
 _OFFLOAD_RANK = {"none": 0, "cpu": 1, "nvme": 2}
+RATIO_STEP = 0.05  # Twin-Flow ratios tried: 0.05, 0.10, ..., 0.95
 
 
 def candidates(
@@ -46,31 +50,53 @@ def candidates(
     sp: int = 1,
     tp_numel: int = 0,
     gas: int = 1,
+    device_memory: int | None = None,
 ) -> list[Estimate]:
+    """Every layout, estimated; with ``device_memory``, also the Twin-Flow candidates
+    (the smallest ratio that fits it, per stage)."""
+
+    def one(stage: int, off: str, ratio: float = 1.0) -> Estimate:
+        return estimate(
+            facts["params"],
+            nproc,
+            nnodes,
+            stage=stage,
+            precision=precision,
+            offload=off,
+            offload_params=off == "nvme",
+            bucket_numel=bucket,
+            largest_unit=facts.get("largest_unit", 0),
+            activations=act,
+            tp=tp,
+            sp=sp,
+            tp_activation_numel=tp_numel,
+            gradient_accumulation=gas,
+            offload_ratio=ratio,
+        )
+
     out = []
     for stage in range(4):
         for off in ("none", "cpu", "nvme"):
             if (off != "none" and stage == 0) or (off == "nvme" and stage < 3):
                 continue
-            out.append(
-                estimate(
-                    facts["params"],
-                    nproc,
-                    nnodes,
-                    stage=stage,
-                    precision=precision,
-                    offload=off,
-                    offload_params=off == "nvme",
-                    bucket_numel=bucket,
-                    largest_unit=facts.get("largest_unit", 0),
-                    activations=act,
-                    tp=tp,
-                    sp=sp,
-                    tp_activation_numel=tp_numel,
-                    gradient_accumulation=gas,
-                )
-            )
+            out.append(one(stage, off))
+            if off == "cpu" and device_memory is not None:
+                twin = smallest_ratio(lambda r, st=stage: one(st, "cpu", r), device_memory)
+                if twin is not None:
+                    out.append(twin)
     return out
+
+
+def smallest_ratio(at, device_memory: int) -> Estimate | None:
+    """The Twin-Flow estimate ``at(ratio)`` of the smallest ratio below 1 (a multiple
+    of :data:`RATIO_STEP`) whose device bytes fit ``device_memory``; None if none does.
+    The device's bytes fall as the ratio grows, so the first that fits is the one."""
+    steps = round(1 / RATIO_STEP)
+    for k in range(1, steps):
+        e = at(round(k * RATIO_STEP, 2))
+        if e.device <= device_memory:
+            return e
+    return None
 
 
 def choose(
@@ -83,13 +109,22 @@ def choose(
         if e.device <= device_memory
         and (cpu_memory is None or e.by_location.get("cpu", 0) <= cpu_memory)
     ]
-    return sorted(fits, key=lambda e: (e.comm_bytes_per_step, _OFFLOAD_RANK[e.offload], e.device))
+    return sorted(
+        fits,
+        key=lambda e: (
+            e.comm_bytes_per_step,
+            _OFFLOAD_RANK[e.offload],
+            e.offload_ratio,
+            e.device,
+        ),
+    )
 
 
 def _describe(e: Estimate, device_memory: int) -> str:
     gib = 2**30
+    twin = f" (ratio {e.offload_ratio:g}: Twin-Flow)" if e.offload_ratio < 1 else ""
     return (
-        f"stage {e.stage}, offload {e.offload}: {e.device / gib:.2f} GiB on the device of "
+        f"stage {e.stage}, offload {e.offload}{twin}: {e.device / gib:.2f} GiB on the device of "
         f"{device_memory / gib:.2f} ({e.model_states / gib:.2f} model states, "
         f"{e.activations / gib:.2f} activations), {e.comm_bytes_per_step / gib:.2f} GiB "
         f"exchanged per step"
@@ -167,6 +202,8 @@ def ds_config(e: Estimate, args: argparse.Namespace) -> dict[str, Any]:
         device: dict[str, Any] = {"device": e.offload}
         if e.offload == "nvme":
             device["nvme_path"] = NVME_PATH
+        if e.offload_ratio < 1:
+            device["ratio"] = e.offload_ratio
         zero["offload_optimizer"] = device
         if e.offload == "nvme":  # the candidates offload the parameter shard with it
             zero["offload_param"] = dict(device)
@@ -205,6 +242,7 @@ def main(args: argparse.Namespace) -> int:
         sp=args.sp,
         tp_numel=tp_numel(facts, args),
         gas=args.gas,
+        device_memory=args.device_memory,
     )
     ranked = choose(cands, args.device_memory, args.cpu_memory)
     if not ranked:

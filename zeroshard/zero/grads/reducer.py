@@ -48,7 +48,13 @@ one gradient-dtype shard per micro-step plus a host pass adding it. Device memor
 fp32 buffer, made at the first micro-step that is not a boundary (never with
 accumulation 1). The host's thread that lands each chunk (``HostStager``) also takes
 its fp32 sum of squares then, while backward goes on: the step's global norm adds those
-up (:meth:`ReducedGrads.landed_squares`) instead of reading the shard again.
+up (:meth:`ReducedGrads.landed_squares`) instead of reading the shard again. With
+Twin-Flow (``device_segments``) the leading segments, whose optimizer steps on the
+device, keep their reduced chunks there instead; only the others cross. Stages 2-3: a
+shard of their own in the gradient dtype, as without offload, until micro-steps first
+accumulate on the device: from then on they are read from that fp32 sum itself (the
+same values the host's share gets) and their shard is dropped. Stage 1: the reduced
+chunk in the full gradient buffer.
 """
 
 from __future__ import annotations
@@ -155,6 +161,9 @@ class GradReducer:
             the boundary). Each bucket's chunk is moved through a double-buffered
             :class:`HostStager` as soon as its reduction completes, while backward goes
             on. None: no offload.
+        device_segments: with offload to a separate host, Twin-Flow's leading segments
+            (``offload_optimizer.ratio`` below 1), whose reduced chunks stay on the device
+            for the optimizer's share stepped there.
         reduce_scatter_via: how sharded buckets are reduced (``Comm.reduce_scatter``'s
             ``via``): "native" (zero_optimization.reduce_scatter true), "all_reduce"
             (false) or None, the group's per-backend choice (sends plus a local sum
@@ -178,6 +187,7 @@ class GradReducer:
         reduce_scatter_via: str | None = None,
         count_unreached: bool = False,
         expert_comm: Comm | None = None,
+        device_segments: int = 0,
     ) -> None:
         self.flat, self.comm, self.dtype = flat, comm, dtype
         self.expert_comm = expert_comm if expert_comm is not None else comm
@@ -229,14 +239,27 @@ class GradReducer:
         if accum_device is not None and (accum_device != flat.device or host_apart(flat.device)):
             chunk = max((s.chunk for s in reduced), default=0)
             self._stager = HostStager(flat.device, chunk, dtype)
+        # Twin-Flow: the segments whose reduced chunks stay on the device (their
+        # optimizer steps there); the others cross to the host
+        self._on_device = frozenset(range(device_segments) if self._stager is not None else ())
+        self.twin_shard: torch.Tensor | None = None
         if sharded or self._stager is not None:
             where = accum_device or flat.device
             # On a separate host the shard is accumulated in fp32, the dtype the CPU
             # optimizer reads: the moves stay in the gradient dtype (half the bytes over
             # the bus), and neither the norm nor the step converts every element again.
             host = torch.float32 if self._stager is not None else dtype
-            self.grad_shard = torch.zeros(sum(s.chunk for s in reduced), dtype=host, device=where)
-            self._chunks = self._shard_chunks(self.grad_shard)
+            away = [s for s in reduced if s.index not in self._on_device]
+            self.grad_shard = torch.zeros(sum(s.chunk for s in away), dtype=host, device=where)
+            self._chunks = self._shard_chunks(self.grad_shard, away)
+            here = [s for s in reduced if s.index in self._on_device]
+            if sharded and here:  # in the gradient dtype, as without offload
+                self.twin_shard = torch.zeros(
+                    sum(s.chunk for s in here), dtype=dtype, device=flat.device
+                )
+                for s, c in enumerate(self._shard_chunks(self.twin_shard, here)):
+                    if c.numel():
+                        self._chunks[s] = c
         # offload (stages 2-3): micro-steps before the boundary add into ``_dev_acc``, an
         # fp32 shard on the device (made at the first one), moved to the host once
         self._dev_acc: torch.Tensor | None = None
@@ -252,6 +275,8 @@ class GradReducer:
             ]
             if self._stager is None:
                 self._chunks = self._device_chunks
+            for s in self._on_device:  # Twin-Flow: reduced in place, read there
+                self._chunks[s] = self._device_chunks[s]
             for pi, p in enumerate(flat.params):
                 lo, hi = layout.param_range(pi)
                 self._views[pi] = self.grad_full[lo:hi].view_as(p)
@@ -283,12 +308,15 @@ class GradReducer:
                 continue
             self._hooks.append(p.register_post_accumulate_grad_hook(self._make_hook(pi)))
 
-    def _shard_chunks(self, shard: torch.Tensor) -> list[torch.Tensor]:
-        """Views of ``shard`` (this rank's gradient shard layout), one per segment."""
+    def _shard_chunks(
+        self, shard: torch.Tensor, segments: list | None = None
+    ) -> list[torch.Tensor]:
+        """Views of ``shard``, one per segment: the chunks of ``segments`` (default: every
+        segment with a trainable parameter) end to end, empty for the others."""
         layout = self.flat.layout
         chunks = [shard[:0]] * len(layout.segments)  # frozen: none
         start = 0
-        for seg in layout.segments:
+        for seg in layout.segments if segments is None else segments:
             if any(self.flat.group_of[p] >= 0 for p in seg.params):
                 chunks[seg.index] = shard[start : start + seg.chunk]
                 start += seg.chunk
@@ -346,8 +374,18 @@ class GradReducer:
         self._squares_version = None  # the shard may change
         if holding and self._dev_acc is None:
             assert self.grad_shard is not None  # sharded: the shard exists
-            self._dev_acc = torch.empty_like(self.grad_shard, device=self.flat.device)
+            numel = self.grad_shard.numel() + (
+                self.twin_shard.numel() if self.twin_shard is not None else 0
+            )
+            self._dev_acc = torch.empty(numel, dtype=self.grad_shard.dtype, device=self.flat.device)
             self._dev_acc_chunks = self._shard_chunks(self._dev_acc)
+            if self.twin_shard is not None:
+                # Twin-Flow: the device's share is read from the fp32 sum itself from now
+                # on (exact, as the host's share); its own shard is no longer needed
+                for s in self._on_device:
+                    if self._chunks[s].numel():
+                        self._chunks[s] = self._dev_acc_chunks[s]
+                self.twin_shard = None
         self._walk_missed = set()
         self._move_window(Event.BEGIN)
         if self._count_unreached and roots is not None and self.communicates_now:
@@ -582,11 +620,9 @@ class GradReducer:
                 assert self._stager is not None  # device accumulation is for offload only
                 acc = self._dev_acc_chunks[b.segment]
                 acc.add_(reduced)
-                self._stager.submit(acc, chunk, accumulate=False, then=self._square(b.segment))
+                self._to_shard(b.segment, acc, accumulate=False)
             elif self._stager is not None:
-                event = self._stager.submit(
-                    reduced, chunk, accumulate=accumulate, then=self._square(b.segment)
-                )
+                event = self._to_shard(b.segment, reduced, accumulate=accumulate)
                 if event is not None:
                     self._staging_events[id(b.staging)] = event
             elif accumulate:
@@ -601,12 +637,23 @@ class GradReducer:
             src = self._full_grads()[seg.start : seg.start + seg.numel]
             (src if not g.partitioned else self._device_chunks[b.segment]).div_(post)
         if self._stager is not None:  # offload at stages 0, 1: the boundary's chunk to host
-            self._stager.submit(
-                self._device_chunks[b.segment],
-                chunk,
-                accumulate=False,
-                then=self._square(b.segment),
-            )
+            self._to_shard(b.segment, self._device_chunks[b.segment], accumulate=False)
+
+    def _twin_acc(self) -> torch.Tensor | None:
+        """The device's fp32 sum when Twin-Flow's share is read from it, else None."""
+        return self._dev_acc if self._on_device and self.sharded else None
+
+    def _to_shard(self, s: int, src: torch.Tensor, accumulate: bool) -> object:
+        """Offload: segment ``s``'s reduced chunk ``src`` (on the device) into the owned
+        shard: through the host stager (returns its copy's event), or, for a segment
+        Twin-Flow keeps on the device, added or copied there (stage 1: it is there)."""
+        chunk = self._chunks[s]
+        if s in self._on_device:
+            if chunk.data_ptr() != src.data_ptr():
+                (chunk.add_ if accumulate else chunk.copy_)(src)
+            return None
+        assert self._stager is not None  # offload only
+        return self._stager.submit(src, chunk, accumulate=accumulate, then=self._square(s))
 
     def _staging_for(self, b: _Bucket) -> torch.Tensor:
         if b.staging is None:
@@ -669,7 +716,7 @@ class GradReducer:
         elif action == states.REDUCE:
             self._reduce_rest()
         elif action == states.ZERO:
-            for buf in (self.grad_full, self.grad_shard):
+            for buf in (self.grad_full, self.grad_shard, self.twin_shard, self._twin_acc()):
                 if buf is not None:
                     buf.zero_()
         elif action == states.RESCALE:
@@ -692,7 +739,7 @@ class GradReducer:
         assert self._stager is not None  # device accumulation is for offload only
         for s, (chunk, acc) in enumerate(zip(self._chunks, self._dev_acc_chunks, strict=True)):
             if chunk.numel():
-                self._stager.submit(acc, chunk, accumulate=False, then=self._square(s))
+                self._to_shard(s, acc, accumulate=False)
         self._stager.drain()
 
     def _square(self, s: int) -> Callable[[torch.Tensor], None]:
@@ -715,8 +762,8 @@ class GradReducer:
         if self._squares_version is None:
             return None
         out = []
-        for sq, chunk in zip(self._squares, self._chunks, strict=True):
-            if not chunk.numel():
+        for s, (sq, chunk) in enumerate(zip(self._squares, self._chunks, strict=True)):
+            if not chunk.numel() or s in self._on_device:  # (Twin-Flow: read on the device)
                 out.append(chunk_sum_of_squares(chunk))
             elif sq is None:
                 return None
@@ -779,7 +826,8 @@ class GradReducer:
 
     def buffers(self) -> list[torch.Tensor]:
         """Persistent gradient buffers: the full buffer or the shard, plus the staging pool."""
-        bufs = [b for b in (self.grad_full, self.grad_shard, self._dev_acc) if b is not None]
+        held = (self.grad_full, self.grad_shard, self.twin_shard, self._dev_acc)
+        bufs = [b for b in held if b is not None]
         bufs += self._staging.free + self._scratch.free
         bufs += [b.scratch for b in self._buckets if b.scratch is not None]
         bufs += [b.staging for b in self._buckets if b.staging is not None]

@@ -15,6 +15,12 @@ views of it: no copy and no write-back. Otherwise (bf16/fp16 parameters, or mast
 host memory apart from device parameters) they are an fp32 copy of this rank's chunks
 and the updated values are written back into the parameter store after each step.
 
+Twin-Flow (``offload_optimizer.ratio`` below 1, ZeRO-Offload++): the leading segments'
+masters and states are in device memory, the others in host memory, all stepped by the
+one torch optimizer (its param groups are the schedulers' and checkpoints' as ever):
+segment by segment, the device's first, so the device runs its share of the step while
+the host steps the rest.
+
 Gradient scaling (fp16 unscale times the clip factor) is handed to torch's fused
 kernels as ``grad_scale``, so it costs no pass of its own over the gradients.
 """
@@ -31,6 +37,7 @@ from zeroshard.distributed.device import runtime
 from zeroshard.offload.placement import Placement
 from zeroshard.offload.states import StepGrads
 from zeroshard.zero.layout.flat import FlatParams
+from zeroshard.zero.optim.views import fold_scale, group_views, held_pieces
 from zeroshard.zero.params.edits import take_edits
 
 _EAGER_STATE = (torch.optim.Adam, torch.optim.AdamW)
@@ -51,8 +58,17 @@ class MemoryStates:
         pipelined: bool,
         master_dtype: torch.dtype,
         uploads: bool = False,
+        device_segments: int = 0,
     ) -> None:
         self.flat, self.inner, self.masters = flat, inner, masters
+        # the segments this store holds: the first len(masters) (Twin-Flow with NVMe:
+        # the device's; the swap files hold the others), each group's pieces in them
+        self.pieces = held_pieces(flat, len(masters))
+        #: Twin-Flow: the leading segments whose masters and states are on the device
+        #: (the others in host memory); 0 without a split
+        self.device_segments = device_segments
+        #: shard positions below this are on the device
+        self.device_numel = sum(seg.chunk for seg in flat.layout.segments[:device_segments])
         #: whether the masters are a copy (written back into the parameters each step)
         self.separate = separate
         #: step segment by segment, each write-back overlapping the next step
@@ -68,7 +84,7 @@ class MemoryStates:
         # (group, shard_lo, shard_hi, master view, parameter) of every optimizer tensor
         self._views: list[tuple[int, int, int, torch.Tensor, int]] = []
         for g, group in enumerate(inner.param_groups):
-            for (s, lo, hi, pi), view in zip(flat.group_pieces(g), group["params"], strict=False):
+            for (s, lo, hi, pi), view in zip(self.pieces[g], group["params"], strict=False):
                 start = flat.layout.segments[s].shard_start
                 self._views.append((g, start + lo, start + hi, view, pi))
 
@@ -102,7 +118,12 @@ class MemoryStates:
     ) -> list[torch.Tensor]:
         """Point every master view's ``.grad`` (in ``optimizer``'s param groups, default
         this store's) at the reduced gradient (fp32)."""
-        if self.masters and (chunks[0].dtype, chunks[0].device) != (
+        if self.device_segments:  # Twin-Flow: each chunk where its master is
+            chunks = [
+                c if (c.dtype, c.device) == (m.dtype, m.device) else c.to(m.device, m.dtype)
+                for c, m in zip(chunks, self.masters, strict=False)
+            ]
+        elif self.masters and (chunks[0].dtype, chunks[0].device) != (
             self.masters[0].dtype,
             self.masters[0].device,
         ):
@@ -110,7 +131,7 @@ class MemoryStates:
             chunks = [c.to(device=where, dtype=self.masters[0].dtype) for c in chunks]
         grads = []
         for gi, group in enumerate((optimizer or self.inner).param_groups):
-            for m, g in zip(group["params"], self.flat.group_views(chunks, gi), strict=True):
+            for m, g in zip(group["params"], group_views(chunks, self.pieces[gi]), strict=True):
                 m.grad = g
                 grads.append(g)
         return grads
@@ -170,7 +191,7 @@ class MemoryStates:
         folded = self.prepare_step(self.inner, list(grads.chunks), factor, unused)
         try:
             if self.pipelined:
-                self._step_and_write_back_by_segment()
+                self._step_and_write_back_by_segment(1.0 / factor if folded else None)
                 self._record_uploads()
             else:
                 self.inner.step()
@@ -181,7 +202,7 @@ class MemoryStates:
                 del self.inner.grad_scale  # type: ignore[attr-defined]  # torch's fused step reads it by getattr
         self.clear_grads(self.inner)
 
-    def _step_and_write_back_by_segment(self) -> None:
+    def _step_and_write_back_by_segment(self, inv_scale: float | None = None) -> None:
         """Offload to a separate host: step one segment's masters, then start its
         non-blocking copy back into the device parameters, so the copy of segment k runs
         while the host steps segment k+1 (elementwise optimizers only: a segment's
@@ -189,7 +210,7 @@ class MemoryStates:
         groups = self.inner.param_groups
         every = [g["params"] for g in groups]
         if self._by_segment is None:  # per segment, per group: its master views (once)
-            spans = [self.flat.group_pieces(gi) for gi in range(len(groups))]
+            spans = self.pieces
             self._by_segment = [
                 [
                     [m for m, (seg, *_) in zip(params, sp, strict=False) if seg == s]
@@ -197,10 +218,24 @@ class MemoryStates:
                 ]
                 for s in range(len(self.masters))
             ]
+        # Twin-Flow: the device's segments come first, so their steps and write-backs
+        # are queued on the device (asynchronously) before the host steps its own; each
+        # memory gets the fused kernel's grad_scale (``inv_scale``, folded by the caller)
+        # in a tensor of its own, the host's made from the float: a copy of the device's
+        # would make the host wait for every step queued there
+        scale = getattr(self.inner, "grad_scale", None)
+        scales = {}
+        if scale is not None and inv_scale is not None and self.device_segments:
+            scales[scale.device] = scale
         try:
             for s, per_group in enumerate(self._by_segment):
                 for g, params in zip(groups, per_group, strict=True):
                     g["params"] = params
+                if scales:
+                    where = self.masters[s].device
+                    if where not in scales:
+                        scales[where] = torch.tensor(inv_scale, dtype=torch.float32, device=where)
+                    self.inner.grad_scale = scales[where]  # type: ignore[attr-defined]  # read by getattr
                 self.inner.step()
                 self.flat.store.write_chunk(s, self.masters[s])
         finally:
@@ -285,23 +320,19 @@ class MemoryStates:
     def disk_bytes(self) -> int:
         return 0
 
-
-def fold_scale(optimizer: torch.optim.Optimizer, device: torch.device, factor: float) -> bool:
-    """Let torch's fused kernel scale the gradients (unscale and clip) inside its one
-    pass over memory, as AMP's GradScaler does, instead of a separate multiply that
-    reads and writes every gradient once more. Fused Adam/AdamW/SGD only: sets
-    ``optimizer.grad_scale`` (the caller deletes it after the step) and returns True."""
-    if type(optimizer) not in _ELEMENTWISE:
-        return False
-    if not all(g.get("fused") for g in optimizer.param_groups):
-        return False  # a non-fused group refuses grad_scale
-    # the kernel divides by grad_scale (within an ulp of multiplying by factor); a
-    # zero factor (an infinite norm) or one whose inverse overflows fp32 is applied
-    # as a plain multiply
-    if not factor > 0.0 or 1.0 / factor > torch.finfo(torch.float32).max:
-        return False
-    optimizer.grad_scale = torch.tensor(1.0 / factor, dtype=torch.float32, device=device)  # type: ignore[attr-defined]  # read by getattr
-    return True
+    def buffers_by_place(self) -> dict[str, list[torch.Tensor]]:
+        """:meth:`buffers` by where they live: ``device`` (Twin-Flow's share kept on the
+        device) and ``host`` (the offloaded rest, or everything without a split)."""
+        place = {"device": [], "host": []}  # type: dict[str, list[torch.Tensor]]
+        if self.separate:
+            for seg, master in zip(self.flat.layout.segments, self.masters, strict=False):
+                place["device" if seg.index < self.device_segments else "host"].append(master)
+        for _, lo, _, view, _ in self._views:
+            where = "device" if lo < self.device_numel else "host"
+            place[where] += [
+                v for v in self.inner.state.get(view, {}).values() if torch.is_tensor(v)
+            ]
+        return place
 
 
 def build_memory_states(
@@ -312,6 +343,7 @@ def build_memory_states(
     client: torch.optim.Optimizer | None = None,
     factory=None,
     copy_masters: bool = False,
+    device_only: bool = False,
 ) -> MemoryStates:
     """Make this rank's master chunks (one per segment) and the torch optimizer that
     steps them, one param group per ``flat`` group holding that group's master views.
@@ -320,22 +352,38 @@ def build_memory_states(
     ``client``: a user's optimizer instance, re-pointed at the masters in place (so an
     lr scheduler already bound to it keeps working). ``factory(param_groups)``: builds
     a new one. ``copy_masters``: masters apart from the parameters even where they could
-    be views of them (the delayed update steps them while the parameters are in use)."""
+    be views of them (the delayed update steps them while the parameters are in use).
+    ``device_only``: Twin-Flow with NVMe: only the device's segments (the swap files
+    hold the others' states: ``offload/twin.py``)."""
     store = flat.store
+    twin = placement.device_segments(flat.layout)
     views = (
-        not copy_masters
+        not twin
+        and not copy_masters
         and flat.chunks is not None
         and (store.dtype == master_dtype and placement.same_place_for_masters())
     )
     if views and flat.chunks is not None:
         masters = [c.detach() for c in flat.chunks]
     else:
-        buf = placement.empty(flat.layout.shard_numel, master_dtype, placement.optimizer)
-        masters = [buf[s.shard_start : s.shard_start + s.chunk] for s in flat.layout.segments]
+        # Twin-Flow: the leading ``twin`` segments' masters on the device (``cut``
+        # elements), the rest where the optimizer is placed
+        cut = sum(seg.chunk for seg in flat.layout.segments[:twin])
+        here = torch.empty(cut, dtype=master_dtype, device=placement.device)
+        rest = 0 if device_only else flat.layout.shard_numel - cut
+        buf = placement.empty(rest, master_dtype, placement.optimizer)
+        masters = [
+            here[s.shard_start : s.shard_start + s.chunk]
+            if s.index < twin
+            else buf[s.shard_start - cut : s.shard_start - cut + s.chunk]
+            for s in flat.layout.segments
+            if s.index < twin or not device_only
+        ]
         for s, master in enumerate(masters):
             master.copy_(store.chunk(s))
+    pieces = held_pieces(flat, len(masters))
     groups = [
-        {**hyper, "params": flat.group_views(masters, gi)}
+        {**hyper, "params": group_views(masters, pieces[gi])}
         for gi, hyper in enumerate(flat.hyperparams)
     ]
     if client is None:
@@ -363,6 +411,7 @@ def build_memory_states(
         # host masters into a parameter store in device memory (not the host shard of
         # stage 3's offload_param, which they are written into on the host)
         uploads=placement.optimizer_on_host and not placement.param_on_host,
+        device_segments=twin,
     )
 
 

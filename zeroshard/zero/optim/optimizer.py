@@ -84,7 +84,8 @@ class TensorParallelGrads:
     def sum_partial(self, chunks: list[torch.Tensor], device: torch.device) -> None:
         if not self.partial:
             return
-        flat = torch.cat([chunks[s][lo:hi] for s, lo, hi in self.partial]).to(device)
+        # (Twin-Flow: the chunks of the device's share and of the host's are apart)
+        flat = torch.cat([chunks[s][lo:hi].to(device) for s, lo, hi in self.partial])
         self.comm.all_reduce(flat)
         offset = 0
         for s, lo, hi in self.partial:
@@ -115,6 +116,14 @@ class PipelineGrads:
         flag = torch.tensor([bad], dtype=torch.uint8, device=device)
         self.comm.all_reduce(flag, op="max")
         return bool(flag.item())
+
+
+def _stack(squares: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """The per-chunk squares as one tensor; where they are on two devices (Twin-Flow: the
+    share of the shard on the device, the rest on the host), on ``device``."""
+    if len({t.device for t in squares}) > 1:
+        squares = [t.to(device) for t in squares]
+    return torch.stack(squares)
 
 
 def unused_and_bad(
@@ -264,9 +273,9 @@ class ShardedOptimizer:
         if self.tp is not None:
             local = self.tp.local_sum_of_squares(chunks)
         elif landed:
-            local = torch.stack(landed).sum()
+            local = _stack(landed, self.flat.device).sum()
         elif chunks:
-            local = torch.stack([chunk_sum_of_squares(c) for c in chunks]).sum()
+            local = _stack([chunk_sum_of_squares(c) for c in chunks], self.flat.device).sum()
         else:
             local = torch.zeros((), dtype=torch.float32)
         if self.pipeline is not None and self.pipeline.excluded:
