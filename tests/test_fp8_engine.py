@@ -320,6 +320,7 @@ def _pipeline(rank: int, world: int, root: str, zero: int) -> dict:
     import pipeline_cases as pc
 
     import zeroshard
+    from zeroshard.pipe import PipelineModule
 
     case = {"stages": 2, "gas": 4, "zero": zero, "dtype": "bf16", "tied": False}
     cfg = pc.config(case)
@@ -327,8 +328,10 @@ def _pipeline(rank: int, world: int, root: str, zero: int) -> dict:
     cfg["data_types"] = {"grad_accum_dtype": "fp32"}
     torch.manual_seed(0)
     engine, *_ = zeroshard.initialize(model=pc.build(case, 2), config=cfg)
-    lo, hi = engine.module.chunk_ranges[0]
-    layer_kinds = {i: type(engine.module.layer(i)).__name__ for i in range(lo, hi)}
+    pipe = engine.module
+    assert isinstance(pipe, PipelineModule)
+    lo, hi = pipe.chunk_ranges[0]
+    layer_kinds = {i: type(pipe.layer(i)).__name__ for i in range(lo, hi)}
     calls, hooks = _count_float8_calls(engine.module)
     batches = [iter([pc.batch(s, i) for i in range(4)]) for s in range(3)]
     losses = [float(engine.train_batch(b)) for b in batches]  # type: ignore[operator]

@@ -16,6 +16,11 @@ A :class:`TiedLayerSpec` key (or a ``TiedLayer`` from the Hugging Face splitter,
 starts every copy from the first holder's values and sums the copies' gradients over
 the stages that hold the key (``engine.py``).
 
+Layers are looked up by name (their index, or their tie key) at every call, never held:
+a layer replaced in place after construction (the fp8 section's ``Float8Linear``,
+AutoTP's parallel layers, peft's LoRA layers, inference quantization) is the one that
+runs, and ZeRO-3 gathers its parameters as it does the rest of the module tree.
+
 No collectives: this module only builds and cuts layers. The stage is the rank's
 coordinate on the mesh's ``pp`` axis (outermost: ``rank // (world / num_stages)``).
 """
