@@ -15,8 +15,10 @@
   scales, bf16 weight gradient) it reproduces the unsplit fp8 model to round-off.
 * Checkpoints hold the high-precision weights: saved with fp8 on they load with fp8
   off and on (another stage, another recipe), and the reverse.
-* Pipeline parallelism (two stages, 1F1B): each stage's Linear layers run fp8; the run
-  matches the whole model run micro-batch by micro-batch to round-off.
+* Pipeline parallelism (two stages, 1F1B, ZeRO-1 and ZeRO-3): each stage's Linear layers
+  run fp8, the head too, a pipeline layer that is itself an nn.Linear (every Float8Linear
+  runs once per micro-batch); the run matches the whole model run micro-batch by
+  micro-batch to round-off.
 * A model converted by torchao before initialize() (accelerate's fp8) with AutoTP is
   refused by name (AutoTP would slice its fp8 layers into bf16 shards).
 """
@@ -293,24 +295,49 @@ def _preconverted_tp(rank: int, world: int) -> str:
     return "accepted"
 
 
-def _pipeline(rank: int, world: int, root: str) -> dict:
+def _count_float8_calls(module: torch.nn.Module) -> tuple[dict[str, int], list]:
+    """A forward counter on every torchao Float8Linear of ``module`` (by name)."""
+    calls: dict[str, int] = {}
+    hooks = []
+    for name, m in module.named_modules():
+        if type(m).__name__ == "Float8Linear":
+            calls[name] = 0
+
+            def count(_m, _args, name: str = name) -> None:
+                calls[name] += 1
+
+            hooks.append(m.register_forward_pre_hook(count))
+    return calls, hooks
+
+
+def _pipeline(rank: int, world: int, root: str, zero: int) -> dict:
     """Two pipeline stages (1F1B, 4 micro-batches of 6-7 tokens: padded in the fp8
-    weight-gradient gemm) with fp8, against the whole model run micro-batch by
-    micro-batch by torchao (bf16-rounded fp32 masters, AdamW, fp32 gradient sums)."""
+    weight-gradient gemm) with fp8 at ZeRO stage ``zero``, against the whole model run
+    micro-batch by micro-batch by torchao (bf16-rounded fp32 masters, AdamW, fp32
+    gradient sums). The head is a pipeline layer that is itself an nn.Linear: the
+    pipeline must run the Float8Linear that replaced it (every Float8Linear of each
+    stage runs once per micro-batch, in the engine and in the reference)."""
     import pipeline_cases as pc
 
     import zeroshard
+    from zeroshard.pipe import PipelineModule
 
-    case = {"stages": 2, "gas": 4, "zero": 1, "dtype": "bf16", "tied": False}
+    case = {"stages": 2, "gas": 4, "zero": zero, "dtype": "bf16", "tied": False}
     cfg = pc.config(case)
     cfg["fp8"] = {"enabled": True}
     cfg["data_types"] = {"grad_accum_dtype": "fp32"}
     torch.manual_seed(0)
     engine, *_ = zeroshard.initialize(model=pc.build(case, 2), config=cfg)
-    fp8_layers = sum(type(m).__name__ == "Float8Linear" for m in engine.module.modules())
+    pipe = engine.module
+    assert isinstance(pipe, PipelineModule)
+    lo, hi = pipe.chunk_ranges[0]
+    layer_kinds = {i: type(pipe.layer(i)).__name__ for i in range(lo, hi)}
+    calls, hooks = _count_float8_calls(engine.module)
     batches = [iter([pc.batch(s, i) for i in range(4)]) for s in range(3)]
     losses = [float(engine.train_batch(b)) for b in batches]  # type: ignore[operator]
-    got = _masters(engine, os.path.join(root, "pipeline"))
+    for h in hooks:
+        h.remove()
+    got = _masters(engine, os.path.join(root, f"pipeline{zero}"))
     engine.destroy()
     torch.manual_seed(0)
     master = pc.build(case, 1, 0)
@@ -319,6 +346,7 @@ def _pipeline(rank: int, world: int, root: str) -> dict:
             p.copy_(p.to(torch.bfloat16))
     opt = torch.optim.AdamW(master.parameters(), lr=1e-2, weight_decay=0.1)
     work = _fp8_copy(master, "tensorwise")
+    ref_calls, _ = _count_float8_calls(work)
     named = dict(master.named_parameters())
     ref_losses = []
     for step in range(3):
@@ -341,7 +369,10 @@ def _pipeline(rank: int, world: int, root: str) -> dict:
         ref_losses.append(total)
     mine = [n for n in got if n in named]
     return {
-        "fp8_layers": fp8_layers,
+        "fp8_layers": len(calls),
+        "layer_kinds": layer_kinds,
+        "calls": calls,
+        "ref_calls": ref_calls,
         "names": len(mine),
         "param_diff": max((got[n] - named[n]).abs().max().item() for n in mine),
         "loss_diff": max(abs(a - b) for a, b in zip(losses, ref_losses, strict=True)),
@@ -354,7 +385,7 @@ def _worker(rank: int, world: int, cases: list[dict], root: str) -> list[Any]:
         if case.get("kind") == "preconverted_tp":
             out.append(_preconverted_tp(rank, world))
         elif case.get("kind") == "pipeline":
-            out.append(_pipeline(rank, world, root))
+            out.append(_pipeline(rank, world, root, case["zero"]))
         elif case.get("kind") == "tp_layers":
             out.append(_tp_layers(rank, world, case["recipe"], case.get("msp", False)))
         elif case.get("kind") == "checkpoint":
@@ -391,13 +422,32 @@ LAYER_CASES: list[dict[str, Any]] = [
 ]
 
 
+def _pipeline_failures(case: dict, per_rank: list[dict]) -> list[str]:
+    """Each stage's layers that were built as nn.Linear are Float8Linear when called,
+    every Float8Linear ran once per micro-batch (3 steps x 4) in the engine and in the
+    reference (whose head is a pipeline layer too), and the run matches the reference
+    as the data-parallel cases do."""
+    worst = {k: max(r[k] for r in per_rank) for k in ("param_diff", "loss_diff")}
+    ran = [r["calls"] for r in per_rank] + [per_rank[0]["ref_calls"]]
+    ok = (
+        all(r["fp8_layers"] > 0 for r in per_rank)
+        and all(kind != "Linear" for r in per_rank for kind in r["layer_kinds"].values())
+        and any("Float8Linear" in r["layer_kinds"].values() for r in per_rank)
+        and all(n == 12 for calls in ran for n in calls.values())
+        and worst["param_diff"] <= 1e-6
+        and worst["loss_diff"] <= 1e-5
+    )
+    return [] if ok else [f"pipeline zero {case['zero']}: {per_rank}"]
+
+
 def test_fp8_composes(tmp_path) -> None:
     cases: list[dict[str, Any]] = [
         *DP_CASES,
         *TP_CASES,
         *LAYER_CASES,
         {"kind": "checkpoint"},
-        {"kind": "pipeline"},
+        {"kind": "pipeline", "zero": 1},
+        {"kind": "pipeline", "zero": 3},
         {"kind": "preconverted_tp"},
     ]
     cases = [{**c, "i": i} for i, c in enumerate(cases)]
@@ -419,10 +469,7 @@ def test_fp8_composes(tmp_path) -> None:
             ):
                 failures.append(f"a model converted before initialize() with AutoTP: {r}")
         elif case.get("kind") == "pipeline":
-            worst = {k: max(res[i][k] for res in results) for k in ("param_diff", "loss_diff")}
-            stages_ok = all(res[i]["fp8_layers"] > 0 for res in results)
-            if not (stages_ok and worst["param_diff"] <= 1e-6 and worst["loss_diff"] <= 1e-5):
-                failures.append(f"pipeline: {[res[i] for res in results]}")
+            failures += _pipeline_failures(case, [res[i] for res in results])
         elif case.get("kind") == "checkpoint":
             for name, v in r.items():
                 fp8_ok = (v["fp8_layers"] > 0) == v["expect_fp8"]

@@ -13,7 +13,12 @@ the parameters out.
 * Kept in bf16, each named once at start-up with the reason: layers named by
   ``fp8.filter_fqns``, layers whose matmul dimensions (this rank's shard under tensor
   parallelism) are not multiples of 16 (the fp8 kernels refuse them), subclasses of
-  ``nn.Linear`` with a forward of their own, and a model that is one Linear itself.
+  ``nn.Linear`` with a forward of their own, layers whose swap would drop what they
+  carry (a forward set on the instance, such as an activation checkpointing wrapper;
+  hooks on an ``nn.Linear``), and a model that is one Linear itself.
+* Whatever holds a converted layer must look it up by name when it runs (a
+  ``PipelineModule`` does: ``layer(i)``); a reference kept from before the swap runs
+  the old bf16 layer.
 
 :meth:`Fp8Model.undo` puts every layer back (``engine.destroy()``). No communication
 here; the tensor-parallel matmuls all-reduce their amaxes (``scaled_mm.py``).
@@ -158,6 +163,21 @@ def _matmul_shape(m: nn.Module) -> tuple[int, int]:
     return (w.shape[1], w.shape[0]) if transposed else (w.shape[0], w.shape[1])
 
 
+_HOOKS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+
+
+def _lost_in_swap(m: nn.Module) -> str | None:
+    """Why converting ``m`` would silently drop something it carries, or None: torchao
+    builds a new module from the weights (an instance ``forward`` such as an activation
+    checkpointing wrapper, and hooks, stay on the old one), and Conv1D's fp8 forward is
+    set on the instance (it would replace one already there)."""
+    if "forward" in m.__dict__:
+        return "its forward was replaced on the instance (activation checkpointing or another wrapper), which the fp8 swap would drop"  # fmt: skip
+    if type(m) is nn.Linear and any(getattr(m, h, None) for h in _HOOKS):
+        return "it has forward or backward hooks, which the fp8 swap would drop"
+    return None
+
+
 def _parent(root: nn.Module, name: str) -> tuple[nn.Module, str]:
     path, _, attr = name.rpartition(".")
     return (root.get_submodule(path) if path else root), attr
@@ -220,6 +240,7 @@ def convert_to_fp8(module: nn.Module, cfg: Any) -> Fp8Model:
     for name, m in candidates:
         skip = next((p for p in cfg.filter_fqns if p in name), None)
         out_f, in_f = _matmul_shape(m)
+        lost = None if isinstance(m, _TP_LAYERS) else _lost_in_swap(m)
         if skip is not None:
             report.kept.append((name, f"fp8.filter_fqns {skip!r}"))
         elif out_f % 16 or in_f % 16:
@@ -227,6 +248,8 @@ def convert_to_fp8(module: nn.Module, cfg: Any) -> Fp8Model:
             report.kept.append((name, f"matmul {in_f} -> {out_f}{where}: fp8 kernels need dimensions divisible by 16"))  # fmt: skip
         elif name == "" and type(m) is nn.Linear:
             report.kept.append(("(the model)", "the model is one nn.Linear: nothing holds it to swap"))  # fmt: skip
+        elif lost is not None:
+            report.kept.append((name, lost))
         else:
             chosen.append((name, m))
     if not chosen and not report.before:

@@ -16,15 +16,22 @@ A :class:`TiedLayerSpec` key (or a ``TiedLayer`` from the Hugging Face splitter,
 starts every copy from the first holder's values and sums the copies' gradients over
 the stages that hold the key (``engine.py``).
 
+Layers are looked up by name (their index, or their tie key) at every call, never held:
+a layer replaced in place after construction (the fp8 section's ``Float8Linear``,
+AutoTP's parallel layers, peft's LoRA layers, inference quantization) is the one that
+runs, and ZeRO-3 gathers its parameters as it does the rest of the module tree.
+
 No collectives: this module only builds and cuts layers. The stage is the rank's
 coordinate on the mesh's ``pp`` axis (outermost: ``rank // (world / num_stages)``).
 """
 
 from __future__ import annotations
 
+import functools
 import random
 import re
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -168,6 +175,22 @@ def partition_layers(layers: Sequence[Any], parts: int, method: str = "parameter
     return _balanced(weights, parts)
 
 
+@dataclass(frozen=True, kw_only=True)
+class _Slot:
+    """Where layer ``i`` lives: a child module (``child``, its name), a tied module
+    (``tied``, its key, with the occurrence's ``forward_fn``) or a plain callable
+    (``fn``). Modules are looked up by name at every call, never held: whatever swaps a
+    layer in place (fp8's Float8Linear, AutoTP's parallel layers, peft's LoRA layers,
+    inference quantization) is what runs. ``built``: the class name the layer was built
+    with (``checkpointable_layers`` names the user's classes, not a swap's)."""
+
+    child: str | None = None
+    tied: str | None = None
+    forward_fn: Callable[[Any, Any], Any] | None = None
+    fn: Callable | None = None
+    built: str = ""
+
+
 def _checkpoint(function: Callable, *args: Any, use_reentrant: bool = True) -> Any:
     from torch.utils.checkpoint import checkpoint
 
@@ -254,10 +277,11 @@ class PipelineModule(nn.Module):
                     holders = self.tied_stages.setdefault(key, [])
                     if stage not in holders:
                         holders.append(stage)
-        self._funcs: dict[int, Callable] = {}
+        #: layer index -> how to find it when called (see :meth:`layer`)
+        self._slots: dict[int, _Slot] = {}
         for lo, hi in self.chunk_ranges:
             for i in range(lo, hi):
-                self._funcs[i] = self._build(i, layers[i], seed_fn)
+                self._slots[i] = self._build(i, layers[i], seed_fn)
         for key in self.tied_stages:
             self.tied_stages[key].sort()
 
@@ -285,7 +309,7 @@ class PipelineModule(nn.Module):
             raise PipelineError(f"PipelineModule: stage_id {stage_id} out of range")
         return stage_id
 
-    def _build(self, index: int, layer: Any, seed_fn: Callable | None) -> Callable:
+    def _build(self, index: int, layer: Any, seed_fn: Callable | None) -> _Slot:
         key = _tied_key(layer)
         if key is not None:
             if key not in self.tied_modules:
@@ -294,14 +318,14 @@ class PipelineModule(nn.Module):
                 self.tied_modules[key] = module
                 self.tied_weight_attrs[key] = tuple(layer.tied_weight_attr)
             module = self.tied_modules[key]
-            fn = layer.forward_fn
-            return (lambda x, m=module, f=fn: f(m, x)) if fn is not None else module
+            return _Slot(tied=key, forward_fn=layer.forward_fn, built=type(module).__name__)
         if isinstance(layer, LayerSpec):
             self._seed(index, seed_fn)
             layer = layer.build()
         if isinstance(layer, nn.Module):
             self.add_module(str(index), layer)
-        return layer
+            return _Slot(child=str(index), built=type(layer).__name__)
+        return _Slot(fn=layer, built=getattr(layer, "__name__", type(layer).__name__))
 
     def _seed(self, index: int, seed_fn: Callable | None) -> None:
         if not self.seed_layers:
@@ -331,6 +355,34 @@ class PipelineModule(nn.Module):
             out.append((f"tied_modules.{key}.{attr}", p))
         return out
 
+    def layer(self, index: int) -> Callable:
+        """What runs as global layer ``index`` on this stage, looked up now: the module
+        registered under its name (or its tie key) at this moment, so a module swapped
+        in place after construction is the one that runs."""
+        slot = self._slots.get(index)
+        if slot is None:
+            raise PipelineError(
+                f"PipelineModule: layer {index} is not on stage {self.stage_id} (its layers: "
+                f"{', '.join(f'{lo}-{hi - 1}' for lo, hi in self.chunk_ranges)})"
+            )
+        if slot.fn is not None:
+            return slot.fn
+        if slot.tied is not None:
+            module = self.tied_modules._modules.get(slot.tied)
+            where = f"tied_modules.{slot.tied}"
+        else:
+            assert slot.child is not None
+            module = self._modules.get(slot.child)
+            where = slot.child
+        if module is None:
+            raise PipelineError(
+                f"PipelineModule: layer {index} ({where!r}) was removed from the module; "
+                "replace a layer by assigning the new module under the same name"
+            )
+        if slot.forward_fn is not None:
+            return functools.partial(slot.forward_fn, module)
+        return module
+
     def is_first_chunk(self, chunk: int) -> bool:
         return self.chunk_ranges[chunk][0] == 0
 
@@ -345,19 +397,19 @@ class PipelineModule(nn.Module):
         k = self.activation_checkpoint_interval
         if not k:
             for i in range(lo, hi):
-                x = self._funcs[i](x)
+                x = self.layer(i)(x)
             return x
         for start in range(lo, hi, k):
             end = min(start + k, hi)
             if not self._checkpointable(start, end):
                 for i in range(start, end):
-                    x = self._funcs[i](x)
+                    x = self.layer(i)(x)
                 continue
 
             def run(*inputs: Any, start: int = start, end: int = end) -> Any:
                 y = inputs[0] if len(inputs) == 1 else inputs
                 for i in range(start, end):
-                    y = self._funcs[i](y)
+                    y = self.layer(i)(y)
                 return y
 
             args = x if isinstance(x, tuple) else (x,)
@@ -374,9 +426,13 @@ class PipelineModule(nn.Module):
     def _checkpointable(self, start: int, end: int) -> bool:
         """DeepSpeed's rule: with ``checkpointable_layers``, only ranges holding one of
         those classes; else ranges with parameters."""
-        funcs = [self._funcs[i] for i in range(start, end)]
         if self.checkpointable_layers is not None:
-            return any(type(f).__name__ in self.checkpointable_layers for f in funcs)
+            names = self.checkpointable_layers
+            return any(
+                self._slots[i].built in names or type(self.layer(i)).__name__ in names
+                for i in range(start, end)
+            )
+        funcs = [self.layer(i) for i in range(start, end)]
         return any(isinstance(f, nn.Module) and any(True for _ in f.parameters()) for f in funcs)
 
 
