@@ -36,13 +36,16 @@ class BrokenOnPurpose(RuntimeError):
 
 def label(case: dict) -> str:
     """A case dict as a readable name: ``key=value`` pairs, nested dicts flattened with
-    dots (``{"extra": {"a": {"b": 1}}}`` -> ``extra.a.b=1``)."""
+    dots (``{"extra": {"a": {"b": 1}}}`` -> ``extra.a.b=1``), an absolute path as its last
+    part (temporary directories differ from run to run)."""
 
     def flat(d: dict, prefix: str) -> list[str]:
         out = []
         for k, v in d.items():
             if isinstance(v, dict) and v:
                 out += flat(v, f"{prefix}{k}.")
+            elif isinstance(v, str) and os.path.isabs(v):
+                out.append(f"{prefix}{k}=.../{os.path.basename(v)}")
             else:
                 out.append(f"{prefix}{k}={v}")
         return out
@@ -109,3 +112,11 @@ def check_each(
     for name in names:
         with subtests.test(case=name):
             check(name, values(results, name))
+
+
+def check(
+    subtests: pytest.Subtests, results: list[dict], name: str, fn: Callable[[list[Any]], None]
+) -> None:
+    """``fn(per_rank_values)`` for the one case ``name``, under ``subtests.test(case=name)``."""
+    with subtests.test(case=name):
+        fn(values(results, name))
