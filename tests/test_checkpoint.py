@@ -19,22 +19,18 @@ import parity
 import pytest
 import torch
 from logs import ListHandler
-from resume import CPU, RESUME_CASES, ROWS
+from resume import CPU, RESUME_CASES, ROWS, check_resume
 from resume import config as _config
 from resume import make as _engine
 from resume import resume_phase as _resume_phase
 from resume import train as _train
 
 
-def test_exact_resume(tmp_path) -> None:
+def test_exact_resume(tmp_path, subtests: pytest.Subtests) -> None:
     straight = multirank.run(_resume_phase, 2, "straight", str(tmp_path), timeout=600)
-    multirank.run(_resume_phase, 2, "first", str(tmp_path), timeout=600)
+    first = multirank.run(_resume_phase, 2, "first", str(tmp_path), timeout=600)
     resumed = multirank.run(_resume_phase, 2, "second", str(tmp_path), timeout=600)
-    for i, case in enumerate(RESUME_CASES):
-        a, b = straight[0][i], resumed[0][i]
-        assert a["losses"] == b["losses"], (case, a["losses"], b["losses"])  # bitwise
-        assert a["params"] == b["params"], case
-        assert a["scale"] == b["scale"] and a["lr"] == b["lr"], case
+    check_resume(subtests, RESUME_CASES, straight, first, resumed)
 
 
 # -- resharding ---------------------------------------------------------------------------
