@@ -99,6 +99,13 @@ def values(results: list[dict], name: str) -> list[Any]:
     return [per_case[name]["value"] for per_case in results]
 
 
+def by_rank(results: list[dict], *names: str) -> list[dict[str, Any]]:
+    """Per rank, ``{name: value}`` for the cases ``names`` (for a check that compares
+    several cases); fails as :func:`values` does where one raised or did not run."""
+    got = {name: values(results, name) for name in names}
+    return [{name: got[name][rank] for name in names} for rank in range(len(results))]
+
+
 def check_each(
     subtests: pytest.Subtests,
     results: list[dict],
