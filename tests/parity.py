@@ -10,13 +10,18 @@ group's lr; the no-decay group gets twice it), opt (the config optimizer, a key 
 
 from __future__ import annotations
 
+import functools
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import cases
 import torch
 import torch.nn.functional as F  # noqa: F401  (kept for case authors)
 
 from zeroshard.models import GPT, GPTConfig
+
+if TYPE_CHECKING:
+    import pytest
 
 SEQ = 16
 PINNED_CPU = {"device": "cpu", "pin_memory": True}  # an offload section
@@ -202,59 +207,77 @@ def l2_param_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> flo
     return sum((a[k].float() - b[k].float()).square().sum().item() for k in a) ** 0.5
 
 
-def run_cases(rank: int, world: int, cases: list[dict]) -> list[dict]:
-    """Each case trained on this rank and its single-process reference: losses, norms and
-    parameter distances for :func:`assert_parity` (a ``multirank.run`` job)."""
-    out = []
-    for case in cases:
-        ref_norms: list[float] = []
-        norms: list[float] = []
-        ref_losses, ref_params = reference(case, world, ref_norms)
-        losses, engine = train(case, rank, world, norms)
-        params, initial = full_params(engine), initial_params(case)
-        out.append(
-            {
-                "case": case,
-                "losses": losses,
-                "ref_losses": ref_losses,
-                "norms": norms,
-                "ref_norms": ref_norms,
-                "param_diff": max_param_diff(params, ref_params),
-                "movement": max_param_diff(ref_params, initial),
-                "update_err": l2_param_diff(params, ref_params)
-                / l2_param_diff(ref_params, initial),
-            }
-        )
-    return out
+def case_name(case: dict) -> str:
+    """A case's name in reports (``stage=2 gas=4 clip=0.8 zero.reduce_scatter=False``)."""
+    return cases.label(case).replace("extra.zero_optimization.", "zero.")
 
 
-def assert_parity(cases: list[dict], results: list, world: int) -> None:
-    """Each case's per-rank results (:func:`run_cases`'s) match the reference:
-    mean loss per step, final parameters, the pre-clip global norm of clipping cases;
-    and the reference moved far more than the tolerance (a lost step cannot pass)."""
-    failures = []
-    for i, case in enumerate(cases):
-        per_rank = [r[i] for r in results]
-        steps = len(per_rank[0]["losses"])
-        losses = [sum(r["losses"][s] for r in per_rank) / world for s in range(steps)]
-        loss_diff = max(abs(a - b) for a, b in zip(losses, per_rank[0]["ref_losses"], strict=True))
-        param_diff = max(r["param_diff"] for r in per_rank)
-        norm_diff = max(  # the engine reports the pre-clip norm when it clips
-            (
-                abs(a - b)
-                for r in per_rank
-                for a, b in zip(r["norms"], r["ref_norms"], strict=True)
-                if case.get("clip", 0.0) > 0
-            ),
-            default=0.0,
-        )
-        tol = BF16_TOL if case.get("dtype") == "bf16" else (TOL, TOL, TOL)
-        close = loss_diff <= tol[0] and param_diff <= tol[1] and norm_diff <= tol[2]
-        if not (close and per_rank[0]["movement"] > 50 * TOL):
-            failures.append(
-                f"{case}: loss {loss_diff:.3g} param {param_diff:.3g} norm {norm_diff:.3g}"
-            )
-    assert not failures, "\n".join(failures)
+def run_case(rank: int, world: int, case: dict) -> dict:
+    """One case trained on this rank and its single-process reference: losses, norms and
+    parameter distances for :func:`check_parity`."""
+    ref_norms: list[float] = []
+    norms: list[float] = []
+    ref_losses, ref_params = reference(case, world, ref_norms)
+    losses, engine = train(case, rank, world, norms)
+    params, initial = full_params(engine), initial_params(case)
+    return {
+        "case": case,
+        "losses": losses,
+        "ref_losses": ref_losses,
+        "norms": norms,
+        "ref_norms": ref_norms,
+        "param_diff": max_param_diff(params, ref_params),
+        "movement": max_param_diff(ref_params, initial),
+        "update_err": l2_param_diff(params, ref_params) / l2_param_diff(ref_params, initial),
+    }
+
+
+def named_cases(rank: int, world: int, case_list: list[dict]) -> list[tuple[str, Any]]:
+    """``(name, fn)`` per case for :func:`cases.run_named` (to batch with other cases)."""
+    return [(case_name(c), functools.partial(run_case, rank, world, c)) for c in case_list]
+
+
+def run_cases(rank: int, world: int, case_list: list[dict]) -> dict[str, dict]:
+    """Every case on this rank, by name (a ``multirank.run`` job; see :mod:`cases`)."""
+    return cases.run_named(named_cases(rank, world, case_list))
+
+
+def assert_close(case: dict, per_rank: list[dict], world: int) -> None:
+    """One case's per-rank results (:func:`run_case`'s) match the reference: mean loss
+    per step, final parameters, the pre-clip global norm of clipping cases; and the
+    reference moved far more than the tolerance (a lost step cannot pass)."""
+    steps = len(per_rank[0]["losses"])
+    losses = [sum(r["losses"][s] for r in per_rank) / world for s in range(steps)]
+    loss_diff = max(abs(a - b) for a, b in zip(losses, per_rank[0]["ref_losses"], strict=True))
+    param_diff = max(r["param_diff"] for r in per_rank)
+    norm_diff = max(  # the engine reports the pre-clip norm when it clips
+        (
+            abs(a - b)
+            for r in per_rank
+            for a, b in zip(r["norms"], r["ref_norms"], strict=True)
+            if case.get("clip", 0.0) > 0
+        ),
+        default=0.0,
+    )
+    tol = BF16_TOL if case.get("dtype") == "bf16" else (TOL, TOL, TOL)
+    close = loss_diff <= tol[0] and param_diff <= tol[1] and norm_diff <= tol[2]
+    assert close and per_rank[0]["movement"] > 50 * TOL, (
+        f"{case}: loss {loss_diff:.3g} param {param_diff:.3g} norm {norm_diff:.3g}"
+    )
+
+
+def check_parity(
+    subtests: pytest.Subtests, case_list: list[dict], results: list, world: int
+) -> None:
+    """:func:`assert_close` for each case of ``results`` (the ranks' :func:`run_cases`),
+    each under its own subtest."""
+    by_name = {case_name(c): c for c in case_list}
+    cases.check_each(
+        subtests,
+        results,
+        lambda name, per_rank: assert_close(by_name[name], per_rank, world),
+        names=list(by_name),
+    )
 
 
 def flag_bytes(engine) -> int:

@@ -3,11 +3,16 @@ and test_cuda.py (which runs the same cases on a GPU)."""
 
 from __future__ import annotations
 
+import functools
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import cases
 import parity
 import torch
+
+if TYPE_CHECKING:
+    import pytest
 
 ROWS = 6  # global batch: divisible by 1, 2 and 3 ranks
 CPU = {"device": "cpu"}
@@ -88,32 +93,58 @@ RESUME_CASES: list[dict[str, Any]] = [
 ]
 
 
+def case_name(case: dict) -> str:
+    """A resume case's name in reports (``stage=2 zero.offload_optimizer.device=cpu``)."""
+    return cases.label(case)
+
+
+def _phase(rank: int, world: int, phase: str, ckpt: str, case: dict) -> dict | None:
+    engine = make(case, world)
+    if phase == "straight":
+        losses = train(engine, rank, world, range(10))[5:]
+    elif phase == "first":
+        train(engine, rank, world, range(5))
+        engine.save_checkpoint(ckpt, client_state={"epoch": 3})
+        return None
+    else:
+        _, client = engine.load_checkpoint(ckpt)
+        assert client == {"epoch": 3} and engine.global_steps == 5
+        losses = train(engine, rank, world, range(5, 10))
+    params = parity.full_params(engine)
+    return {
+        "losses": losses,
+        "params": {k: v.flatten().tolist() for k, v in params.items()},
+        "scale": engine.cur_scale,
+        "lr": engine.get_lr(),
+    }
+
+
 def resume_phase(
-    rank: int, world: int, phase: str, root: str, cases: list[dict] | None = None
-) -> list:
-    """One phase of the resume check for ``cases`` (default RESUME_CASES)."""
-    out: list[dict | None] = []
-    for i, case in enumerate(RESUME_CASES if cases is None else cases):
-        ckpt = os.path.join(root, f"case{i}")
-        engine = make(case, world)
-        if phase == "straight":
-            losses = train(engine, rank, world, range(10))[5:]
-        elif phase == "first":
-            train(engine, rank, world, range(5))
-            engine.save_checkpoint(ckpt, client_state={"epoch": 3})
-            out.append(None)
-            continue
-        else:
-            _, client = engine.load_checkpoint(ckpt)
-            assert client == {"epoch": 3} and engine.global_steps == 5
-            losses = train(engine, rank, world, range(5, 10))
-        params = parity.full_params(engine)
-        out.append(
-            {
-                "losses": losses,
-                "params": {k: v.flatten().tolist() for k, v in params.items()},
-                "scale": engine.cur_scale,
-                "lr": engine.get_lr(),
-            }
+    rank: int, world: int, phase: str, root: str, case_list: list[dict] | None = None
+) -> dict[str, dict]:
+    """One phase of the resume check for ``case_list`` (default RESUME_CASES), each case a
+    named case (:mod:`cases`): "straight" trains 10 steps, "first" 5 and saves, "second"
+    loads and trains the other 5."""
+    case_list = RESUME_CASES if case_list is None else case_list
+    return cases.run_named(
+        (
+            case_name(c),
+            functools.partial(_phase, rank, world, phase, os.path.join(root, f"case{i}"), c),
         )
-    return out
+        for i, c in enumerate(case_list)
+    )
+
+
+def check_resume(
+    subtests: pytest.Subtests, case_list: list[dict], straight: list, first: list, resumed: list
+) -> None:
+    """Per case, under its own subtest: the saving run ran, and the resumed run has rank
+    0's losses, parameters, loss scale and lr of the straight run, bit for bit."""
+    for case in case_list:
+        name = case_name(case)
+        with subtests.test(case=name):
+            cases.values(first, name)  # the save ran on every rank
+            a, b = cases.values(straight, name)[0], cases.values(resumed, name)[0]
+            assert a["losses"] == b["losses"], (case, a["losses"], b["losses"])  # bitwise
+            assert a["params"] == b["params"], case
+            assert a["scale"] == b["scale"] and a["lr"] == b["lr"], case

@@ -3,6 +3,7 @@ under SIGKILL, export to consolidated safetensors, and clear errors on bad input
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import random
@@ -14,27 +15,24 @@ import time
 from typing import Any
 from unittest import mock
 
+import cases
 import multirank
 import parity
 import pytest
 import torch
 from logs import ListHandler
-from resume import CPU, RESUME_CASES, ROWS
+from resume import CPU, RESUME_CASES, ROWS, check_resume
 from resume import config as _config
 from resume import make as _engine
 from resume import resume_phase as _resume_phase
 from resume import train as _train
 
 
-def test_exact_resume(tmp_path) -> None:
+def test_exact_resume(tmp_path, subtests: pytest.Subtests) -> None:
     straight = multirank.run(_resume_phase, 2, "straight", str(tmp_path), timeout=600)
-    multirank.run(_resume_phase, 2, "first", str(tmp_path), timeout=600)
+    first = multirank.run(_resume_phase, 2, "first", str(tmp_path), timeout=600)
     resumed = multirank.run(_resume_phase, 2, "second", str(tmp_path), timeout=600)
-    for i, case in enumerate(RESUME_CASES):
-        a, b = straight[0][i], resumed[0][i]
-        assert a["losses"] == b["losses"], (case, a["losses"], b["losses"])  # bitwise
-        assert a["params"] == b["params"], case
-        assert a["scale"] == b["scale"] and a["lr"] == b["lr"], case
+    check_resume(subtests, RESUME_CASES, straight, first, resumed)
 
 
 # -- resharding ---------------------------------------------------------------------------
@@ -70,32 +68,37 @@ def _reference(case: dict) -> tuple[list[float], dict]:
 _REF: dict = {}
 
 
-def _reshard(rank: int, world: int, jobs: list) -> list:
-    """Each job: (zero section, "save" or "load", directory). Several per spawn."""
-    out: list[dict | None] = []
-    for zero, action, where in jobs:
-        case = {"stage": zero["stage"], "scheduler": False, "zero": zero}
-        engine = _engine(case, world)
-        if action == "save":  # first half, then save
-            _train(engine, rank, world, range(5))
-            engine.save_checkpoint(where)
-            out.append({})
-            continue
-        engine.load_checkpoint(where)
-        losses = _train(engine, rank, world, range(5, 10))
-        if "ref" not in _REF:
-            _REF["ref"] = _reference(case)
-        ref_losses, ref_params = _REF["ref"]
-        out.append(
-            {
-                "loss_diff": max(abs(a - b) for a, b in zip(losses, ref_losses, strict=True)),
-                "param_diff": parity.max_param_diff(parity.full_params(engine), ref_params),
-            }
-        )
-    return out
+def _job(rank: int, world: int, zero: dict, action: str, where: str) -> dict:
+    case = {"stage": zero["stage"], "scheduler": False, "zero": zero}
+    engine = _engine(case, world)
+    if action == "save":  # first half, then save
+        _train(engine, rank, world, range(5))
+        engine.save_checkpoint(where)
+        return {}
+    engine.load_checkpoint(where)
+    losses = _train(engine, rank, world, range(5, 10))
+    if "ref" not in _REF:
+        _REF["ref"] = _reference(case)
+    ref_losses, ref_params = _REF["ref"]
+    return {
+        "loss_diff": max(abs(a - b) for a, b in zip(losses, ref_losses, strict=True)),
+        "param_diff": parity.max_param_diff(parity.full_params(engine), ref_params),
+    }
 
 
-def test_reshard_across_world_sizes_and_stages(tmp_path) -> None:
+def _job_name(zero: dict, action: str, where: str) -> str:
+    return f"{action} {os.path.basename(where)} {cases.label(zero)}"
+
+
+def _reshard(rank: int, world: int, jobs: list) -> dict:
+    """Each job: (zero section, "save" or "load", directory). Several per spawn, each a
+    named case."""
+    return cases.run_named(
+        (_job_name(*job), functools.partial(_job, rank, world, *job)) for job in jobs
+    )
+
+
+def test_reshard_across_world_sizes_and_stages(tmp_path, subtests: pytest.Subtests) -> None:
     a, c = str(tmp_path / "w3s3"), str(tmp_path / "w2s2")
     off = str(tmp_path / "w2s2_offload")  # CPU optimizer offload
     pers = str(tmp_path / "w3s3_persist")  # small parameters persistent (not partitioned)
@@ -103,18 +106,29 @@ def test_reshard_across_world_sizes_and_stages(tmp_path) -> None:
     s0 = {"stage": 0}
     offload = {"offload_optimizer": CPU}
     persist = {"stage": 3, "stage3_param_persistence_threshold": 200}
-    multirank.run(_reshard, 3, [(s3, "save", a), (persist, "save", pers)], timeout=300)
-    multirank.run(_reshard, 2, [(s2, "save", c), ({**s2, **offload}, "save", off)], timeout=300)
+    save_jobs: dict[int, list[tuple[dict, str, str]]] = {
+        3: [(s3, "save", a), (persist, "save", pers)],
+        2: [(s2, "save", c), ({**s2, **offload}, "save", off)],
+    }
+    for world, saves in save_jobs.items():  # each save ran on every rank
+        results = multirank.run(_reshard, world, saves, timeout=300)
+        names = [_job_name(*job) for job in saves]
+        cases.check_each(subtests, results, lambda name, per_rank: None, names=names)
     loads: dict[int, list[tuple[dict, str]]] = {
         2: [(s1, a), ({**s2, **offload}, a), (persist, pers)],  # no offload -> offload
         1: [(s0, a), (s2, c), (s0, pers)],
         3: [(s3, c), (s1, off)],  # offload -> no offload
     }
     for world, jobs in loads.items():
+        named = {_job_name(z, "load", src): (z, src) for z, src in jobs}
         results = multirank.run(_reshard, world, [(z, "load", src) for z, src in jobs], timeout=300)
-        for r in results:
-            for (z, src), res in zip(jobs, r, strict=True):
+
+        def check(name: str, per_rank: list, world: int = world, named: dict = named) -> None:
+            z, src = named[name]
+            for res in per_rank:
                 assert res["loss_diff"] <= 2e-5 and res["param_diff"] <= 2e-5, (world, z, src, res)
+
+        cases.check_each(subtests, results, check, names=list(named))
 
 
 # -- atomic saves under SIGKILL ---------------------------------------------------------------

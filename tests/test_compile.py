@@ -12,7 +12,9 @@ real code generator.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
+import cases
 import multirank
 import parity
 import pytest
@@ -71,60 +73,83 @@ def _train(case: dict, rank: int, world: int, compile_with=None, via_config: boo
     return losses, params, compiled
 
 
-def _ranks(rank: int, world: int, cases: list[dict], inner: str) -> dict:
+def _compiled_case(rank: int, world: int, case: dict, inner: str) -> dict:
     import torch._dynamo
 
-    out: dict = {}
-    for i, case in enumerate(cases):
-        torch._dynamo.reset()
-        eager_losses, eager_params, _ = _train(case, rank, world)
-        counting = Counting(inner)
-        losses, params, compiled = _train(case, rank, world, compile_with=counting)
-        out[str(i)] = {
-            "loss": max(abs(a - b) for a, b in zip(losses, eager_losses, strict=True)),
-            "param": parity.max_param_diff(params, eager_params),
-            "moved": parity.max_param_diff(eager_params, parity.initial_params(case)),
-            "graphs": counting.graphs,
-            "calls": counting.calls,
-            "compiled": compiled,
-        }
-    if inner == "aot_eager":  # the config's switch: compiled at initialize
-        torch._dynamo.reset()
-        from torch._dynamo.utils import counters
+    torch._dynamo.reset()
+    eager_losses, eager_params, _ = _train(case, rank, world)
+    counting = Counting(inner)
+    losses, params, compiled = _train(case, rank, world, compile_with=counting)
+    return {
+        "loss": max(abs(a - b) for a, b in zip(losses, eager_losses, strict=True)),
+        "param": parity.max_param_diff(params, eager_params),
+        "moved": parity.max_param_diff(eager_params, parity.initial_params(case)),
+        "graphs": counting.graphs,
+        "calls": counting.calls,
+        "compiled": compiled,
+    }
 
-        counters.clear()
-        eager_losses, eager_params, _ = _train({"stage": 3}, rank, world)
-        losses, params, compiled = _train({"stage": 3}, rank, world, via_config=True)
-        out["config"] = {
-            "param": parity.max_param_diff(params, eager_params),
-            "graphs": counters["stats"]["unique_graphs"],
-            "compiled": compiled,
-        }
-        _, engine = parity.train({"stage": 3, "steps": 0}, rank, world)
-        for name, call in (
-            ("schedule", lambda: engine.compile(backend="eager", schedule=[])),
-            ("autograd", lambda: engine.compile(backend="eager", compiled_autograd_enabled=True)),
-            ("backend", lambda: engine.compile(backend="no-such-backend")),
-        ):
-            try:
-                call()
-                out[name] = "accepted"
-            except (NotImplementedError, ValueError) as err:
-                out[name] = f"{type(err).__name__}: {err}"
-        engine.destroy()
+
+def _via_config(rank: int, world: int) -> dict:
+    """The config's switch: compiled at initialize."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    _, eager_params, _ = _train({"stage": 3}, rank, world)
+    _, params, compiled = _train({"stage": 3}, rank, world, via_config=True)
+    return {
+        "param": parity.max_param_diff(params, eager_params),
+        "graphs": counters["stats"]["unique_graphs"],
+        "compiled": compiled,
+    }
+
+
+def _refusals(rank: int, world: int) -> dict:
+    out = {}
+    _, engine = parity.train({"stage": 3, "steps": 0}, rank, world)
+    for name, call in (
+        ("schedule", lambda: engine.compile(backend="eager", schedule=[])),
+        ("autograd", lambda: engine.compile(backend="eager", compiled_autograd_enabled=True)),
+        ("backend", lambda: engine.compile(backend="no-such-backend")),
+    ):
         try:
-            bad = {"compile": {"enabled": True, "backend": "no-such-backend"}}
-            parity.train({"stage": 3, "steps": 0, "extra": bad}, rank, world)
-            out["config_backend"] = "accepted"
-        except ConfigError as err:
-            out["config_backend"] = str(err)
+            call()
+            out[name] = "accepted"
+        except (NotImplementedError, ValueError) as err:
+            out[name] = f"{type(err).__name__}: {err}"
+    engine.destroy()
+    try:
+        bad = {"compile": {"enabled": True, "backend": "no-such-backend"}}
+        parity.train({"stage": 3, "steps": 0, "extra": bad}, rank, world)
+        out["config_backend"] = "accepted"
+    except ConfigError as err:
+        out["config_backend"] = str(err)
     return out
 
 
-def _check(results: list[dict], cases: list[dict], tol: float) -> None:
-    for r in results:
-        for i, case in enumerate(cases):
-            got = r[str(i)]
+def _ranks(rank: int, world: int, case_list: list[dict], inner: str) -> dict:
+    named = [
+        (parity.case_name(c), functools.partial(_compiled_case, rank, world, c, inner))
+        for c in case_list
+    ]
+    if inner == "aot_eager":
+        named += [
+            ("config", functools.partial(_via_config, rank, world)),
+            ("refusals", functools.partial(_refusals, rank, world)),
+        ]
+    return cases.run_named(named)
+
+
+def _check(
+    subtests: pytest.Subtests, results: list[dict], case_list: list[dict], tol: float
+) -> None:
+    by_name = {parity.case_name(c): c for c in case_list}
+
+    def check(name: str, per_rank: list) -> None:
+        case = by_name[name]
+        for got in per_rank:
             assert got["compiled"], case
             assert got["loss"] <= tol and got["param"] <= tol, (case, got)
             assert got["moved"] > 50 * parity.TOL, (case, got)  # training moved the weights
@@ -133,24 +158,36 @@ def _check(results: list[dict], cases: list[dict], tol: float) -> None:
             if case["stage"] == 3:  # embedding (x2 shapes), block (shared), norm, head
                 assert got["graphs"] <= 2 * 5, (case, got)
 
+    cases.check_each(subtests, results, check, names=list(by_name))
 
-def test_compiled_matches_eager_at_every_stage() -> None:
-    results = multirank.run(_ranks, WORLD, CASES, "aot_eager", timeout=900)
-    _check(results, CASES, parity.TOL)
-    for r in results:
-        assert r["config"]["compiled"] and r["config"]["param"] <= parity.TOL, r["config"]
-        assert r["config"]["graphs"] >= 1, r["config"]
+
+def _check_config(per_rank: list) -> None:
+    for c in per_rank:
+        assert c["compiled"] and c["param"] <= parity.TOL, c
+        assert c["graphs"] >= 1, c
+
+
+def _check_refusals(per_rank: list) -> None:
+    for r in per_rank:
         assert r["schedule"].startswith("NotBuiltError") and "DeepCompile" in r["schedule"]
         assert r["autograd"].startswith("NotBuiltError"), r["autograd"]
         assert "unknown torch.compile backend 'no-such-backend'" in r["backend"], r["backend"]
         assert r["config_backend"].startswith("compile.backend: unknown torch.compile backend")
 
 
+def test_compiled_matches_eager_at_every_stage(subtests: pytest.Subtests) -> None:
+    results = multirank.run(_ranks, WORLD, CASES, "aot_eager", timeout=900)
+    _check(subtests, results, CASES, parity.TOL)
+    cases.check(subtests, results, "config", _check_config)
+    cases.check(subtests, results, "refusals", _check_refusals)
+
+
 @pytest.mark.slow
-def test_inductor_compiled_matches_eager_at_stage_3() -> None:
+def test_inductor_compiled_matches_eager_at_stage_3(subtests: pytest.Subtests) -> None:
     """The real code generator (C++ kernels on the CPU): within the fp32 tolerance."""
-    cases: list[dict] = [{"stage": 3}]
-    _check(multirank.run(_ranks, WORLD, cases, "inductor", timeout=1800), cases, parity.TOL)
+    stage3: list[dict] = [{"stage": 3}]
+    results = multirank.run(_ranks, WORLD, stage3, "inductor", timeout=1800)
+    _check(subtests, results, stage3, parity.TOL)
 
 
 def _cfg(**compile_section) -> dict:

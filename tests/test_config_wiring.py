@@ -15,8 +15,10 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import cases
 import multirank
 import parity
+import pytest
 import torch
 from logs import ListHandler
 
@@ -46,19 +48,22 @@ def _logged(fn):
     return [r.getMessage() for r in records]
 
 
-def _ranks(rank: int, world: int) -> dict:
-    import zeroshard
-
-    out: dict = {"parity": parity.run_cases(rank, world, PARITY)}
-    # what the reducer does with the two keys, and the buckets of reduce_bucket_size 0
-    for i, case in enumerate(PARITY):
+def _reducer(rank: int, world: int) -> list[dict]:
+    """What the reducer does with the two keys, and the buckets of reduce_bucket_size 0."""
+    out = []
+    for case in PARITY:
         _, engine = parity.train({**case, "steps": 1}, rank, world)
         trainable = sum(p.requires_grad for p in engine.module.parameters())
         segments = len(engine.flat.layout.segments)
-        out[f"case{i}"] = {"predivide": engine.reducer.predivide, "segments": segments}
-        out[f"case{i}"]["trainable"] = trainable
-    # bucket sizes not given: 25 MiB of gradients (fp32 and bf16), said once on rank 0;
-    # given ones are kept
+        out.append({"predivide": engine.reducer.predivide, "segments": segments})
+        out[-1]["trainable"] = trainable
+    return out
+
+
+def _buckets(rank: int, world: int) -> dict:
+    """Bucket sizes not given: 25 MiB of gradients (fp32 and bf16), said once on rank 0;
+    given ones are kept."""
+    out: dict = {}
     for name, extra in (
         ("fp32", {}),
         ("bf16", {"bf16": {"enabled": True}}),
@@ -68,19 +73,28 @@ def _ranks(rank: int, world: int) -> dict:
         said = _logged(
             lambda case=case: out.__setitem__("engine", parity.train(case, rank, world)[1])
         )
-        out[f"bucket_{name}"] = [
-            out.pop("engine").bucket_numel,
-            [m for m in said if "25 MiB" in m],
-        ]
-    # dataloader_drop_last: 10 samples over 2 ranks, micro-batches of 2 -> 2, 2, (1)
+        out[name] = [out.pop("engine").bucket_numel, [m for m in said if "25 MiB" in m]]
+    return out
+
+
+def _drop_last() -> dict:
+    """10 samples over 2 ranks, micro-batches of 2 -> 2, 2, (1)."""
+    import zeroshard
+
+    out = {}
     data = torch.utils.data.TensorDataset(torch.arange(10.0).view(10, 1))
     for drop in (False, True):
         model = torch.nn.Linear(1, 1)
         cfg: dict[str, Any] = {"train_micro_batch_size_per_gpu": 2, "dataloader_drop_last": drop}
         cfg["optimizer"] = {"type": "SGD", "params": {"lr": 0.1}}
         _, _, loader, _ = zeroshard.initialize(model=model, training_data=data, config=cfg)
-        out[f"drop_last_{drop}"] = [len(b[0]) for b in loader]
-    # steps_per_print: Infinity never logs; inert keys are logged at start-up by rank 0
+        out[str(drop)] = [len(b[0]) for b in loader]
+    return out
+
+
+def _logs(rank: int, world: int) -> dict:
+    """steps_per_print: Infinity never logs; inert keys are logged at start-up by rank 0."""
+    out = {}
     inert = {"contiguous_gradients": False, "round_robin_gradients": True}
     for every in (float("inf"), 1):
         case = {
@@ -88,24 +102,47 @@ def _ranks(rank: int, world: int) -> dict:
             "steps": 2,
             "extra": {"steps_per_print": every, "zero_optimization": inert},
         }
-        out[f"log_{every}"] = _logged(lambda case=case: parity.train(case, rank, world))
+        out[str(every)] = _logged(lambda case=case: parity.train(case, rank, world))
     return out
 
 
-def test_config_keys_reach_the_engine() -> None:
-    results = multirank.run(_ranks, WORLD, timeout=400)
-    parity.assert_parity(PARITY, [r["parity"] for r in results], WORLD)
-    for r in results:
-        predivides = [r[f"case{i}"]["predivide"] for i in range(len(PARITY))]
+def _ranks(rank: int, world: int) -> dict:
+    return cases.run_named(
+        [
+            *parity.named_cases(rank, world, PARITY),
+            ("reducer", lambda: _reducer(rank, world)),
+            ("buckets", lambda: _buckets(rank, world)),
+            ("dataloader_drop_last", _drop_last),
+            ("steps_per_print", lambda: _logs(rank, world)),
+        ]
+    )
+
+
+def _check_reducer(per_rank: list) -> None:
+    for r in per_rank:
+        predivides = [c["predivide"] for c in r]
         assert predivides == [WORLD, WORLD, 4.0, 4.0, 1.0, 1.0], predivides
         for i in (4, 5):  # reduce_bucket_size 0: a bucket (stage 3: a unit) per parameter
-            case = r[f"case{i}"]
+            case = r[i]
             assert case["segments"] >= case["trainable"], case
-        assert r["drop_last_False"] == [2, 2, 1] and r["drop_last_True"] == [2, 2]
-        assert r["bucket_fp32"][0] == 25 * 2**20 // 4 and r["bucket_bf16"][0] == 25 * 2**20 // 2
-        assert r["bucket_given"] == [1000, []]
-    rank0, rank1 = results[0], results[1]
-    never, every = rank0["log_inf"], rank0["log_1"]
+
+
+def _check_buckets(per_rank: list) -> None:
+    for r in per_rank:
+        assert r["fp32"][0] == 25 * 2**20 // 4 and r["bf16"][0] == 25 * 2**20 // 2
+        assert r["given"] == [1000, []]
+    rank0, rank1 = per_rank
+    assert len(rank0["fp32"][1]) >= 1 and rank1["fp32"][1] == []
+
+
+def _check_drop_last(per_rank: list) -> None:
+    for r in per_rank:
+        assert r["False"] == [2, 2, 1] and r["True"] == [2, 2]
+
+
+def _check_logs(per_rank: list) -> None:
+    rank0, rank1 = per_rank
+    never, every = rank0["inf"], rank0["1"]
     assert not any(line.startswith("step=") for line in never), never
     assert sum(line.startswith("step=") for line in every) == 2, every  # the check can fail
     inert = [line for line in never if "has no effect here" in line]
@@ -115,5 +152,16 @@ def test_config_keys_reach_the_engine() -> None:
         "zeroshard: config key zero_optimization.round_robin_gradients has no effect here: "
         "each rank moves only its own gradient shard to the CPU",
     ], never
-    assert rank1["log_inf"] == [] and rank1["log_1"] == []
-    assert len(rank0["bucket_fp32"][1]) >= 1 and rank1["bucket_fp32"][1] == []
+    assert rank1["inf"] == [] and rank1["1"] == []
+
+
+def test_config_keys_reach_the_engine(subtests: pytest.Subtests) -> None:
+    results = multirank.run(_ranks, WORLD, timeout=400)
+    parity.check_parity(subtests, PARITY, results, WORLD)
+    for name, check in (
+        ("reducer", _check_reducer),
+        ("buckets", _check_buckets),
+        ("dataloader_drop_last", _check_drop_last),
+        ("steps_per_print", _check_logs),
+    ):
+        cases.check(subtests, results, name, check)

@@ -126,14 +126,14 @@ def test_twin_flow_keeps_its_share_on_the_gpu() -> None:
         assert 0.5 < r["twin"]["device_share"] <= 0.7, r
 
 
-def test_parity_on_cuda_one_rank(tmp_path) -> None:
+def test_parity_on_cuda_one_rank(tmp_path, subtests: pytest.Subtests) -> None:
     cases = _cases(tmp_path)
-    parity.assert_parity(cases, multirank.run(parity.run_cases, 1, cases, timeout=600), 1)
+    parity.check_parity(subtests, cases, multirank.run(parity.run_cases, 1, cases, timeout=600), 1)
 
 
-def test_parity_on_cuda_two_ranks_sharing_the_gpu(tmp_path) -> None:
+def test_parity_on_cuda_two_ranks_sharing_the_gpu(tmp_path, subtests: pytest.Subtests) -> None:
     cases: list[dict[str, Any]] = [c for c in _cases(tmp_path) if c["stage"] > 0]
-    parity.assert_parity(cases, multirank.run(parity.run_cases, 2, cases, timeout=600), 2)
+    parity.check_parity(subtests, cases, multirank.run(parity.run_cases, 2, cases, timeout=600), 2)
 
 
 def test_offload_takes_the_pinned_stream_path() -> None:
@@ -151,25 +151,21 @@ def test_offload_takes_the_pinned_stream_path() -> None:
 _CUDA_RESUME = [c for c in resume.RESUME_CASES if not c.get("dropout")]
 
 
-def _resume(rank: int, world: int, phase: str, root: str) -> list:
+def _resume(rank: int, world: int, phase: str, root: str) -> dict:
     torch.use_deterministic_algorithms(True)
     return resume.resume_phase(rank, world, phase, root, _CUDA_RESUME)
 
 
 @pytest.mark.parametrize("world", [1, 2])
-def test_exact_resume_on_cuda(tmp_path, world: int) -> None:
+def test_exact_resume_on_cuda(tmp_path, world: int, subtests: pytest.Subtests) -> None:
     """Save at step 5 and resume: the same losses and parameters, bit for bit, as 10
     uninterrupted steps, for every stage, CPU offload, fp16 and bf16 (test_checkpoint's
     cases); the GPU tensors go through the checkpoint."""
     root = str(tmp_path)
     straight = multirank.run(_resume, world, "straight", root, timeout=600)
-    multirank.run(_resume, world, "first", root, timeout=600)
+    first = multirank.run(_resume, world, "first", root, timeout=600)
     resumed = multirank.run(_resume, world, "second", root, timeout=600)
-    for i, case in enumerate(_CUDA_RESUME):
-        a, b = straight[0][i], resumed[0][i]
-        assert a["losses"] == b["losses"], (case, a["losses"], b["losses"])
-        assert a["params"] == b["params"], case
-        assert a["scale"] == b["scale"] and a["lr"] == b["lr"], case
+    resume.check_resume(subtests, _CUDA_RESUME, straight, first, resumed)
 
 
 def test_write_back_casts_on_the_device() -> None:

@@ -16,6 +16,7 @@ within ``TOL`` of DeepSpeed's continuation (fp32). The live test (marked slow; n
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import shutil
@@ -23,6 +24,7 @@ import subprocess
 import sys
 import zipfile
 
+import cases
 import deepspeed_case as case
 import multirank
 import pytest
@@ -91,94 +93,112 @@ def _assemble(per_rank: list[list]) -> dict[str, dict[str, torch.Tensor]]:
     return out
 
 
-def _continue(rank: int, world: int, root: str, jobs: list) -> list:
+def _job_name(name: str, stage: int) -> str:
+    return f"{name} -> stage {stage}"
+
+
+def _continue(rank: int, world: int, root: str, jobs: list) -> dict:
+    return cases.run_named(
+        (_job_name(*job), functools.partial(_continue_one, rank, world, root, *job)) for job in jobs
+    )
+
+
+def _continue_one(rank: int, world: int, root: str, name: str, stage: int) -> dict:
     import zeroshard
 
-    out = []
     rows = slice(rank * case.ROWS // world, (rank + 1) * case.ROWS // world)
-    for name, stage in jobs:
-        _, dtype, _, _ = case.CASES[name]
-        model = case.build_model(seed=99)  # another init: everything must come from the file
-        engine, *_ = zeroshard.initialize(
-            model=model,
-            model_parameters=case.param_groups(model),
-            config=case.config(stage, world, dtype),
-        )
-        path, client = engine.load_checkpoint(os.path.join(root, name))
-        from zeroshard.checkpoint.shards import ShardAccess
-        from zeroshard.zero import GatheredParameters
+    _, dtype, _, _ = case.CASES[name]
+    model = case.build_model(seed=99)  # another init: everything must come from the file
+    engine, *_ = zeroshard.initialize(
+        model=model,
+        model_parameters=case.param_groups(model),
+        config=case.config(stage, world, dtype),
+    )
+    path, client = engine.load_checkpoint(os.path.join(root, name))
+    from zeroshard.checkpoint.shards import ShardAccess
+    from zeroshard.zero import GatheredParameters
 
-        module = engine.module
-        assert isinstance(module, case.TinyLM)
-        with GatheredParameters([module.pos]):
-            pos = module.pos.detach().float().reshape(-1).tolist()
-        loaded = {
-            "path": path,
-            "client": client,
-            "pieces": _pieces(engine),
-            "steps": ShardAccess(engine).group_steps(),
-            "lr": engine.get_lr(),
-            "counters": [engine.global_steps, engine.global_samples, engine.skipped_steps],
-            "sched": engine.lr_scheduler.state_dict(),
-            "temperature": float(module.temperature),
-            "pos": pos,
-        }
-        losses = []
-        for step in range(case.SAVE_AT, case.SAVE_AT + case.MORE):
-            idx, tgt = case.batch(step, rows)
-            loss = engine(idx, tgt)
-            engine.backward(loss)
-            engine.step()
-            mean = loss.detach().float().clone()
-            torch.distributed.all_reduce(mean)
-            losses.append(float(mean) / world)
-        out.append({"loaded": loaded, "losses": losses, "final": _pieces(engine)})
-        engine.destroy()
+    module = engine.module
+    assert isinstance(module, case.TinyLM)
+    with GatheredParameters([module.pos]):
+        pos = module.pos.detach().float().reshape(-1).tolist()
+    loaded = {
+        "path": path,
+        "client": client,
+        "pieces": _pieces(engine),
+        "steps": ShardAccess(engine).group_steps(),
+        "lr": engine.get_lr(),
+        "counters": [engine.global_steps, engine.global_samples, engine.skipped_steps],
+        "sched": engine.lr_scheduler.state_dict(),
+        "temperature": float(module.temperature),
+        "pos": pos,
+    }
+    losses = []
+    for step in range(case.SAVE_AT, case.SAVE_AT + case.MORE):
+        idx, tgt = case.batch(step, rows)
+        loss = engine(idx, tgt)
+        engine.backward(loss)
+        engine.step()
+        mean = loss.detach().float().clone()
+        torch.distributed.all_reduce(mean)
+        losses.append(float(mean) / world)
+    out = {"loaded": loaded, "losses": losses, "final": _pieces(engine)}
+    engine.destroy()
     return out
 
 
-def _check(results: list, world: int, plan: list, reference: dict, report: dict) -> None:
+def _check(
+    subtests: pytest.Subtests, results: list, world: int, plan: list, reference: dict, report: dict
+) -> None:
+    """Each job of ``plan`` under its own subtest."""
+    for name, stage in plan:
+        cases.check(
+            subtests,
+            results,
+            _job_name(name, stage),
+            functools.partial(_check_job, world, name, stage, reference, report),
+        )
+
+
+def _check_job(world: int, name: str, stage: int, reference: dict, report: dict, ranks: list):
     initial_pos = case.build_model().pos.reshape(-1)
-    for i, (name, stage) in enumerate(plan):
-        ref = reference[name]
-        ranks = [r[i] for r in results]
-        got = _assemble([r["loaded"]["pieces"] for r in ranks])
-        what = f"{name} -> {world} rank(s), stage {stage}"
-        # the training state DeepSpeed saved, held exactly (every kind of every parameter)
-        assert set(got) == set(ref["saved"]), what
-        for pname, kinds in ref["saved"].items():
-            for kind, values in kinds.items():
-                assert torch.equal(got[pname][kind], case.values(values)), (what, pname, kind)
-        loaded = ranks[0]["loaded"]
-        assert loaded["path"].endswith(os.path.join(name, "global_step3")), what
-        assert loaded["client"] == {}, what
-        assert loaded["counters"] == [case.SAVE_AT, case.SAVE_AT * case.ROWS, 0], what
-        assert max(r["loaded"]["steps"][0] for r in ranks) == case.SAVE_AT, what
-        assert loaded["lr"] == pytest.approx(ref["lr_at_save"], rel=1e-12), what
-        assert loaded["sched"]["last_batch_iteration"] == case.SAVE_AT - 1, what
-        temp = torch.tensor(
-            case.TEMPERATURE, dtype=torch.bfloat16 if ref["dtype"] == "bf16" else torch.float32
-        )
-        assert loaded["temperature"] == float(temp), what
-        pos = initial_pos.to(torch.bfloat16).float() if ref["dtype"] == "bf16" else initial_pos
-        assert torch.equal(torch.tensor(loaded["pos"]), pos), what  # frozen: as saved
-        # then training continues as DeepSpeed's did
-        final = _assemble([r["final"] for r in ranks])
-        loss_diff = max(abs(a - b) for a, b in zip(ranks[0]["losses"], ref["losses"], strict=True))
-        param_diff = max(
-            (final[n]["master"] - case.values(v)).abs().max().item()
-            for n, v in ref["params"].items()
-        )
-        moved = max(
-            (case.values(ref["params"][n]) - case.values(v["master"])).abs().max().item()
-            for n, v in ref["saved"].items()
-        )
-        report[what] = (loss_diff, param_diff)
-        if ref["dtype"] == "bf16" and world == 2:  # the same bf16 arithmetic per rank
-            assert ranks[0]["losses"][0] == ref["losses"][0], what
-        if ref["dtype"] == "fp32":
-            assert loss_diff <= TOL and param_diff <= TOL, (what, loss_diff, param_diff)
-            assert moved > 1000 * TOL, (what, moved)  # a lost step could not pass
+    ref = reference[name]
+    got = _assemble([r["loaded"]["pieces"] for r in ranks])
+    what = f"{name} -> {world} rank(s), stage {stage}"
+    # the training state DeepSpeed saved, held exactly (every kind of every parameter)
+    assert set(got) == set(ref["saved"]), what
+    for pname, kinds in ref["saved"].items():
+        for kind, values in kinds.items():
+            assert torch.equal(got[pname][kind], case.values(values)), (what, pname, kind)
+    loaded = ranks[0]["loaded"]
+    assert loaded["path"].endswith(os.path.join(name, "global_step3")), what
+    assert loaded["client"] == {}, what
+    assert loaded["counters"] == [case.SAVE_AT, case.SAVE_AT * case.ROWS, 0], what
+    assert max(r["loaded"]["steps"][0] for r in ranks) == case.SAVE_AT, what
+    assert loaded["lr"] == pytest.approx(ref["lr_at_save"], rel=1e-12), what
+    assert loaded["sched"]["last_batch_iteration"] == case.SAVE_AT - 1, what
+    temp = torch.tensor(
+        case.TEMPERATURE, dtype=torch.bfloat16 if ref["dtype"] == "bf16" else torch.float32
+    )
+    assert loaded["temperature"] == float(temp), what
+    pos = initial_pos.to(torch.bfloat16).float() if ref["dtype"] == "bf16" else initial_pos
+    assert torch.equal(torch.tensor(loaded["pos"]), pos), what  # frozen: as saved
+    # then training continues as DeepSpeed's did
+    final = _assemble([r["final"] for r in ranks])
+    loss_diff = max(abs(a - b) for a, b in zip(ranks[0]["losses"], ref["losses"], strict=True))
+    param_diff = max(
+        (final[n]["master"] - case.values(v)).abs().max().item() for n, v in ref["params"].items()
+    )
+    moved = max(
+        (case.values(ref["params"][n]) - case.values(v["master"])).abs().max().item()
+        for n, v in ref["saved"].items()
+    )
+    report[what] = (loss_diff, param_diff)
+    if ref["dtype"] == "bf16" and world == 2:  # the same bf16 arithmetic per rank
+        assert ranks[0]["losses"][0] == ref["losses"][0], what
+    if ref["dtype"] == "fp32":
+        assert loss_diff <= TOL and param_diff <= TOL, (what, loss_diff, param_diff)
+        assert moved > 1000 * TOL, (what, moved)  # a lost step could not pass
 
 
 def _reference(root: str) -> dict:
@@ -187,12 +207,12 @@ def _reference(root: str) -> dict:
 
 
 @pytest.mark.parametrize("world", [1, 2])
-def test_deepspeed_checkpoints_load_and_continue(world: int) -> None:
+def test_deepspeed_checkpoints_load_and_continue(world: int, subtests: pytest.Subtests) -> None:
     reference = _reference(FIXTURES)
     plan = PLAN[world]
     results = multirank.run(_continue, world, FIXTURES, plan, timeout=600)
     report: dict = {}
-    _check(results, world, plan, reference, report)
+    _check(subtests, results, world, plan, reference, report)
     for what, (loss, param) in report.items():
         print(f"{what}: max |loss - DeepSpeed's| {loss:.2g}, max |param - DeepSpeed's| {param:.2g}")
 
@@ -476,7 +496,7 @@ def test_convert_from_deepspeed(tmp_path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.skipif(not os.path.exists(BENCH_PYTHON), reason="needs .venv-bench with deepspeed")
-def test_live_deepspeed_checkpoints(tmp_path) -> None:
+def test_live_deepspeed_checkpoints(tmp_path, subtests: pytest.Subtests) -> None:
     """Fresh checkpoints from the real DeepSpeed (``.venv-bench``), loaded at 1 and 2
     ranks: the same checks as the fixtures get."""
     names = ["zero2_fp32", "zero3_fp32"]
@@ -488,7 +508,7 @@ def test_live_deepspeed_checkpoints(tmp_path) -> None:
     for world in (1, 2):
         plan = [job for job in PLAN[world] if job[0] in names]
         results = multirank.run(_continue, world, str(tmp_path), plan, timeout=600)
-        _check(results, world, plan, reference, {})
+        _check(subtests, results, world, plan, reference, {})
 
 
 if __name__ == "__main__":

@@ -14,10 +14,12 @@ and resumes identically; combinations not built are refused naming the key. The 
 
 from __future__ import annotations
 
+import functools
 import os
 import tempfile
 from typing import Any
 
+import cases
 import multirank
 import parity
 import pytest
@@ -36,21 +38,21 @@ def _offload(**extra) -> dict:
 
 
 def _cases() -> list[dict]:
-    cases: list[dict[str, Any]] = []
+    out: list[dict[str, Any]] = []
     for stage in (1, 2, 3):
         for gas in (1, 2):
             case = {"stage": stage, "gas": gas, "micro": 1, "clip": 1.0, "steps": STEPS}
-            cases.append({**case, "extra": _offload(), "staged": gas == 2})
+            out.append({**case, "extra": _offload(), "staged": gas == 2})
     # an lr schedule: step t must use the lr of step t, not the one set after it
     sched = {"stage": 2, "gas": 1, "micro": 2, "steps": STEPS, "staged": True}
-    cases.append({**sched, "extra": {**_offload(), "scheduler": SCHED}})
+    out.append({**sched, "extra": {**_offload(), "scheduler": SCHED}})
     # a client torch optimizer (the twin is made of it)
-    cases.append(
+    out.append(
         {"stage": 1, "gas": 1, "micro": 2, "steps": STEPS, "client": True, "extra": _offload()}
     )
     param = {"offload_param": {"device": "cpu"}, "stage3_param_persistence_threshold": 0}
-    cases.append({"stage": 3, "gas": 2, "micro": 1, "steps": STEPS, "extra": _offload(**param)})
-    return cases
+    out.append({"stage": 3, "gas": 2, "micro": 1, "steps": STEPS, "extra": _offload(**param)})
+    return out
 
 
 def delayed_reference(
@@ -104,47 +106,49 @@ def delayed_reference(
     return losses, {n: p.detach().clone() for n, p in master.named_parameters()}
 
 
-def _parity(rank, world, cases):
-    out = []
-    for case in cases:
-        losses, engine = parity.train(case, rank, world)
-        assert engine._delayed is not None and engine._delayed.in_flight  # step 5 in flight
-        got = parity.full_params(engine)  # GatheredParameters: lands the last step
-        ref_losses, ref = delayed_reference(case, world)
-        exact_losses, _ = delayed_reference(case, world, after=10**9)
-        out.append(
-            {
-                "losses": losses,
-                "ref_losses": ref_losses,
-                "exact_losses": exact_losses,
-                "param_diff": parity.max_param_diff(got, ref),
-                "movement": parity.max_param_diff(ref, parity.initial_params(case)),
-            }
-        )
-        engine.destroy()
+def _parity_case(rank: int, world: int, case: dict) -> dict:
+    losses, engine = parity.train(case, rank, world)
+    assert engine._delayed is not None and engine._delayed.in_flight  # step 5 in flight
+    got = parity.full_params(engine)  # GatheredParameters: lands the last step
+    ref_losses, ref = delayed_reference(case, world)
+    exact_losses, _ = delayed_reference(case, world, after=10**9)
+    out = {
+        "losses": losses,
+        "ref_losses": ref_losses,
+        "exact_losses": exact_losses,
+        "param_diff": parity.max_param_diff(got, ref),
+        "movement": parity.max_param_diff(ref, parity.initial_params(case)),
+    }
+    engine.destroy()
     return out
 
 
-def test_delayed_update_follows_the_delayed_rule() -> None:
-    cases = _cases()
-    results = multirank.run(_parity, 2, cases, timeout=600)
-    failures = []
-    for i, case in enumerate(cases):
-        per_rank = [r[i] for r in results]
-        losses = [sum(r["losses"][s] for r in per_rank) / 2 for s in range(STEPS)]
-        r0 = per_rank[0]
-        loss_diff = max(abs(a - b) for a, b in zip(losses, r0["ref_losses"], strict=True))
-        param_diff = max(r["param_diff"] for r in per_rank)
-        # the warm-up is exact; after it the delay changes the losses (a real delay)
-        diffs = [abs(a - b) for a, b in zip(losses, r0["exact_losses"], strict=True)]
-        exact, early = max(diffs), max(diffs[: AFTER + 1])
-        ok = loss_diff <= parity.TOL and param_diff <= parity.TOL and r0["movement"] > 1e-3
-        if not (ok and early <= parity.TOL and exact > 50 * parity.TOL):
-            failures.append(
-                f"{case}: loss {loss_diff:.3g} param {param_diff:.3g} vs exact {exact:.3g} "
-                f"(first {AFTER + 1} steps {early:.3g})"
-            )
-    assert not failures, "\n".join(failures)
+def _parity(rank, world, case_list):
+    return cases.run_named(
+        (parity.case_name(c), functools.partial(_parity_case, rank, world, c)) for c in case_list
+    )
+
+
+def _check_delayed(case: dict, per_rank: list) -> None:
+    losses = [sum(r["losses"][s] for r in per_rank) / 2 for s in range(STEPS)]
+    r0 = per_rank[0]
+    loss_diff = max(abs(a - b) for a, b in zip(losses, r0["ref_losses"], strict=True))
+    param_diff = max(r["param_diff"] for r in per_rank)
+    # the warm-up is exact; after it the delay changes the losses (a real delay)
+    diffs = [abs(a - b) for a, b in zip(losses, r0["exact_losses"], strict=True)]
+    exact, early = max(diffs), max(diffs[: AFTER + 1])
+    ok = loss_diff <= parity.TOL and param_diff <= parity.TOL and r0["movement"] > 1e-3
+    assert ok and early <= parity.TOL and exact > 50 * parity.TOL, (
+        f"{case}: loss {loss_diff:.3g} param {param_diff:.3g} vs exact {exact:.3g} "
+        f"(first {AFTER + 1} steps {early:.3g})"
+    )
+
+
+def test_delayed_update_follows_the_delayed_rule(subtests: pytest.Subtests) -> None:
+    by_name = {parity.case_name(c): c for c in _cases()}
+    results = multirank.run(_parity, 2, list(by_name.values()), timeout=600)
+    check = lambda name, per_rank: _check_delayed(by_name[name], per_rank)  # noqa: E731
+    cases.check_each(subtests, results, check, names=list(by_name))
 
 
 def _ramp(step: int) -> float:

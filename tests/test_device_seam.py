@@ -25,10 +25,12 @@ One spawn of two ranks (gloo) runs every engine case.
 from __future__ import annotations
 
 import copy
-from typing import Any
+import functools
 
+import cases
 import multirank
 import parity
+import pytest
 import torch
 from offload_paths import check_offload_path, offload_path
 
@@ -106,30 +108,38 @@ def _instrument(fake: FakeRuntime, engine) -> None:
     states.inner.step = step_logged
 
 
+def _engine_case(rank: int, world: int, case: dict) -> dict:
+    fake = FakeRuntime()
+    with device.use(fake):
+        _, engine = parity.train({**case, "steps": 1}, rank, world)
+        _instrument(fake, engine)
+        fake.log.clear()
+        losses = _steps(engine, case, rank, world, range(1, STEPS))
+    ref_losses, ref_params = parity.reference({**case, "steps": STEPS}, world)
+    return {
+        "log": [list(e) for e in fake.log],
+        "losses": losses,
+        "ref_losses": ref_losses[1:],
+        "param_diff": parity.max_param_diff(parity.full_params(engine), ref_params),
+        "segments": len(engine.flat.layout.segments),
+        # segments with a trainable parameter (stage 3 keeps frozen ones apart)
+        "buckets": len(engine.reducer._buckets),
+        "separate": engine.optimizer.states.separate,
+        "pipelined": engine.optimizer.states.pipelined,
+        "pending": fake.pending(),
+    }
+
+
 def _engine_worker(rank: int, world: int) -> dict:
-    out: dict[str, Any] = {}
-    for name, case in _cases().items():
-        fake = FakeRuntime()
-        with device.use(fake):
-            _, engine = parity.train({**case, "steps": 1}, rank, world)
-            _instrument(fake, engine)
-            fake.log.clear()
-            losses = _steps(engine, case, rank, world, range(1, STEPS))
-        ref_losses, ref_params = parity.reference({**case, "steps": STEPS}, world)
-        out[name] = {
-            "log": [list(e) for e in fake.log],
-            "losses": losses,
-            "ref_losses": ref_losses[1:],
-            "param_diff": parity.max_param_diff(parity.full_params(engine), ref_params),
-            "segments": len(engine.flat.layout.segments),
-            # segments with a trainable parameter (stage 3 keeps frozen ones apart)
-            "buckets": len(engine.reducer._buckets),
-            "separate": engine.optimizer.states.separate,
-            "pipelined": engine.optimizer.states.pipelined,
-            "pending": fake.pending(),
-        }
-    out["offload_path"] = offload_path(rank, world, fake=True)
-    return out
+    return cases.run_named(
+        [
+            *(
+                (name, functools.partial(_engine_case, rank, world, case))
+                for name, case in _cases().items()
+            ),
+            ("offload_path", lambda: offload_path(rank, world, fake=True)),
+        ]
+    )
 
 
 # -- assertions on the log ---------------------------------------------------------------
@@ -206,28 +216,34 @@ def _check_write_back(name: str, log: list[list], segments: int) -> None:
     )
 
 
-def test_offload_orders_copies_and_waits_on_the_fake_device() -> None:
+def _check_engine_case(name: str, per_rank: list) -> None:
+    for c in per_rank:  # the order first: its failures say which wait is missing
+        sharded = name != "stage1"
+        gas = _cases()[name]["gas"]
+        moved = _check_staging(name, c["log"], sharded, accumulated=sharded and gas > 1)
+        # each bucket crosses once per window, whatever the accumulation: the
+        # micro-steps before the boundary add up on the device (stages 2, 3)
+        assert moved == (STEPS - 1) * c["buckets"], (name, moved)
+        assert c["separate"] and c["pipelined"], name
+        _check_write_back(name, c["log"], c["segments"])
+        assert c["pending"] == 0, (name, "side-stream copies never waited for")
+    # then the values: a copy run late would have left stale gradients or parameters;
+    # the mean loss of the ranks is the reference's
+    losses = [sum(c["losses"][s] for c in per_rank) / 2 for s in range(STEPS - 1)]
+    diffs = [abs(a - b) for a, b in zip(losses, per_rank[0]["ref_losses"], strict=True)]
+    assert max(diffs) <= parity.TOL, (name, diffs)
+    assert max(c["param_diff"] for c in per_rank) <= parity.TOL, name
+
+
+def _check_offload_path(per_rank: list) -> None:
+    for rows in per_rank:
+        check_offload_path(rows, gpu=False)
+
+
+def test_offload_orders_copies_and_waits_on_the_fake_device(subtests: pytest.Subtests) -> None:
     results = multirank.run(_engine_worker, 2, timeout=600)
-    for r in results:  # the order first: its failures say which wait is missing
-        for name in _cases():
-            c = r[name]
-            sharded = name != "stage1"
-            gas = _cases()[name]["gas"]
-            moved = _check_staging(name, c["log"], sharded, accumulated=sharded and gas > 1)
-            # each bucket crosses once per window, whatever the accumulation: the
-            # micro-steps before the boundary add up on the device (stages 2, 3)
-            assert moved == (STEPS - 1) * c["buckets"], (name, moved)
-            assert c["separate"] and c["pipelined"], name
-            _check_write_back(name, c["log"], c["segments"])
-            assert c["pending"] == 0, (name, "side-stream copies never waited for")
-    # then the values: a copy run late would have left stale gradients or parameters
-    for name in _cases():  # the mean loss of the ranks is the reference's
-        losses = [sum(r[name]["losses"][s] for r in results) / 2 for s in range(STEPS - 1)]
-        diffs = [abs(a - b) for a, b in zip(losses, results[0][name]["ref_losses"], strict=True)]
-        assert max(diffs) <= parity.TOL, (name, diffs)
-        assert max(r[name]["param_diff"] for r in results) <= parity.TOL, name
-    for r in results:
-        check_offload_path(r["offload_path"], gpu=False)
+    cases.check_each(subtests, results, _check_engine_case, names=list(_cases()))
+    cases.check(subtests, results, "offload_path", _check_offload_path)
 
 
 # -- streamed inference ---------------------------------------------------------------------

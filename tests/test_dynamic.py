@@ -10,8 +10,10 @@ zeros from the others.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
+import cases
 import multirank
 import pytest
 import torch
@@ -115,14 +117,22 @@ def _train(rank: int, world: int, stage: int, kind: str, offload: bool):
         return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def _worker(rank: int, world: int, cases: list) -> list[dict]:
+def _diffs(rank: int, world: int, stage: int, kind: str, offload: bool) -> dict[str, float]:
+    ref = _reference(world, kind)
+    got = _train(rank, world, stage, kind, offload)
+    return {n: (got[n] - ref[n]).abs().max().item() for n in ref}
+
+
+def _name(case: tuple) -> str:
+    stage, kind, offload = case
+    return f"stage={stage} {kind} offload={offload}"
+
+
+def _worker(rank: int, world: int, case_list: list) -> dict:
     torch.set_num_threads(1)
-    out = []
-    for stage, kind, offload in cases:
-        ref = _reference(world, kind)
-        got = _train(rank, world, stage, kind, offload)
-        out.append({n: (got[n] - ref[n]).abs().max().item() for n in ref})
-    return out
+    return cases.run_named(
+        (_name(c), functools.partial(_diffs, rank, world, *c)) for c in case_list
+    )
 
 
 CASES = [
@@ -138,16 +148,19 @@ def results():
     return multirank.run(_worker, 2, CASES, timeout=600)
 
 
-def test_no_gradient_parameters_follow_torch(results):
+def _check_no_gradient(name: str, per_rank: list) -> None:
+    failures = []
+    for rank, diffs in enumerate(per_rank):
+        worst = max(diffs.values())
+        if worst > TOL:
+            failures.append(f"rank {rank} {name}: {diffs}")
+    assert not failures, "\n".join(failures)
+
+
+def test_no_gradient_parameters_follow_torch(results, subtests):
     """``maybe`` (no gradient anywhere every third step) and ``extra`` (rank 0 only)
     end where single-process torch leaves them, with momentum and weight decay."""
-    failures = []
-    for rank, per_rank in enumerate(results):
-        for case, diffs in zip(CASES, per_rank, strict=True):
-            worst = max(diffs.values())
-            if worst > TOL:
-                failures.append(f"rank {rank} {case}: {diffs}")
-    assert not failures, "\n".join(failures)
+    cases.check_each(subtests, results, _check_no_gradient, names=[_name(c) for c in CASES])
 
 
 # -- data-dependent control flow, generate(), frozen parameters, edits outside forward ------
@@ -506,32 +519,56 @@ def _edits(rank, world, stage):
     return out
 
 
-def _second(rank: int, world: int) -> dict:
-    torch.set_num_threads(1)
-    import zeroshard
-
-    out: dict[str, Any] = {}
-    # a hand-written MoE: without a leaf, a clear error on every rank; as a leaf, parity
-    out["moe_no_leaf"] = _errors(lambda: _fit(MoENet, rank, world, steps=2))
-    for offload in (False, True):
-        zc: dict[str, Any] = {"offload_optimizer": {"device": "cpu"}} if offload else {}
-        leaf = lambda m: zeroshard.utils.set_z3_leaf_modules(m, [MoE])  # noqa: E731
-        out[f"moe_leaf_{offload}"] = _fit(MoENet, rank, world, before_init=leaf, **zc)[0]
-    out["moe_config_leaf"] = _fit(MoENet, rank, world, leaf_module={"classes": ["MoE"]})[0]
-    out["moe_stage2"] = _fit(MoENet, rank, world, stage=2)[0]  # no gathers at stages 0-2
-    for kind in ("mixtral", "qwen2_moe"):
-        for offload in (False, True):
-            out[f"{kind}_{offload}"] = _hf_moe_case(rank, world, kind, offload)
-    out["generate"] = _generate(rank, world)
-    out["lora"] = _ledger_lora(rank, world)
+def _peft_ledger(rank: int, world: int) -> dict | None:
     try:
         import peft  # noqa: F401
     except ImportError:
-        out["peft"] = None
-    else:
-        out["peft"] = _ledger_lora(rank, world, peft_net, offloads=(False,))
-    out["edits"] = {stage: _edits(rank, world, stage) for stage in (0, 1, 2, 3)}
-    return out
+        return None
+    return _ledger_lora(rank, world, peft_net, offloads=(False,))
+
+
+def _moe_leaf(rank: int, world: int, offload: bool) -> float:
+    import zeroshard
+
+    zc: dict[str, Any] = {"offload_optimizer": {"device": "cpu"}} if offload else {}
+    leaf = lambda m: zeroshard.utils.set_z3_leaf_modules(m, [MoE])  # noqa: E731
+    return _fit(MoENet, rank, world, before_init=leaf, **zc)[0]
+
+
+MOE_PARITY = ("moe_leaf_False", "moe_leaf_True", "moe_config_leaf", "moe_stage2")
+HF_MOE = ("mixtral_False", "mixtral_True", "qwen2_moe_False", "qwen2_moe_True")
+
+
+def _second(rank: int, world: int) -> dict:
+    torch.set_num_threads(1)
+    return cases.run_named(
+        [
+            # a hand-written MoE: without a leaf, a clear error on every rank; as a leaf, parity
+            ("moe_no_leaf", lambda: _errors(lambda: _fit(MoENet, rank, world, steps=2))),
+            *(
+                (f"moe_leaf_{offload}", functools.partial(_moe_leaf, rank, world, offload))
+                for offload in (False, True)
+            ),
+            (
+                "moe_config_leaf",
+                lambda: _fit(MoENet, rank, world, leaf_module={"classes": ["MoE"]})[0],
+            ),
+            # no gathers at stages 0-2
+            ("moe_stage2", lambda: _fit(MoENet, rank, world, stage=2)[0]),
+            *(
+                (f"{kind}_{offload}", functools.partial(_hf_moe_case, rank, world, kind, offload))
+                for kind in ("mixtral", "qwen2_moe")
+                for offload in (False, True)
+            ),
+            ("generate", lambda: _generate(rank, world)),
+            ("lora", lambda: _ledger_lora(rank, world)),
+            ("peft", lambda: _peft_ledger(rank, world)),
+            *(
+                (f"edits stage{stage}", functools.partial(_edits, rank, world, stage))
+                for stage in (0, 1, 2, 3)
+            ),
+        ]
+    )
 
 
 @pytest.fixture(scope="module")
@@ -540,32 +577,43 @@ def second():
     return multirank.run(_second, 2, timeout=900)
 
 
-def test_moe_routing_diverges_without_a_leaf_and_trains_as_one(second):
-    for r in second:
-        assert "GatherMismatchError" in r["moe_no_leaf"], r["moe_no_leaf"]
-        assert "set_z3_leaf_modules" in r["moe_no_leaf"] and "moe" in r["moe_no_leaf"]
-        for key in ("moe_leaf_False", "moe_leaf_True", "moe_config_leaf", "moe_stage2"):
-            assert r[key] <= TOL, (key, r[key])
+def _check_no_leaf(per_rank: list) -> None:
+    for error in per_rank:
+        assert "GatherMismatchError" in error, error
+        assert "set_z3_leaf_modules" in error and "moe" in error
 
 
-def test_hf_moe_with_an_expert_skipped_on_one_rank(second):
-    routed = [second[rank]["mixtral_False"][1] for rank in range(2)]
-    assert routed[0] != routed[1]  # the ranks' tokens go to different experts
-    for r in second:
-        for key in ("mixtral_False", "mixtral_True", "qwen2_moe_False", "qwen2_moe_True"):
-            assert r[key][0] <= HF_TOL, (key, r[key][0])
+def test_moe_routing_diverges_without_a_leaf_and_trains_as_one(second, subtests):
+    cases.check(subtests, second, "moe_no_leaf", _check_no_leaf)
+
+    def check(key: str, per_rank: list) -> None:
+        for diff in per_rank:
+            assert diff <= TOL, (key, diff)
+
+    cases.check_each(subtests, second, check, names=MOE_PARITY)
+
+
+def test_hf_moe_with_an_expert_skipped_on_one_rank(second, subtests):
+    def check(key: str, per_rank: list) -> None:
+        if key == "mixtral_False":
+            routed = [r[1] for r in per_rank]
+            assert routed[0] != routed[1]  # the ranks' tokens go to different experts
+        for r in per_rank:
+            assert r[0] <= HF_TOL, (key, r[0])
+
+    cases.check_each(subtests, second, check, names=HF_MOE)
 
 
 def test_generate_with_different_lengths_needs_no_synced_gpus(second):
-    lengths = [r["generate"]["length"] for r in second]
+    generated = cases.values(second, "generate")
+    lengths = [r["length"] for r in generated]
     assert lengths == [6, 10]
-    assert all(r["generate"]["same"] for r in second)
+    assert all(r["same"] for r in generated)
 
 
 @pytest.mark.parametrize("made_by", ["hand", "peft"])
 def test_lora_ledger_and_no_frozen_gradients(second, made_by):
-    for r in second:
-        lora = r["lora"] if made_by == "hand" else r["peft"]
+    for lora in cases.values(second, "lora" if made_by == "hand" else "peft"):
         if lora is None:
             pytest.skip("peft is not installed")
         for offload, led in lora.items():
@@ -578,19 +626,23 @@ def test_lora_ledger_and_no_frozen_gradients(second, made_by):
             assert led["grads"] <= 4 * led["trainable"] / 2 + 2 * 4 * led["largest"], led
 
 
-def test_parameters_touched_outside_forward(second):
-    for r in second:
-        for stage, e in r["edits"].items():
-            stage = int(stage)
-            if stage < 3:
-                assert e["penalty"] <= TOL, (stage, e)
-            else:
-                assert "PartitionedParameterError" in e["penalty"], e
-                assert "GatheredParameters" in e["penalty"], e
-                assert "fc1.weight" in e["outside"] and "GatheredParameters" in e["outside"], e
-            assert e["clamp"] <= TOL, (stage, e)
-            assert "maybe.weight" in e["unfreeze"] and "destroy" in e["unfreeze"], (stage, e)
-            assert e["freeze"] <= TOL, (stage, e)
+def _check_edits(name: str, per_rank: list) -> None:
+    stage = int(name.removeprefix("edits stage"))
+    for e in per_rank:
+        if stage < 3:
+            assert e["penalty"] <= TOL, (stage, e)
+        else:
+            assert "PartitionedParameterError" in e["penalty"], e
+            assert "GatheredParameters" in e["penalty"], e
+            assert "fc1.weight" in e["outside"] and "GatheredParameters" in e["outside"], e
+        assert e["clamp"] <= TOL, (stage, e)
+        assert "maybe.weight" in e["unfreeze"] and "destroy" in e["unfreeze"], (stage, e)
+        assert e["freeze"] <= TOL, (stage, e)
+
+
+def test_parameters_touched_outside_forward(second, subtests):
+    names = [f"edits stage{stage}" for stage in (0, 1, 2, 3)]
+    cases.check_each(subtests, second, _check_edits, names=names)
 
 
 # -- a leaf whose inside runs on some ranks only (issue 26) ----------------------------------
@@ -689,9 +741,15 @@ GATED: list[tuple[str, int, dict[str, Any]]] = [
 ]
 
 
-def _gated_cases(rank: int, world: int) -> list[float]:
+def _gated_name(kind: str, stage: int, zc: dict) -> str:
+    return f"{kind} stage={stage} {cases.label(zc)}".strip()
+
+
+def _gated_cases(rank: int, world: int) -> dict:
     torch.set_num_threads(1)
-    return [_gated_leaf(rank, world, kind, stage, zc) for kind, stage, zc in GATED]
+    return cases.run_named(
+        (_gated_name(*c), functools.partial(_gated_leaf, rank, world, *c)) for c in GATED
+    )
 
 
 @pytest.fixture(scope="module")
@@ -699,13 +757,16 @@ def gated():
     return multirank.run(_gated_cases, 2, timeout=600)
 
 
-def test_leaf_running_on_one_rank_trains_as_torch(gated):
+def test_leaf_running_on_one_rank_trains_as_torch(gated, subtests):
     """The leaf remedy GatherMismatchError names: a leaf whose inner Linear runs on one
     rank only trains as torch does, at every stage (stage 3: parameter gathers and
     gradient reductions no longer meet in one group in a different order per rank)."""
-    for rank, diffs in enumerate(gated):
-        for (kind, stage, zc), diff in zip(GATED, diffs, strict=True):
-            assert diff <= TOL, (rank, kind, stage, zc, diff)
+
+    def check(name: str, per_rank: list) -> None:
+        for rank, diff in enumerate(per_rank):
+            assert diff <= TOL, (rank, name, diff)
+
+    cases.check_each(subtests, gated, check, names=[_gated_name(*c) for c in GATED])
 
 
 # -- whole parameters edited outside forward; released ones read (issue 26) -----------------
@@ -910,22 +971,30 @@ def _released_reads(rank: int, world: int, **zero) -> dict:
     return out
 
 
+CLIPPED = [f"clipped {name} {how}" for name in _clip_configs("") for how in WRITES]
+
+
 def _outside(rank: int, world: int, nvme: str) -> dict:
     torch.set_num_threads(1)
-    return {
-        "clipped": {
-            f"{name} {how}": _clipped(rank, world, stage, zc, how)
-            for name, (stage, zc) in _clip_configs(nvme).items()
-            for how in WRITES
-        },
-        "master_bits": {stage: _master_bits(rank, world, stage) for stage in (1, 3)},
-        "released": {
-            "device": _released_reads(rank, world),
-            "offloaded": _released_reads(
-                rank, world, offload_param={"device": "cpu"}, offload_optimizer={"device": "cpu"}
+    cpu = {"device": "cpu"}
+    return cases.run_named(
+        [
+            *(
+                (f"clipped {name} {how}", functools.partial(_clipped, rank, world, stage, zc, how))
+                for name, (stage, zc) in _clip_configs(nvme).items()
+                for how in WRITES
             ),
-        },
-    }
+            *(
+                (f"master_bits stage{stage}", functools.partial(_master_bits, rank, world, stage))
+                for stage in (1, 3)
+            ),
+            ("released device", lambda: _released_reads(rank, world)),
+            (
+                "released offloaded",
+                lambda: _released_reads(rank, world, offload_param=cpu, offload_optimizer=cpu),
+            ),
+        ]
+    )
 
 
 @pytest.fixture(scope="module")
@@ -933,7 +1002,7 @@ def outside(tmp_path_factory):
     return multirank.run(_outside, 2, str(tmp_path_factory.mktemp("nvme")), timeout=600)
 
 
-def test_whole_parameters_edited_outside_forward_reach_the_masters(outside):
+def test_whole_parameters_edited_outside_forward_reach_the_masters(outside, subtests):
     """WGAN-style clipping of a parameter after each step, by every way of writing it,
     against torch: stages 0-2 and the persistent parameters of stage 3 (below
     stage3_param_persistence_threshold, whole on every rank), with separate fp32 masters
@@ -941,42 +1010,50 @@ def test_whole_parameters_edited_outside_forward_reach_the_masters(outside):
     every write outside GatheredParameters(modifier_rank=...) with the error naming it,
     and an edit inside GatheredParameters without modifier_rank is not kept (DeepSpeed's
     read-only gather)."""
+    cases.check_each(subtests, outside, _check_clipped, names=CLIPPED)
+
+
+def _check_clipped(case: str, per_rank: list) -> None:
     failures = []
-    for rank, r in enumerate(outside):
-        for case, got in r["clipped"].items():
-            name, how = case.split()
-            partitioned = name == "stage3_partitioned"
-            if partitioned and how in ("clamp", "data_clamp", "data_assign", "load_state_dict"):
-                ok = isinstance(got, str) and "fc1.weight" in got and "GatheredParameters" in got
-            elif partitioned and how == "gathered":
-                ok = not isinstance(got, str) and got > 1e-2  # discarded on leaving
-            else:
-                ok = not isinstance(got, str) and got <= TOL
-            if not ok:
-                failures.append(f"rank {rank} {case}: {got}")
+    for rank, got in enumerate(per_rank):
+        _, name, how = case.split()
+        partitioned = name == "stage3_partitioned"
+        if partitioned and how in ("clamp", "data_clamp", "data_assign", "load_state_dict"):
+            ok = isinstance(got, str) and "fc1.weight" in got and "GatheredParameters" in got
+        elif partitioned and how == "gathered":
+            ok = not isinstance(got, str) and got > 1e-2  # discarded on leaving
+        else:
+            ok = not isinstance(got, str) and got <= TOL
+        if not ok:
+            failures.append(f"rank {rank} {case}: {got}")
     assert not failures, "\n".join(failures)
 
 
-def test_an_edit_keeps_the_fp32_masters_of_unchanged_elements(outside):
+def test_an_edit_keeps_the_fp32_masters_of_unchanged_elements(outside, subtests):
     """bf16 parameters: the masters take a clamped element as its bf16 value and keep
     the fp32 bits of every other (a whole-segment copy would round them all)."""
-    for stage in ("1", "3"):
-        bits = [r["master_bits"][stage] for r in outside]
+
+    def check(stage: str, bits: list) -> None:
         assert all(b["noop_same_bits"] and b["clamped_are_bf16"] for b in bits), (stage, bits)
         assert sum(b["some_clamped"] for b in bits) > 0, (stage, bits)
 
+    cases.check_each(subtests, outside, check, names=["master_bits stage1", "master_bits stage3"])
 
-def test_released_parameter_answers_metadata_and_refuses_values(outside):
+
+def test_released_parameter_answers_metadata_and_refuses_values(outside, subtests):
     """The reads hooks.RELEASED_READS lists answer (for the whole parameter: shape
     (16, 8), not the empty placeholder); reads and writes of values, through the
     parameter or its .data, raise PartitionedParameterError naming it."""
-    for r in outside:
-        for where, released in r["released"].items():
+
+    def check(where: str, per_rank: list) -> None:
+        for released in per_rank:
             bad = {k: v for k, v in released["allowed"].items() if v is not True}
             assert not bad, (where, bad)
             for name, msg in released["refused"].items():
                 assert "fc1.weight" in msg and "GatheredParameters" in msg, (where, name, msg)
             assert released["trains_after"]
+
+    cases.check_each(subtests, outside, check, names=["released device", "released offloaded"])
 
 
 def test_graph_walk_names_the_parameters_a_backward_reaches():

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 
+import cases
 import multirank
 import parity
 import pytest
@@ -151,11 +152,16 @@ def _api(rank: int, world: int, cfg_path: str) -> dict:
 
 
 def _all(rank: int, world: int, cfg_path: str) -> dict:
-    out = {"lm": _ledger_and_memory(rank, world), "fp16": _fp16_overflow(rank, world)}
+    named = [
+        ("ledger and memory", lambda: _ledger_and_memory(rank, world)),
+        ("fp16 overflow", lambda: _fp16_overflow(rank, world)),
+    ]
     if world == 2:  # the config file and the expected batch layout are for 2 ranks
-        out["acc"] = _accessors(rank, world)
-        out["api"] = _api(rank, world, cfg_path)
-    return out
+        named += [
+            ("accessors", lambda: _accessors(rank, world)),
+            ("api", lambda: _api(rank, world, cfg_path)),
+        ]
+    return cases.run_named(named)
 
 
 CONFIG_WITH_COMMENTS = """{
@@ -168,15 +174,24 @@ CONFIG_WITH_COMMENTS = """{
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_engine_ranks(tmp_path, world: int) -> None:
+def test_engine_ranks(tmp_path, world: int, subtests: pytest.Subtests) -> None:
     cfg = tmp_path / "ds_config.json"
     cfg.write_text(CONFIG_WITH_COMMENTS)
     results = multirank.run(_all, world, str(cfg), timeout=300)
-    for r in results:
-        _check_ledger_and_memory(r["lm"], world)
-        _check_fp16_overflow(r["fp16"])
+
+    def ledger_and_memory(per_rank: list) -> None:
+        for lm in per_rank:
+            _check_ledger_and_memory(lm, world)
+
+    def fp16_overflow(per_rank: list) -> None:
+        for per_stage in per_rank:
+            _check_fp16_overflow(per_stage)
+
+    cases.check(subtests, results, "ledger and memory", ledger_and_memory)
+    cases.check(subtests, results, "fp16 overflow", fp16_overflow)
     if world == 2:
-        _check_api_and_accessors(results)
+        cases.check(subtests, results, "api", _check_api)
+        cases.check(subtests, results, "accessors", _check_accessors)
 
 
 def _check_ledger_and_memory(lm: dict, world: int) -> None:
@@ -242,18 +257,20 @@ def _check_fp16_overflow(per_stage: dict) -> None:
         assert f["global_steps"] == 2, (stage, f)
 
 
-def _check_api_and_accessors(results: list[dict]) -> None:
+def _check_api(per_rank: list[dict]) -> None:
     # training_data: each rank gets its own micro-batches of 2 (train 4 = 2 x 1 x 2 ranks)
     seen = []
-    for r in results:
-        for api in r["api"].values():
+    for r in per_rank:
+        for api in r.values():
             assert api["micro"] == 2 and api["sched"] == "WarmupLR"
             assert api["lr"] == [0.0]  # WarmupLR starts at warmup_min_lr, as DeepSpeed does
             assert all(len(b) <= 2 for b in api["rows"])
-        seen.append(sorted(x for b in r["api"]["ds"]["rows"] for x in b))
+        seen.append(sorted(x for b in r["ds"]["rows"] for x in b))
     assert sorted(seen[0] + seen[1]) == [4.0 * i for i in range(10)]
-    for r in results:
-        a = r["acc"]
+
+
+def _check_accessors(per_rank: list[dict]) -> None:
+    for a in per_rank:
         assert a["global_steps"] == 2 and a["micro_steps"] == 4 and not a["boundary"]
         assert a["train_batch_size"] == 1 * 2 * 2 and a["world"] == 2 and a["device"] == "cpu"
         assert math.isclose(a["lr"][0], parity.LR) and math.isclose(a["lr"][1], parity.LR_NODECAY)

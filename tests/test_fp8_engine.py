@@ -30,6 +30,7 @@ import functools
 import os
 from typing import Any
 
+import cases
 import multirank
 import parity
 import pytest
@@ -379,20 +380,26 @@ def _pipeline(rank: int, world: int, root: str, zero: int) -> dict:
     }
 
 
-def _worker(rank: int, world: int, cases: list[dict], root: str) -> list[Any]:
-    out: list[Any] = []
-    for case in cases:
-        if case.get("kind") == "preconverted_tp":
-            out.append(_preconverted_tp(rank, world))
-        elif case.get("kind") == "pipeline":
-            out.append(_pipeline(rank, world, root, case["zero"]))
-        elif case.get("kind") == "tp_layers":
-            out.append(_tp_layers(rank, world, case["recipe"], case.get("msp", False)))
-        elif case.get("kind") == "checkpoint":
-            out.append(_checkpoint_case(rank, world, root))
-        else:
-            out.append(_engine_case(case, rank, world, root))
-    return out
+def _run_case(rank: int, world: int, case: dict, root: str) -> Any:
+    if case.get("kind") == "preconverted_tp":
+        return _preconverted_tp(rank, world)
+    if case.get("kind") == "pipeline":
+        return _pipeline(rank, world, root, case["zero"])
+    if case.get("kind") == "tp_layers":
+        return _tp_layers(rank, world, case["recipe"], case.get("msp", False))
+    if case.get("kind") == "checkpoint":
+        return _checkpoint_case(rank, world, root)
+    return _engine_case(case, rank, world, root)
+
+
+def _name(case: dict) -> str:
+    return cases.label({k: v for k, v in case.items() if k != "i"})
+
+
+def _worker(rank: int, world: int, case_list: list[dict], root: str) -> dict:
+    return cases.run_named(
+        (_name(c), functools.partial(_run_case, rank, world, c, root)) for c in case_list
+    )
 
 
 DP_CASES: list[dict[str, Any]] = [
@@ -440,8 +447,62 @@ def _pipeline_failures(case: dict, per_rank: list[dict]) -> list[str]:
     return [] if ok else [f"pipeline zero {case['zero']}: {per_rank}"]
 
 
-def test_fp8_composes(tmp_path) -> None:
-    cases: list[dict[str, Any]] = [
+def _check(case: dict, results: list) -> None:
+    """One case's results (rank 0's, or every rank's where they differ)."""
+    failures = []
+    r = results[0]
+    if case.get("kind") == "tp_layers":
+        # global scales: the same fp8 values as the unsplit layer; only the row
+        # layer's sum splits in two, rounded in fp32 (tensorwise) or, where torchao's
+        # rowwise kernel returns bf16, in bf16 (2^-8 each part, and their sum)
+        tol = 1e-5 if case["recipe"] == "tensorwise" else 2 * 2.0**-8
+        bad = {k: v for k, v in r.items() if v > tol}
+        if bad:
+            failures.append(f"{case}: {bad} (tolerance {tol:.2g})")
+    elif case.get("kind") == "preconverted_tp":
+        if not r.startswith("tensor_parallel.autotp_size: the model holds torchao Float8Linear"):
+            failures.append(f"a model converted before initialize() with AutoTP: {r}")
+    elif case.get("kind") == "pipeline":
+        failures += _pipeline_failures(case, results)
+    elif case.get("kind") == "checkpoint":
+        for name, v in r.items():
+            fp8_ok = (v["fp8_layers"] > 0) == v["expect_fp8"]
+            if v["diff"] != 0.0 or not fp8_ok:
+                failures.append(f"checkpoint {name}: {v}")
+    else:
+        per_rank = [res["losses"] for res in results]  # each rank's own batches
+        losses = [sum(step) / len(step) for step in zip(*per_rank, strict=True)]
+        loss_diff = max(abs(a - b) for a, b in zip(losses, r["ref_losses"], strict=True))
+        param_diff = max(res["param_diff"] for res in results)
+        if case.get("tp") or case.get("sp"):
+            # fp8 magnifies the layout's bf16 round-off (a nudged value rounds to
+            # another fp8 number), so the run is compared with the unsplit fp8 run
+            # in units of the layout's own bf16 drift and of fp8's effect
+            ok = (
+                r["fp8_layers"] > 0
+                and loss_diff <= 2e-3
+                and param_diff <= 10 * r["baseline"]
+                and param_diff < r["fp8_vs_bf16"]
+                and r["movement"] >= 10 * param_diff
+            )
+        else:  # exact but for the order of fp32 sums
+            ok = (
+                r["fp8_layers"] > 0
+                and loss_diff <= 1e-5
+                and param_diff <= 1e-6
+                and r["fp8_vs_bf16"] >= 1000 * param_diff
+                and r["movement"] >= 1000 * param_diff
+            )
+        if not ok:
+            failures.append(
+                f"{case}: loss {loss_diff:.3g} param {param_diff:.3g} fp8-vs-bf16 "
+                f"{r['fp8_vs_bf16']:.3g} movement {r['movement']:.3g} {r['kinds']}"
+            )
+    assert not failures, "\n".join(failures)
+
+
+def test_fp8_composes(tmp_path, subtests: pytest.Subtests) -> None:
+    case_list: list[dict[str, Any]] = [
         *DP_CASES,
         *TP_CASES,
         *LAYER_CASES,
@@ -450,58 +511,7 @@ def test_fp8_composes(tmp_path) -> None:
         {"kind": "pipeline", "zero": 3},
         {"kind": "preconverted_tp"},
     ]
-    cases = [{**c, "i": i} for i, c in enumerate(cases)]
-    results = multirank.run(_worker, 2, cases, str(tmp_path), timeout=900)
-    failures = []
-    for i, case in enumerate(cases):
-        r = results[0][i]
-        if case.get("kind") == "tp_layers":
-            # global scales: the same fp8 values as the unsplit layer; only the row
-            # layer's sum splits in two, rounded in fp32 (tensorwise) or, where torchao's
-            # rowwise kernel returns bf16, in bf16 (2^-8 each part, and their sum)
-            tol = 1e-5 if case["recipe"] == "tensorwise" else 2 * 2.0**-8
-            bad = {k: v for k, v in r.items() if v > tol}
-            if bad:
-                failures.append(f"{case}: {bad} (tolerance {tol:.2g})")
-        elif case.get("kind") == "preconverted_tp":
-            if not r.startswith(
-                "tensor_parallel.autotp_size: the model holds torchao Float8Linear"
-            ):
-                failures.append(f"a model converted before initialize() with AutoTP: {r}")
-        elif case.get("kind") == "pipeline":
-            failures += _pipeline_failures(case, [res[i] for res in results])
-        elif case.get("kind") == "checkpoint":
-            for name, v in r.items():
-                fp8_ok = (v["fp8_layers"] > 0) == v["expect_fp8"]
-                if v["diff"] != 0.0 or not fp8_ok:
-                    failures.append(f"checkpoint {name}: {v}")
-        else:
-            per_rank = [res[i]["losses"] for res in results]  # each rank's own batches
-            losses = [sum(step) / len(step) for step in zip(*per_rank, strict=True)]
-            loss_diff = max(abs(a - b) for a, b in zip(losses, r["ref_losses"], strict=True))
-            param_diff = max(res[i]["param_diff"] for res in results)
-            if case.get("tp") or case.get("sp"):
-                # fp8 magnifies the layout's bf16 round-off (a nudged value rounds to
-                # another fp8 number), so the run is compared with the unsplit fp8 run
-                # in units of the layout's own bf16 drift and of fp8's effect
-                ok = (
-                    r["fp8_layers"] > 0
-                    and loss_diff <= 2e-3
-                    and param_diff <= 10 * r["baseline"]
-                    and param_diff < r["fp8_vs_bf16"]
-                    and r["movement"] >= 10 * param_diff
-                )
-            else:  # exact but for the order of fp32 sums
-                ok = (
-                    r["fp8_layers"] > 0
-                    and loss_diff <= 1e-5
-                    and param_diff <= 1e-6
-                    and r["fp8_vs_bf16"] >= 1000 * param_diff
-                    and r["movement"] >= 1000 * param_diff
-                )
-            if not ok:
-                failures.append(
-                    f"{case}: loss {loss_diff:.3g} param {param_diff:.3g} fp8-vs-bf16 "
-                    f"{r['fp8_vs_bf16']:.3g} movement {r['movement']:.3g} {r['kinds']}"
-                )
-    assert not failures, "\n".join(failures)
+    by_name = {_name(c): {**c, "i": i} for i, c in enumerate(case_list)}
+    results = multirank.run(_worker, 2, list(by_name.values()), str(tmp_path), timeout=900)
+    check = lambda name, per_rank: _check(by_name[name], per_rank)  # noqa: E731
+    cases.check_each(subtests, results, check, names=list(by_name))

@@ -31,7 +31,9 @@ skipped. At stage 0, ``param.grad`` after backward must be the averaged gradient
 from __future__ import annotations
 
 import contextlib
+import functools
 
+import cases
 import multirank
 import pytest
 import torch
@@ -163,18 +165,26 @@ def _train_on(rank: int, world: int, stage: int, kind: str, offload: bool):
     return params, grads
 
 
-def _worker(rank: int, world: int, cases: list) -> list[dict]:
-    out = []
-    for stage, kind, offload in cases:
-        ref, ref_grads = _reference(world, kind)
-        got, grads = _train(rank, world, stage, kind, offload)
-        diffs = {n: (got[n] - ref[n]).abs().max().item() for n in ref}
-        diffs |= {f"{n}.grad": (g - ref_grads[n]).abs().max().item() for n, g in grads.items()}
-        # idle: no .grad was set; toggle_step: none read (unreduced after backward)
-        if stage == 0 and not (kind == "idle" and rank > 0) and kind != "toggle_step":
-            diffs["grads present"] = float(set(grads) != set(ref_grads))
-        out.append(diffs)
-    return out
+def _diffs(rank: int, world: int, stage: int, kind: str, offload: bool) -> dict:
+    ref, ref_grads = _reference(world, kind)
+    got, grads = _train(rank, world, stage, kind, offload)
+    diffs = {n: (got[n] - ref[n]).abs().max().item() for n in ref}
+    diffs |= {f"{n}.grad": (g - ref_grads[n]).abs().max().item() for n, g in grads.items()}
+    # idle: no .grad was set; toggle_step: none read (unreduced after backward)
+    if stage == 0 and not (kind == "idle" and rank > 0) and kind != "toggle_step":
+        diffs["grads present"] = float(set(grads) != set(ref_grads))
+    return diffs
+
+
+def _name(case: tuple) -> str:
+    stage, kind, offload = case
+    return f"stage={stage} {kind} offload={offload}"
+
+
+def _worker(rank: int, world: int, case_list: list) -> dict:
+    return cases.run_named(
+        (_name(c), functools.partial(_diffs, rank, world, *c)) for c in case_list
+    )
 
 
 # stage 3 reduces ``shared``'s own unit once its first gradient is in, so a second one is
@@ -200,13 +210,16 @@ def results(request):
     return world, multirank.run(_worker, world, CASES, timeout=600)
 
 
-def test_arrivals_match_torch(results):
+def test_arrivals_match_torch(results, subtests):
     """Parameters and (stage 0) the averaged ``param.grad`` match torch's."""
-    world, per_rank = results
-    failures = []
-    for rank, diffs_of in enumerate(per_rank):
-        for case, diffs in zip(CASES, diffs_of, strict=True):
+    world, ranks = results
+
+    def check(case: str, per_rank: list) -> None:
+        failures = []
+        for rank, diffs in enumerate(per_rank):
             worst = max(diffs.values())
             if worst > TOL:
                 failures.append(f"world {world} rank {rank} {case}: {diffs}")
-    assert not failures, "\n".join(failures)
+        assert not failures, "\n".join(failures)
+
+    cases.check_each(subtests, ranks, check, names=[_name(c) for c in CASES])

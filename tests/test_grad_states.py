@@ -18,7 +18,9 @@ The numbers of these orders are checked against torch in test_grad_arrivals.py.
 from __future__ import annotations
 
 import contextlib
+import functools
 
+import cases
 import multirank
 import pytest
 import torch
@@ -198,10 +200,28 @@ HELD = {"ON_DEVICE", "FINISH_HOLDING", "BACKWARD_HOLDING"}
 MOE_STAGES = [0, 2, 3]
 
 
-def _worker(rank: int, world: int) -> dict[str, list[dict]]:
-    dense = [_walk(rank, stage, mics, offload) for stage, mics, offload in CASES]
-    moe = [_walk(rank, stage, -1, False, experts=True) for stage in MOE_STAGES]
-    return {"dense": dense, "moe": moe}
+def _dense(case: tuple) -> str:
+    stage, mics, offload = case
+    return f"stage={stage} mics={mics} offload={offload}"
+
+
+def _moe(stage: int) -> str:
+    return f"moe stage={stage}"
+
+
+NAMES = [*(_dense(c) for c in CASES), *(_moe(s) for s in MOE_STAGES)]
+
+
+def _worker(rank: int, world: int) -> dict:
+    return cases.run_named(
+        [
+            *((_dense(c), functools.partial(_walk, rank, *c)) for c in CASES),
+            *(
+                (_moe(s), functools.partial(_walk, rank, s, -1, False, experts=True))
+                for s in MOE_STAGES
+            ),
+        ]
+    )
 
 
 @pytest.fixture(scope="module")
@@ -214,16 +234,21 @@ def _rows() -> set[str]:
 
 
 def test_every_transition_is_taken(walked):
-    seen = {k for per in walked for case in per["dense"] + per["moe"] for k in case["seen"]}
+    per_rank = cases.by_rank(walked, *NAMES)
+    seen = {k for per in per_rank for case in per.values() for k in case["seen"]}
     missing = sorted(_rows() - seen)
     assert not missing, f"rows no engine sequence reached: {missing}"
     assert seen <= _rows()
 
 
-def test_each_mode_takes_its_window_rows(walked):
+def test_each_mode_takes_its_window_rows(walked, subtests):
     """Per mode, the walk takes every window row of that mode (the rows of a window
     held on the device: with offload only, and never without it)."""
-    for (stage, mics, offload), case in zip(CASES, walked[0]["dense"], strict=True):
+    by_name = {_dense(c): c for c in CASES}
+
+    def check(name: str, per_rank: list) -> None:
+        stage, mics, offload = by_name[name]
+        case = per_rank[0]
         mode = {0: "REPLICATED", 1: "PARTITIONED"}.get(stage, "SHARDED")
         held = {r for r in _rows() if HELD & set(r.split(":")[1].split(","))}
         want = {r for r in _rows() if r.startswith(f"window:{mode},")}
@@ -232,10 +257,15 @@ def test_each_mode_takes_its_window_rows(walked):
         assert want <= seen, (stage, mics, offload, sorted(want - seen))
         assert offload or not held & seen, (stage, mics, sorted(held & seen))
 
+    cases.check_each(subtests, walked, check, names=list(by_name))
 
-def test_illegal_orders_are_named_errors(walked):
-    for (stage, _, _), case in zip(CASES, walked[0]["dense"], strict=True):
-        e = case["errors"]
+
+def test_illegal_orders_are_named_errors(walked, subtests):
+    by_name = {_dense(c): c for c in CASES}
+
+    def check(name: str, per_rank: list) -> None:
+        stage = by_name[name][0]
+        e = per_rank[0]["errors"]
         assert e["loss.backward()"][0] == "UsageError", e
         assert "outside engine.backward()" in e["loss.backward()"][1]
         assert e["finish without begin"][0] == "InternalError", e
@@ -251,15 +281,16 @@ def test_illegal_orders_are_named_errors(walked):
         assert inside[0] == "InternalError", (stage, inside)
         assert "from (BACKWARD_REDUCING) on FINALIZE" in inside[1], (stage, inside)
 
+    cases.check_each(subtests, walked, check, names=list(by_name))
+
 
 def test_experts_take_the_moves_of_the_dense_walk(walked):
     """With expert parallelism every rank makes the same calls and moves as without it
     (the kind picks a segment's group, not a state); the same orders are the same named
     errors."""
-    for per in walked:
-        plain = zip(CASES, per["dense"], strict=True)
-        dense = {c[0]: walk for c, walk in plain if c[1:] == (-1, False)}
-        for stage, moe in zip(MOE_STAGES, per["moe"], strict=True):
+    for per in cases.by_rank(walked, *NAMES):
+        dense = {c[0]: per[_dense(c)] for c in CASES if c[1:] == (-1, False)}
+        for stage, moe in ((s, per[_moe(s)]) for s in MOE_STAGES):
             assert moe["seen"] == dense[stage]["seen"], (stage, sorted(set(moe["seen"]) ^ set(dense[stage]["seen"])))  # fmt: skip
             assert moe["errors"] == dense[stage]["errors"], stage
 

@@ -7,9 +7,11 @@ weights per rank shrink by the TP size; bad layouts and differing weights are re
 from __future__ import annotations
 
 import copy
+import functools
 import types
 from typing import Any
 
+import cases
 import multirank
 import pytest
 import torch
@@ -65,53 +67,75 @@ def _bytes(model) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
-def _tp_cases(rank, world):
-    comm, out = Comm(), dict[str, Any]()
-    builds = {
+BUILDS = ("llama", "gpt2", "gpt")
+
+
+def _shard_case(key: str, comm) -> dict:
+    """The model of ``key`` sharded by ``shard_for_inference``, generating with its own
+    loop: the same tokens as the unsplit model, and the bytes each holds."""
+    build, gen = {
         "llama": (_llama, _hf_generate),
         "gpt2": (_gpt2, _hf_generate),
         "gpt": (_gpt, lambda m, ids: _greedy_no_cache(m, ids, NEW)),
+    }[key]
+    ref = build()
+    model = copy.deepcopy(ref)
+    ids = _prompts(64)
+    want = gen(ref, ids)
+    shard_for_inference(model, comm)
+    got = gen(model, ids)
+    return {
+        "same": torch.equal(got, want),
+        "tokens": got.tolist(),
+        "bytes": (_bytes(ref), _bytes(model)),
     }
-    for key, (build, gen) in builds.items():
-        ref = build()
-        model = copy.deepcopy(ref)
-        ids = _prompts(64)
-        want = gen(ref, ids)
-        shard_for_inference(model, comm)
-        got = gen(model, ids)
-        out[key] = {
-            "same": torch.equal(got, want),
-            "tokens": got.tolist(),
-            "bytes": (_bytes(ref), _bytes(model)),
-        }
-    out.update(_engine_cases(rank, comm))
-    # differing weights are refused on every rank, naming the parameter and the rank
+
+
+def _differ(rank: int, comm) -> str | None:
+    """Differing weights are refused on every rank, naming the parameter and the rank."""
     model = _gpt()
     if rank == 1:
         with torch.no_grad():
             model.blocks[1].mlp.fc.weight[0, 0] += 1  # type: ignore[index, operator, union-attr]
     try:
         check_same_weights(model, comm)
-        out["differ"] = None
+        return None
     except ValueError as exc:
-        out["differ"] = str(exc)
-    return out
+        return str(exc)
 
 
-def _engine_cases(rank, comm):
+def _tp_cases(rank, world):
+    comm = Comm()
+    shared: dict[str, Any] = {}  # the engine case's TP1 tokens, for the streamed one
+    return cases.run_named(
+        [
+            *((key, functools.partial(_shard_case, key, comm)) for key in BUILDS),
+            ("engine", lambda: _engine(rank, shared)),
+            *((f"int{bits}", functools.partial(_quantized, bits, group)) for bits, group in QUANT),
+            ("gpt2_int8", _gpt2_int8),
+            ("int4_refit", _int4_refit),
+            ("tp_streamed", lambda: _streamed(shared["want"])),
+            ("differ", lambda: _differ(rank, comm)),
+        ]
+    )
+
+
+TP2 = {"tensor_parallel": {"tp_size": 2}}
+BIG = {"d_model": 64, "n_head": 4}
+QUANT = ((8, 128), (4, 32))
+
+
+def _engine(rank: int, shared: dict) -> dict:
     """Through ``init_inference``: the built-in GPT generating with its KV cache (TP2 vs
-    the unsplit model), Llama through the engine, int8/int4 after sharding, streaming."""
-    import tempfile
-
+    the unsplit model), Llama through the engine."""
     import zeroshard
 
     out: dict[str, Any] = {}
     ids = _prompts(64)
-    tp2 = {"tensor_parallel": {"tp_size": 2}}
     ref = zeroshard.init_inference(_gpt(), {})
-    want = ref.generate(ids, max_new_tokens=NEW)
+    want = shared["want"] = ref.generate(ids, max_new_tokens=NEW)
     out["gpt_no_cache"] = torch.equal(want, _greedy_no_cache(_gpt(), ids, NEW))
-    eng = zeroshard.init_inference(_gpt(), tp2)
+    eng = zeroshard.init_inference(_gpt(), TP2)
     out["gpt_cache"] = torch.equal(eng.generate(ids, max_new_tokens=NEW), want)
     out["gpt_cache_heads"] = eng.module.blocks[0].attn.n_head  # type: ignore[index, union-attr]
     try:  # the captured/compiled decode step is refused with tensor parallelism, by name
@@ -121,46 +145,68 @@ def _engine_cases(rank, comm):
         out["tp_compile"] = str(exc)
     torch.manual_seed(rank)  # ranks' own generators differ: sampling must still agree
     out["gpt_sampled"] = eng.generate(ids, max_new_tokens=NEW, do_sample=True).tolist()
-    llama = zeroshard.init_inference(_llama(), tp2)
+    llama = zeroshard.init_inference(_llama(), TP2)
     out["llama_engine"] = torch.equal(
         llama.generate(ids, max_new_tokens=NEW, min_new_tokens=NEW), _hf_generate(_llama(), ids)
     )
-    # weight-only quantization of each rank's slice (after sharding)
-    big = dict(d_model=64, n_head=4)
-    for bits, group in ((8, 128), (4, 32)):
-        q = {"quant": {"enabled": True, "weight": {"num_bits": bits, "group_size": group}}}
-        one = zeroshard.init_inference(_gpt(**big), q)
-        two = zeroshard.init_inference(_gpt(**big), {**q, **tp2})
-        x = _prompts(64)
-        l1, l2 = one(x), two(x)
-        out[f"int{bits}"] = {
-            "logit_diff": (l1 - l2).abs().max().item(),
-            "logit_scale": l1.abs().max().item(),
-            "quantized": len(two.quantized),
-            "bytes": (one.weight_bytes()[0], two.weight_bytes()[0]),
-            "tokens_equal": torch.equal(
-                one.generate(x, max_new_tokens=NEW), two.generate(x, max_new_tokens=NEW)
-            ),
-        }
-    # GPT-2's Conv1D layers (weights stored transposed) quantized after sharding
+    return out
+
+
+def _quantized(bits: int, group: int) -> dict:
+    """Weight-only quantization of each rank's slice (after sharding)."""
+    import zeroshard
+
+    q = {"quant": {"enabled": True, "weight": {"num_bits": bits, "group_size": group}}}
+    one = zeroshard.init_inference(_gpt(**BIG), q)
+    two = zeroshard.init_inference(_gpt(**BIG), {**q, **TP2})
+    x = _prompts(64)
+    l1, l2 = one(x), two(x)
+    return {
+        "logit_diff": (l1 - l2).abs().max().item(),
+        "logit_scale": l1.abs().max().item(),
+        "quantized": len(two.quantized),
+        "bytes": (one.weight_bytes()[0], two.weight_bytes()[0]),
+        "tokens_equal": torch.equal(
+            one.generate(x, max_new_tokens=NEW), two.generate(x, max_new_tokens=NEW)
+        ),
+    }
+
+
+def _gpt2_int8() -> dict:
+    """GPT-2's Conv1D layers (weights stored transposed) quantized after sharding."""
+    import zeroshard
+
+    ids = _prompts(64)
     q = {"quant": {"enabled": True, "weight": {"num_bits": 8}}}
-    one, two = zeroshard.init_inference(_gpt2(), q), zeroshard.init_inference(_gpt2(), {**q, **tp2})
+    one, two = zeroshard.init_inference(_gpt2(), q), zeroshard.init_inference(_gpt2(), {**q, **TP2})
     l1, l2 = one(ids).logits, two(ids).logits
-    out["gpt2_int8"] = {"quantized": len(two.quantized), "logit_diff": (l1 - l2).abs().max().item(),
-                        "logit_scale": l1.abs().max().item()}  # fmt: skip
-    # int4 group 64 over a row-parallel slice of 32 inputs: that layer takes 32
+    return {"quantized": len(two.quantized), "logit_diff": (l1 - l2).abs().max().item(),
+            "logit_scale": l1.abs().max().item()}  # fmt: skip
+
+
+def _int4_refit() -> dict:
+    """int4 group 64 over a row-parallel slice of 32 inputs: that layer takes 32."""
+    import zeroshard
+
     q = {"quant": {"enabled": True, "weight": {"num_bits": 4, "group_size": 64}}}
-    eng = zeroshard.init_inference(_gpt(**big), {**q, **tp2})
+    eng = zeroshard.init_inference(_gpt(**BIG), {**q, **TP2})
     layers = {n: eng.module.get_submodule(n) for n in eng.quantized}
-    out["int4_refit"] = {n: getattr(m, "weight_only", m).group_size for n, m in layers.items()}
-    # TP2 with each rank's slices streamed from its own NVMe swap file
+    return {n: getattr(m, "weight_only", m).group_size for n, m in layers.items()}
+
+
+def _streamed(want: torch.Tensor) -> bool:
+    """TP2 with each rank's slices streamed from its own NVMe swap file."""
+    import tempfile
+
+    import zeroshard
+
     with tempfile.TemporaryDirectory() as d:
         zero = {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": d}}
-        eng = zeroshard.init_inference(_gpt(), {**tp2, "zero": zero})
-        out["tp_streamed"] = torch.equal(eng.generate(ids, max_new_tokens=NEW), want)
+        eng = zeroshard.init_inference(_gpt(), {**TP2, "zero": zero})
+        same = torch.equal(eng.generate(_prompts(64), max_new_tokens=NEW), want)
         assert eng.streaming is not None
         eng.streaming.remove()
-    return out
+    return same
 
 
 @pytest.fixture(scope="module")
@@ -170,35 +216,38 @@ def tp2():
 
 @pytest.mark.parametrize("key", ["llama", "gpt2", "gpt"])
 def test_tp2_greedy_tokens_equal_tp1(tp2, key):
-    for rank_out in tp2:
-        r = rank_out[key]
+    per_rank = cases.values(tp2, key)
+    for r in per_rank:
         assert r["same"], f"{key}: TP2 tokens differ from the unsplit model's"
         whole, local = r["bytes"]
         assert local < 0.6 * whole  # every matrix split (norms and positions replicated)
-    assert tp2[0][key]["tokens"] == tp2[1][key]["tokens"]
+    assert per_rank[0]["tokens"] == per_rank[1]["tokens"]
 
 
 def test_static_decode_refused_with_tp(tp2):
-    for r in tp2:
+    for r in cases.values(tp2, "engine"):
         assert (
             r["tp_compile"].startswith("compile: ") and "tensor_parallel.tp_size" in r["tp_compile"]
         )
 
 
 def test_engine_tp2_gpt_with_kv_cache_and_llama(tp2):
-    for r in tp2:
-        assert r["gpt_no_cache"]  # the cache path itself equals recomputing (TP1)
-        assert r["gpt_cache"], "TP2 + KV cache tokens differ from TP1's"
-        assert r["gpt_cache_heads"] == 2  # each rank attends over its 2 of the 4 heads
-        assert r["llama_engine"]
+    per_rank = cases.by_rank(tp2, "engine", "tp_streamed")
+    for r in per_rank:
+        e = r["engine"]
+        assert e["gpt_no_cache"]  # the cache path itself equals recomputing (TP1)
+        assert e["gpt_cache"], "TP2 + KV cache tokens differ from TP1's"
+        assert e["gpt_cache_heads"] == 2  # each rank attends over its 2 of the 4 heads
+        assert e["llama_engine"]
         assert r["tp_streamed"], "TP2 with streamed weights differs from TP1"
     # sampling without a seed: the seed is drawn on rank 0 and broadcast
-    assert tp2[0]["gpt_sampled"] == tp2[1]["gpt_sampled"]
+    assert per_rank[0]["engine"]["gpt_sampled"] == per_rank[1]["engine"]["gpt_sampled"]
 
 
 @pytest.mark.parametrize("bits", [8, 4])
 def test_quantized_after_sharding(tp2, bits):
-    for r in tp2:
+    per_rank = cases.by_rank(tp2, f"int{bits}", "int4", "gpt2_int8")
+    for r in per_rank:
         q = r[f"int{bits}"]
         assert q["quantized"] >= 8  # qkv, attn.proj, fc, mlp.proj of 2 blocks (head tied)
         # per-rank scales differ from the whole layer's only where a row is split
@@ -207,23 +256,22 @@ def test_quantized_after_sharding(tp2, bits):
         assert q["logit_diff"] <= 0.02 * q["logit_scale"], q
         whole, local = q["bytes"]
         assert local < 0.6 * whole
-    assert tp2[0]["int4"]["tokens_equal"]  # int4 groups: identical weights, same tokens
-    for r in tp2:
+    assert per_rank[0]["int4"]["tokens_equal"]  # int4 groups: identical weights, same tokens
+    for r in per_rank:
         g = r["gpt2_int8"]
         assert g["quantized"] == 8  # c_attn, c_proj, c_fc, mlp.c_proj of 2 blocks
         assert g["logit_diff"] <= 0.02 * g["logit_scale"], g
 
 
 def test_int4_group_not_dividing_the_local_slice_picks_the_next(tp2):
-    for r in tp2:
-        groups = r["int4_refit"]
+    for groups in cases.values(tp2, "int4_refit"):
         assert groups["blocks.0.attn.proj"] == 32 and groups["blocks.0.mlp.fc"] == 64, groups
 
 
 def test_differing_weights_refused_on_every_rank(tp2):
-    for r in tp2:
-        assert r["differ"] is not None
-        assert "rank 1" in r["differ"] and "blocks.1.mlp.fc.weight" in r["differ"]
+    for differ in cases.values(tp2, "differ"):
+        assert differ is not None
+        assert "rank 1" in differ and "blocks.1.mlp.fc.weight" in differ
 
 
 def _fake_comm(t: int):

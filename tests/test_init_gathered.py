@@ -12,6 +12,7 @@ import sys
 import types
 from typing import Any
 
+import cases
 import multirank
 import pytest
 import torch
@@ -284,7 +285,9 @@ def _hf(rank, world, path) -> dict:
 
 
 def _all(rank, world, path) -> dict:
-    return {"plain": _plain(rank, world), "hf": _hf(rank, world, path)}
+    return cases.run_named(
+        [("plain", lambda: _plain(rank, world)), ("hf", lambda: _hf(rank, world, path))]
+    )
 
 
 @pytest.fixture(scope="module")
@@ -299,8 +302,7 @@ def results(tmp_path_factory):
 
 
 def test_reading_outside_a_gather_raises_naming_the_parameter(results):
-    for r in results:
-        p = r["plain"]
+    for p in cases.values(results, "plain"):
         assert p["shape_kept"] and p["state_dict_keys"]
         assert len(p["errors"]) == 7 and p["noop_to"]
         for msg in p["errors"]:
@@ -308,8 +310,7 @@ def test_reading_outside_a_gather_raises_naming_the_parameter(results):
 
 
 def test_gathered_parameters_before_initialize(results):
-    for r in results:
-        p = r["plain"]
+    for p in cases.values(results, "plain"):
         assert p["gathered_equal"] and p["alias_reads"]
         assert p["none_dropped"], "modifier_rank=None must not write back"
         assert p["slices_rank0"], "rank 0's values must land in every rank's slice"
@@ -320,14 +321,13 @@ def test_gathered_parameters_before_initialize(results):
 
 @pytest.mark.parametrize("stage", ["z3", "z1"])
 def test_then_initialize_trains_like_the_reference(results, stage):
-    for r in results:
-        loss_diff, param_diff = r["plain"][stage]
+    for p in cases.values(results, "plain"):
+        loss_diff, param_diff = p[stage]
         assert loss_diff <= TOL and param_diff <= TOL, (loss_diff, param_diff)
 
 
 def test_from_pretrained_under_zero3(results):
-    for r in results:
-        h = r["hf"]
+    for h in cases.values(results, "hf"):
         assert h["sealed"] and h["loaded_equal"] and h["loaded_keys"] == []
         assert h["gpt2_equal"] and h["gpt2_tied"]
         loss_diff, param_diff = h["z3"]

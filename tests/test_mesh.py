@@ -7,8 +7,9 @@ one step's ledger per mesh axis.
 
 from __future__ import annotations
 
-from typing import Any
+import functools
 
+import cases
 import multirank
 import parity
 import pytest
@@ -104,32 +105,41 @@ def _offload(z: dict) -> dict:
     return {"zero_optimization": zo}
 
 
-def _worker(rank: int, world: int, cases: list[dict], ckpt: str) -> dict:
-    from parity import run_cases as parity_worker
+def _ledger(rank: int, world: int, case: dict) -> dict:
+    """One step's ledger per mesh axis, after training ``case``."""
+    # untied: a tied embedding is gathered once more, for the head's forward
+    one = {**case, "gas": 1, "clip": 0.0, "steps": 1, "tied": False}
+    if case["stage"] == 3:  # reuse distance 0: gathered again for backward
+        zo = {**one["extra"]["zero_optimization"], "stage3_max_reuse_distance": 0}
+        one["extra"] = {**one["extra"], "zero_optimization": zo}
+    _, engine = parity.train(one, rank, world)
+    engine.reset_comm_stats()
+    x, y = parity.batch(99, 2 * world)
+    engine.backward(engine(x[2 * rank : 2 * rank + 2], y[2 * rank : 2 * rank + 2]))
+    engine.step()
+    return {
+        "axes": engine.comm_stats(by_axis=True),
+        "numel": engine.flat.layout.total_numel,
+        "stage": case["stage"],
+        "coords": engine.mesh.coords,
+        "dp": engine.dp_world_size,
+        "flags": parity.flag_bytes(engine),
+    }
 
-    out: dict[str, Any] = {"parity": parity_worker(rank, world, cases), "ledger": {}}
-    for case in cases[:4]:
-        # untied: a tied embedding is gathered once more, for the head's forward
-        one = {**case, "gas": 1, "clip": 0.0, "steps": 1, "tied": False}
-        if case["stage"] == 3:  # reuse distance 0: gathered again for backward
-            zo = {**one["extra"]["zero_optimization"], "stage3_max_reuse_distance": 0}
-            one["extra"] = {**one["extra"], "zero_optimization": zo}
-        _, engine = parity.train(one, rank, world)
-        engine.reset_comm_stats()
-        x, y = parity.batch(99, 2 * world)
-        engine.backward(engine(x[2 * rank : 2 * rank + 2], y[2 * rank : 2 * rank + 2]))
-        engine.step()
-        out["ledger"][f"stage{case['stage']}-{case.get('bucket')}"] = {
-            "axes": engine.comm_stats(by_axis=True),
-            "numel": engine.flat.layout.total_numel,
-            "stage": case["stage"],
-            "coords": engine.mesh.coords,
-            "dp": engine.dp_world_size,
-            "flags": parity.flag_bytes(engine),
-        }
-    out["checkpoint"] = _checkpoint(rank, world, ckpt)
-    out["mpu"] = _mpu(rank, world)
-    return out
+
+def _ledger_name(case: dict) -> str:
+    return f"ledger stage{case['stage']}-{case.get('bucket')}"
+
+
+def _worker(rank: int, world: int, case_list: list[dict], ckpt: str) -> dict:
+    return cases.run_named(
+        [
+            *parity.named_cases(rank, world, case_list),
+            *((_ledger_name(c), functools.partial(_ledger, rank, world, c)) for c in case_list[:4]),
+            ("checkpoint", lambda: _checkpoint(rank, world, ckpt)),
+            ("mpu", lambda: _mpu(rank, world)),
+        ]
+    )
 
 
 class _MPU:
@@ -204,40 +214,52 @@ def results(tmp_path_factory):
     return multirank.run(_worker, 4, _cases(), ckpt, timeout=600)
 
 
-def test_hybrid_checkpoint_reshards(results):
-    for r in results:
-        for name, diffs in r["checkpoint"].items():
+def _check_checkpoint(per_rank: list) -> None:
+    for r in per_rank:
+        for name, diffs in r.items():
             assert diffs["loaded"] == 0.0, (name, diffs)
             assert diffs["continued"] <= (0.0 if name == "same" else TOL), (name, diffs)
 
 
-def test_hybrid_parity(results):
-    parity.assert_parity(_cases(), [r["parity"] for r in results], 4)
+def test_hybrid_checkpoint_reshards(results, subtests):
+    cases.check(subtests, results, "checkpoint", _check_checkpoint)
 
 
-def test_hybrid_ledger_per_axis(results):
+def test_hybrid_parity(results, subtests):
+    parity.check_parity(subtests, _cases(), results, 4)
+
+
+def _check_ledger(key: str, per_rank: list) -> None:
     """All-gathers and reduce-scatters stay inside the shard group; across replicas
     only the all-reduce of each reduced shard, 4 Psi / shard size (counted 2x)."""
-    for rank, r in enumerate(results):
-        for key, led in r["ledger"].items():
-            axes, numel, stage = led["axes"], led["numel"], led["stage"]
-            assert led["dp"] == 4
-            assert led["coords"]["dp_shard"] == rank % SHARD
-            assert led["coords"]["dp_replicate"] == rank // SHARD
-            assert set(axes) == {"zero_shard", "zero_replicate"}, (key, axes)
-            shard, rep = axes["zero_shard"], axes["zero_replicate"]
-            assert set(shard) == {"reduce_scatter", "all_gather", "all_reduce"}, (key, shard)
-            assert set(rep) == {"all_reduce"}, (key, rep)
-            assert shard["reduce_scatter"]["bytes"] == 4 * numel, key
-            gathers = 2 if stage == 3 else 1  # stage 3: forward and backward
-            assert shard["all_gather"]["bytes"] == gathers * 4 * numel, key
-            # besides the used-parameter flags, one byte per parameter on each group
-            assert shard["all_reduce"]["bytes"] == led["flags"], key
-            assert rep["all_reduce"]["bytes"] == 2 * 4 * numel // SHARD + led["flags"], key
+    for rank, led in enumerate(per_rank):
+        axes, numel, stage = led["axes"], led["numel"], led["stage"]
+        assert led["dp"] == 4
+        assert led["coords"]["dp_shard"] == rank % SHARD
+        assert led["coords"]["dp_replicate"] == rank // SHARD
+        assert set(axes) == {"zero_shard", "zero_replicate"}, (key, axes)
+        shard, rep = axes["zero_shard"], axes["zero_replicate"]
+        assert set(shard) == {"reduce_scatter", "all_gather", "all_reduce"}, (key, shard)
+        assert set(rep) == {"all_reduce"}, (key, rep)
+        assert shard["reduce_scatter"]["bytes"] == 4 * numel, key
+        gathers = 2 if stage == 3 else 1  # stage 3: forward and backward
+        assert shard["all_gather"]["bytes"] == gathers * 4 * numel, key
+        # besides the used-parameter flags, one byte per parameter on each group
+        assert shard["all_reduce"]["bytes"] == led["flags"], key
+        assert rep["all_reduce"]["bytes"] == 2 * 4 * numel // SHARD + led["flags"], key
 
 
-def test_initialize_with_mpu(results):
-    for r in results:
-        m = r["mpu"]
+def test_hybrid_ledger_per_axis(results, subtests):
+    """The ledger of one step per case (``_check_ledger``), each case on its own."""
+    names = [_ledger_name(c) for c in _cases()[:4]]
+    cases.check_each(subtests, results, _check_ledger, names=names)
+
+
+def _check_mpu(per_rank: list) -> None:
+    for m in per_rank:
         assert (m["dp"], m["tp"]) == (2, 2)
         assert m["param"] <= TOL, m
+
+
+def test_initialize_with_mpu(results, subtests):
+    cases.check(subtests, results, "mpu", _check_mpu)

@@ -14,10 +14,12 @@ one spawn:
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
 
+import cases
 import moe_cases as mc
 import multirank
 import pytest
@@ -60,36 +62,47 @@ def _diff(a: dict, b: dict) -> float:
     return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
 
 
-def _worker(rank: int, world: int, tmp: str) -> dict:
+def _save_and_load(rank: int, tmp: str, kind: str, stage: int, loads: tuple) -> dict:
+    """Save at ep 2 and load at each ep of ``loads``: per load (rank 0), the loaded
+    parameters against the saved ones and one more step against the saver's."""
     out: dict = {}
-    for kind, stage, loads in (("ds", 1, (1, 4)), ("ds", 3, (1, 4)), ("hf", 1, (4, 0))):
-        saver = _engine(kind, stage, 2, rank)
-        for step in range(2):
-            _step(saver, kind, step, rank)
-        path = os.path.join(tmp, f"{kind}{stage}")
-        saver.save_checkpoint(path, tag="t")
-        saved = _whole(saver)
-        _step(saver, kind, 2, rank)
-        after = _whole(saver)
-        if kind == "hf" and stage == 1:
-            saver.save_16bit_model(os.path.join(tmp, "16bit"), "model.safetensors")
-            if rank == 0:
-                saver.module.save_pretrained(os.path.join(tmp, "pretrained"), state_dict=after)
-            out["after_hf"] = {k: v.tolist() for k, v in after.items()} if rank == 0 else None
-        if kind == "ds" and stage == 1:
-            saver.save_16bit_model(os.path.join(tmp, "16bit_ds"), "model.safetensors")
-            out["after_ds"] = {k: v.tolist() for k, v in after.items()} if rank == 0 else None
-        saver.destroy()
-        for ep in loads:
-            loader = _engine(kind, stage, ep, rank)
-            loader.load_checkpoint(path, tag="t")
-            loaded = _whole(loader)
-            _step(loader, kind, 2, rank)
-            again = _whole(loader)
-            if rank == 0:
-                out[f"{kind}{stage}->ep{ep}"] = (_diff(loaded, saved), _diff(again, after))
-            loader.destroy()
+    saver = _engine(kind, stage, 2, rank)
+    for step in range(2):
+        _step(saver, kind, step, rank)
+    path = os.path.join(tmp, f"{kind}{stage}")
+    saver.save_checkpoint(path, tag="t")
+    saved = _whole(saver)
+    _step(saver, kind, 2, rank)
+    after = _whole(saver)
+    if kind == "hf" and stage == 1:
+        saver.save_16bit_model(os.path.join(tmp, "16bit"), "model.safetensors")
+        if rank == 0:
+            saver.module.save_pretrained(os.path.join(tmp, "pretrained"), state_dict=after)
+        out["after_hf"] = {k: v.tolist() for k, v in after.items()} if rank == 0 else None
+    if kind == "ds" and stage == 1:
+        saver.save_16bit_model(os.path.join(tmp, "16bit_ds"), "model.safetensors")
+        out["after_ds"] = {k: v.tolist() for k, v in after.items()} if rank == 0 else None
+    saver.destroy()
+    for ep in loads:
+        loader = _engine(kind, stage, ep, rank)
+        loader.load_checkpoint(path, tag="t")
+        loaded = _whole(loader)
+        _step(loader, kind, 2, rank)
+        again = _whole(loader)
+        if rank == 0:
+            out[f"{kind}{stage}->ep{ep}"] = (_diff(loaded, saved), _diff(again, after))
+        loader.destroy()
     return out
+
+
+SAVES = (("ds", 1, (1, 4)), ("ds", 3, (1, 4)), ("hf", 1, (4, 0)))
+
+
+def _worker(rank: int, world: int, tmp: str) -> dict:
+    return cases.run_named(
+        (f"{kind}{stage}", functools.partial(_save_and_load, rank, tmp, kind, stage, loads))
+        for kind, stage, loads in SAVES
+    )
 
 
 @pytest.fixture(scope="module")
@@ -98,21 +111,25 @@ def results(tmp_path_factory) -> tuple[list[dict], str]:
     return multirank.run(_worker, WORLD, tmp, timeout=900), tmp
 
 
-def test_ep2_save_loads_at_other_ep_sizes(results) -> None:
-    out = results[0][0]
-    checked = [k for k in out if "->" in k]
-    assert len(checked) == 6, checked
-    for key in checked:
-        loaded, continued = out[key]
-        assert loaded == 0.0, (key, loaded)  # fp32 masters: exact
-        assert continued < mc.TOL, (key, continued)
+def test_ep2_save_loads_at_other_ep_sizes(results, subtests: pytest.Subtests) -> None:
+    def check(name: str, per_rank: list) -> None:
+        out = per_rank[0]
+        checked = [k for k in out if "->" in k]
+        assert len(checked) == 2, checked
+        for key in checked:
+            loaded, continued = out[key]
+            assert loaded == 0.0, (key, loaded)  # fp32 masters: exact
+            assert continued < mc.TOL, (key, continued)
+
+    cases.check_each(subtests, results[0], check, names=[f"{k}{s}" for k, s, _ in SAVES])
 
 
 def test_convert_and_16bit_write_each_expert_once(results) -> None:
     from safetensors.torch import load_file
 
-    out, tmp = results[0][0], results[1]
+    tmp = results[1]
     for kind, ckpt, sixteen in (("ds", "ds1", "16bit_ds"), ("hf", "hf1", "16bit")):
+        out = cases.values(results[0], ckpt)[0]
         dest = os.path.join(tmp, f"{kind}-converted.safetensors")
         env = {**os.environ, "PYTHONPATH": os.getcwd()}
         done = subprocess.run(
@@ -134,7 +151,7 @@ def test_convert_and_16bit_write_each_expert_once(results) -> None:
 def test_save_pretrained_loads_into_the_stock_model(results) -> None:
     import transformers
 
-    out, tmp = results[0][0], results[1]
+    out, tmp = cases.values(results[0], "hf1")[0], results[1]
     stock = transformers.MixtralForCausalLM.from_pretrained(os.path.join(tmp, "pretrained"))
     after = {k: torch.tensor(v) for k, v in out["after_hf"].items()}
     assert _diff({k: v for k, v in stock.state_dict().items()}, after) == 0.0

@@ -12,8 +12,10 @@ against one fp32 process:
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
+import cases
 import moe_cases as mc
 import multirank
 import pytest
@@ -181,14 +183,16 @@ def _refusals(rank: int) -> dict:
 
 
 def _worker(rank: int, world: int) -> dict:
-    return {
-        "tp": [_tp(rank, stage) for stage in (1, 3)],
-        "pipe": [_pipe(rank, stage) for stage in (1, 3)],
-        "offload": _offload(rank),
-        "offload_nvme": _offload(rank, "nvme"),
-        "zero_init": _zero_init(rank),
-        "refusals": _refusals(rank),
-    }
+    return cases.run_named(
+        [
+            *((f"tp z{stage}", functools.partial(_tp, rank, stage)) for stage in (1, 3)),
+            *((f"pipe z{stage}", functools.partial(_pipe, rank, stage)) for stage in (1, 3)),
+            ("offload", lambda: _offload(rank)),
+            ("offload_nvme", lambda: _offload(rank, "nvme")),
+            ("zero_init", lambda: _zero_init(rank)),
+            ("refusals", lambda: _refusals(rank)),
+        ]
+    )
 
 
 @pytest.fixture(scope="module")
@@ -206,17 +210,17 @@ def _losses_match(per_rank: list[dict], groups: int) -> float:
     return max(abs(a - b) for a, b in zip(mean, per_rank[0]["ref_losses"], strict=True))
 
 
-@pytest.mark.parametrize("i", [0, 1], ids=["z1", "z3"])
-def test_ep_with_tensor_parallel_dense_layers(results, i: int) -> None:
-    per_rank = [r["tp"][i] for r in results]
+@pytest.mark.parametrize("stage", ["z1", "z3"])
+def test_ep_with_tensor_parallel_dense_layers(results, stage: str) -> None:
+    per_rank = cases.values(results, f"tp {stage}")
     assert per_rank[0]["mesh"] == "ep2 x tp2" and per_rank[0]["tp_split"] > 0
     assert _losses_match(per_rank, 2) < mc.TOL
     assert max(r["diff"] for r in per_rank) < mc.TOL
 
 
-@pytest.mark.parametrize("i", [0, 1], ids=["z1", "z3"])
-def test_ep_with_pipeline_stages(results, i: int) -> None:
-    per_rank = [r["pipe"][i] for r in results]
+@pytest.mark.parametrize("stage", ["z1", "z3"])
+def test_ep_with_pipeline_stages(results, stage: str) -> None:
+    per_rank = cases.values(results, f"pipe {stage}")
     assert per_rank[0]["mesh"] == "pp2 x ep2"
     for r in per_rank:  # the pipeline engine reports the batch's mean loss on every rank
         assert max(abs(a - b) for a, b in zip(r["losses"], r["ref_losses"], strict=True)) < mc.TOL
@@ -225,12 +229,12 @@ def test_ep_with_pipeline_stages(results, i: int) -> None:
 
 @pytest.mark.parametrize("case", ["offload", "offload_nvme", "zero_init"])
 def test_ep_with_zero3_offload_and_zero_init(results, case: str) -> None:
-    per_rank = [r[case] for r in results]
+    per_rank = cases.values(results, case)
     mean = [sum(r["losses"][s] for r in per_rank) / WORLD for s in range(STEPS)]
     assert max(abs(a - b) for a, b in zip(mean, per_rank[0]["ref_losses"], strict=True)) < mc.TOL
     assert max(r["diff"] for r in per_rank) < mc.TOL
 
 
 def test_refused_by_name(results) -> None:
-    for r in results:
-        assert "expert_parallel.expert_tensor_parallel_size" in r["refusals"]["etp"], r["refusals"]
+    for refusals in cases.values(results, "refusals"):
+        assert "expert_parallel.expert_tensor_parallel_size" in refusals["etp"], refusals

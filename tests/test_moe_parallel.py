@@ -18,8 +18,10 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
+import cases
 import moe_cases as mc
 import multirank
 import pytest
@@ -79,70 +81,70 @@ def _local_params(engine) -> dict[str, torch.Tensor]:
         return {n: p.detach().clone() for n, p in engine.module.named_parameters()}
 
 
-def _parity(rank: int, world: int) -> list[dict]:
-    out = []
-    for case in PARITY:
-        second = case.get("second", 0)
-        ref_losses, ref_norms, ref = mc.reference(case["kind"], world, STEPS, CLIP, second)
-        engine = _engine(case, rank)
-        losses, norms = [], []
-        for step in range(STEPS):
-            loss = mc.loss_of(engine, case["kind"], step, rank)
-            engine.backward(loss)
-            if second:
-                more = mc.loss_of(engine, case["kind"], step + second, rank)
-                engine.backward(more)
-                loss = loss + more
-            engine.step()
-            losses.append(loss.item())
-            norms.append(engine.get_global_grad_norm())
-        diff = mc.diff_to_reference(engine.module, _local_params(engine), ref)
-        moved = max(
-            (ref[n] - t).abs().max().item()
-            for n, t in mc.reference(case["kind"], world, 0)[2].items()
-        )
-        out.append(
-            {"losses": losses, "ref_losses": ref_losses, "norms": norms,
-             "ref_norms": ref_norms, "diff": diff, "moved": moved}
-        )  # fmt: skip
-        engine.destroy()
-    return out
+def _name(case: dict) -> str:
+    return (
+        f"{case['kind']}-z{case['stage']}"
+        + ("-two-losses" if case.get("second") else "")
+        + ("-nothing-persistent" if "persist" in case else "")
+    )
 
 
-def _ledger(rank: int, world: int) -> dict:
-    """One training step of each model at stage 1: the ep axis' all-to-all bytes
+def _parity(rank: int, world: int, case: dict) -> dict:
+    second = case.get("second", 0)
+    ref_losses, ref_norms, ref = mc.reference(case["kind"], world, STEPS, CLIP, second)
+    engine = _engine(case, rank)
+    losses, norms = [], []
+    for step in range(STEPS):
+        loss = mc.loss_of(engine, case["kind"], step, rank)
+        engine.backward(loss)
+        if second:
+            more = mc.loss_of(engine, case["kind"], step + second, rank)
+            engine.backward(more)
+            loss = loss + more
+        engine.step()
+        losses.append(loss.item())
+        norms.append(engine.get_global_grad_norm())
+    diff = mc.diff_to_reference(engine.module, _local_params(engine), ref)
+    moved = max(
+        (ref[n] - t).abs().max().item() for n, t in mc.reference(case["kind"], world, 0)[2].items()
+    )
+    engine.destroy()
+    return {"losses": losses, "ref_losses": ref_losses, "norms": norms,
+            "ref_norms": ref_norms, "diff": diff, "moved": moved}  # fmt: skip
+
+
+def _ledger(rank: int, world: int, kind: str) -> dict:
+    """One training step of the model at stage 1: the ep axis' all-to-all bytes
     against the formula from the rows each layer exchanged."""
     from zeroshard.moe.hf import ExpertParallelExperts
     from zeroshard.moe.layer import MOELayer
 
-    out = {}
-    for kind in ("ds", "hf"):
-        case = {"kind": kind, "stage": 1, "clip": 0.0}
-        engine = _engine(case, rank)
-        engine.reset_comm_stats()
-        loss = mc.loss_of(engine, kind, 0, rank)
-        engine.backward(loss)
-        engine.step()
-        axes = engine.comm_stats(by_axis=True)
-        layers = [
-            m for m in engine.module.modules() if isinstance(m, (MOELayer, ExpertParallelExperts))
-        ]
-        hidden = mc.H if kind == "ds" else 16
-        formula = sum(
-            2 * (m.rows_sent + m.rows_received) * hidden * 4 + 8 * m.num_experts for m in layers
-        )
-        segs = engine.flat.layout.segments
-        out[kind] = {
-            "a2a": axes["ep"]["all_to_all"]["bytes"],
-            "formula": formula,
-            "a2a_calls": axes["ep"]["all_to_all"]["calls"],
-            "layers": len(layers),
-            "expert_rs": axes["expert_shard"]["reduce_scatter"]["bytes"],
-            "expert_segments": sum(s.numel * 4 for s in segs if s.kind),
-            "dense_rs": axes["zero_shard"]["reduce_scatter"]["bytes"],
-            "dense_segments": sum(s.numel * 4 for s in segs if not s.kind),
-        }
-        engine.destroy()
+    case = {"kind": kind, "stage": 1, "clip": 0.0}
+    engine = _engine(case, rank)
+    engine.reset_comm_stats()
+    loss = mc.loss_of(engine, kind, 0, rank)
+    engine.backward(loss)
+    engine.step()
+    axes = engine.comm_stats(by_axis=True)
+    layers = [
+        m for m in engine.module.modules() if isinstance(m, (MOELayer, ExpertParallelExperts))
+    ]
+    hidden = mc.H if kind == "ds" else 16
+    formula = sum(
+        2 * (m.rows_sent + m.rows_received) * hidden * 4 + 8 * m.num_experts for m in layers
+    )
+    segs = engine.flat.layout.segments
+    out = {
+        "a2a": axes["ep"]["all_to_all"]["bytes"],
+        "formula": formula,
+        "a2a_calls": axes["ep"]["all_to_all"]["calls"],
+        "layers": len(layers),
+        "expert_rs": axes["expert_shard"]["reduce_scatter"]["bytes"],
+        "expert_segments": sum(s.numel * 4 for s in segs if s.kind),
+        "dense_rs": axes["zero_shard"]["reduce_scatter"]["bytes"],
+        "dense_segments": sum(s.numel * 4 for s in segs if not s.kind),
+    }
+    engine.destroy()
     return out
 
 
@@ -179,14 +181,19 @@ def _refusals(rank: int, world: int) -> dict:
     return out
 
 
+LEDGER = ("ds", "hf")
+
+
 def _worker(rank: int, world: int) -> dict:
     torch.manual_seed(0)
-    return {
-        "parity": _parity(rank, world),
-        "ledger": _ledger(rank, world),
-        "memory": _memory(rank, world),
-        "refusals": _refusals(rank, world),
-    }
+    return cases.run_named(
+        [
+            *((_name(c), functools.partial(_parity, rank, world, c)) for c in PARITY),
+            *((f"ledger {k}", functools.partial(_ledger, rank, world, k)) for k in LEDGER),
+            ("memory", lambda: _memory(rank, world)),
+            ("refusals", lambda: _refusals(rank, world)),
+        ]
+    )
 
 
 @pytest.fixture(scope="module")
@@ -194,18 +201,9 @@ def results() -> list[dict]:
     return multirank.run(_worker, WORLD, timeout=900)
 
 
-@pytest.mark.parametrize(
-    "i",
-    range(len(PARITY)),
-    ids=[
-        f"{c['kind']}-z{c['stage']}"
-        + ("-two-losses" if c.get("second") else "")
-        + ("-nothing-persistent" if "persist" in c else "")
-        for c in PARITY
-    ],
-)
+@pytest.mark.parametrize("i", range(len(PARITY)), ids=[_name(c) for c in PARITY])
 def test_parity_with_one_process(results, i: int) -> None:
-    per_rank = [r["parity"][i] for r in results]
+    per_rank = cases.values(results, _name(PARITY[i]))
     losses = [sum(r["losses"][s] for r in per_rank) / WORLD for s in range(STEPS)]
     ref = per_rank[0]
     assert max(abs(a - b) for a, b in zip(losses, ref["ref_losses"], strict=True)) < mc.TOL
@@ -215,20 +213,22 @@ def test_parity_with_one_process(results, i: int) -> None:
     assert ref["moved"] > 100 * mc.TOL  # training moved the parameters: a lost step fails
 
 
-def test_ledger_matches_the_formula(results) -> None:
-    for r in results:
-        for kind, got in r["ledger"].items():
-            assert got["layers"] == 2
-            assert got["a2a"] == got["formula"], (kind, got)
-            # per layer: forward counts + rows out + rows back, backward rows twice
-            assert got["a2a_calls"] == 5 * got["layers"], (kind, got)
-            assert got["expert_rs"] == got["expert_segments"] > 0, (kind, got)
-            assert got["dense_rs"] == got["dense_segments"] > 0, (kind, got)
+def _check_ledger(kind: str, per_rank: list) -> None:
+    for got in per_rank:
+        assert got["layers"] == 2
+        assert got["a2a"] == got["formula"], (kind, got)
+        # per layer: forward counts + rows out + rows back, backward rows twice
+        assert got["a2a_calls"] == 5 * got["layers"], (kind, got)
+        assert got["expert_rs"] == got["expert_segments"] > 0, (kind, got)
+        assert got["dense_rs"] == got["dense_segments"] > 0, (kind, got)
+
+
+def test_ledger_matches_the_formula(results, subtests: pytest.Subtests) -> None:
+    cases.check_each(subtests, results, _check_ledger, names=[f"ledger {k}" for k in LEDGER])
 
 
 def test_expert_bytes_fall_by_ep(results) -> None:
-    for r in results:
-        m = r["memory"]
+    for m in cases.values(results, "memory"):
         for kind in ("params", "grads", "optimizer_states"):
             assert m["0/1"][kind] == EP * m["0/2"][kind] > 0, (kind, m)
         for kind in ("params", "grads"):
@@ -236,6 +236,6 @@ def test_expert_bytes_fall_by_ep(results) -> None:
 
 
 def test_refused_by_name(results) -> None:
-    for r in results:
-        assert "sequence_parallel_size with expert parallelism" in r["refusals"]["sp"]
-        assert "does not divide the data-parallel size (4" in r["refusals"]["ep8"]
+    for refusals in cases.values(results, "refusals"):
+        assert "sequence_parallel_size with expert parallelism" in refusals["sp"]
+        assert "does not divide the data-parallel size (4" in refusals["ep8"]

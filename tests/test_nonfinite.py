@@ -7,8 +7,10 @@ minimum loss scale raises instead of skipping forever. One 2-rank spawn."""
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
+import cases
 import multirank
 import parity
 import pytest
@@ -124,7 +126,12 @@ CASES: list[dict[str, Any]] = [
 
 def _worker(rank: int, world: int) -> dict:
     torch.set_num_threads(1)
-    return {"cases": [_train(c, rank, world) for c in CASES], "fp16": _fp16_stuck(rank, world)}
+    return cases.run_named(
+        [
+            *((cases.label(c), functools.partial(_train, c, rank, world)) for c in CASES),
+            ("fp16", lambda: _fp16_stuck(rank, world)),
+        ]
+    )
 
 
 @pytest.fixture(scope="module")
@@ -132,23 +139,28 @@ def results():
     return multirank.run(_worker, 2, timeout=600)
 
 
-def test_a_nan_on_one_rank_skips_the_step_everywhere(results):
-    for i, case in enumerate(CASES[:-2]):
+def test_a_nan_on_one_rank_skips_the_step_everywhere(results, subtests):
+    by_name = {cases.label(c): c for c in CASES[:-2]}
+
+    def check(name: str, per_rank: list) -> None:
+        case = by_name[name]
         ref = _reference_without_bad_step(case, 2)
-        for r in results:
-            got = r["cases"][i]
+        for got in per_rank:
             assert got["applied"] == [True, False, True, True], (case, got["applied"])
             assert got["skipped"] == 1, case
             diff = max((torch.tensor(got["params"][n]) - ref[n]).abs().max().item() for n in ref)
             tol = parity.BF16_TOL[1] if case.get("dtype") == "bf16" else TOL
             assert diff <= tol, (case, diff)
 
+    cases.check_each(subtests, results, check, names=list(by_name))
+
 
 def test_policy_raise_and_apply(results):
-    for r in results:
-        raised = r["cases"][len(CASES) - 2]
+    raise_, apply = (cases.label(c) for c in CASES[-2:])
+    for r in cases.by_rank(results, raise_, apply):
+        raised = r[raise_]
         assert raised["errors"] and "nonfinite_gradients" in raised["errors"][0], raised
-        applied = r["cases"][len(CASES) - 1]  # check_grad_overflow false: DeepSpeed's way
+        applied = r[apply]  # check_grad_overflow false: DeepSpeed's way
         assert applied["applied"][BAD_STEP] is True and applied["skipped"] == 0
         assert any(v != v for vals in applied["params"].values() for v in _flat(vals))  # NaN
 
@@ -158,7 +170,6 @@ def _flat(v):
 
 
 def test_fp16_at_its_minimum_scale_raises(results):
-    for r in results:
-        message, skipped = r["fp16"]
+    for message, skipped in cases.values(results, "fp16"):
         assert "min_loss_scale" in message and "bf16" in message, message
         assert int(skipped) >= 3  # 8 -> 4 -> 2 -> 1, with hysteresis 2

@@ -32,7 +32,7 @@ def _nvme(path: str, **extra) -> dict:
     }
 
 
-def test_nvme_parity(tmp_path) -> None:
+def test_nvme_parity(tmp_path, subtests: pytest.Subtests) -> None:
     z = "zero_optimization"
     cases = [
         {"stage": 3, "gas": 4, "micro": 1, "clip": 1.0, "extra": {z: _nvme(str(tmp_path / "a"))}},
@@ -61,7 +61,7 @@ def test_nvme_parity(tmp_path) -> None:
             },
         },
     ]
-    parity.assert_parity(cases, multirank.run(parity.run_cases, 2, cases, timeout=600), 2)
+    parity.check_parity(subtests, cases, multirank.run(parity.run_cases, 2, cases, timeout=600), 2)
     assert not os.listdir(tmp_path / "a"), "swap files left behind after a clean exit"
 
 

@@ -121,12 +121,12 @@ def test_offloaded_stage3_keeps_one_fp32_host_copy() -> None:
             assert ("master" in r["kinds"]) == (dtype == "bf16"), r
 
 
-def test_offload_parity_two_ranks() -> None:
+def test_offload_parity_two_ranks(subtests: pytest.Subtests) -> None:
     cases = _cases()
-    parity.assert_parity(cases, multirank.run(parity.run_cases, 2, cases, timeout=600), 2)
+    parity.check_parity(subtests, cases, multirank.run(parity.run_cases, 2, cases, timeout=600), 2)
 
 
-def test_hybrid_cpu_adamw_one_rank() -> None:
+def test_hybrid_cpu_adamw_one_rank(subtests: pytest.Subtests) -> None:
     """seeds/004's single-device recipe: CPU AdamW with gradients offloaded and
     accumulated on the CPU (stage 2 + offload_optimizer cpu on one rank)."""
     cases: list[dict[str, Any]] = [
@@ -138,7 +138,7 @@ def test_hybrid_cpu_adamw_one_rank() -> None:
             "extra": {"zero_optimization": {"offload_optimizer": CPU}},
         }
     ]
-    parity.assert_parity(cases, multirank.run(parity.run_cases, 1, cases, timeout=300), 1)
+    parity.check_parity(subtests, cases, multirank.run(parity.run_cases, 1, cases, timeout=300), 1)
 
 
 @pytest.mark.slow

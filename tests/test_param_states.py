@@ -24,8 +24,10 @@ check; ``ZS_DROP_ROW=machine:STATE,EVENT`` drops one, to see it fail).
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 
+import cases
 import multirank
 import pytest
 import torch
@@ -201,7 +203,7 @@ def _worker(rank: int, world: int, tmp: str) -> dict:
         return out
 
     states.step = recorded  # this rank's process only
-    cases = {
+    engines = {
         "plain": lambda: _plain(rank, tmp),
         "reuse": lambda: _reuse_capped(rank, tmp),
         # emb + a fit under the cap, a + b do not: the prefetched a goes for b
@@ -210,14 +212,20 @@ def _worker(rank: int, world: int, tmp: str) -> dict:
             rank, tmp, offload_param={"device": "nvme", "nvme_path": tmp, "buffer_count": 1}
         ),
     }
-    out = {}
+
+    def walk(engine) -> dict:
+        seen.clear()
+        return {**engine(), "seen": sorted(seen)}
+
     try:
-        for name, case in cases.items():
-            seen.clear()
-            out[name] = {**case(), "seen": sorted(seen)}
+        return cases.run_named(
+            (name, functools.partial(walk, engine)) for name, engine in engines.items()
+        )
     finally:
         states.step = step
-    return out
+
+
+NAMES = ("plain", "reuse", "spec", "nvme")
 
 
 @pytest.fixture(scope="module")
@@ -230,13 +238,14 @@ def _rows() -> set[str]:
 
 
 def test_every_transition_is_taken(walked):
-    seen = {k for per_rank in walked for case in per_rank.values() for k in case["seen"]}
+    per_rank = cases.by_rank(walked, *NAMES)
+    seen = {k for r in per_rank for case in r.values() for k in case["seen"]}
     missing = sorted(_rows() - seen)
     assert not missing, f"rows no engine sequence reached: {missing}"
     assert seen <= _rows()
 
 
-def test_each_engine_takes_what_it_is_for(walked):
+def test_each_engine_takes_what_it_is_for(walked, subtests):
     """The rows each engine was built to reach, reached there (a change of the model or
     config that silently stops reaching them fails here, naming the engine)."""
     want = {
@@ -246,33 +255,37 @@ def test_each_engine_takes_what_it_is_for(walked):
         "nvme": {"unit:PREFETCHED,CLAIM"},
     }
     want["plain"] |= {"phase:FORWARD,BACKWARD_START", "phase:BACKWARD,FORWARD_END"}
-    for rank in walked:
-        for name, rows in want.items():
-            assert rows <= set(rank[name]["seen"]), (name, sorted(rows - set(rank[name]["seen"])))
+
+    def check(name: str, per_rank: list) -> None:
+        for walk in per_rank:
+            assert want[name] <= set(walk["seen"]), (name, sorted(want[name] - set(walk["seen"])))
+
+    cases.check_each(subtests, walked, check, names=NAMES)
 
 
-def test_states_agree_with_the_counts(walked):
-    for rank in walked:
-        for name, case in rank.items():
+def test_states_agree_with_the_counts(walked, subtests):
+    def check(name: str, per_rank: list) -> None:
+        for case in per_rank:
             assert all(case["consistent"]), (name, case["consistent"])
-    reuse = walked[0]["reuse"]
+
+    cases.check_each(subtests, walked, check, names=NAMES)
+    reuse = cases.values(walked, "reuse")[0]
     assert all(p <= 130 for p in reuse["peaks"]), reuse["peaks"]
     assert reuse["kept_before_step"] > 0
 
 
 def test_values_and_teardown(walked):
-    for rank in walked:
-        p = rank["plain"]
+    plain = cases.values(walked, "plain")
+    for p in plain:
         assert p["whole_inside"] and p["released_after"]
         # rank 0's edit reached every rank's shard; one SGD step moved it since
-        assert p["edit_seen"] == walked[0]["plain"]["edit_seen"]
+        assert p["edit_seen"] == plain[0]["edit_seen"]
         assert all(abs(v - 1.0) < 0.5 for row in p["edit_seen"] for v in row), p["edit_seen"]
         assert p["detached"] == ["DETACHED"]
 
 
 def test_illegal_orders_are_named_errors(walked):
-    for rank in walked:
-        e = rank["plain"]
+    for e in cases.values(walked, "plain"):
         for case, text in [
             ("evict_needed", "no unit transition from (GATHERED) on EVICT"),
             ("fetch_persistent", "no unit transition from (PERSISTENT) on FETCH"),

@@ -5,13 +5,15 @@ Cases cover accumulation 1, 2 and 4, clipping (checked to trigger), two param gr
 (parameters straddling bucket and rank boundaries), a client optimizer and every config
 optimizer type (AdamW; Adam with decoupled and with L2 weight decay; SGD with momentum).
 One spawn per world size runs all cases; each rank compares its own final parameters,
-losses and global gradient norms with the reference.
+losses and global gradient norms with the reference, and the parent checks each case
+under its own subtest (tests/cases.py), so one failing case does not hide the others.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import cases
 import multirank
 import parity
 import pytest
@@ -119,24 +121,31 @@ def _clip_failures(case: dict, per_rank: list[dict]) -> list[str]:
     return out
 
 
-@pytest.mark.parametrize("world", [pytest.param(2, marks=pytest.mark.slow), 3])
-def test_stage_parity(world: int) -> None:
-    cases = _cases()
-    results = multirank.run(parity.run_cases, world, cases, timeout=600)
+def _check_stage(case: dict, per_rank: list[dict], world: int) -> None:
     failures = []
-    for i, case in enumerate(cases):
-        per_rank = [r[i] for r in results]
-        losses = [
-            sum(r["losses"][s] for r in per_rank) / world for s in range(len(per_rank[0]["losses"]))
-        ]
-        loss_diff = max(abs(a - b) for a, b in zip(losses, per_rank[0]["ref_losses"], strict=True))
-        param_diff = max(r["param_diff"] for r in per_rank)
-        if not (loss_diff <= TOL and param_diff <= TOL):
-            failures.append(f"{case}: loss diff {loss_diff:.3g}, param diff {param_diff:.3g}")
-        if not per_rank[0]["movement"] >= MIN_MOVEMENT:
-            failures.append(f"{case}: parameters move only {per_rank[0]['movement']:.3g}")
-        failures += _clip_failures(case, per_rank)
+    losses = [
+        sum(r["losses"][s] for r in per_rank) / world for s in range(len(per_rank[0]["losses"]))
+    ]
+    loss_diff = max(abs(a - b) for a, b in zip(losses, per_rank[0]["ref_losses"], strict=True))
+    param_diff = max(r["param_diff"] for r in per_rank)
+    if not (loss_diff <= TOL and param_diff <= TOL):
+        failures.append(f"{case}: loss diff {loss_diff:.3g}, param diff {param_diff:.3g}")
+    if not per_rank[0]["movement"] >= MIN_MOVEMENT:
+        failures.append(f"{case}: parameters move only {per_rank[0]['movement']:.3g}")
+    failures += _clip_failures(case, per_rank)
     assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize("world", [pytest.param(2, marks=pytest.mark.slow), 3])
+def test_stage_parity(world: int, subtests: pytest.Subtests) -> None:
+    by_name = {parity.case_name(c): c for c in _cases()}
+    results = multirank.run(parity.run_cases, world, list(by_name.values()), timeout=600)
+    cases.check_each(
+        subtests,
+        results,
+        lambda name, per_rank: _check_stage(by_name[name], per_rank, world),
+        names=list(by_name),
+    )
 
 
 LOW_TOL = {"bf16": (2e-3, 1.5e-2), "fp16": (5e-4, 1e-2)}  # (loss, parameter) abs tolerance
@@ -174,33 +183,40 @@ def _low_cases() -> list[dict]:
     ]
 
 
-def test_low_precision_parity() -> None:
+def _check_low(case: dict, per_rank: list[dict]) -> None:
+    failures = []
+    steps = len(per_rank[0]["losses"])
+    losses = [sum(r["losses"][s] for r in per_rank) / 2 for s in range(steps)]
+    loss_diff = max(abs(a - b) for a, b in zip(losses, per_rank[0]["ref_losses"], strict=True))
+    param_diff = max(r["param_diff"] for r in per_rank)
+    update_err = max(r["update_err"] for r in per_rank)
+    movement = per_rank[0]["movement"]
+    loss_tol, param_tol = LOW_TOL[case["dtype"]]
+    if case.get("opt") == "SGD":
+        param_tol = min(param_tol, ULP_AT_1[case["dtype"]])
+        if not movement >= 10 * param_tol:
+            failures.append(f"{case}: parameters move only {movement:.3g}")
+    if not (
+        loss_diff <= loss_tol
+        and param_diff <= param_tol
+        and update_err <= UPDATE_TOL[case["dtype"]]
+    ):
+        failures.append(
+            f"{case}: loss diff {loss_diff:.3g}, param diff {param_diff:.3g}, "
+            f"update error {update_err:.3g} (movement {movement:.3g})"
+        )
+    assert not failures, "\n".join(failures)
+
+
+def test_low_precision_parity(subtests: pytest.Subtests) -> None:
     """bf16 / fp16 compute with fp32 masters agree with the fp32 reference within the
     dtype's resolution (bf16 keeps 8 mantissa bits, fp16 11), tightly enough that a
     missing or wrongly scaled update fails."""
-    cases = _low_cases()
-    results = multirank.run(parity.run_cases, 2, cases, timeout=600)
-    failures = []
-    for i, case in enumerate(cases):
-        per_rank = [r[i] for r in results]
-        steps = len(per_rank[0]["losses"])
-        losses = [sum(r["losses"][s] for r in per_rank) / 2 for s in range(steps)]
-        loss_diff = max(abs(a - b) for a, b in zip(losses, per_rank[0]["ref_losses"], strict=True))
-        param_diff = max(r["param_diff"] for r in per_rank)
-        update_err = max(r["update_err"] for r in per_rank)
-        movement = per_rank[0]["movement"]
-        loss_tol, param_tol = LOW_TOL[case["dtype"]]
-        if case.get("opt") == "SGD":
-            param_tol = min(param_tol, ULP_AT_1[case["dtype"]])
-            if not movement >= 10 * param_tol:
-                failures.append(f"{case}: parameters move only {movement:.3g}")
-        if not (
-            loss_diff <= loss_tol
-            and param_diff <= param_tol
-            and update_err <= UPDATE_TOL[case["dtype"]]
-        ):
-            failures.append(
-                f"{case}: loss diff {loss_diff:.3g}, param diff {param_diff:.3g}, "
-                f"update error {update_err:.3g} (movement {movement:.3g})"
-            )
-    assert not failures, "\n".join(failures)
+    by_name = {parity.case_name(c): c for c in _low_cases()}
+    results = multirank.run(parity.run_cases, 2, list(by_name.values()), timeout=600)
+    cases.check_each(
+        subtests,
+        results,
+        lambda name, per_rank: _check_low(by_name[name], per_rank),
+        names=list(by_name),
+    )

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import cases
 import multirank
 import pytest
 import torch
@@ -116,63 +117,71 @@ def _ring_kernel_case(comm: Comm, vcomm: Comm) -> dict:
 
 
 def _models_case(rank, world):
-    comm, vcomm, out = Comm(), Comm(), {}
-    sp, layers, h = world, 2, 32
+    comm, vcomm = Comm(), Comm()
+    return cases.run_named(
+        [
+            ("ring_kernel", lambda: _ring_kernel_case(comm, vcomm)),
+            ("ulysses", lambda: _model_case(comm, vcomm, "ulysses", apply_ulysses, False)),
+            ("ring", lambda: _model_case(comm, vcomm, "ring", apply_ring_attention, True)),
+        ]
+    )
+
+
+def _model_case(comm, vcomm, kind: str, apply, balanced: bool) -> dict:
+    out = {}
     idx, tgt = _data()
-    out["ring_kernel"] = _ring_kernel_case(comm, vcomm)
+    # built-in GPT: each rank's loss is the mean over its tokens; gradients averaged
+    ref = _gpt()
+    model = twin(ref)
+    apply(model, comm)
+    loss_ref = ref(idx, tgt)
+    loss_ref.backward()
+    li, lt = (shard_sequence(x, comm, load_balanced=balanced) for x in (idx, tgt))
+    loss, fwd, bwd = run_fwd_bwd(model, comm, lambda m, li=li, lt=lt: m(li, lt))
+    total = loss.detach().clone()
+    vcomm.all_reduce(total, op="avg")
+    _reduce_grads(model, vcomm, "avg")
+    out[f"gpt_{kind}"] = {"loss": abs(total.item() - loss_ref.item()),
+                          "grads": max(grad_diffs(ref, model, vcomm).values()), "fwd": fwd, "bwd": bwd}  # fmt: skip
 
-    for kind, apply, balanced in (
-        ("ulysses", apply_ulysses, False),
-        ("ring", apply_ring_attention, True),
-    ):
-        # built-in GPT: each rank's loss is the mean over its tokens; gradients averaged
-        ref = _gpt()
-        model = twin(ref)
-        apply(model, comm)
-        loss_ref = ref(idx, tgt)
-        loss_ref.backward()
-        li, lt = (shard_sequence(x, comm, load_balanced=balanced) for x in (idx, tgt))
-        loss, fwd, bwd = run_fwd_bwd(model, comm, lambda m, li=li, lt=lt: m(li, lt))
-        total = loss.detach().clone()
-        vcomm.all_reduce(total, op="avg")
-        _reduce_grads(model, vcomm, "avg")
-        out[f"gpt_{kind}"] = {"loss": abs(total.item() - loss_ref.item()),
-                              "grads": max(grad_diffs(ref, model, vcomm).values()), "fwd": fwd, "bwd": bwd}  # fmt: skip
+    # transformers Llama (GQA): labels shifted for the whole sequence, then split;
+    # the loss is normalized by the global token count, so gradients are summed
+    ref = tiny_llama()
+    model = twin(ref)
+    apply(model, comm)
+    loss_ref = ref(input_ids=idx, labels=idx, use_cache=False).loss
+    loss_ref.backward()
+    shift = torch.cat([idx[:, 1:], torch.full((B, 1), -100)], dim=1)
+    n_items = (shift != -100).sum()
+    li, ls = (shard_sequence(x, comm, load_balanced=balanced) for x in (idx, shift))
 
-        # transformers Llama (GQA): labels shifted for the whole sequence, then split;
-        # the loss is normalized by the global token count, so gradients are summed
-        ref = tiny_llama()
-        model = twin(ref)
-        apply(model, comm)
-        loss_ref = ref(input_ids=idx, labels=idx, use_cache=False).loss
-        loss_ref.backward()
-        shift = torch.cat([idx[:, 1:], torch.full((B, 1), -100)], dim=1)
-        n_items = (shift != -100).sum()
-        li, ls = (shard_sequence(x, comm, load_balanced=balanced) for x in (idx, shift))
+    def fn(m, li=li, ls=ls, n_items=n_items):
+        return m(
+            input_ids=li,
+            labels=ls,
+            shift_labels=ls,
+            num_items_in_batch=n_items,
+            use_cache=False,
+        ).loss
 
-        def fn(m, li=li, ls=ls, n_items=n_items):
-            return m(
-                input_ids=li,
-                labels=ls,
-                shift_labels=ls,
-                num_items_in_batch=n_items,
-                use_cache=False,
-            ).loss
+    loss, fwd, bwd = run_fwd_bwd(model, comm, fn)
+    total = loss.detach().clone()
+    vcomm.all_reduce(total)
+    _reduce_grads(model, vcomm, "sum")
+    out[f"llama_{kind}"] = {"loss": abs(total.item() - loss_ref.item()),
+                            "grads": max(grad_diffs(ref, model, vcomm).values()), "fwd": fwd, "bwd": bwd}  # fmt: skip
+    return out
 
-        loss, fwd, bwd = run_fwd_bwd(model, comm, fn)
-        total = loss.detach().clone()
-        vcomm.all_reduce(total)
-        _reduce_grads(model, vcomm, "sum")
-        out[f"llama_{kind}"] = {"loss": abs(total.item() - loss_ref.item()),
-                                "grads": max(grad_diffs(ref, model, vcomm).values()), "fwd": fwd, "bwd": bwd}  # fmt: skip
+
+def _expected(sp: int, layers: int = 2, h: int = 32) -> dict:
+    """(calls, bytes) forward; ring: the stacked k and v blocks."""
     kv_h = 2 * 8  # Llama: 2 key/value heads of 8
-    out["expect"] = {  # (calls, bytes) forward; ring: the stacked k and v blocks
+    return {
         "gpt_ulysses": (4 * layers, 4 * layers * B * S * h // sp * F32),
         "llama_ulysses": (4 * layers, 2 * layers * B * S * (h + kv_h) // sp * F32),
         "gpt_ring": (layers * (sp - 1), layers * (sp - 1) * 2 * B * S * h // sp * F32),
         "llama_ring": (layers * (sp - 1), layers * (sp - 1) * 2 * B * S * kv_h // sp * F32),
     }
-    return out
 
 
 def _tp_sp_case(rank, world):
@@ -198,31 +207,55 @@ def _tp_sp_case(rank, world):
             "grads": max(grad_diffs(ref, model, vtp).values())}  # fmt: skip
 
 
-def test_sequence_parallel_on_two_ranks():
-    results = multirank.run(_models_case, 2, timeout=600)
-    for r in results:
-        assert r["ring_kernel"]["causal"] <= TOL and r["ring_kernel"]["full"] <= TOL
+def _check_ring_kernel(per_rank: list) -> None:
+    for kernel in per_rank:
+        assert kernel["causal"] <= TOL and kernel["full"] <= TOL
         # cp=2: forward passes the kv block once, backward once more plus its gradient twice
         kv_bytes = 2 * 2 * 2 * (S // 2) * 8 * F32
-        assert r["ring_kernel"]["ledger"] == [1, 3, kv_bytes]
-        for key in ("gpt_ulysses", "llama_ulysses", "gpt_ring", "llama_ring"):
+        assert kernel["ledger"] == [1, 3, kv_bytes]
+
+
+def _check_models(kind: str, per_rank: list) -> None:
+    expect = _expected(sp=2)
+    for r in per_rank:
+        for key in (f"gpt_{kind}", f"llama_{kind}"):
             c = r[key]
             assert c["loss"] <= TOL, (key, c["loss"])
             assert c["grads"] <= TOL, (key, c["grads"])
             op = "all_to_all" if "ulysses" in key else "send_recv"
-            assert c["fwd"] == {op: list(r["expect"][key])}, (key, c["fwd"])
+            assert c["fwd"] == {op: list(expect[key])}, (key, c["fwd"])
             calls = c["fwd"][op][0]
             assert c["bwd"][op][0] == (calls if op == "all_to_all" else 3 * calls)
 
 
+def test_sequence_parallel_on_two_ranks(subtests: pytest.Subtests) -> None:
+    results = multirank.run(_models_case, 2, timeout=600)
+    cases.check(subtests, results, "ring_kernel", _check_ring_kernel)
+    cases.check_each(subtests, results, _check_models, names=["ulysses", "ring"])
+
+
 def _four_rank_case(rank, world):
     comm = Comm()
-    return {"ring_cp4": _ring_kernel_case(comm, Comm()), "tp2_x_ulysses2": _tp_sp_case(rank, world)}
+    return cases.run_named(
+        [
+            ("ring_cp4", lambda: _ring_kernel_case(comm, Comm())),
+            ("tp2_x_ulysses2", lambda: _tp_sp_case(rank, world)),
+        ]
+    )
 
 
-def test_ring_cp4_and_tp2_times_ulysses2_on_four_ranks():
+def _check_cp4(per_rank: list) -> None:
+    for r in per_rank:
+        assert r["causal"] <= TOL and r["full"] <= TOL
+        assert r["ledger"][:2] == [3, 7]  # cp-1 kv sends; backward cp-1 + cp
+
+
+def _check_tp_sp(per_rank: list) -> None:
+    for r in per_rank:
+        assert r["loss"] <= TOL and r["grads"] <= TOL
+
+
+def test_ring_cp4_and_tp2_times_ulysses2_on_four_ranks(subtests: pytest.Subtests) -> None:
     results = multirank.run(_four_rank_case, 4, timeout=600)
-    for r in results:
-        assert r["ring_cp4"]["causal"] <= TOL and r["ring_cp4"]["full"] <= TOL
-        assert r["ring_cp4"]["ledger"][:2] == [3, 7]  # cp-1 kv sends; backward cp-1 + cp
-        assert r["tp2_x_ulysses2"]["loss"] <= TOL and r["tp2_x_ulysses2"]["grads"] <= TOL
+    cases.check(subtests, results, "ring_cp4", _check_cp4)
+    cases.check(subtests, results, "tp2_x_ulysses2", _check_tp_sp)

@@ -4,8 +4,12 @@ the hook counts equal those of one ``initialize``. One 2-rank spawn runs every c
 
 from __future__ import annotations
 
+import functools
+
+import cases
 import multirank
 import parity
+import pytest
 import torch
 
 TOL = parity.TOL
@@ -28,59 +32,65 @@ def _case(stage: int, dtype: str, offload: bool) -> dict:
     return {"stage": stage, "dtype": dtype, "staged": offload, "extra": {"zero_optimization": z}}
 
 
-def _worker(rank: int, world: int) -> list[dict]:
+REINIT = [
+    (0, "bf16", False),
+    (1, "fp32", True),
+    (2, "bf16", False),
+    (3, "bf16", False),
+    (3, "fp32", True),
+]
+
+
+def _reinit(rank: int, world: int, stage: int, dtype: str, offload: bool) -> dict:
     import zeroshard
 
-    out = []
-    for stage, dtype, offload in (
-        (0, "bf16", False),
-        (1, "fp32", True),
-        (2, "bf16", False),
-        (3, "bf16", False),
-        (3, "fp32", True),
-    ):
-        case = {**_case(stage, dtype, offload), "steps": 2}
-        _, first = parity.train(case, rank, world)
-        model = first.module
-        once = _hook_counts(model)
-        before = parity.full_params(first)
-        # a second initialize on the same model, without destroy()
-        cfg = parity.ds_config(case)
-        second, *_ = zeroshard.initialize(
-            model=model, model_parameters=parity.param_groups(model), config=cfg
-        )
-        twice = _hook_counts(model)
-        stale = ""
-        try:
-            first.step()
-        except RuntimeError as exc:
-            stale = str(exc)
-        kept = parity.max_param_diff(parity.full_params(second), before)
-        # the second engine trains
-        x, y = parity.batch(7, 2 * world)
-        second.backward(second(x[2 * rank : 2 * rank + 2], y[2 * rank : 2 * rank + 2]))
-        second.step()
-        trained = parity.max_param_diff(parity.full_params(second), before)
-        # destroy: no hooks left, parameters whole, plain torch runs on them
-        whole = parity.full_params(second)
-        second.destroy()
-        gone = _hook_counts(model)
-        plain = {n: p.detach().float() for n, p in model.named_parameters()}
-        loss = model(x[:2], y[:2]).float().item()
-        out.append(
-            {
-                "case": [stage, dtype, offload],
-                "once": once,
-                "twice": twice,
-                "gone": gone,
-                "stale": stale,
-                "kept": kept,
-                "trained": trained,
-                "destroyed_equal": parity.max_param_diff(plain, whole),
-                "loss_finite": bool(torch.isfinite(torch.tensor(loss))),
-            }
-        )
-    return out
+    case = {**_case(stage, dtype, offload), "steps": 2}
+    _, first = parity.train(case, rank, world)
+    model = first.module
+    once = _hook_counts(model)
+    before = parity.full_params(first)
+    # a second initialize on the same model, without destroy()
+    cfg = parity.ds_config(case)
+    second, *_ = zeroshard.initialize(
+        model=model, model_parameters=parity.param_groups(model), config=cfg
+    )
+    twice = _hook_counts(model)
+    stale = ""
+    try:
+        first.step()
+    except RuntimeError as exc:
+        stale = str(exc)
+    kept = parity.max_param_diff(parity.full_params(second), before)
+    # the second engine trains
+    x, y = parity.batch(7, 2 * world)
+    second.backward(second(x[2 * rank : 2 * rank + 2], y[2 * rank : 2 * rank + 2]))
+    second.step()
+    trained = parity.max_param_diff(parity.full_params(second), before)
+    # destroy: no hooks left, parameters whole, plain torch runs on them
+    whole = parity.full_params(second)
+    second.destroy()
+    gone = _hook_counts(model)
+    plain = {n: p.detach().float() for n, p in model.named_parameters()}
+    loss = model(x[:2], y[:2]).float().item()
+    return {
+        "case": [stage, dtype, offload],
+        "once": once,
+        "twice": twice,
+        "gone": gone,
+        "stale": stale,
+        "kept": kept,
+        "trained": trained,
+        "destroyed_equal": parity.max_param_diff(plain, whole),
+        "loss_finite": bool(torch.isfinite(torch.tensor(loss))),
+    }
+
+
+def _name(stage: int, dtype: str, offload: bool) -> str:
+    return f"stage={stage} {dtype} offload={offload}"
+
+
+def _worker(rank: int, world: int) -> dict:
+    return cases.run_named((_name(*c), functools.partial(_reinit, rank, world, *c)) for c in REINIT)
 
 
 def _misuse(rank: int, world: int) -> list[str]:
@@ -105,15 +115,19 @@ def test_misuse_is_named_at_its_first_occurrence() -> None:
         assert "call engine.step()" in step
 
 
-def test_reinitialize_and_destroy() -> None:
-    for per_rank in multirank.run(_worker, 2, timeout=300):
-        for r in per_rank:
-            assert r["once"] == r["twice"], r
-            assert r["once"]["grad"] > 0, r  # the reducer's hooks were there
-            assert r["gone"] == {"forward_pre": 0, "forward": 0, "grad": 0, "tracked": 0}, r
-            assert "destroyed" in r["stale"], r
-            assert r["kept"] == 0.0 and r["trained"] > 0, r
-            assert r["destroyed_equal"] == 0.0 and r["loss_finite"], r
+def _check_reinit(name: str, per_rank: list) -> None:
+    for r in per_rank:
+        assert r["once"] == r["twice"], r
+        assert r["once"]["grad"] > 0, r  # the reducer's hooks were there
+        assert r["gone"] == {"forward_pre": 0, "forward": 0, "grad": 0, "tracked": 0}, r
+        assert "destroyed" in r["stale"], r
+        assert r["kept"] == 0.0 and r["trained"] > 0, r
+        assert r["destroyed_equal"] == 0.0 and r["loss_finite"], r
+
+
+def test_reinitialize_and_destroy(subtests: pytest.Subtests) -> None:
+    results = multirank.run(_worker, 2, timeout=300)
+    cases.check_each(subtests, results, _check_reinit, names=[_name(*c) for c in REINIT])
 
 
 def test_failed_initialize_leaves_no_hooks(tmp_path) -> None:

@@ -6,9 +6,11 @@ parameter bytes per rank are divided by the TP size; bad layouts are refused by 
 
 from __future__ import annotations
 
+import functools
 import types
 from typing import Any
 
+import cases
 import multirank
 import pytest
 import torch
@@ -170,45 +172,46 @@ def _bytes(ref, model, sharding, t: int) -> tuple[int, int, int]:
     return split + whole, local_param_bytes(model), split // t + whole
 
 
-def _gpt_cases(rank, world):
-    comm, vcomm, out = Comm(), Comm(), {}
+def _gpt_case(rank, world, sp: bool) -> dict:
+    comm, vcomm = Comm(), Comm()
     idx, tgt = _batch(64)
-    for sp in (False, True):
-        ref = _gpt()
-        model = twin(ref)
-        sharding = apply_tensor_parallel(model, comm, sequence_parallel=sp)
-        loss_ref = ref(idx, tgt)
-        loss_ref.backward()
-        loss, fwd, bwd = run_fwd_bwd(model, comm, lambda m: m(idx, tgt))
-        if sp:
-            sync_partial_grads(model, comm)
-        key = "sp" if sp else "tp"
-        out[key] = {
-            "loss": abs(loss.item() - loss_ref.item()),
-            "grads": max(grad_diffs(ref, model, vcomm).values()),
-            "fwd": fwd,
-            "bwd": bwd,
-            "bytes": _bytes(ref, model, sharding, world),
-            "sharded": sorted(sharding.slices),
-            "partial": sorted(sharding.partial_grad),
-        }
-        if not sp:  # three AdamW steps on the shards track the unsplit model
-            opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3)  # parity.py's rate
-            opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-            for step in range(3):
-                if step:
-                    i, t = _batch(64, seed=10 + step)
-                    ref.zero_grad()
-                    model.zero_grad()
-                    ref(i, t).backward()
-                    model(i, t).backward()
-                opt_ref.step()
-                opt.step()
-            out["tp"]["params_after_3_steps"] = param_diffs(ref, model, vcomm)
+    ref = _gpt()
+    model = twin(ref)
+    sharding = apply_tensor_parallel(model, comm, sequence_parallel=sp)
+    loss_ref = ref(idx, tgt)
+    loss_ref.backward()
+    loss, fwd, bwd = run_fwd_bwd(model, comm, lambda m: m(idx, tgt))
+    if sp:
+        sync_partial_grads(model, comm)
+    out = {
+        "loss": abs(loss.item() - loss_ref.item()),
+        "grads": max(grad_diffs(ref, model, vcomm).values()),
+        "fwd": fwd,
+        "bwd": bwd,
+        "bytes": _bytes(ref, model, sharding, world),
+        "sharded": sorted(sharding.slices),
+        "partial": sorted(sharding.partial_grad),
+    }
+    if not sp:  # three AdamW steps on the shards track the unsplit model
+        opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3)  # parity.py's rate
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        for step in range(3):
+            if step:
+                i, t = _batch(64, seed=10 + step)
+                ref.zero_grad()
+                model.zero_grad()
+                ref(i, t).backward()
+                model(i, t).backward()
+            opt_ref.step()
+            opt.step()
+        out["params_after_3_steps"] = param_diffs(ref, model, vcomm)
     return out
 
 
-def _hf_cases(rank, world):
+HF_KEYS = ("llama", "llama_sp", "gpt2", "mixtral", "bert", "llama_loss_parallel")
+
+
+def _hf_case(rank, world, key: str) -> dict:
     from transformers import (
         BertConfig,
         BertForMaskedLM,
@@ -218,7 +221,7 @@ def _hf_cases(rank, world):
         MixtralForCausalLM,
     )
 
-    comm, vcomm, out = Comm(), Comm(), {}
+    comm, vcomm = Comm(), Comm()
     idx, tgt = _batch(64)
 
     def causal(m):
@@ -246,34 +249,33 @@ def _hf_cases(rank, world):
                                           attention_probs_dropout_prob=0.0))  # fmt: skip
 
     mlm_labels = torch.where(tgt % 3 == 0, idx, torch.full_like(idx, -100))
-    cases = {
+    builds = {
         "llama": (lambda: tiny_llama(), causal, False),
         "llama_sp": (lambda: tiny_llama(), causal, True),
         "gpt2": (build_gpt2, causal, False),
         "mixtral": (build_mixtral, causal, False),
         "bert": (build_bert, lambda m: m(input_ids=idx, labels=mlm_labels).loss, False),
     }
-    cases["llama_loss_parallel"] = (lambda: tiny_llama(), causal, False)
-    for key, (build, fn, sp) in cases.items():
-        ref = build().train()
-        model = twin(ref)
-        lp = key.endswith("loss_parallel")
-        sharding = apply_tensor_parallel(model, comm, sequence_parallel=sp, loss_parallel=lp)
-        loss_ref = fn(ref)
-        loss_ref.backward()
-        loss, fwd, bwd = run_fwd_bwd(model, comm, fn)
-        sync_partial_grads(model, comm)
-        out[key] = {
-            "loss": abs(loss.item() - loss_ref.item()),
-            "grads": max(grad_diffs(ref, model, vcomm).values()),
-            "fwd": fwd,
-            "bwd": bwd,
-            "bytes": _bytes(ref, model, sharding, world),
-            "n_sharded": len(sharding.slices),
-            "logits": list(model(input_ids=idx, use_cache=False).logits.shape) if lp else None,
-            "partial": sorted(sharding.partial_grad),
-        }
-    return out
+    builds["llama_loss_parallel"] = (lambda: tiny_llama(), causal, False)
+    build, fn, sp = builds[key]
+    ref = build().train()
+    model = twin(ref)
+    lp = key.endswith("loss_parallel")
+    sharding = apply_tensor_parallel(model, comm, sequence_parallel=sp, loss_parallel=lp)
+    loss_ref = fn(ref)
+    loss_ref.backward()
+    loss, fwd, bwd = run_fwd_bwd(model, comm, fn)
+    sync_partial_grads(model, comm)
+    return {
+        "loss": abs(loss.item() - loss_ref.item()),
+        "grads": max(grad_diffs(ref, model, vcomm).values()),
+        "fwd": fwd,
+        "bwd": bwd,
+        "bytes": _bytes(ref, model, sharding, world),
+        "n_sharded": len(sharding.slices),
+        "logits": list(model(input_ids=idx, use_cache=False).logits.shape) if lp else None,
+        "partial": sorted(sharding.partial_grad),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -282,35 +284,37 @@ def results():
 
 
 def _run_all(rank, world):
-    return {
-        "layers": _layers_case(rank, world),
-        "gpt": _gpt_cases(rank, world),
-        "hf": _hf_cases(rank, world),
-    }
+    return cases.run_named(
+        [
+            ("layers", lambda: _layers_case(rank, world)),
+            ("gpt tp", lambda: _gpt_case(rank, world, sp=False)),
+            ("gpt sp", lambda: _gpt_case(rank, world, sp=True)),
+            *((f"hf {key}", functools.partial(_hf_case, rank, world, key)) for key in HF_KEYS),
+        ]
+    )
 
 
 def test_layers_and_vocab_parallel_loss(results):
-    for r in results:
-        assert r["layers"]["layers"] <= TOL
-        assert r["layers"]["ce_loss"] <= TOL and r["layers"]["ce_grad"] <= TOL
+    for layers in cases.values(results, "layers"):
+        assert layers["layers"] <= TOL
+        assert layers["ce_loss"] <= TOL and layers["ce_grad"] <= TOL
 
 
 def test_gpt_tp2_parity_ledger_and_bytes(results):
-    for r in results:
-        g = r["gpt"]["tp"]
+    for g in cases.values(results, "gpt tp"):
         assert g["loss"] <= TOL and g["grads"] <= TOL and g["params_after_3_steps"] <= TOL
         assert (g["fwd"], g["bwd"]) == _ledger(False)
         assert "blocks.0.attn.qkv.weight" in g["sharded"] and "head.weight" in g["sharded"]
 
 
 def test_gpt_megatron_sp_parity_and_ledger(results):
-    for r in results:
-        g = r["gpt"]["sp"]
+    for r in cases.by_rank(results, "gpt sp", "gpt tp"):
+        g = r["gpt sp"]
         assert g["loss"] <= TOL and g["grads"] <= TOL
         assert (g["fwd"], g["bwd"]) == _ledger(True)
         assert "blocks.0.ln1.weight" in g["partial"] and "pos_emb.weight" in g["partial"]
         # the same bytes as TP's all-reduces (all-gather + reduce-scatter = one all-reduce)
-        tp = r["gpt"]["tp"]
+        tp = r["gpt tp"]
         assert sum(b for _, b in g["fwd"].values()) == sum(b for _, b in tp["fwd"].values())
 
 
@@ -323,8 +327,7 @@ def _ledger(sp: bool):
     "key", ["llama", "llama_sp", "llama_loss_parallel", "gpt2", "mixtral", "bert"]
 )
 def test_transformers_models_tp2_parity(results, key):
-    for r in results:
-        c = r["hf"][key]
+    for c in cases.values(results, f"hf {key}"):
         assert c["loss"] <= TOL, c["loss"]
         assert c["grads"] <= TOL, c["grads"]
         assert c["n_sharded"] > 0
@@ -342,11 +345,13 @@ def test_transformers_models_tp2_parity(results, key):
 def test_parameter_bytes_divide_by_tp(results):
     """Measured on each rank's sharded model: every split tensor holds 1/t of its bytes;
     only norms, row-layer biases and position tables stay whole."""
-    for r in results:
-        for c in [r["gpt"]["tp"], r["gpt"]["sp"], *r["hf"].values()]:
+    names = ["gpt tp", "gpt sp", *(f"hf {key}" for key in HF_KEYS)]
+    per_rank = cases.by_rank(results, *names)
+    for r in per_rank:
+        for c in r.values():
             full, local, expected = c["bytes"]
             assert local == expected, c["bytes"]
-    full, local, _ = results[0]["gpt"]["tp"]["bytes"]
+    full, local, _ = per_rank[0]["gpt tp"]["bytes"]
     replicated = (
         16 * 32 + 2 * 6 * 32 + 2 * 32
     ) * F32  # pos_emb; per block 2 norms + 2 row biases; ln_f

@@ -2,13 +2,16 @@
 ``tensor_parallel`` and ``sequence_parallel_size`` build the mesh, AutoTP and Ulysses /
 ring attention are applied, and ZeRO stages 0-3 (CPU offload too) shard over the
 data-parallel axis. Every case trains on 4 gloo ranks and must end where single-process
-fp32 torch ends (2e-5), gradient norms included; one spawn runs them all.
+fp32 torch ends (2e-5), gradient norms included; one spawn runs them all, each case a
+named case (tests/cases.py) checked by its own test, so one failing case hides no other.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
+import cases
 import multirank
 import pytest
 import torch
@@ -222,10 +225,12 @@ def _checkpoint(rank: int, world: int, root: str) -> dict:
 
 def _worker(rank: int, world: int, root: str) -> dict:
     torch.set_num_threads(1)
-    return {
-        "cases": [_run(case, rank, world) for case in CASES],
-        "checkpoint": _checkpoint(rank, world, root),
-    }
+    return cases.run_named(
+        [
+            *((cases.label(c), functools.partial(_run, c, rank, world)) for c in CASES),
+            ("checkpoint", lambda: _checkpoint(rank, world, root)),
+        ]
+    )
 
 
 @pytest.fixture(scope="module")
@@ -261,6 +266,7 @@ def _load_elsewhere(rank: int, world: int, root: str, layout: dict) -> dict:
 
 @pytest.mark.slow
 def test_tensor_parallel_checkpoint_loads_at_tp1_dp1_and_tp2_dp1(everything, tp_root):
+    cases.values(everything, "checkpoint")  # the save it loads was made
     case = {"model": "gpt", "stage": 3, "clip": 0.5}
     for world, layout, sizes in (
         (1, {**case, "stage": 0}, [1, 1]),
@@ -271,14 +277,8 @@ def test_tensor_parallel_checkpoint_loads_at_tp1_dp1_and_tp2_dp1(everything, tp_
             assert r["loaded"] == 0.0 and r["continued"] <= TOL, (layout, r)
 
 
-@pytest.fixture(scope="module")
-def results(everything):
-    return [r["cases"] for r in everything]
-
-
 def test_tensor_parallel_checkpoints_reshard(everything):
-    for rank, r in enumerate(everything):
-        c = r["checkpoint"]
+    for rank, c in enumerate(cases.values(everything, "checkpoint")):
         assert c["same"]["sizes"] == [2, 2] and c["dp4"]["sizes"] == [4, 1], c
         assert c["same"]["loaded"] == 0.0 and c["same"]["continued"] == 0.0, c  # bitwise
         assert c["dp4"]["loaded"] == 0.0 and c["dp4"]["continued"] <= TOL, c
@@ -287,10 +287,9 @@ def test_tensor_parallel_checkpoints_reshard(everything):
 
 
 @pytest.mark.parametrize("i", range(len(CASES)), ids=[str(c) for c in CASES])
-def test_parallel_layout_matches_single_process(results, i):
+def test_parallel_layout_matches_single_process(everything, i):
     case = CASES[i]
-    for r in results:
-        got = r[i]
+    for got in cases.values(everything, cases.label(case)):
         want = [2, 2, 1] if case.get("tp") else [2, 1, 2]
         assert got["sizes"] == want, (case, got)
         assert got["param"] <= TOL, (case, got)

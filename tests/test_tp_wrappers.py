@@ -13,9 +13,11 @@ What AutoTP cannot split is named in one error.
 from __future__ import annotations
 
 import ast
+import functools
 import types
 from typing import Any
 
+import cases
 import multirank
 import pytest
 import torch
@@ -192,39 +194,42 @@ def _ids(seed: int) -> torch.Tensor:
     return torch.randint(0, V, (B, S), generator=torch.Generator().manual_seed(seed))
 
 
+def _apply_case(key: str, comm, vcomm) -> dict:
+    build, loss_fn, must_split = CASES[key]
+    ref = build().train()
+    model = twin(ref)
+    sharding = apply_tensor_parallel(model, comm, **OPTIONS.get(key, {}))
+    # SGD: a step is linear in the gradient (Adam's would turn the round-off of a
+    # near-zero LoRA gradient, 1e-8 against 1e-2, into a whole step of difference)
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.002, momentum=0.9)
+    opt = torch.optim.SGD(model.parameters(), lr=0.002, momentum=0.9)
+    worst = {"loss": 0.0, "grads": 0.0}
+    for step in range(3):
+        ids = _ids(step)
+        loss_ref, loss = loss_fn(ref, ids), loss_fn(model, ids)
+        loss_ref.backward()
+        loss.backward()
+        sync_partial_grads(model, comm)
+        worst["loss"] = max(worst["loss"], abs(loss.item() - loss_ref.item()))
+        worst["grads"] = max(worst["grads"], max(grad_diffs(ref, model, vcomm).values()))
+        opt_ref.step()
+        opt.step()
+        opt_ref.zero_grad()
+        opt.zero_grad()
+    return {
+        **worst,
+        "params": param_diffs(ref, model, vcomm),
+        "missing": [n for n in must_split if n not in sharding.slices],
+        "n_split": len(sharding.slices),
+        "replicated": sorted(sharding.replicated),
+    }
+
+
 def _apply_cases(rank: int, world: int) -> dict:
     from zeroshard.distributed.comm import Comm
 
-    comm, vcomm, out = Comm(), Comm(), {}
-    for key, (build, loss_fn, must_split) in CASES.items():
-        ref = build().train()
-        model = twin(ref)
-        sharding = apply_tensor_parallel(model, comm, **OPTIONS.get(key, {}))
-        # SGD: a step is linear in the gradient (Adam's would turn the round-off of a
-        # near-zero LoRA gradient, 1e-8 against 1e-2, into a whole step of difference)
-        opt_ref = torch.optim.SGD(ref.parameters(), lr=0.002, momentum=0.9)
-        opt = torch.optim.SGD(model.parameters(), lr=0.002, momentum=0.9)
-        worst = {"loss": 0.0, "grads": 0.0}
-        for step in range(3):
-            ids = _ids(step)
-            loss_ref, loss = loss_fn(ref, ids), loss_fn(model, ids)
-            loss_ref.backward()
-            loss.backward()
-            sync_partial_grads(model, comm)
-            worst["loss"] = max(worst["loss"], abs(loss.item() - loss_ref.item()))
-            worst["grads"] = max(worst["grads"], max(grad_diffs(ref, model, vcomm).values()))
-            opt_ref.step()
-            opt.step()
-            opt_ref.zero_grad()
-            opt.zero_grad()
-        out[key] = {
-            **worst,
-            "params": param_diffs(ref, model, vcomm),
-            "missing": [n for n in must_split if n not in sharding.slices],
-            "n_split": len(sharding.slices),
-            "replicated": sorted(sharding.replicated),
-        }
-    return out
+    comm, vcomm = Comm(), Comm()
+    return cases.run_named((key, functools.partial(_apply_case, key, comm, vcomm)) for key in CASES)
 
 
 @pytest.fixture(scope="module")
@@ -234,15 +239,15 @@ def applied():
 
 @pytest.mark.parametrize("key", list(CASES))
 def test_wrapped_model_tp2_matches_unsplit(applied, key):
-    for r in applied:
-        c = r[key]
+    for c in cases.values(applied, key):
         assert c["missing"] == [] and c["n_split"] > 0, c
         assert c["loss"] <= TOL and c["grads"] <= TOL and c["params"] <= TOL, c
 
 
 def test_wrappers_own_head_is_kept_whole(applied):
-    assert "v_head.weight" in applied[0]["llama_reward_head"]["replicated"]
-    assert "v_head.bias" in applied[0]["llama_reward_head"]["replicated"]
+    head = cases.values(applied, "llama_reward_head")[0]
+    assert "v_head.weight" in head["replicated"]
+    assert "v_head.bias" in head["replicated"]
 
 
 # -- no processes ------------------------------------------------------------------------
@@ -374,10 +379,12 @@ def _wrapped_checkpoint(rank: int, root: str) -> dict:
 
 
 def _engine_worker(rank: int, world: int, root: str) -> dict:
-    return {
-        "cases": [_engine_case(c) for c in ENGINE_CASES],
-        "checkpoint": _wrapped_checkpoint(rank, root),
-    }
+    return cases.run_named(
+        [
+            *((cases.label(c), functools.partial(_engine_case, c)) for c in ENGINE_CASES),
+            ("checkpoint", lambda: _wrapped_checkpoint(rank, root)),
+        ]
+    )
 
 
 @pytest.fixture(scope="module")
@@ -387,15 +394,13 @@ def trained(tmp_path_factory):
 
 @pytest.mark.parametrize("i", range(len(ENGINE_CASES)), ids=[str(c) for c in ENGINE_CASES])
 def test_wrapped_model_tp2_dp2_matches_single_process(trained, i):
-    for r in trained:
-        got = r["cases"][i]
+    for got in cases.values(trained, cases.label(ENGINE_CASES[i])):
         assert got["sizes"] == [2, 2] and got["names"], got
         assert got["param"] <= TOL and got["norm"] <= TOL, (ENGINE_CASES[i], got)
 
 
 def test_wrapped_checkpoint_keeps_global_names(trained):
-    for rank, r in enumerate(trained):
-        c = r["checkpoint"]
+    for rank, c in enumerate(cases.values(trained, "checkpoint")):
         assert c["sizes"] == [4, 1], c
         assert c["loaded"] == 0.0 and c["continued"] <= TOL, c
         if rank == 0:

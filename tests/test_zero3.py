@@ -5,6 +5,9 @@ the reuse distance (a second spawn)."""
 
 from __future__ import annotations
 
+import functools
+
+import cases
 import multirank
 import parity
 import pytest
@@ -154,13 +157,22 @@ def _gpt_untied():
 
 
 # -- the checks, each returning plain data ---------------------------------------------------
-def _hf_cases(rank, world):
-    out = {}
-    for name, build in (("gpt2", _gpt2), ("llama", _llama)):
-        for stage in (0, 1, 2, 3):
-            out[f"{name}-s{stage}"] = _train_both(build, _hf_loss, stage, rank, world, **Z3)[:2]
-        out[f"{name}-s3-init"] = _train_both(build, _hf_loss, 3, rank, world, init=True, **Z3)[:2]
-    return out
+HF_BUILDS = {"gpt2": _gpt2, "llama": _llama}
+# (model, stage, zero.Init) per Hugging Face case
+HF_CASES = [
+    (m, stage, init)
+    for m in HF_BUILDS
+    for stage, init in ((0, False), (1, False), (2, False), (3, False), (3, True))
+]
+
+
+def _hf_name(model: str, stage: int, init: bool) -> str:
+    return f"hf {model}-s{stage}" + ("-init" if init else "")
+
+
+def _hf_case(rank, world, model: str, stage: int, init: bool):
+    kw = {"init": True} if init else {}
+    return _train_both(HF_BUILDS[model], _hf_loss, stage, rank, world, **kw, **Z3)[:2]
 
 
 def _quirky_cases(rank, world):
@@ -294,15 +306,17 @@ def _generate(rank, world):
 
 def _all(rank, world):
     torch.set_num_threads(1)
-    return {
-        "hf": _hf_cases(rank, world),
-        "quirky": _quirky_cases(rank, world),
-        "init": _init_exact(rank, world),
-        "ledger": _ledger_memory(rank, world, **NO_REUSE),
-        "ledger_reuse": _ledger_memory(rank, world),
-        "modify": _gathered_modify(rank, world),
-        "generate": _generate(rank, world),
-    }
+    return cases.run_named(
+        [
+            *((_hf_name(*c), functools.partial(_hf_case, rank, world, *c)) for c in HF_CASES),
+            ("quirky", lambda: _quirky_cases(rank, world)),
+            ("init", lambda: _init_exact(rank, world)),
+            ("ledger", lambda: _ledger_memory(rank, world, **NO_REUSE)),
+            ("ledger_reuse", lambda: _ledger_memory(rank, world)),
+            ("modify", lambda: _gathered_modify(rank, world)),
+            ("generate", lambda: _generate(rank, world)),
+        ]
+    )
 
 
 @pytest.fixture(scope="module")
@@ -311,14 +325,16 @@ def results():
     return multirank.run(_all, 2, timeout=600)
 
 
-def test_hf_models_every_stage(results):
-    for r in results:
-        for case, (diff, loss_diff) in r["hf"].items():
+def test_hf_models_every_stage(results, subtests):
+    def check(case: str, per_rank: list) -> None:
+        for diff, loss_diff in per_rank:
             assert diff <= HF_TOL and loss_diff <= HF_TOL, (case, diff, loss_diff)
+
+    cases.check_each(subtests, results, check, names=[_hf_name(*c) for c in HF_CASES])
 
 
 def test_real_model_quirks(results):
-    for r in results:
+    for r in cases.by_rank(results, "quirky"):
         q = r["quirky"]
         for key in ("prefetch=0", "prefetch=1000000"):
             assert q[key][0] <= TOL and q[key][1] <= TOL, (key, q[key])
@@ -326,7 +342,7 @@ def test_real_model_quirks(results):
 
 
 def test_partitioned_construction_is_exact(results):
-    for r in results:
+    for r in cases.by_rank(results, "init"):
         i = r["init"]
         assert i["equal"] and i["rng_same"]
         assert i["held_bytes"] == 0  # parameters hold no storage; the slices live in Init
@@ -336,7 +352,7 @@ def test_partitioned_construction_is_exact(results):
 
 
 def test_ledger_three_psi(results):
-    for r in results:
+    for r in cases.by_rank(results, "ledger"):
         led = r["ledger"]
         stats, psi = led["stats"], led["psi"]
         assert set(stats) == {"all_gather", "reduce_scatter", "all_reduce"}, stats
@@ -350,7 +366,7 @@ def test_ledger_three_psi(results):
 def test_ledger_reuse_gathers_once(results):
     """With DeepSpeed's default stage3_max_reuse_distance (1e9) the units stay gathered
     from their forward through their backward: 4Psi gathered, not 2 x 4Psi."""
-    for r in results:
+    for r in cases.by_rank(results, "ledger", "ledger_reuse"):
         led = r["ledger_reuse"]
         stats, psi = led["stats"], led["psi"]
         gathered = stats["all_gather"]["bytes"]
@@ -359,7 +375,7 @@ def test_ledger_reuse_gathers_once(results):
 
 
 def test_memory_stats_one_nth(results):
-    for r in results:
+    for r in cases.by_rank(results, "ledger"):
         m, psi = r["ledger"]["memory"], r["ledger"]["psi"]
         pad = 4 * 2 * 16 * 40  # per-unit alignment padding (40 units at most)
         assert m["params"] <= 4 * psi / 2 + pad
@@ -369,14 +385,14 @@ def test_memory_stats_one_nth(results):
 
 
 def test_gathered_parameters_modifier(results):
-    for r in results:
+    for r in cases.by_rank(results, "modify"):
         assert r["modify"]["before"] <= TOL
         assert r["modify"]["exact"]
         assert r["modify"]["after"] <= TOL
 
 
 def test_generation_matches(results):
-    for r in results:
+    for r in cases.by_rank(results, "generate"):
         assert r["generate"]["same"]
 
 
@@ -572,44 +588,39 @@ def _threshold_boundary(rank, world):
     return sorted(n for n, p in model.named_parameters() if id(p) in persistent)
 
 
+def _chain(**kw):
+    return functools.partial(_chain_run, **kw)
+
+
+# the second spawn's runs by name, each ``fn(rank, world)``
+_GATHER = {
+    "prefetch0": _chain(stage3_prefetch_bucket_size=0, **NO_REUSE),
+    "prefetch": _chain(stage3_prefetch_bucket_size=10**6, **NO_REUSE),
+    "persist": _chain(threshold=33, stage3_prefetch_bucket_size=0, **NO_REUSE),
+    "capped": _chain(
+        swap=True, stage3_prefetch_bucket_size=10**6, stage3_max_live_parameters=1500, **NO_REUSE
+    ),
+    "uncapped": _chain(
+        swap=True, stage3_prefetch_bucket_size=10**6, stage3_max_live_parameters=10**9, **NO_REUSE
+    ),
+    "boundary": _threshold_boundary,
+    # reuse: DeepSpeed's default distance, a small one, and one under a cap
+    "reuse": _chain(stage3_prefetch_bucket_size=10**6),
+    "reuse_prefetch0": _chain(stage3_prefetch_bucket_size=0),
+    "reuse_near": _chain(stage3_prefetch_bucket_size=0, stage3_max_reuse_distance=5000),
+    "reuse_capped": _chain(stage3_prefetch_bucket_size=0, stage3_max_live_parameters=6300),
+    "reuse_swap": _chain(swap=True, stage3_prefetch_bucket_size=10**6),
+    "swap0": _chain(swap=True, stage3_prefetch_bucket_size=10**6, **NO_REUSE),
+    "off_path": _reuse_off_path,
+    "off_path0": functools.partial(_reuse_off_path, **NO_REUSE),
+}
+
+
 def _gather_cases(rank, world):
     torch.set_num_threads(1)
-    big = 10**9
-    return {
-        "prefetch0": _chain_run(rank, world, stage3_prefetch_bucket_size=0, **NO_REUSE),
-        "prefetch": _chain_run(rank, world, stage3_prefetch_bucket_size=10**6, **NO_REUSE),
-        "persist": _chain_run(rank, world, threshold=33, stage3_prefetch_bucket_size=0, **NO_REUSE),
-        "capped": _chain_run(
-            rank,
-            world,
-            swap=True,
-            stage3_prefetch_bucket_size=10**6,
-            stage3_max_live_parameters=1500,
-            **NO_REUSE,
-        ),
-        "uncapped": _chain_run(
-            rank,
-            world,
-            swap=True,
-            stage3_prefetch_bucket_size=10**6,
-            stage3_max_live_parameters=big,
-            **NO_REUSE,
-        ),
-        "boundary": _threshold_boundary(rank, world),
-        # reuse: DeepSpeed's default distance, a small one, and one under a cap
-        "reuse": _chain_run(rank, world, stage3_prefetch_bucket_size=10**6),
-        "reuse_prefetch0": _chain_run(rank, world, stage3_prefetch_bucket_size=0),
-        "reuse_near": _chain_run(
-            rank, world, stage3_prefetch_bucket_size=0, stage3_max_reuse_distance=5000
-        ),
-        "reuse_capped": _chain_run(
-            rank, world, stage3_prefetch_bucket_size=0, stage3_max_live_parameters=6300
-        ),
-        "reuse_swap": _chain_run(rank, world, swap=True, stage3_prefetch_bucket_size=10**6),
-        "swap0": _chain_run(rank, world, swap=True, stage3_prefetch_bucket_size=10**6, **NO_REUSE),
-        "off_path": _reuse_off_path(rank, world),
-        "off_path0": _reuse_off_path(rank, world, **NO_REUSE),
-    }
+    return cases.run_named(
+        (name, functools.partial(fn, rank, world)) for name, fn in _GATHER.items()
+    )
 
 
 @pytest.fixture(scope="module")
@@ -626,7 +637,7 @@ def _parity(run):
 
 
 def test_prefetch_gathers_ahead_of_use(gather_results):
-    for r in gather_results:
+    for r in cases.by_rank(gather_results, "prefetch", "prefetch0"):
         on, off = r["prefetch"], r["prefetch0"]
         _parity(on)
         _parity(off)
@@ -646,7 +657,7 @@ def test_prefetch_gathers_ahead_of_use(gather_results):
 
 
 def test_persistence_threshold_keeps_small_params_whole(gather_results):
-    for r in gather_results:
+    for r in cases.by_rank(gather_results, "persist", "prefetch0"):
         base, p = r["prefetch0"], r["persist"]
         _parity(p)
         small = p["small_numel"]
@@ -665,12 +676,12 @@ def test_persistence_threshold_keeps_small_params_whole(gather_results):
 
 
 def test_persistence_threshold_is_inclusive(gather_results):
-    for r in gather_results:
+    for r in cases.by_rank(gather_results, "boundary"):
         assert r["boundary"] == ["a.bias", "norm.bias", "norm.weight"]
 
 
 def test_max_live_parameters_caps_gathered_numel(gather_results):
-    for r in gather_results:
+    for r in cases.by_rank(gather_results, "capped", "uncapped"):
         capped, free = r["capped"], r["uncapped"]
         _parity(capped)
         _parity(free)
@@ -704,7 +715,7 @@ def _after_recording(run):
 
 
 def test_reuse_default_skips_the_backward_gather(gather_results):
-    for r in gather_results:
+    for r in cases.by_rank(gather_results, "reuse", "prefetch", "reuse_prefetch0", "prefetch0"):
         n = 5
         for key, base in (("reuse", "prefetch"), ("reuse_prefetch0", "prefetch0")):
             run = r[key]
@@ -721,7 +732,7 @@ def test_reuse_default_skips_the_backward_gather(gather_results):
 
 
 def test_reuse_distance_keeps_only_units_near_the_turn(gather_results):
-    for r in gather_results:
+    for r in cases.by_rank(gather_results, "reuse_near", "prefetch0"):
         run = r["reuse_near"]  # distance 5000: head and wide kept, not norm (12416)
         _parity(run)
         _same(run, r["prefetch0"])
@@ -734,7 +745,7 @@ def test_reuse_distance_keeps_only_units_near_the_turn(gather_results):
 
 
 def test_live_cap_evicts_kept_units(gather_results):
-    for r in gather_results:
+    for r in cases.by_rank(gather_results, "reuse_capped", "prefetch0"):
         run, cap = r["reuse_capped"], 6300
         _parity(run)
         _same(run, r["prefetch0"])
@@ -748,7 +759,7 @@ def test_live_cap_evicts_kept_units(gather_results):
 
 
 def test_reuse_with_a_mispredicted_order(gather_results):
-    for r in gather_results:
+    for r in cases.by_rank(gather_results, "reuse_swap", "swap0"):
         run = r["reuse_swap"]
         _parity(run)
         _same(run, r["swap0"])
@@ -757,7 +768,7 @@ def test_reuse_with_a_mispredicted_order(gather_results):
 
 
 def test_reuse_off_the_training_path(gather_results):
-    for r in gather_results:
+    for r in cases.by_rank(gather_results, "off_path", "off_path0"):
         run, base = r["off_path"], r["off_path0"]
         _same(run, base)  # nothing stale after a step, whatever was kept before it
         p = run["probes"]
