@@ -152,7 +152,10 @@ def _script_entry(path: str, args: list[str], env: dict, cwd: str, out: str, err
     # torch read OMP_NUM_THREADS when the server imported it: apply the job's
     torch.set_num_threads(int(env.get("OMP_NUM_THREADS") or os.cpu_count() or 1))
     sys.argv = [path, *args]
-    sys.path.insert(0, os.path.dirname(os.path.abspath(path)))
+    # a fresh interpreter's sys.path: the script's folder, then $PYTHONPATH, then the rest
+    first = [os.path.dirname(os.path.abspath(path))]
+    first += [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    sys.path[:] = first + [p for p in sys.path if p not in first]
     code = 0
     try:
         runpy.run_path(path, run_name="__main__")
