@@ -155,9 +155,9 @@ def main() -> None:
         systems = ["fsdp (seed)", "zeroshard-s2+cpu"]
     runs: dict[str, list[dict]] = {s: [] for s in systems}
     if args.smoke:
-        for s, res in smoke_systems(systems, args).items():
-            runs[s].append(res)
-            print(f"round 0 {s}: {res['step']:.3f} s, rss {res['rss']}", flush=True)
+        for s, got in smoke_systems(systems, args).items():
+            runs[s].append(got)
+            print(f"round 0 {s}: {got['step']:.3f} s, rss {got['rss']}", flush=True)
     for r in range(0 if args.smoke else args.rounds):
         order = systems[r % len(systems) :] + systems[: r % len(systems)]
         for s in order:
