@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import runpy
 import subprocess
 import sys
 import tempfile
@@ -68,3 +69,57 @@ def run_ranks(
         for r in range(nproc):
             if os.path.exists(f"{out}.{r}"):
                 os.remove(f"{out}.{r}")
+
+
+def run_ranks_each(
+    script: str,
+    argvs: list[list[str]],
+    nproc: int = 2,
+    env: dict[str, str] | None = None,
+    timeout: float | None = None,
+) -> list[list[dict]]:
+    """One launch of ``nproc`` ranks that each run ``SCRIPT _rank *ARGV OUT`` for every
+    ``ARGV`` of ``argvs`` in turn (same processes); returns :func:`run_ranks`'s result
+    for each ``ARGV``, in order. For ``--smoke`` runs (see the module docstring)."""
+    out = tempfile.mktemp(prefix="zs-ranks-")
+    outs = [f"{out}-{i}" for i in range(len(argvs))]
+    cmd = [
+        os.path.join(os.path.dirname(sys.executable), "zeroshard"),
+        "run",
+        "--nproc",
+        str(nproc),
+        os.path.abspath(__file__),
+        os.path.abspath(script),
+        json.dumps([[*a, o] for a, o in zip(argvs, outs, strict=True)]),
+    ]
+    try:
+        proc = subprocess.run(
+            cmd, capture_output=True, text=True, env={**os.environ, **(env or {})}, timeout=timeout
+        )
+        if proc.returncode != 0:
+            raise RanksFailed(proc.returncode, proc.stdout + proc.stderr)
+        results = []
+        for o in outs:
+            ranks = []
+            for r in range(nproc):
+                with open(f"{o}.{r}") as f:
+                    ranks.append(json.load(f))
+            results.append(ranks)
+        return results
+    finally:
+        for o in outs:
+            for r in range(nproc):
+                if os.path.exists(f"{o}.{r}"):
+                    os.remove(f"{o}.{r}")
+
+
+def _each(script: str, argvs: list[list[str]]) -> None:
+    """A rank of :func:`run_ranks_each`: the script's ``_rank`` half once per argv, as
+    ``python SCRIPT _rank ARGV`` would run it (its ``__main__`` block, re-executed)."""
+    for argv in argvs:
+        sys.argv = [script, "_rank", *argv]
+        runpy.run_path(script, run_name="__main__")
+
+
+if __name__ == "__main__":
+    _each(sys.argv[1], json.loads(sys.argv[2]))

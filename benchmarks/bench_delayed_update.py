@@ -9,7 +9,8 @@ offloaded step and against no offload, on this machine's CPUs:
 ``delayed_update_after: 0`` so every timed step is delayed). With ``--staged`` (the
 default) offload runs the GPU code path on the CPU (``ZEROSHARD_STAGE_ON_CPU=1``:
 separate masters, staged gradient moves, write-back), as the issue asks when no GPU is
-there. Each layout is a fresh set of ranks; layouts alternate over ``--rounds``.
+there. Each layout is a fresh set of ranks; layouts alternate over ``--rounds`` (``--smoke``:
+one launch runs both, `_ranks.run_ranks_each`).
 
 Per step, rank 0's wall time of forward + backward + ``step()`` ("iteration"), of
 ``step()`` alone, and of the host optimizer's part of ``step()`` (``cpu``: the exact
@@ -35,7 +36,7 @@ import time
 
 import _smoke
 import torch
-from _ranks import run_ranks
+from _ranks import run_ranks, run_ranks_each
 from _record import append_section
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -127,7 +128,7 @@ def main() -> None:
     p.add_argument("--no-record", action="store_true")
     _smoke.add_flag(p)
     args = p.parse_args()
-    if args.smoke:  # the delayed layout against no offload: two 2-rank launches
+    if args.smoke:  # the delayed layout against no offload: one 2-rank launch
         args.preset, args.seq, args.micro, args.steps, args.warmup = "tiny", 16, 1, 2, 1
         args.rounds, args.layouts, args.no_record = 1, "none,cpu+dpu", True
     layouts = args.layouts.split(",")
@@ -135,12 +136,19 @@ def main() -> None:
     got: dict[str, dict[str, list[float]]] = {
         k: {"iter_s": [], "step_s": [], "host_s": []} for k in layouts
     }
+
+    def argv(layout: str) -> list[str]:
+        out = [f"--{k}={getattr(args, k)}" for k in ("preset", "seq", "micro", "stage")]
+        return [*out, f"--layout={layout}", f"--steps={args.steps}", f"--threads={args.threads}", "--out"]  # fmt: skip
+
+    script = os.path.abspath(__file__)
     for _ in range(args.rounds):
-        for layout in layouts:
-            argv = [f"--{k}={getattr(args, k)}" for k in ("preset", "seq", "micro", "stage")]
-            argv += [f"--layout={layout}", f"--steps={args.steps}"]
-            argv += [f"--threads={args.threads}", "--out"]
-            r0 = run_ranks(os.path.abspath(__file__), argv, nproc=2, env=env)[0]
+        if args.smoke:  # the code paths, not a measurement: both layouts in one launch
+            launched = run_ranks_each(script, [argv(k) for k in layouts], nproc=2, env=env)
+        else:  # a fresh launch per layout
+            launched = [run_ranks(script, argv(k), nproc=2, env=env) for k in layouts]
+        for layout, ranks in zip(layouts, launched, strict=True):
+            r0 = ranks[0]
             for key in ("iter_s", "step_s", "host_s"):
                 got[layout][key] += r0[key][args.warmup :]
     base = statistics.median(got[layouts[0]]["iter_s"])

@@ -186,7 +186,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main() -> None:
-    from _ranks import run_ranks
+    from _ranks import run_ranks, run_ranks_each
 
     args = _parser().parse_args()
     if args.smoke:
@@ -212,9 +212,15 @@ def main() -> None:
         f"--warmup={args.warmup}", f"--steps={args.steps}",
     ]  # fmt: skip
     per_round: dict[str, list] = {"dense": [], "ep2": []}
+
+    def launch(modes: list[str]) -> list[list[dict]]:
+        """Each mode's ranks: a fresh launch per mode, or (--smoke) one launch for all."""
+        if args.smoke:
+            return run_ranks_each(__file__, [[f"--mode={m}", *base] for m in modes])
+        return [run_ranks(__file__, [f"--mode={m}", *base], nproc=2) for m in modes]
+
     for _ in range(args.rounds):
-        for mode in per_round:  # interleaved
-            ranks = run_ranks(__file__, [f"--mode={mode}", *base], nproc=2)
+        for mode, ranks in zip(per_round, launch(list(per_round)), strict=True):  # interleaved
             slowest = [max(t) for t in zip(*(r["times"] for r in ranks), strict=True)]
             cpu = statistics.median(c for r in ranks for c in r["cpus"])
             per_round[mode].append({"step": statistics.median(slowest), "cpu": cpu, "ranks": ranks})

@@ -27,7 +27,7 @@ import time
 from typing import Any
 
 import torch
-from _ranks import RanksFailed, run_ranks
+from _ranks import RanksFailed, run_ranks, run_ranks_each
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SYSTEMS = ["fsdp (seed)", "zeroshard-s1", "zeroshard-s2+cpu", "zeroshard-s3"]
@@ -99,22 +99,38 @@ def rank_main(system: str, steps: int, n_layer: int, out: str) -> None:
         json.dump(res, f)
 
 
-def run_system(system: str, args) -> dict | None:
-    try:
-        ranks = run_ranks(
-            __file__,
-            [system, str(args.steps), str(args.n_layer)],
-            env={"OMP_NUM_THREADS": "1", TINY_ENV: "1" if args.smoke else ""},
-            prefix="zs-seed003-",
-        )
-    except RanksFailed as exc:
-        print(f"{system}: failed\n{exc.output[-2000:]}", file=sys.stderr)
-        return None
+def _env(args) -> dict[str, str]:
+    return {"OMP_NUM_THREADS": "1", TINY_ENV: "1" if args.smoke else ""}
+
+
+def _summary(ranks: list[dict]) -> dict:
     return {
         "step": max(r["step"] for r in ranks),
         "rss": [r["rss"] for r in ranks],
         "losses": ranks[0]["losses"],
     }
+
+
+def run_system(system: str, args) -> dict | None:
+    try:
+        ranks = run_ranks(
+            __file__,
+            [system, str(args.steps), str(args.n_layer)],
+            env=_env(args),
+            prefix="zs-seed003-",
+        )
+    except RanksFailed as exc:
+        print(f"{system}: failed\n{exc.output[-2000:]}", file=sys.stderr)
+        return None
+    return _summary(ranks)
+
+
+def smoke_systems(systems: list[str], args) -> dict[str, dict]:
+    """--smoke: every system in ONE launch (the code paths, not a measurement: the peak
+    RSS of a later system includes the earlier ones'); a failure fails the run."""
+    argvs = [[s, str(args.steps), str(args.n_layer)] for s in systems]
+    each = run_ranks_each(__file__, argvs, env=_env(args))
+    return {s: _summary(ranks) for s, ranks in zip(systems, each, strict=True)}
 
 
 def main() -> None:
@@ -138,7 +154,11 @@ def main() -> None:
         args.rounds, args.steps, args.n_layer, args.no_record = 1, 2, 1, True
         systems = ["fsdp (seed)", "zeroshard-s2+cpu"]
     runs: dict[str, list[dict]] = {s: [] for s in systems}
-    for r in range(args.rounds):
+    if args.smoke:
+        for s, got in smoke_systems(systems, args).items():
+            runs[s].append(got)
+            print(f"round 0 {s}: {got['step']:.3f} s, rss {got['rss']}", flush=True)
+    for r in range(0 if args.smoke else args.rounds):
         order = systems[r % len(systems) :] + systems[: r % len(systems)]
         for s in order:
             res = run_system(s, args)

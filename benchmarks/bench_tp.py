@@ -201,7 +201,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main() -> None:
-    from _ranks import run_ranks
+    from _ranks import run_ranks, run_ranks_each
 
     args = _parser().parse_args()
     if args.smoke:
@@ -219,14 +219,21 @@ def main() -> None:
     per_round: dict[str, list] = {"zeroshard": [], "dtensor": []}
     if args.ds_python and os.path.exists(args.ds_python):
         per_round["deepspeed"] = []
+
+    def launch(system: str) -> list[dict]:
+        ds = system == "deepspeed"
+        return run_ranks(
+            __file__, [f"--system={system}", *base], nproc=2,
+            python=os.path.abspath(args.ds_python) if ds else None,
+            env={"DS_ACCELERATOR": "cpu"} if ds else None,
+        )  # fmt: skip
+
     for _ in range(args.rounds):
-        for system in per_round:  # interleaved: A B C A B C ...
-            ds = system == "deepspeed"
-            ranks = run_ranks(
-                __file__, [f"--system={system}", *base], nproc=2,
-                python=os.path.abspath(args.ds_python) if ds else None,
-                env={"DS_ACCELERATOR": "cpu"} if ds else None,
-            )  # fmt: skip
+        if args.smoke:  # the code paths, not a measurement: every system in one launch
+            launched = run_ranks_each(__file__, [[f"--system={s}", *base] for s in per_round])
+        else:  # a fresh launch per system, interleaved: A B C A B C ...
+            launched = [launch(system) for system in per_round]
+        for system, ranks in zip(per_round, launched, strict=True):
             slowest = [max(t) for t in zip(*(r["times"] for r in ranks), strict=True)]
             per_round[system].append({"step": statistics.median(slowest), "ranks": ranks})
     print(f"Llama {args.layers} x {args.hidden}, seq {args.seq}, micro-batch {args.micro}, fp32, "

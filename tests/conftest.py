@@ -26,10 +26,12 @@ os.environ.setdefault("ZEROSHARD_ACCELERATOR", "cpu")
 # Files by their time in the suite, the longest first (`pytest tests --durations=0`,
 # summed per file): the subprocess-heavy files, then the long multi-rank files. Files
 # not listed follow in their usual order. Only the order changes, never what runs.
+# test_docs.py leads: its blocks run in order on one worker (one fixture), the longest
+# chain of the suite (216 s of the 800 s at c49f934), which must not start late.
 LONGEST_FIRST = [
+    "test_docs.py",
     "test_benchmarks_smoke.py",
     "test_examples.py",
-    "test_docs.py",
     "test_checkpoint.py",
     "test_launcher.py",
     "test_inference_tp.py",

@@ -3,6 +3,8 @@
 Each ``benchmarks/*.py`` script (not the ``_`` helpers) runs as its own process, as a
 user would start it, with ``--smoke``: the tiny GPT, one round, the CPU, systems that
 need DeepSpeed's venv left out (the run says so), nothing appended to RESULTS.md. The
+process is forked from the tests' preloaded forkserver (``multirank.run_script``:
+``python SCRIPT --smoke`` without importing torch and zeroshard again). The
 test checks the exit status, that the script said something, and that the repository's
 files are unchanged afterwards (smoke runs write only under temporary directories).
 The benchmarks that need a GPU run their code on the CPU (``ZEROSHARD_STAGE_ON_CPU=1``,
@@ -16,6 +18,7 @@ import os
 import subprocess
 import sys
 
+import multirank
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -54,12 +57,10 @@ def test_benchmark_smoke(script: str) -> None:
         "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
         "OMP_NUM_THREADS": "1",
     }
-    run = subprocess.run(
-        [sys.executable, os.path.join(BENCH, script), *ARGS.get(script, []), "--smoke"],
+    run = multirank.run_script(
+        [os.path.join(BENCH, script), *ARGS.get(script, []), "--smoke"],
         cwd=ROOT,
         env=env,
-        capture_output=True,
-        text=True,
         timeout=540,
     )
     tail = run.stdout[-3000:] + run.stderr[-3000:]
@@ -76,12 +77,10 @@ def test_benchmark_smoke(script: str) -> None:
 def test_gpu_check_fails_fast_without_a_gpu() -> None:
     """``make gpu-check`` on a machine without CUDA: one line naming why, exit 2, at once
     (the time is torch's import)."""
-    run = subprocess.run(
-        [sys.executable, os.path.join(BENCH, "gpu_check.py")],
+    run = multirank.run_script(
+        [os.path.join(BENCH, "gpu_check.py")],
         cwd=ROOT,
         env={**os.environ, "PYTHONPATH": ROOT},
-        capture_output=True,
-        text=True,
         timeout=120,
     )
     assert run.returncode == 2, run.stdout + run.stderr

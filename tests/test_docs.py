@@ -3,7 +3,8 @@
 Every fenced block of README.md (tests/docblocks.py reads them and their directives):
 
 * ``python``: written to a file in one folder shared by the whole README and run with
-  this interpreter on one rank, unless a ``<!-- doctest: file NAME -->`` directive makes
+  this interpreter on one rank (``python FILE`` as its own process, forked from the
+  tests' preloaded forkserver: ``multirank.run_script``), unless a ``<!-- doctest: file NAME -->`` directive makes
   it a file that a later command runs (``zeroshard run --nproc 2 pipe.py``);
 * ``bash``: each command run with ``bash -c`` in that folder (a test per command);
 * ``json``: a fragment of a DeepSpeed config, merged into a minimal one and read by
@@ -38,6 +39,7 @@ import subprocess
 import sys
 from dataclasses import dataclass, field
 
+import multirank
 import pytest
 from docblocks import Block, Command, read_blocks
 
@@ -76,23 +78,23 @@ class DocRun:
     def _run(self, block: Block, command: Command | None) -> Outcome:
         if block.skip or block.file or (command is not None and command.skip):
             return Outcome(0, "")  # not run (the test reports why)
-        if block.lang == "python":
-            path = os.path.join(self.folder, f"doc_{block.id}.py")
-            with open(path, "w") as f:
-                f.write(block.text)
-            argv = [sys.executable, path]
-        else:
-            assert command is not None
-            argv = ["bash", "-c", command.text]
         try:
-            res = subprocess.run(
-                argv,
-                cwd=self.folder,
-                env=self.env,
-                capture_output=True,
-                text=True,
-                timeout=TIMEOUT_S,
-            )
+            if block.lang == "python":
+                path = os.path.join(self.folder, f"doc_{block.id}.py")
+                with open(path, "w") as f:
+                    f.write(block.text)
+                # `python doc_x.py`, forked from the preloaded server (torch imported once)
+                res = multirank.run_script([path], env=self.env, cwd=self.folder, timeout=TIMEOUT_S)
+            else:
+                assert command is not None
+                res = subprocess.run(
+                    ["bash", "-c", command.text],
+                    cwd=self.folder,
+                    env=self.env,
+                    capture_output=True,
+                    text=True,
+                    timeout=TIMEOUT_S,
+                )
         except subprocess.TimeoutExpired as exc:
             out = (exc.stdout or b"").decode() if isinstance(exc.stdout, bytes) else exc.stdout
             return Outcome(-1, f"timed out after {TIMEOUT_S} s\n{out or ''}")

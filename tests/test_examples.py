@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 
+import multirank
 import pytest
 from example_cases import CASES, METHOD_A, STAGES
 
@@ -48,11 +49,9 @@ def test_seed_example(argv: list[str], expect: str | tuple[str, ...]) -> None:
 
 def test_seed001_method_b_one_rank_without_launcher() -> None:
     """seeds/001 method B as a plain `python script.py`: world size 1, no launcher."""
-    out = subprocess.run(
-        [sys.executable, "examples/seeds/seed001_method_b.py"],
+    out = multirank.run_script(  # `python script.py`, forked from the preloaded server
+        ["examples/seeds/seed001_method_b.py"],
         cwd=ROOT,
-        capture_output=True,
-        text=True,
         timeout=300,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )

@@ -24,6 +24,10 @@ config = {
     "comm_timeout": 3,
 }
 engine, *_ = zeroshard.initialize(model=model, model_parameters=model.parameters(), config=config)
+# both ranks leave initialize together (a plain barrier, outside the watchdog): on a loaded
+# host one rank can finish initialize seconds after the other, and step 0's first
+# collective would then outlast the 3 s comm_timeout before any stall is staged
+torch.distributed.barrier()
 x = torch.zeros(1, 8, dtype=torch.long)
 for step in range(4):
     if step == 3 and engine.global_rank == 1:

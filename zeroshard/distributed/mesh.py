@@ -33,7 +33,10 @@ group spanning several axes of size > 1 is made with ``new_group`` over the same
 row-major layout, because ``DeviceMesh`` offers that only through a private method.
 
 Communication: building a mesh creates process groups (every rank takes part); no data
-moves.
+moves. :meth:`Mesh.release` destroys the groups the mesh created (never the default group
+nor groups handed in through an ``mpu``): each idle gloo group keeps backend threads that
+wake every few milliseconds, so a process that builds engine after engine would otherwise
+spend more CPU the more engines it has built. ``Engine.destroy()`` calls it.
 """
 
 from __future__ import annotations
@@ -186,6 +189,10 @@ class Mesh:
         self.device_mesh = device_mesh  # torch DeviceMesh over AXES, when built from a shape
         self._groups = groups
         self._comms: dict[tuple[str, ...], Comm] = {}
+        # the process groups this mesh created (release() destroys them); an mpu's groups
+        # and the default group belong to the caller
+        self._owned: list[dist.ProcessGroup] = []
+        self.released = False
 
     # -- construction -------------------------------------------------------------------
     @classmethod
@@ -198,6 +205,7 @@ class Mesh:
             )
         rank = dist.get_rank() if dist.is_initialized() else 0
         groups: dict[tuple[str, ...], dist.ProcessGroup | None] = {}
+        owned: list[dist.ProcessGroup] = []
         device_mesh = None
         if dist.is_initialized():
             from torch.distributed.device_mesh import init_device_mesh
@@ -211,12 +219,17 @@ class Mesh:
             device_mesh = init_device_mesh(device_type, sizes, mesh_dim_names=AXES)
             for axis in AXES:
                 groups[(axis,)] = device_mesh.get_group(axis)
+                _own(owned, groups[(axis,)])
             for axes in GROUPS.values():
-                cls._combined(shape, rank, axes, groups)
-        return cls(shape, rank, groups, ledger=ledger, device_mesh=device_mesh)
+                cls._combined(shape, rank, axes, groups, owned)
+        mesh = cls(shape, rank, groups, ledger=ledger, device_mesh=device_mesh)
+        mesh._owned = owned
+        return mesh
 
     @staticmethod
-    def _combined(shape: MeshShape, rank: int, axes: tuple[str, ...], groups: dict) -> None:
+    def _combined(
+        shape: MeshShape, rank: int, axes: tuple[str, ...], groups: dict, owned: list
+    ) -> None:
         """The group over several axes: reuse an axis group when only one of them has
         size > 1, the default group when it spans the world, else ``new_group`` (all
         ranks create every partition's group, in order)."""
@@ -233,6 +246,7 @@ class Mesh:
             group = dist.new_group(members)
             if rank in members:
                 groups[axes] = group
+                _own(owned, group)
 
     @classmethod
     def from_mpu(cls, mpu, ledger: Ledger | None = None) -> Mesh:
@@ -288,7 +302,11 @@ class Mesh:
                     "initialize(mpu=...): a group spanning several mpu axes is needed here "
                     f"({'+'.join(axes)}); not supported with an mpu"
                 )
-        return cls(shape, shape.rank_of(coords), groups, ledger=ledger)
+        mesh = cls(shape, shape.rank_of(coords), groups, ledger=ledger)
+        for g in (*singles.values(), groups[("tp",)], groups[("pp",)]):
+            if g is not tp and g is not pp:  # the ones made here, not the mpu's
+                _own(mesh._owned, g)
+        return mesh
 
     def pipeline_subgroup(self, stages: list[int], name: str) -> Comm:
         """A Comm over the ranks at pipeline ``stages`` that share this rank's other
@@ -306,6 +324,7 @@ class Mesh:
                 group = dist.new_group(chosen)
                 if self.rank in chosen:
                     mine = group
+                    _own(self._owned, group)
         return Comm(mine, self.ledger, axis=name)
 
     # -- queries --------------------------------------------------------------------------
@@ -325,6 +344,11 @@ class Mesh:
     def comm(self, name: str) -> Comm:
         """The Comm over an axis or a named group; its ledger entries carry ``name``."""
         axes = self._axes(name)
+        if self.released:
+            raise MeshError(
+                f"mesh.comm({name!r}): this mesh's process groups were released (the engine "
+                "that owned it was destroyed); use the engine the latest initialize() returned"
+            )
         if axes not in self._comms:
             group = self._groups[axes] if self._groups else None  # None: one process
             self._comms[axes] = Comm(group, self.ledger, axis=name)
@@ -346,7 +370,27 @@ class Mesh:
             group = dist.new_group(list(members))
             if dist.get_rank() in members:
                 twin = group
+                _own(self._owned, group)
         return Comm(twin, self.ledger, axis=name)
+
+    def owned_groups(self) -> list[dist.ProcessGroup]:
+        """The process groups this mesh created (what :meth:`release` destroys)."""
+        return list(self._owned)
+
+    def release(self) -> None:
+        """Destroy the process groups this mesh created and drop its references to them
+        (a gloo group's threads end only when nothing holds it any more); idempotent. Local:
+        no collective, so ranks may call it at different times. The mesh refuses
+        :meth:`comm` afterwards; Comms handed out before must not be used again."""
+        if self.released:
+            return
+        self.released = True
+        owned, self._owned = self._owned, []
+        self._groups, self._comms, self.device_mesh = {}, {}, None
+        if not dist.is_initialized():
+            return  # the world (and every group with it) is gone already
+        for group in owned:
+            dist.destroy_process_group(group)
 
     @staticmethod
     def _axes(name: str) -> tuple[str, ...]:
@@ -360,6 +404,15 @@ class Mesh:
 
     def describe(self) -> str:
         return describe(self.shape)
+
+
+def _own(owned: list, group) -> None:
+    """Record ``group`` as created by the mesh, unless it is the default group (a mesh
+    axis spanning the world reuses it) or already recorded."""
+    if group is None or group is dist.group.WORLD or group == dist.GroupMember.NON_GROUP_MEMBER:
+        return
+    if not any(group is g for g in owned):
+        owned.append(group)
 
 
 def describe(shape: MeshShape) -> str:

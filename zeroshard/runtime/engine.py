@@ -248,8 +248,10 @@ class Engine(nn.Module):
         """Remove every hook this engine installed and free its buffers (DeepSpeed's
         name). The module keeps its parameters, whole (stage 3 gathers them back unit by
         unit), as plain tensors: it trains as plain torch or goes to ``initialize``
-        again. The engine is unusable afterwards. With the config's ``checkpoint.dir``, it
-        first saves the run's last step there (``zeroshard.checkpoint.resume.save_at_end``)."""
+        again. The process groups initialize() made for this engine's mesh are destroyed
+        (never the default group or an mpu's). The engine is unusable afterwards. With the
+        config's ``checkpoint.dir``, it first saves the run's last step there
+        (``zeroshard.checkpoint.resume.save_at_end``)."""
         if self.destroyed:
             return
         from zeroshard.checkpoint.resume import save_at_end
@@ -270,6 +272,9 @@ class Engine(nn.Module):
             p.grad = None
         self._swaps.close()
         self.monitor.close()
+        # the groups initialize() created for this engine's mesh: an idle gloo group's
+        # threads keep waking (a process building engine after engine would pay for all)
+        self.mesh.release()
         self.destroyed = True
         if self.module in _ENGINES and _ENGINES[self.module]() is self:
             del _ENGINES[self.module]
