@@ -220,6 +220,9 @@ def run_case(rank: int, world: int, case: dict) -> dict:
     ref_losses, ref_params = reference(case, world, ref_norms)
     losses, engine = train(case, rank, world, norms)
     params, initial = full_params(engine), initial_params(case)
+    # the process groups made for its mesh go with it: a spawn runs many cases, and an
+    # idle gloo group's threads keep waking
+    engine.destroy()
     return {
         "case": case,
         "losses": losses,
