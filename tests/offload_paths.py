@@ -12,7 +12,7 @@ import torch
 
 from zeroshard.distributed import device
 from zeroshard.distributed.fake_device import FakeRuntime
-from zeroshard.zero.grads.reducer import chunk_sum_of_squares
+from zeroshard.zero.grads.buckets import chunk_sum_of_squares
 
 Z = "zero_optimization"
 CPU = parity.PINNED_CPU
@@ -34,7 +34,8 @@ def offload_path(rank: int, world: int, fake: bool = False) -> list[dict]:
         with device.use(FakeRuntime()) if fake else contextlib.nullcontext():
             _, engine = parity.train(case, rank, world)
             squares = _landed_squares(engine, rank, world)
-        opt, stager = engine.optimizer.states, engine.reducer._stager
+        opt, offload = engine.optimizer.states, engine.reducer.offload
+        stager = offload.stager if offload is not None else None  # None: no host apart
         store = engine.flat.store.buffer
         lo, hi = store.data_ptr(), store.data_ptr() + store.numel() * store.element_size()
         out.append(

@@ -80,8 +80,9 @@ def _instrument(fake: FakeRuntime, engine) -> None:
     reducer, states = engine.reducer, engine.optimizer.states
     for i, buf in enumerate(reducer._staging.free):
         fake.name(buf, f"staging{i}")
-    if reducer._dev_acc is not None:  # made by the first window's first micro-step
-        fake.name(reducer._dev_acc, "devacc")
+    dev_acc = reducer.offload.dev_acc if reducer.offload is not None else None
+    if dev_acc is not None:  # made by the first window's first micro-step
+        fake.name(dev_acc, "devacc")
     for s, master in enumerate(states.masters):
         fake.name(master, f"master{s}")
         fake.name(engine.flat.store.chunk(s), f"param{s}")
