@@ -55,7 +55,7 @@ def offload_path(rank: int, world: int, fake: bool = False) -> list[dict]:
                 and all(b.is_pinned() for b in stager.buffers()),
                 "moved": stager.submitted if stager is not None else 0,
                 "pending": stager.pending if stager is not None else -1,
-                "buckets": len(engine.reducer._buckets),  # segments with gradients
+                "buckets": len(engine.reducer.launcher.buckets),  # segments with gradients
                 "by_location": engine.memory_stats()["by_location"],
                 **squares,
             }

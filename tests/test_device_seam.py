@@ -78,7 +78,7 @@ def _instrument(fake: FakeRuntime, engine) -> None:
     """Name the buffers the log mentions; mark when a staging bucket is taken (after
     any wait in it), when backward is done, and what each host step steps."""
     reducer, states = engine.reducer, engine.optimizer.states
-    for i, buf in enumerate(reducer._staging.free):
+    for i, buf in enumerate(reducer.launcher.staging.free):
         fake.name(buf, f"staging{i}")
     dev_acc = reducer.offload.dev_acc if reducer.offload is not None else None
     if dev_acc is not None:  # made by the first window's first micro-step
@@ -86,7 +86,7 @@ def _instrument(fake: FakeRuntime, engine) -> None:
     for s, master in enumerate(states.masters):
         fake.name(master, f"master{s}")
         fake.name(engine.flat.store.chunk(s), f"param{s}")
-    staging_for, finish, step = reducer._staging_for, reducer.finish, states.inner.step
+    staging_for, finish, step = reducer.launcher.staging_for, reducer.finish, states.inner.step
 
     def staging_for_logged(b):
         fresh = b.staging is None
@@ -104,7 +104,7 @@ def _instrument(fake: FakeRuntime, engine) -> None:
         fake.note("step", *sorted(labels))
         return step(*args, **kwargs)
 
-    reducer._staging_for = staging_for_logged
+    reducer.launcher.staging_for = staging_for_logged
     reducer.finish = finish_logged
     states.inner.step = step_logged
 
@@ -124,7 +124,7 @@ def _engine_case(rank: int, world: int, case: dict) -> dict:
         "param_diff": parity.max_param_diff(parity.full_params(engine), ref_params),
         "segments": len(engine.flat.layout.segments),
         # segments with a trainable parameter (stage 3 keeps frozen ones apart)
-        "buckets": len(engine.reducer._buckets),
+        "buckets": len(engine.reducer.launcher.buckets),
         "separate": engine.optimizer.states.separate,
         "pipelined": engine.optimizer.states.pipelined,
         "pending": fake.pending(),
