@@ -6,7 +6,7 @@ once something waits for them, and logs every copy, record and wait in order.
 Each test asserts the order a GPU run must follow and, because late copies would leave
 stale values behind, parity with the single-process fp32 reference as well:
 
-* gradient staging to the host (zero/grads/reducer.py, offload/staging.py): the side stream
+* gradient staging to the host (zero/grads/offload.py, offload/staging.py): the side stream
   waits for compute before it copies a reduced chunk out of a staging bucket, records
   an event, and the compute stream waits on that event before the bucket is filled
   again; the host waits on it before backward ends;

@@ -265,7 +265,6 @@ class BucketLauncher:
             b.ready.clear()
         self.next = 0
 
-    # -- step boundary ------------------------------------------------------------------
     def buffers(self) -> list[torch.Tensor]:
         """The staging and receive pools' buffers, free or held by a bucket."""
         bufs = self.staging.free + self.scratch.free

@@ -90,10 +90,10 @@ class GradReducer:
             stage-3 gatherer frees that unit's parameters then).
         accum_device: with optimizer offload, the host (CPU) where the reduced chunks
             go: the owned gradient shard lives there, in fp32 (stages 2, 3: accumulated
-            on the device before the boundary, see above; stages 0, 1: copied there at
-            the boundary). Each bucket's chunk is moved through a double-buffered
-            :class:`~zeroshard.offload.staging.HostStager` as soon as its reduction completes, while backward goes
-            on. None: no offload.
+            on the device before the boundary, see ``offload.py``; stages 0, 1: copied
+            there at the boundary). Each bucket's chunk is moved through a
+            double-buffered :class:`~zeroshard.offload.staging.HostStager` as soon as its
+            reduction completes, while backward goes on. None: no offload.
         device_segments: with offload to a separate host, Twin-Flow's leading segments
             (``offload_optimizer.ratio`` below 1), whose reduced chunks stay on the device
             for the optimizer's share stepped there.
