@@ -16,8 +16,14 @@ once:
   lands in the shard itself when it can). Memory: the shard plus the staging pool
   (about two buckets);
 * with hybrid sharding (MiCS / HSDP), each reduced chunk is then all-reduced over its
-  replicas (``replicate``); expert segments (kind 1) reduce over the expert-data-parallel
-  group (``expert_comm``) instead.
+  replicas (``replicate``).
+
+With expert parallelism (mixture-of-experts), a segment of kind 1 holds expert
+parameters, which differ along the ``ep`` axis: its bucket is reduced over the
+expert-data-parallel group (``expert_comm``: the ranks holding the same experts) instead,
+and a rank's chunk of it is the one its rank in that group owns (``Segment.owner``). The
+kind picks the group only: buckets of both kinds launch in the one global order and
+every state and move is the same (``zero/grads/states.py``).
 
 At most two reductions are in flight (each holds a staging bucket and, point to point,
 a receive buffer of (N - 1) / N of a bucket); a third waits for the oldest. With offload

@@ -19,12 +19,7 @@ Two modes, chosen once from what is sharded (``zero/grads/buffers.py``: the buff
   micro-step's gradients are reduce-scattered bucket by bucket through a pooled
   staging buffer (``zero/grads/buckets.py``) and accumulated into the owned shard.
 
-With expert parallelism (mixture-of-experts), a segment of kind 1 holds expert
-parameters, which differ along the ``ep`` axis: its bucket is reduced over the
-expert-data-parallel group (``expert_comm``: the ranks holding the same experts) instead,
-and a rank's chunk of it is the one its rank in that group owns (``Segment.owner``). The
-kind picks the group only: buckets of both kinds launch in the one global order and
-every state and move is the same (``zero/grads/states.py``).
+With expert parallelism, expert segments reduce over their own group (``launch.py``).
 
 Either way :attr:`GradReducer.grad_chunks` ``[segment]`` is the reduced,
 averaged gradient of this rank's chunk, what the sharded optimizer consumes, once
