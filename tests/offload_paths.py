@@ -12,7 +12,7 @@ import torch
 
 from zeroshard.distributed import device
 from zeroshard.distributed.fake_device import FakeRuntime
-from zeroshard.zero.grads.reducer import chunk_sum_of_squares
+from zeroshard.zero.grads.buckets import chunk_sum_of_squares
 
 Z = "zero_optimization"
 CPU = parity.PINNED_CPU
@@ -34,7 +34,8 @@ def offload_path(rank: int, world: int, fake: bool = False) -> list[dict]:
         with device.use(FakeRuntime()) if fake else contextlib.nullcontext():
             _, engine = parity.train(case, rank, world)
             squares = _landed_squares(engine, rank, world)
-        opt, stager = engine.optimizer.states, engine.reducer._stager
+        opt, offload = engine.optimizer.states, engine.reducer.offload
+        stager = offload.stager if offload is not None else None  # None: no host apart
         store = engine.flat.store.buffer
         lo, hi = store.data_ptr(), store.data_ptr() + store.numel() * store.element_size()
         out.append(
@@ -54,7 +55,7 @@ def offload_path(rank: int, world: int, fake: bool = False) -> list[dict]:
                 and all(b.is_pinned() for b in stager.buffers()),
                 "moved": stager.submitted if stager is not None else 0,
                 "pending": stager.pending if stager is not None else -1,
-                "buckets": len(engine.reducer._buckets),  # segments with gradients
+                "buckets": len(engine.reducer.launcher.buckets),  # segments with gradients
                 "by_location": engine.memory_stats()["by_location"],
                 **squares,
             }

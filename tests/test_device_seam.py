@@ -6,7 +6,7 @@ once something waits for them, and logs every copy, record and wait in order.
 Each test asserts the order a GPU run must follow and, because late copies would leave
 stale values behind, parity with the single-process fp32 reference as well:
 
-* gradient staging to the host (zero/grads/reducer.py, offload/staging.py): the side stream
+* gradient staging to the host (zero/grads/offload.py, offload/staging.py): the side stream
   waits for compute before it copies a reduced chunk out of a staging bucket, records
   an event, and the compute stream waits on that event before the bucket is filled
   again; the host waits on it before backward ends;
@@ -78,14 +78,15 @@ def _instrument(fake: FakeRuntime, engine) -> None:
     """Name the buffers the log mentions; mark when a staging bucket is taken (after
     any wait in it), when backward is done, and what each host step steps."""
     reducer, states = engine.reducer, engine.optimizer.states
-    for i, buf in enumerate(reducer._staging.free):
+    for i, buf in enumerate(reducer.launcher.staging.free):
         fake.name(buf, f"staging{i}")
-    if reducer._dev_acc is not None:  # made by the first window's first micro-step
-        fake.name(reducer._dev_acc, "devacc")
+    dev_acc = reducer.offload.dev_acc if reducer.offload is not None else None
+    if dev_acc is not None:  # made by the first window's first micro-step
+        fake.name(dev_acc, "devacc")
     for s, master in enumerate(states.masters):
         fake.name(master, f"master{s}")
         fake.name(engine.flat.store.chunk(s), f"param{s}")
-    staging_for, finish, step = reducer._staging_for, reducer.finish, states.inner.step
+    staging_for, finish, step = reducer.launcher.staging_for, reducer.finish, states.inner.step
 
     def staging_for_logged(b):
         fresh = b.staging is None
@@ -103,7 +104,7 @@ def _instrument(fake: FakeRuntime, engine) -> None:
         fake.note("step", *sorted(labels))
         return step(*args, **kwargs)
 
-    reducer._staging_for = staging_for_logged
+    reducer.launcher.staging_for = staging_for_logged
     reducer.finish = finish_logged
     states.inner.step = step_logged
 
@@ -123,7 +124,7 @@ def _engine_case(rank: int, world: int, case: dict) -> dict:
         "param_diff": parity.max_param_diff(parity.full_params(engine), ref_params),
         "segments": len(engine.flat.layout.segments),
         # segments with a trainable parameter (stage 3 keeps frozen ones apart)
-        "buckets": len(engine.reducer._buckets),
+        "buckets": len(engine.reducer.launcher.buckets),
         "separate": engine.optimizer.states.separate,
         "pipelined": engine.optimizer.states.pipelined,
         "pending": fake.pending(),

@@ -230,7 +230,7 @@ def _check_ledger_and_memory(lm: dict, world: int) -> None:
     assert m2["grads"] <= 4 * psi / world + bucket + pad
     assert m2["params"] >= 4 * psi  # stage 2 keeps whole parameters
     # Stage 2, small bucket: the owned gradient shard plus the staging pool. Per
-    # zero/grads/reducer.py a staging buffer is one segment (at most one bucket here, as no
+    # zero/grads/buckets.py a staging buffer is one segment (at most one bucket here, as no
     # parameter is larger than SMALL) and the pool holds at most two: the bucket being
     # filled and the one whose reduce-scatter is in flight (overlap_comm). Padding: each
     # segment and staging buffer is rounded up to N x ALIGN elements (at most ALIGN per

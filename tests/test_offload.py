@@ -57,7 +57,8 @@ def _memory(rank, world):
             case: dict[str, Any] = {"stage": stage, "steps": 1, "staged": staged}
             case["extra"] = {"zero_optimization": offload}
             _, engine = parity.train(case, rank, world)
-            stager = engine.reducer._stager
+            offload = engine.reducer.offload  # None: no host apart from the device
+            stager = offload.stager if offload is not None else None
             out.append(
                 {
                     "stage": stage,

@@ -100,7 +100,7 @@ def _where(rank: int, world: int) -> list[dict]:
                         s for s in with_grads if hlo <= chunks[s].data_ptr() < hhi and host.numel()
                     ],
                     "with_grads": with_grads,
-                    "moved": reducer._stager.submitted,
+                    "moved": reducer.offload.stager.submitted,
                     "twin": twin,
                     "optimizer_states": memory["optimizer_states"],
                     "grads": memory["grads"],
@@ -126,7 +126,7 @@ def _where_nvme(rank: int, world: int, root: str) -> dict:
         "shard": engine.flat.layout.shard_numel,
         "nvme": memory["by_location"].get("nvme", 0),
         "twin": memory["twin_flow"],
-        "moved": engine.reducer._stager.submitted,
+        "moved": engine.reducer.offload.stager.submitted,
         "with_grads": sum(1 for c in engine.reducer.grad_chunks if c.numel()),
         "on_device": sum(
             1

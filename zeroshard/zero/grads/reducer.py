@@ -2,33 +2,24 @@
 
 Each segment of the :class:`~zeroshard.zero.layout.flat.FlatParams` layout is a bucket. A
 ``post_accumulate_grad`` hook on every trainable parameter drops its gradient into the
-bucket; when a bucket is complete it is reduced asynchronously while backward goes on.
-Buckets are launched in one fixed global order (by position in the model, last layers
-first), so every rank issues the same collectives in the same order even when
-gradients arrive in a different order or some parameters get none. At stage 3
-(``count_unreached``) the parameters a backward's graph does not reach
-(``zero/grads/reached.py``) count as arrived when it starts, so a rank that gets no gradient
-for a bucket launches it when the others do, not when backward ends.
+bucket; when a bucket is complete it is reduced asynchronously while backward goes on,
+in one fixed global order on every rank (``zero/grads/launch.py``: which collectives,
+their volume). At stage 3 (``count_unreached``) the parameters a backward's graph does
+not reach (``zero/grads/reached.py``) count as arrived when it starts, so a rank that
+gets no gradient for a bucket launches it when the others do, not when backward ends.
 
-Two modes, chosen once from what is sharded:
+Two modes, chosen once from what is sharded (``zero/grads/buffers.py``: the buffers):
 
 * **full gradients** (stages 0 and 1): a flat gradient buffer the size of the group.
   In the common case (gradient dtype == parameter dtype) ``param.grad`` *is* a view of
   it, so autograd accumulates micro-steps in place and nothing is copied. Communication
-  happens only on the accumulation boundary: an all-reduce per bucket (stage 0,
-  2x bucket bytes) or an in-place reduce-scatter (stage 1, bucket bytes) that leaves
-  each rank its averaged chunk.
-* **sharded gradients** (stages 2 and 3): only this rank's chunks are kept. Every
-  micro-step each gradient is copied into a pooled staging bucket and freed; the full
-  bucket is reduce-scattered in place and the rank's chunk accumulated into the owned
-  gradient shard. Memory: the shard plus the staging pool (about two buckets).
+  happens only on the accumulation boundary (an all-reduce or a reduce-scatter per
+  bucket).
+* **sharded gradients** (stages 2 and 3): only this rank's chunks are kept; every
+  micro-step's gradients are reduce-scattered bucket by bucket through a pooled
+  staging buffer (``zero/grads/buckets.py``) and accumulated into the owned shard.
 
-With expert parallelism (mixture-of-experts), a segment of kind 1 holds expert
-parameters, which differ along the ``ep`` axis: its bucket is reduced over the
-expert-data-parallel group (``expert_comm``: the ranks holding the same experts) instead,
-and a rank's chunk of it is the one its rank in that group owns (``Segment.owner``). The
-kind picks the group only: buckets of both kinds launch in the one global order and
-every state and move is the same (``zero/grads/states.py``).
+With expert parallelism, expert segments reduce over their own group (``launch.py``).
 
 Either way :attr:`GradReducer.grad_chunks` ``[segment]`` is the reduced,
 averaged gradient of this rank's chunk, what the sharded optimizer consumes, once
@@ -37,94 +28,31 @@ window, buckets, slots) and their legal moves are tables in ``zero/grads/states.
 every change of state goes through them.
 
 With the optimizer offloaded to a host apart from the device (``accum_device``), the
-sharded modes accumulate on the device and cross to the host once per window: a
-micro-step that is not an accumulation boundary (phase BACKWARD_HOLDING) adds its
-reduced chunks into an fp32 buffer of the shard's size on the device (window ON_DEVICE;
-the same fp32 additions, in the same order, the host would make: exact), and the
-boundary's micro-step adds its own and moves the sum, bucket by bucket, while its
-backward goes on. A read before that (``flush``, ``finalize``, :attr:`grad_chunks`)
-lands the sum first (action LAND). Host traffic per window: one fp32 shard, instead of
-one gradient-dtype shard per micro-step plus a host pass adding it. Device memory: that
-fp32 buffer, made at the first micro-step that is not a boundary (never with
-accumulation 1). The host's thread that lands each chunk (``HostStager``) also takes
-its fp32 sum of squares then, while backward goes on: the step's global norm adds those
-up (:meth:`ReducedGrads.landed_squares`) instead of reading the shard again. With
-Twin-Flow (``device_segments``) the leading segments, whose optimizer steps on the
-device, keep their reduced chunks there instead; only the others cross. Stages 2-3: a
-shard of their own in the gradient dtype, as without offload, until micro-steps first
-accumulate on the device: from then on they are read from that fp32 sum itself (the
-same values the host's share gets) and their shard is dropped. Stage 1: the reduced
-chunk in the full gradient buffer.
+reduced chunks go there through :class:`~zeroshard.zero.grads.offload.HostOffload`
+(``zero/grads/offload.py``: the device's fp32 accumulation before the boundary, the
+host stager, the squares taken as chunks land, Twin-Flow's device segments).
+
+The reducer composes those parts and calls down into them: it owns the hooks, the
+arrivals and the moves of the window and the phase; :class:`BucketLauncher` launches
+and completes the reductions, :class:`GradBuffers` holds the gradients.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
 
 from zeroshard import ArgumentError, InternalError, UsageError
-from zeroshard.distributed.comm import Comm, Handle
-from zeroshard.distributed.device import host_apart
-from zeroshard.offload.staging import HostStager
+from zeroshard.distributed.comm import Comm
 from zeroshard.zero.grads import states
+from zeroshard.zero.grads.buffers import GradBuffers
+from zeroshard.zero.grads.launch import BucketLauncher
+from zeroshard.zero.grads.offload import HostOffload
 from zeroshard.zero.grads.reached import reached_leaves
 from zeroshard.zero.grads.result import ReducedGrads
 from zeroshard.zero.grads.states import BucketState, Event, Mode, Phase, Slot, Window
 from zeroshard.zero.layout.flat import FlatParams
-
-
-def chunk_sum_of_squares(c: torch.Tensor) -> torch.Tensor:
-    """fp32 sum of squares of one gradient chunk. An fp32 chunk in CPU memory (the
-    offloaded shard) goes through BLAS ``dot``, which uses every core: torch's CPU norm
-    reduction ran on one (measured, torch 2.11 on a 16-core host: 38 ms per 100M
-    elements at any thread count, ``dot`` 7 ms; it was 0.42 s of a 1B model's 0.75 s
-    offloaded step)."""
-    if c.device.type == "cpu" and c.dtype == torch.float32:
-        return torch.dot(c, c)
-    return torch.linalg.vector_norm(c, dtype=torch.float32).square()
-
-
-# reductions in flight at once, at most: each holds a staging bucket (stages 2-3) and a
-# receive buffer (point-to-point reduce-scatter); more wait for the oldest
-_IN_FLIGHT = 2
-
-
-class _Pool:
-    """Buffers of one size, at most :data:`_IN_FLIGHT` of them: with none free and all
-    made, ``take`` returns None (the owner completes its oldest pending reduction, which
-    gives its buffer back, and asks again)."""
-
-    def __init__(self, numel: int, dtype: torch.dtype, device: torch.device) -> None:
-        self.numel, self.dtype, self.device = numel, dtype, device
-        self.free: list[torch.Tensor] = []
-        self.made = 0
-
-    def take(self) -> torch.Tensor | None:
-        if self.free:
-            return self.free.pop()
-        if self.made >= _IN_FLIGHT:
-            return None
-        return self.make()
-
-    def make(self) -> torch.Tensor:
-        self.made += 1
-        return torch.empty(self.numel, dtype=self.dtype, device=self.device)
-
-
-@dataclass(eq=False)
-class _Bucket:
-    segment: int
-    order_key: int
-    slots: dict[int, tuple[int, int]]  # param index -> (lo, hi) within the segment
-    trainable: int  # how many of its parameters receive gradients
-    ready: set[int] = field(default_factory=set)
-    state: BucketState = BucketState.EMPTY
-    staging: torch.Tensor | None = None
-    scratch: torch.Tensor | None = None  # the reduce-scatter's receive buffer, if any
-    direct: bool = False  # reduced straight into the owned gradient shard
-    filled: set[int] = field(default_factory=set)
 
 
 class GradReducer:
@@ -157,10 +85,10 @@ class GradReducer:
             stage-3 gatherer frees that unit's parameters then).
         accum_device: with optimizer offload, the host (CPU) where the reduced chunks
             go: the owned gradient shard lives there, in fp32 (stages 2, 3: accumulated
-            on the device before the boundary, see above; stages 0, 1: copied there at
-            the boundary). Each bucket's chunk is moved through a double-buffered
-            :class:`HostStager` as soon as its reduction completes, while backward goes
-            on. None: no offload.
+            on the device before the boundary, see ``offload.py``; stages 0, 1: copied
+            there at the boundary). Each bucket's chunk is moved through a
+            double-buffered :class:`~zeroshard.offload.staging.HostStager` as soon as its
+            reduction completes, while backward goes on. None: no offload.
         device_segments: with offload to a separate host, Twin-Flow's leading segments
             (``offload_optimizer.ratio`` below 1), whose reduced chunks stay on the device
             for the optimizer's share stepped there.
@@ -193,134 +121,89 @@ class GradReducer:
         self.expert_comm = expert_comm if expert_comm is not None else comm
         self._count_unreached = count_unreached
         self._walk_missed: set[int] = set()  # counted as arrived by the last walk
-        self._rs_via = reduce_scatter_via or comm.reduce_scatter_path(flat.device)
+        rs_via = reduce_scatter_via or comm.reduce_scatter_path(flat.device)
         self.replicate = replicate if replicate is not None and replicate.world_size > 1 else None
         if self.replicate is not None and not flat.partitioned:
             raise ArgumentError("internal: replicated reduction needs a sharded layout")
         # gradients are averaged over every rank that produced one
-        self._contributors = comm.world_size * (self.replicate.world_size if self.replicate else 1)
+        contributors = comm.world_size * (self.replicate.world_size if self.replicate else 1)
         self._on_bucket_ready = on_bucket_ready
         self.sharded, self.overlap, self.predivide = sharded, overlap, predivide
         self.mode = (
             Mode.SHARDED if sharded else Mode.PARTITIONED if flat.partitioned else Mode.REPLICATED
         )
-        self.phase = Phase.IDLE
-        self.window = Window.EMPTY
-        #: called with (machine, key) on every move: the transition-table test records them
-        self.on_transition: Callable[[str, tuple], None] | None = None
-        # divided by ``_pre`` on the way into the bucket, by ``_post`` after the reduction
-        self._pre = predivide if predivide != 1.0 else float(self._contributors)
-        self._post = self._contributors / self._pre
+        # divided by ``_pre`` on the way into the bucket, by ``post`` after the reduction
+        self._pre = predivide if predivide != 1.0 else float(contributors)
+        post = contributors / self._pre
         self._hooks = []
-        # (bucket, handle, phase): "reduce" over ``comm``, then "replicate" (hybrid only)
-        self._pending: list[tuple[_Bucket, Handle, str]] = []
-        layout = flat.layout
-        # segments with a trainable parameter: the only ones reduced and stored (stage 3
-        # keeps frozen parameters in segments of their own)
-        reduced = [seg for seg in layout.segments if any(flat.group_of[p] >= 0 for p in seg.params)]
-        staging_numel = max((seg.numel for seg in reduced), default=0)
-        self._staging = _Pool(staging_numel, dtype, flat.device)
-        # receive buffers of a point-to-point (or all-to-all) reduce-scatter
-        scratch = max(
-            c.reduce_scatter_scratch(staging_numel, self._rs_via) for c in (comm, self.expert_comm)
-        )
-        self._scratch = _Pool(scratch, dtype, flat.device)
         # parameters that got a gradient on this rank in this window (data for the
         # step's unused-parameter check, not a state: the window never depends on it)
         self.arrived: set[int] = set()
-        # full gradients: what each parameter's slot of the buffer holds
-        self._slots = [Slot.EMPTY] * len(flat.params)
-        own = flat.rank
-        self.grad_full: torch.Tensor | None = None
-        self.grad_shard: torch.Tensor | None = None
-        self._views: list[torch.Tensor | None] = [None] * len(flat.params)
-        self._stager: HostStager | None = None
-        self._staging_events: dict[int, object] = {}  # staging buffer id -> copy event
-        if accum_device is not None and (accum_device != flat.device or host_apart(flat.device)):
-            chunk = max((s.chunk for s in reduced), default=0)
-            self._stager = HostStager(flat.device, chunk, dtype)
-        # Twin-Flow: the segments whose reduced chunks stay on the device (their
-        # optimizer steps there); the others cross to the host
-        self._on_device = frozenset(range(device_segments) if self._stager is not None else ())
-        self.twin_shard: torch.Tensor | None = None
-        if sharded or self._stager is not None:
-            where = accum_device or flat.device
-            # On a separate host the shard is accumulated in fp32, the dtype the CPU
-            # optimizer reads: the moves stay in the gradient dtype (half the bytes over
-            # the bus), and neither the norm nor the step converts every element again.
-            host = torch.float32 if self._stager is not None else dtype
-            away = [s for s in reduced if s.index not in self._on_device]
-            self.grad_shard = torch.zeros(sum(s.chunk for s in away), dtype=host, device=where)
-            self._chunks = self._shard_chunks(self.grad_shard, away)
-            here = [s for s in reduced if s.index in self._on_device]
-            if sharded and here:  # in the gradient dtype, as without offload
-                self.twin_shard = torch.zeros(
-                    sum(s.chunk for s in here), dtype=dtype, device=flat.device
-                )
-                for s, c in enumerate(self._shard_chunks(self.twin_shard, here)):
-                    if c.numel():
-                        self._chunks[s] = c
-        # offload (stages 2-3): micro-steps before the boundary add into ``_dev_acc``, an
-        # fp32 shard on the device (made at the first one), moved to the host once
-        self._dev_acc: torch.Tensor | None = None
-        self._dev_acc_chunks: list[torch.Tensor] = []
-        # offload: per segment, the sum of squares of its host chunk as it landed, valid
-        # while the shard's version counter is the one recorded once all had landed
-        self._squares: list[torch.Tensor | None] = [None] * len(layout.segments)
-        self._squares_version: int | None = None
-        if not sharded:
-            self.grad_full = torch.zeros(layout.total_numel, dtype=dtype, device=flat.device)
-            self._device_chunks = [
-                self.grad_full[slice(*s.chunk_range(own))] for s in layout.segments
-            ]
-            if self._stager is None:
-                self._chunks = self._device_chunks
-            for s in self._on_device:  # Twin-Flow: reduced in place, read there
-                self._chunks[s] = self._device_chunks[s]
-            for pi, p in enumerate(flat.params):
-                lo, hi = layout.param_range(pi)
-                self._views[pi] = self.grad_full[lo:hi].view_as(p)
-        reg = registration_index or {}
-        self._buckets: list[_Bucket] = []
-        self._bucket_of: list[_Bucket] = [None] * len(flat.params)  # type: ignore[list-item]
-        for seg in reduced:
-            slots = {p: (lo, hi) for p, lo, hi in layout.segment_param_pieces(seg.index)}
-            key = min((reg.get(id(flat.params[p]), 1 << 30) for p in seg.params), default=0)
-            trainable = sum(flat.group_of[p] >= 0 for p in seg.params)
-            bucket = _Bucket(seg.index, key, slots, trainable)
-            self._buckets.append(bucket)
-            for pi in seg.params:
-                self._bucket_of[pi] = bucket
-        # Last layers first: a bucket is complete when its earliest parameter's grad lands.
-        self._buckets.sort(key=lambda b: (-b.order_key, b.segment))
-        self._next = 0
-        self._zero_copy = not sharded and all(p.dtype == dtype for p in flat.params)
-        # the owned shard can take a reduction's output: same device and dtype, no replicas
-        self._direct_ok = (
-            sharded
-            and self._stager is None
-            and self.replicate is None
-            and self.grad_shard is not None
-            and self.grad_shard.dtype == dtype
+        #: the offload path (``zero/grads/offload.py``); None: no offload
+        self.offload = HostOffload.of(flat, accum_device, dtype, device_segments)
+        # Twin-Flow: the segments whose reduced chunks stay on the device
+        on_device = self.offload.on_device if self.offload is not None else frozenset()
+        #: the gradient buffers (``zero/grads/buffers.py``)
+        offloaded = self.offload is not None
+        self.bufs = GradBuffers(flat, dtype, sharded, accum_device, offloaded, on_device)
+        #: the buckets' reductions (``zero/grads/launch.py``); it reads phase and window
+        self.launcher = BucketLauncher(
+            flat,
+            comm,
+            self.expert_comm,
+            self.replicate,
+            self.bufs,
+            self.offload,
+            dtype=dtype,
+            sharded=sharded,
+            overlap=overlap,
+            pre=self._pre,
+            post=post,
+            rs_via=rs_via,
+            registration_index=registration_index,
         )
         for pi, p in enumerate(flat.params):
             if flat.group_of[pi] < 0:  # frozen (stage 3 keeps them in the layout)
                 continue
             self._hooks.append(p.register_post_accumulate_grad_hook(self._make_hook(pi)))
 
-    def _shard_chunks(
-        self, shard: torch.Tensor, segments: list | None = None
-    ) -> list[torch.Tensor]:
-        """Views of ``shard``, one per segment: the chunks of ``segments`` (default: every
-        segment with a trainable parameter) end to end, empty for the others."""
-        layout = self.flat.layout
-        chunks = [shard[:0]] * len(layout.segments)  # frozen: none
-        start = 0
-        for seg in layout.segments if segments is None else segments:
-            if any(self.flat.group_of[p] >= 0 for p in seg.params):
-                chunks[seg.index] = shard[start : start + seg.chunk]
-                start += seg.chunk
-        return chunks
+    # the states live where the launcher reads them; only the reducer moves them
+    @property
+    def phase(self) -> Phase:
+        return self.launcher.phase
+
+    @phase.setter
+    def phase(self, value: Phase) -> None:
+        self.launcher.phase = value
+
+    @property
+    def window(self) -> Window:
+        return self.launcher.window
+
+    @window.setter
+    def window(self, value: Window) -> None:
+        self.launcher.window = value
+
+    @property
+    def on_transition(self) -> Callable[[str, tuple], None] | None:
+        """Called with (machine, key) on every move: the transition-table test records them."""
+        return self.launcher.on_transition
+
+    @on_transition.setter
+    def on_transition(self, value: Callable[[str, tuple], None] | None) -> None:
+        self.launcher.on_transition = value
+
+    @property
+    def grad_full(self) -> torch.Tensor | None:
+        return self.bufs.grad_full
+
+    @property
+    def grad_shard(self) -> torch.Tensor | None:
+        return self.bufs.grad_shard
+
+    @property
+    def twin_shard(self) -> torch.Tensor | None:
+        return self.bufs.twin_shard
 
     @property
     def grad_chunks(self) -> list[torch.Tensor]:
@@ -329,7 +212,11 @@ class GradReducer:
         host first (a FLUSH: between backwards only)."""
         if self.window is Window.ON_DEVICE:
             self.flush()
-        return self._chunks
+        return self.bufs.chunks
+
+    def comm_of(self, segment: int) -> Comm:
+        """The group segment ``segment``'s gradients are reduced over (by its kind)."""
+        return self.launcher.comm_of(segment)
 
     # -- states -------------------------------------------------------------------------
     def _move_window(self, event: Event) -> None:
@@ -340,20 +227,12 @@ class GradReducer:
         self._run(action)
         self.window = nxt
         landed = action in (states.REDUCE, states.LAND) and nxt is not Window.ON_DEVICE
-        if self._stager is not None and landed:  # every reduced chunk landed on the host
-            self._squares_landed()
+        if self.offload is not None and landed:  # every reduced chunk landed on the host
+            assert self.grad_shard is not None  # offload: the host shard
+            self.offload.squares_landed(self.grad_shard)
 
     def _move_phase(self, event: Event) -> None:
         self.phase = states.step("phase", (self.phase, event), self.on_transition)
-
-    def _move_bucket(self, b: _Bucket, event: Event) -> None:
-        b.state = states.step("bucket", (b.state, event), self.on_transition)
-
-    def _move_slot(self, pi: int, event: Event) -> Slot:
-        """Slot ``pi``'s move; returns the state it left."""
-        was = self._slots[pi]
-        self._slots[pi] = states.step("slot", (was, event), self.on_transition)
-        return was
 
     # -- backward -----------------------------------------------------------------------
     def begin(self, boundary: bool, roots: list[torch.Tensor] | None = None) -> None:
@@ -364,28 +243,19 @@ class GradReducer:
         # already holds part of the window (a boundary micro-step came earlier): the
         # additions then stay on the host, in order
         holding = (
-            self._stager is not None
+            self.offload is not None
             and self.sharded
             and not boundary
             and self.window in (Window.EMPTY, Window.ON_DEVICE)
         )
         event = Event.BEGIN_HOLDING if holding else Event.BEGIN_REDUCING
         self._move_phase(event if reducing else Event.BEGIN_LOCAL)
-        self._squares_version = None  # the shard may change
-        if holding and self._dev_acc is None:
-            assert self.grad_shard is not None  # sharded: the shard exists
-            numel = self.grad_shard.numel() + (
-                self.twin_shard.numel() if self.twin_shard is not None else 0
-            )
-            self._dev_acc = torch.empty(numel, dtype=self.grad_shard.dtype, device=self.flat.device)
-            self._dev_acc_chunks = self._shard_chunks(self._dev_acc)
-            if self.twin_shard is not None:
-                # Twin-Flow: the device's share is read from the fp32 sum itself from now
-                # on (exact, as the host's share); its own shard is no longer needed
-                for s in self._on_device:
-                    if self._chunks[s].numel():
-                        self._chunks[s] = self._dev_acc_chunks[s]
-                self.twin_shard = None
+        if self.offload is not None:
+            self.offload.forget_squares()  # the shard may change
+        if holding:
+            assert self.offload is not None and self.grad_shard is not None  # sharded offload
+            self.offload.hold(self.grad_shard, self.twin_shard, self.bufs.chunks)
+            self.bufs.twin_shard = None  # Twin-Flow: its share is read from the device's sum
         self._walk_missed = set()
         self._move_window(Event.BEGIN)
         if self._count_unreached and roots is not None and self.communicates_now:
@@ -402,46 +272,13 @@ class GradReducer:
             return
         for pi, p in enumerate(self.flat.params):
             if self.flat.group_of[pi] >= 0 and id(p) not in reached:
-                self._arrive(self._bucket_of[pi], pi)
+                self.launcher.arrive(self.launcher.bucket_of[pi], pi)
                 self._walk_missed.add(pi)
-        self._launch_in_order(upto=None)
-
-    def _restate_owned(self) -> None:
-        """Stage 1, another backward after the boundary's reduction (two losses, one
-        step; or the boundary unset again before the step): the buffer holds this
-        rank's averaged chunk and stale data elsewhere. Rewritten so the next reduction
-        adds the new average to it: the chunk times the group's size (the next
-        reduction sums it once and divides by that), zeros elsewhere (other ranks own
-        those)."""
-        owned = [c.mul(self.comm.world_size) for c in self._device_chunks]
-        self._full_grads().zero_()
-        for c, saved in zip(self._device_chunks, owned, strict=True):
-            c.copy_(saved)
-
-    def _rescale_apart(self) -> None:
-        """Stage 0, another backward after the boundary's reduction: the buffer holds
-        the window's average on every rank. A dense segment's next reduction sums it
-        over every contributor and divides by their count, which gives it back; an
-        expert segment's sums it over its expert-data-parallel group only (1/ep of the
-        contributors), so it is multiplied by ep first (no communication)."""
-        for seg in self.flat.layout.segments:
-            n = self.comm_of(seg.index).world_size
-            if n != self.comm.world_size:
-                part = self._full_grads()[seg.start : seg.start + seg.numel]
-                part.mul_(self.comm.world_size / n)
+        self.launcher.launch_in_order(upto=None)
 
     @property
     def communicates_now(self) -> bool:
         return self.phase in (Phase.BACKWARD_REDUCING, Phase.BACKWARD_HOLDING)
-
-    def _full_grads(self) -> torch.Tensor:
-        assert self.grad_full is not None  # full-gradient mode (stages 0-1, or accumulating)
-        return self.grad_full
-
-    @staticmethod
-    def _staged(b: _Bucket) -> torch.Tensor:
-        assert b.staging is not None  # sharded: a launched bucket holds its staging buffer
-        return b.staging
 
     def _make_hook(self, pi: int):
         def hook(p: torch.Tensor) -> None:
@@ -458,7 +295,7 @@ class GradReducer:
                 "(which scales, accumulates and reduces across ranks), not loss.backward(), "
                 "then engine.step()"
             )
-        bucket = self._bucket_of[pi]
+        bucket = self.launcher.bucket_of[pi]
         if bucket.state in (BucketState.LAUNCHED, BucketState.REPLICATING, BucketState.DONE):
             name = f"parameter {pi} (shape {tuple(p.shape)})"
             if pi in self._walk_missed and pi in bucket.ready:
@@ -475,197 +312,16 @@ class GradReducer:
             )
         self.arrived.add(pi)
         if not self.sharded:
-            view = self._views[pi]
-            assert view is not None  # full gradients: every parameter has its slot
-            held = self._slots[pi]
-            if p.grad.data_ptr() == view.data_ptr():  # autograd accumulated in place
-                self._move_slot(pi, Event.ARRIVE if held is Slot.EMPTY else Event.ARRIVE_AGAIN)
-            elif held is Slot.DIVIDED:  # a second gradient in this backward
-                self._move_slot(pi, Event.ARRIVE_AGAIN)
-                view.add_(p.grad.div(self._pre))
-                p.grad = None  # the slot is divided: no in-place accumulation
-            elif held is Slot.RAW:
-                self._move_slot(pi, Event.ARRIVE_AGAIN)
-                view.add_(p.grad)
-                p.grad = view if self._zero_copy else None
-            elif self.communicates_now and p.grad.dtype == view.dtype:
-                # the window's only gradient: divided on the way in (one pass);
-                # param.grad points at the slot once its bucket is launched
-                self._move_slot(pi, Event.ARRIVE_DIVIDED)
-                torch.div(p.grad, self._pre, out=view)
-                p.grad = None
-            else:  # first contribution of this accumulation window: overwrite
-                self._move_slot(pi, Event.ARRIVE)
-                view.copy_(p.grad)
-                p.grad = view if self._zero_copy else None
+            self.bufs.arrive(pi, p, self._pre, self.communicates_now, self.on_transition)
         else:
-            staging = self._staging_for(bucket)
-            lo, hi = bucket.slots[pi]
-            slot = staging[lo:hi].view_as(p.grad)
-            if pi in bucket.filled:
-                slot.add_(p.grad.div(self._pre))
-            elif p.grad.dtype == slot.dtype:  # divided on the way in (one pass)
-                torch.div(p.grad, self._pre, out=slot)
-                bucket.filled.add(pi)
-            else:
-                slot.copy_(p.grad).div_(self._pre)
-                bucket.filled.add(pi)
-            p.grad = None
+            self.launcher.stage_grad(bucket, pi, p)
         if not self.communicates_now:
             return
-        self._arrive(bucket, pi)
+        self.launcher.arrive(bucket, pi)
         if len(bucket.ready) == bucket.trainable:
             if self._on_bucket_ready is not None:
                 self._on_bucket_ready(bucket.segment)
-            self._launch_in_order(upto=None)
-
-    def _arrive(self, bucket: _Bucket, pi: int) -> None:
-        self._move_bucket(bucket, Event.ARRIVE)
-        bucket.ready.add(pi)
-
-    def _launch_in_order(self, upto: int | None) -> None:
-        """Launch complete buckets in global order (all of them when ``upto`` is None
-        and the bucket is complete; everything when finishing)."""
-        while self._next < len(self._buckets):
-            b = self._buckets[self._next]
-            if upto is None and len(b.ready) < b.trainable:
-                return
-            self._launch(b)
-            self._next += 1
-
-    def _launch(self, b: _Bucket) -> None:
-        g = self.flat
-        seg = g.layout.segments[b.segment]
-        self._move_bucket(b, Event.LAUNCH)
-        if self.sharded:
-            src = self._staging_for(b)[: seg.numel]
-            for pi, (lo, hi) in b.slots.items():  # parameters that got no gradient
-                if pi not in b.filled:
-                    src[lo:hi].zero_()
-            src[seg.used :].zero_()
-        else:
-            src = self._full_grads()[seg.start : seg.start + seg.numel]
-            for pi, (lo, hi) in b.slots.items():
-                was = self._move_slot(pi, Event.LAUNCH)
-                if was is Slot.EMPTY:  # stale values: no gradient this window
-                    src[lo:hi].zero_()
-                elif was is Slot.DIVIDED:  # once: a later backward adds raw gradients
-                    if self._zero_copy:
-                        self.flat.params[pi].grad = self._views[pi]
-                else:  # accumulated over micro-steps (or cast in): divided here
-                    src[lo:hi].div_(self._pre)
-        comm = self.comm_of(b.segment)
-        if g.partitioned:
-            if self._scratch.numel and comm.world_size > 1:
-                b.scratch = self._take(self._scratch)
-            # the window's first reduction of a sharded bucket lands in the owned shard
-            # itself (no copy out of the staging bucket afterwards)
-            b.direct = self.sharded and self._direct_ok and self.window is Window.EMPTY
-            out = self._chunks[b.segment] if b.direct else self._own(b, src)
-            handle = comm.reduce_scatter(
-                out, src, async_op=True, via=self._rs_via, scratch=b.scratch
-            )
-        else:
-            handle = comm.all_reduce(src, async_op=True)
-        self._pending.append((b, handle, "reduce"))
-        if not self.overlap:
-            while any(entry[0] is b for entry in self._pending):
-                self._complete_oldest()
-
-    def comm_of(self, segment: int) -> Comm:
-        """The group segment ``segment``'s gradients are reduced over (by its kind)."""
-        return self.expert_comm if self.flat.layout.segments[segment].kind else self.comm
-
-    def _own(self, b: _Bucket, src: torch.Tensor) -> torch.Tensor:
-        """This rank's chunk of bucket ``b``'s segment-sized buffer ``src``."""
-        seg = self.flat.layout.segments[b.segment]
-        lo = seg.owner(self.flat.rank) * seg.chunk
-        return src[lo : lo + seg.chunk]
-
-    def _take(self, pool: _Pool) -> torch.Tensor:
-        """A buffer of ``pool``; with all of them in flight, the oldest pending
-        reduction is completed first (it gives its buffer back)."""
-        while (buf := pool.take()) is None and self._pending:
-            self._complete_oldest()
-        return buf if buf is not None else pool.make()
-
-    def _complete_oldest(self) -> None:
-        b, handle, phase = self._pending.pop(0)
-        handle.wait()
-        if b.scratch is not None:
-            self._scratch.free.append(b.scratch)
-            b.scratch = None
-        g = self.flat
-        seg = g.layout.segments[b.segment]
-        if phase == "reduce" and self.replicate is not None:
-            # hybrid sharding: the reduced chunk is summed across the replicas next
-            own = self._own(b, self._staged(b) if self.sharded else self._full_grads()[seg.start :])
-            self._pending.insert(0, (b, self.replicate.all_reduce(own, async_op=True), "replicate"))
-            self._move_bucket(b, Event.REPLICATE)
-            return
-        self._move_bucket(b, Event.COMPLETE)
-        accumulate = self.window is not Window.EMPTY  # the shard holds a micro-step
-        post = self._post
-        chunk = self._chunks[b.segment]
-        if self.sharded:
-            reduced = chunk if b.direct else self._own(b, self._staged(b))
-            if post != 1.0:
-                reduced.div_(post)
-            if b.direct:  # already in place
-                pass
-            elif self.phase is Phase.BACKWARD_HOLDING:  # offload, before the boundary
-                acc = self._dev_acc_chunks[b.segment]
-                (acc.add_ if accumulate else acc.copy_)(reduced)
-            elif self.window is Window.ON_DEVICE:  # offload, the boundary: sum to host
-                assert self._stager is not None  # device accumulation is for offload only
-                acc = self._dev_acc_chunks[b.segment]
-                acc.add_(reduced)
-                self._to_shard(b.segment, acc, accumulate=False)
-            elif self._stager is not None:
-                event = self._to_shard(b.segment, reduced, accumulate=accumulate)
-                if event is not None:
-                    self._staging_events[id(b.staging)] = event
-            elif accumulate:
-                chunk.add_(reduced)
-            else:
-                chunk.copy_(reduced)
-            self._staging.free.append(self._staged(b))
-            b.staging = None
-            b.filled.clear()
-            return
-        if post != 1.0:
-            src = self._full_grads()[seg.start : seg.start + seg.numel]
-            (src if not g.partitioned else self._device_chunks[b.segment]).div_(post)
-        if self._stager is not None:  # offload at stages 0, 1: the boundary's chunk to host
-            self._to_shard(b.segment, self._device_chunks[b.segment], accumulate=False)
-
-    def _twin_acc(self) -> torch.Tensor | None:
-        """The device's fp32 sum when Twin-Flow's share is read from it, else None."""
-        return self._dev_acc if self._on_device and self.sharded else None
-
-    def _to_shard(self, s: int, src: torch.Tensor, accumulate: bool) -> object:
-        """Offload: segment ``s``'s reduced chunk ``src`` (on the device) into the owned
-        shard: through the host stager (returns its copy's event), or, for a segment
-        Twin-Flow keeps on the device, added or copied there (stage 1: it is there)."""
-        chunk = self._chunks[s]
-        if s in self._on_device:
-            if chunk.data_ptr() != src.data_ptr():
-                (chunk.add_ if accumulate else chunk.copy_)(src)
-            return None
-        assert self._stager is not None  # offload only
-        return self._stager.submit(src, chunk, accumulate=accumulate, then=self._square(s))
-
-    def _staging_for(self, b: _Bucket) -> torch.Tensor:
-        if b.staging is None:
-            # double-buffered: a bucket fills while the previous one's reduction is in
-            # flight; a third waits for the oldest reduction
-            b.staging = self._take(self._staging)
-            event = self._staging_events.pop(id(b.staging), None)
-            if event is not None and self._stager is not None:
-                # its last chunk may still be on its way to the host
-                rt = self._stager.rt
-                rt.wait_event(rt.current_stream(self.flat.device), event)
-        return b.staging
+            self.launcher.launch_in_order(upto=None)
 
     def finish(self) -> None:
         """After backward: a reducing backward launches what is left (in order) and
@@ -699,100 +355,51 @@ class GradReducer:
         self._move_phase(Event.FINALIZE)
         self._move_window(Event.FINALIZE)
         groups = (self.comm,) if self.replicate is None else (self.comm, self.replicate)
+        chunks, offload = self.bufs.chunks, self.offload
         return ReducedGrads(
             flat=self.flat,
-            chunks=self._chunks,
+            chunks=chunks,
             arrived=frozenset(self.arrived),
             groups=groups,
-            squares=self._landed(),
+            squares=offload.landed(chunks) if offload is not None else None,
             squares_of=self.grad_shard,
-            squares_version=self._squares_version,
+            squares_version=offload.squares_version if offload is not None else None,
         )
 
     def _run(self, action: str) -> None:
         """Run a window move's action."""
         if action == states.RESTATE:
-            self._restate_owned()
+            self.bufs.restate_owned(self.comm.world_size)
         elif action == states.REDUCE:
-            self._reduce_rest()
+            self.launcher.reduce_rest()
         elif action == states.ZERO:
-            for buf in (self.grad_full, self.grad_shard, self.twin_shard, self._twin_acc()):
+            twin_acc = self.offload.twin_acc(self.sharded) if self.offload is not None else None
+            for buf in (self.grad_full, self.grad_shard, self.twin_shard, twin_acc):
                 if buf is not None:
                     buf.zero_()
         elif action == states.RESCALE:
-            self._rescale_apart()
+            self.bufs.rescale_apart(self.comm.world_size, lambda s: self.comm_of(s).world_size)
         elif action == states.LAND:
-            self._land()
+            assert self.offload is not None  # device accumulation is for offload only
+            self.offload.land(self.bufs.chunks)
         elif action == states.CLEAR:
-            self._squares_version = None
+            if self.offload is not None:
+                self.offload.forget_squares()
             self.arrived.clear()
-            self._slots = [Slot.EMPTY] * len(self.flat.params)
-            for pi, p in enumerate(self.flat.params):
-                if self.flat.group_of[pi] >= 0:
-                    p.grad = None
+            self.bufs.clear()
         elif action != states.NONE:
             raise InternalError(f"gradient reducer: unknown action {action!r}")
 
-    def _land(self) -> None:
-        """Move the window's sum held on the device into the host shard (which holds
-        nothing of this window: device accumulation starts only so)."""
-        assert self._stager is not None  # device accumulation is for offload only
-        for s, (chunk, acc) in enumerate(zip(self._chunks, self._dev_acc_chunks, strict=True)):
-            if chunk.numel():
-                self._to_shard(s, acc, accumulate=False)
-        self._stager.drain()
-
-    def _square(self, s: int) -> Callable[[torch.Tensor], None]:
-        """What the landing thread runs once segment ``s``'s chunk has landed."""
-
-        def then(chunk: torch.Tensor) -> None:
-            self._squares[s] = chunk_sum_of_squares(chunk)
-
-        return then
-
-    def _squares_landed(self) -> None:
-        """Every reduced chunk has landed (and its square was taken): remember the
-        shard's version, which any later in-place change of it moves on."""
-        assert self.grad_shard is not None  # offload: the host shard
-        self._squares_version = self.grad_shard._version
-
-    def _landed(self) -> list[torch.Tensor] | None:
-        """Per segment, the square the landing thread took (an empty chunk: zero); None
-        unless every reduced chunk's was taken since the window's last change."""
-        if self._squares_version is None:
-            return None
-        out = []
-        for s, (sq, chunk) in enumerate(zip(self._squares, self._chunks, strict=True)):
-            if not chunk.numel() or s in self._on_device:  # (Twin-Flow: read on the device)
-                out.append(chunk_sum_of_squares(chunk))
-            elif sq is None:
-                return None
-            else:
-                out.append(sq)
-        return out
-
     def landed_squares(self) -> list[torch.Tensor] | None:
         """Per segment, the fp32 sum of squares of this rank's gradient chunk, taken by
-        the host as it landed (:func:`chunk_sum_of_squares` of each of
-        :attr:`grad_chunks`, the same values); None when not all were taken so, or the
-        chunks were changed since (clipping by tensor-parallel partial sums, tied
-        pipeline parameters, a user's edit)."""
-        shard = self.grad_shard
-        if shard is None or shard._version != self._squares_version:
+        the host as it landed (:func:`~zeroshard.zero.grads.buckets.chunk_sum_of_squares`
+        of each of :attr:`grad_chunks`, the same values); None when not all were taken
+        so, or the chunks were changed since (clipping by tensor-parallel partial sums,
+        tied pipeline parameters, a user's edit)."""
+        shard, offload = self.grad_shard, self.offload
+        if offload is None or shard is None or shard._version != offload.squares_version:
             return None
-        return self._landed()
-
-    def _reduce_rest(self) -> None:
-        """Launch every bucket not launched yet, in the global order, and wait for all."""
-        self._launch_in_order(upto=len(self._buckets))
-        while self._pending:
-            self._complete_oldest()
-        if self._stager is not None:
-            self._stager.drain()
-        for b in self._buckets:
-            self._move_bucket(b, Event.RESET)
-            b.ready.clear()
-        self._next = 0
+        return offload.landed(self.bufs.chunks)
 
     # -- step boundary ------------------------------------------------------------------
     def zero_grad(self) -> None:
@@ -812,9 +419,8 @@ class GradReducer:
         parameter with no gradient yet gets zeros and counts as having one."""
         self._move_phase(Event.TIED)
         self._move_window(Event.TIED)
-        view = self._views[pi]
-        assert view is not None  # full gradients: every parameter has its slot
-        if self._move_slot(pi, Event.TIED) is Slot.EMPTY:
+        view = self.bufs.view(pi)
+        if self.bufs.move_slot(pi, Event.TIED, self.on_transition) is Slot.EMPTY:
             view.zero_()
         self.arrived.add(pi)
         return view
@@ -826,11 +432,10 @@ class GradReducer:
 
     def buffers(self) -> list[torch.Tensor]:
         """Persistent gradient buffers: the full buffer or the shard, plus the staging pool."""
-        held = (self.grad_full, self.grad_shard, self.twin_shard, self._dev_acc)
+        dev_acc = self.offload.dev_acc if self.offload is not None else None
+        held = (self.grad_full, self.grad_shard, self.twin_shard, dev_acc)
         bufs = [b for b in held if b is not None]
-        bufs += self._staging.free + self._scratch.free
-        bufs += [b.scratch for b in self._buckets if b.scratch is not None]
-        bufs += [b.staging for b in self._buckets if b.staging is not None]
-        if self._stager is not None:
-            bufs += self._stager.buffers()
+        bufs += self.launcher.buffers()
+        if self.offload is not None:
+            bufs += self.offload.buffers()
         return bufs

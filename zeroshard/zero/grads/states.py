@@ -2,7 +2,7 @@
 
 No communication here: these are the names and the legal moves of
 :class:`~zeroshard.zero.grads.reducer.GradReducer`, which performs each move's action
-(its collectives are described there). Four machines, each a table
+(its collectives are described in ``zero/grads/launch.py``). Four machines, each a table
 ``{(state, event): next}`` (the window's table also names the action); a pair missing
 from a table is an illegal call order and raises :class:`~zeroshard.InternalError`
 naming the machine, the state and the event.

@@ -42,7 +42,7 @@ import torch
 from zeroshard import NonFiniteError, UsageError
 from zeroshard.distributed.comm import Comm
 from zeroshard.offload.states import StateStore
-from zeroshard.zero.grads.reducer import chunk_sum_of_squares
+from zeroshard.zero.grads.buckets import chunk_sum_of_squares
 from zeroshard.zero.grads.result import ReducedGrads
 from zeroshard.zero.layout.flat import FlatParams
 
