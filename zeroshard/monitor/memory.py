@@ -81,6 +81,8 @@ class Estimate:
     by_location: dict[str, int] = field(default_factory=dict)
     activations: int = 0
     comm_bytes_per_step: int = 0
+    zero_ranks: int = 1  # the ranks ZeRO shards over
+    shard_numel: int = 0  # parameters in one rank's shard (after tensor parallelism)
 
     @property
     def model_states(self) -> int:
@@ -201,6 +203,8 @@ def estimate(
         by_location={k: v for k, v in loc.items() if v},
         activations=activations,
         comm_bytes_per_step=comm,
+        zero_ranks=n,
+        shard_numel=-(-psi // n),
     )
 
 

@@ -46,6 +46,7 @@ from zeroshard import ArgumentError, NotBuiltError, UsageError
 from zeroshard.distributed.comm import Comm
 from zeroshard.distributed.device import runtime
 from zeroshard.distributed.process_group import default_device, init_distributed
+from zeroshard.offload.heap import HeapTrimmer
 from zeroshard.zero.params.hooks import guard, set_released, set_sealed, unguard
 from zeroshard.zero.params.init_ops import FILLS as _FILLS
 from zeroshard.zero.params.init_ops import PartitionMode, storage_key
@@ -141,6 +142,9 @@ class Init:
         self._mode: PartitionMode | None = None
         self._hook: RemovableHandle | None = None
         self._module_hook: RemovableHandle | None = None
+        # each parameter's full value is freed once its slice is kept: give the holes
+        # back as they add up (offload/heap.py), or the host holds about twice the shards
+        self._trimmer = HeapTrimmer()
 
     # -- context ------------------------------------------------------------------
     def __enter__(self) -> Init:
@@ -169,6 +173,7 @@ class Init:
             if param is not None:
                 param.__dict__["_zs_name"] = self._full_name(entry)
         self._parent.clear()
+        self._trimmer.flush()
 
     def _on_module(self, parent, name, child):
         if child is not None:
@@ -193,6 +198,8 @@ class Init:
             return None
         with torch._C.DisableTorchFunction():
             self._seal(param)
+        if self._keep_on.type == "cpu":
+            self._trimmer.freed(param.numel() * param.element_size())
         entry = self.entry(param)
         entry.owner, entry.local_name = weakref.ref(module), name
         guard(param, f"{name} (of a {type(module).__name__})")
