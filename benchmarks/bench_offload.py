@@ -476,7 +476,8 @@ def rank_main(argv: list[str]) -> None:
     for key in ("offload_optimizer", "offload_param"):
         if zc.get(key, {}).get("device") == "nvme":
             zc[key]["nvme_path"] = a.nvme_path
-    zc.setdefault("stage3_param_persistence_threshold", 0)
+    if not a.config:  # the fixed layouts; a plan's config is run as it is
+        zc.setdefault("stage3_param_persistence_threshold", 0)
     cfg = {
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": 1,

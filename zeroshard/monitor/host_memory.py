@@ -17,10 +17,10 @@ whether a run fits a machine:
   exp_avg, exp_avg_sq; two sets with ``pipeline_read``/``pipeline_write``) and the
   parameter pool (``offload_param.buffer_count`` buffers of the largest chunk).
 
-Building comes first and peaks on its own: under ``zero.Init`` a rank keeps its fp32
-slice of every parameter in host memory (when parameters are offloaded, or on a
-CPU-only host) until ``initialize`` moves them into the engine's store, plus one
-parameter's full value and its copy at a time. :attr:`HostPeak.rss` is the larger of
+Building comes first and peaks on its own: under ``zero.Init`` a rank keeps its slice
+of every parameter (in the compute dtype) on the device, which on a CPU-only host is
+RAM, until ``initialize`` moves them into the engine's store, plus one parameter's full
+value as built (fp32) and its copy at a time. :attr:`HostPeak.rss` is the larger of
 the two peaks. Freed temporaries are given back as they go (``offload/heap.py``);
 without that, glibc's holes added up to a third of a 350M GPT's peak.
 """
@@ -104,11 +104,13 @@ def host_peak(
             if not e.activations:  # else counted there (its weight-gradient temporaries)
                 parts["unit gradients"] = g_b * largest_unit
     train = sum(parts.values())
-    # zero.Init: this rank's fp32 slices, one parameter whole twice (its value, the copy)
-    build = RANK_BASELINE + 4 * (shard + 2 * (largest_param or largest_unit))
+    # zero.Init: this rank's slices in the compute dtype, and one parameter whole, as
+    # built (fp32) and in that dtype
+    build = RANK_BASELINE + p_b * shard + (4 + p_b) * (largest_param or largest_unit)
+    on_host = e.stage == 3 and cpu_only  # else on the device (remote_device="cpu": host)
     return HostPeak(
         ranks=ranks,
-        build_rss=build if e.stage == 3 else 0,
+        build_rss=build if on_host else 0,
         train_rss=train,
         disk=e.by_location.get("nvme", 0),
         parts=parts,

@@ -82,6 +82,7 @@ class Estimate:
     activations: int = 0
     comm_bytes_per_step: int = 0
     zero_ranks: int = 1  # the ranks ZeRO shards over
+    offload_params: bool = False  # stage 3's parameter shard offloaded with the optimizer
     shard_numel: int = 0  # parameters in one rank's shard (after tensor parallelism)
 
     @property
@@ -204,6 +205,7 @@ def estimate(
         activations=activations,
         comm_bytes_per_step=comm,
         zero_ranks=n,
+        offload_params=offload_params and stage == 3 and offload != "none",
         shard_numel=-(-psi // n),
     )
 
