@@ -218,6 +218,7 @@ def assumptions(args: argparse.Namespace, facts: dict, act_line: str) -> list[st
         else "not limited (--cpu-memory)"
     )
     ranks = args.nproc * args.nnodes
+    cores = getattr(args, "cores", None) or os.cpu_count() or 1
     device = (
         "CPU-only, the device is the host (--cpu-only)"
         if args.cpu_only
@@ -244,6 +245,15 @@ def assumptions(args: argparse.Namespace, facts: dict, act_line: str) -> list[st
         f"(the config's lr, {LR:g}, is a placeholder: set yours)",
         f"  model: {facts['params']:,} parameters (--params / --model)",
         f"  ranks: {ranks} ({args.nnodes} node(s) x {args.nproc}: --nnodes, --nproc{parallel})",
+        *(
+            [
+                f"  threads: {max(1, cores // args.nproc)} per rank (the node's {cores} cores "
+                "over its ranks: torch.set_num_threads; on a CPU-only host one rank "
+                "holds least: nothing gathered twice, nothing exchanged)"
+            ]
+            if args.cpu_only
+            else []
+        ),
         f"  micro-batch: {args.micro_batch} per rank (--micro-batch), gradient accumulation 1",
         f"  gradient bucket: {bucket}",
         f"  activation checkpointing: {policy}",
