@@ -54,3 +54,16 @@ def test_freed_temporaries_leave_the_process() -> None:
     assert plain_held > 300, plain_held  # glibc kept the holes
     assert trimmed < 64, trimmed  # malloc_trim gave them back
     assert mapped_held < 64, mapped_held  # never made: each had its own mapping
+
+
+def test_init_maps_large_allocations_for_nvme_configs() -> None:
+    """zero.Init under an NVMe-offload config turns the mapping on before it builds (the
+    heap it would leave behind is what training's buffers would reuse and keep)."""
+    from zeroshard.zero.params.init import config_swaps
+
+    nvme = {"device": "nvme", "nvme_path": "/x"}
+    assert config_swaps({"zero_optimization": {"stage": 3, "offload_param": nvme}})
+    assert config_swaps({"zero_optimization": {"stage": 3, "offload_optimizer": nvme}})
+    assert not config_swaps({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}})
+    assert not config_swaps({"zero_optimization": {"stage": 3}})
+    assert not config_swaps({"train_batch_size": 1})

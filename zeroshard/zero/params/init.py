@@ -46,7 +46,7 @@ from zeroshard import ArgumentError, NotBuiltError, UsageError
 from zeroshard.distributed.comm import Comm
 from zeroshard.distributed.device import runtime
 from zeroshard.distributed.process_group import default_device, init_distributed
-from zeroshard.offload.heap import HeapTrimmer
+from zeroshard.offload.heap import HeapTrimmer, map_large_allocations
 from zeroshard.zero.params.hooks import guard, set_released, set_sealed, unguard
 from zeroshard.zero.params.init_ops import FILLS as _FILLS
 from zeroshard.zero.params.init_ops import PartitionMode, storage_key
@@ -131,6 +131,9 @@ class Init:
         source = config_dict_or_path if config_dict_or_path is not None else config
         if dtype is None and source is not None:
             dtype = config_dtype(source)
+        # NVMe offload: RAM is the limit, and the heap this construction leaves behind
+        # would be reused, and kept, by training's large buffers (offload/heap.py)
+        self._map_large = source is not None and config_swaps(source)
         self.enabled, self.dtype = enabled, dtype
         if mpu is not None:
             data_parallel_group = mpu.get_data_parallel_group()
@@ -151,6 +154,8 @@ class Init:
         if not self.enabled:
             return self
         init_distributed()
+        if self._map_large:
+            map_large_allocations()
         self.comm = Comm(self.group)
         self.device = default_device()
         self._keep_on = torch.device("cpu") if self.remote_cpu else self.device
@@ -359,6 +364,23 @@ def config_dtype(source) -> torch.dtype | None:
             f"{on[0][0]}.enabled", f"and {on[-1][0]}.enabled are both true; enable one"
         )
     return on[0][1] if on else None
+
+
+def config_swaps(source) -> bool:
+    """Whether a DeepSpeed config (a dict or a JSON path) puts parameters or the
+    optimizer in NVMe swap files."""
+    from collections.abc import Mapping
+
+    from zeroshard.config import read_config_file
+
+    data = source if isinstance(source, Mapping) else read_config_file(source)
+    zero = data.get("zero_optimization") if isinstance(data, Mapping) else None
+    if not isinstance(zero, Mapping):
+        return False
+    return any(
+        isinstance(zero.get(k), Mapping) and zero[k].get("device") == "nvme"
+        for k in ("offload_param", "offload_optimizer")
+    )
 
 
 def _covers(t: torch.Tensor, param: torch.Tensor | None) -> bool:
