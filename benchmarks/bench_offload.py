@@ -34,6 +34,7 @@ Results are printed and appended to ``benchmarks/RESULTS.md`` unless ``--no-reco
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -49,6 +50,9 @@ import _smoke
 import torch
 from _ranks import RanksFailed, run_ranks
 from _record import append_section
+
+from zeroshard.monitor.memory import estimate
+from zeroshard.tools.convert import parse_size
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -442,28 +446,54 @@ def part_nvme(args) -> str:
 
 
 # -- part 3: the largest GPT per layout -----------------------------------------------
+def _swap_bytes(path: str) -> int:
+    """Bytes the files under ``path`` occupy on disk (allocated blocks)."""
+    total = 0
+    for root, _, files in os.walk(path):
+        for f in files:
+            with contextlib.suppress(FileNotFoundError):  # another rank's, just removed
+                total += os.stat(os.path.join(root, f)).st_blocks * 512
+    return total
+
+
 def rank_main(argv: list[str]) -> None:
-    """One rank of a 'largest' run (started by ``zeroshard run --nproc 2``)."""
+    """One rank of a 'largest' run (started by ``zeroshard run --nproc N``)."""
     p = argparse.ArgumentParser()
     p.add_argument("--preset", required=True)
     p.add_argument("--layout", required=True)
+    p.add_argument("--config", default="", help="the zero_optimization section (JSON)")
     p.add_argument("--nvme-path", required=True)
     p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", required=True)
     a = p.parse_args(argv)
     import zeroshard
     from zeroshard.models import GPT, GPTConfig
 
-    torch.set_num_threads(1)
-    zc = json.loads(json.dumps(LAYOUTS[a.layout]))
+    torch.set_num_threads(a.threads)
+    zc = json.loads(a.config) if a.config else json.loads(json.dumps(LAYOUTS[a.layout]))
     for key in ("offload_optimizer", "offload_param"):
         if zc.get(key, {}).get("device") == "nvme":
             zc[key]["nvme_path"] = a.nvme_path
+    if not a.config:  # the fixed layouts; a plan's config is run as it is
+        zc.setdefault("stage3_param_persistence_threshold", 0)
     cfg = {
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": 1,
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.1}},
-        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, **zc},
+        "optimizer": {"type": "AdamW", "params": {"lr": a.lr, "weight_decay": 0.1}},
+        # a short linear warm-up: the first steps of a large random model at full lr
+        # overshoot; the steps measured are all there is
+        "scheduler": {
+            "type": "WarmupLR",
+            "params": {
+                "warmup_min_lr": a.lr / 10,
+                "warmup_max_lr": a.lr,
+                "warmup_num_steps": max(a.steps - 1, 1),
+                "warmup_type": "linear",
+            },
+        },
+        "zero_optimization": {"stage": 3, **zc},
     }
     t0 = time.perf_counter()
     torch.manual_seed(0)
@@ -472,17 +502,18 @@ def rank_main(argv: list[str]) -> None:
         model = GPT(gcfg)
     engine, *_ = zeroshard.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     init_s = time.perf_counter() - t0
-    rank, world = engine.global_rank, engine.world_size
+    rank = engine.global_rank
+    # one batch, repeated: a few steps can only show training as a falling loss on it
+    g = torch.Generator().manual_seed(rank)
+    ids = torch.randint(0, 256, (1, 33), generator=g)
     times, losses = [], []
-    for step in range(a.steps):
-        g = torch.Generator().manual_seed(step * world + rank)
-        ids = torch.randint(0, 256, (1, 33), generator=g)
+    for _ in range(a.steps):
         t0 = time.perf_counter()
         loss = engine(ids[:, :-1], ids[:, 1:])
         engine.backward(loss)
         engine.step()
         times.append(time.perf_counter() - t0)
-        losses.append(float(loss))
+        losses.append(loss.item())
     result = {
         "rank": rank,
         "params": gcfg.num_params(),
@@ -491,19 +522,78 @@ def rank_main(argv: list[str]) -> None:
         "losses": losses,
         "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "memory": engine.memory_stats(),
+        "disk": _swap_bytes(a.nvme_path),
     }
     with open(f"{a.out}.{rank}", "w") as f:
         json.dump(result, f)
 
 
-def _run_largest(args, layout: str, preset: str) -> dict:
-    argv = ["--preset", preset, "--layout", layout, "--nvme-path", args.nvme_path, "--out"]
+def _planned(args, preset: str):
+    """``zeroshard plan``'s proposal for this host (RAM it may use: ``--host-memory``;
+    disk: free space under ``--nvme-path``) and the preset, with its host estimate."""
+    from zeroshard.tools import plan
+
+    ns = argparse.Namespace(
+        model=preset, params=None, nproc=args.nproc, nnodes=1, precision="fp32", seq=32,
+        micro_batch=1, checkpointing="none", gas=1, bucket=None, tp=1, sp=1,
+        megatron_sp=False, device_memory=None, cpu_memory=None, host_memory=args.host_memory,
+        disk=None, cpu_only=True, this_host=True, nvme_path=args.nvme_path,
+    )  # fmt: skip
+    plan.this_host(ns)
+    facts = plan.facts_from_args(ns)
+    ns.largest_unit = facts.get("largest_unit", 0)
+    act, _ = plan.activations(facts, ns, "fp32")
+    ranked, host = plan.propose(ns, facts, act)
+    if not ranked:
+        return None
+    best = ranked[0]
+    return plan.ds_config(best, ns)["zero_optimization"], best, host[id(best)]
+
+
+def _estimated(preset: str, zc: dict, nproc: int):
+    """The host estimate of a fixed layout (``LAYOUTS``) for the preset."""
+    from zeroshard.monitor.host_memory import SwapTuning, host_peak
+    from zeroshard.tools.estimate import facts_from_args
+
+    facts = facts_from_args(argparse.Namespace(model=preset, params=None, seq=32))
+    opt = zc.get("offload_optimizer", {})
+    e = estimate(
+        facts["params"],
+        nproc,
+        stage=3,
+        precision="fp32",
+        offload=opt.get("device", "none"),
+        offload_params="offload_param" in zc,
+        largest_unit=facts["largest_unit"],
+        reuse_numel=zc.get("stage3_max_reuse_distance", 10**9),
+    )
+    swap = SwapTuning(
+        sub_group_numel=zc.get("sub_group_size", 10**9),
+        pipelined=opt.get("pipeline_read", False) or opt.get("pipeline_write", False),
+        param_buffers=zc.get("offload_param", {}).get("buffer_count", 5),
+    )
+    return e, host_peak(
+        e,
+        params=facts["params"],
+        ranks=nproc,
+        cpu_only=True,
+        largest_unit=facts["largest_unit"],
+        largest_param=facts.get("largest_param", 0),
+        swap=swap,
+    )
+
+
+def _run_largest(args, layout: str, preset: str, zc: dict) -> dict:
+    argv = ["--preset", preset, "--layout", layout, "--config", json.dumps(zc)]
+    argv += ["--nvme-path", args.nvme_path, "--steps", str(args.train_steps)]
+    argv += ["--lr", str(args.lr), "--threads", str(args.rank_threads), "--out"]
     t0 = time.perf_counter()
     try:
         ranks = run_ranks(
             __file__,
             argv,
-            env={"OMP_NUM_THREADS": "1"},
+            nproc=args.nproc,
+            env={"OMP_NUM_THREADS": str(args.rank_threads)},
             timeout=args.timeout,
             prefix="zs-largest-",
         )
@@ -512,44 +602,91 @@ def _run_largest(args, layout: str, preset: str) -> dict:
         tail = exc.output[-1500:]
         print(f"{layout} {preset}: failed (exit {exc.returncode})\n{tail}", file=sys.stderr)
         return {"ok": False, "why": f"exit {exc.returncode}", "wall": wall}
+    finally:
+        leftover = _swap_bytes(args.nvme_path)
+        if leftover:
+            print(
+                f"swap files left under {args.nvme_path}: {leftover / GiB:.2f} GiB", file=sys.stderr
+            )
     return {"ok": True, "ranks": ranks, "wall": time.perf_counter() - t0}
 
 
+def _vs(measured: float, predicted: float) -> str:
+    return (
+        f"{measured / GiB:.2f} / {predicted / GiB:.2f} ({(predicted / measured - 1) * 100:+.0f}%)"
+    )
+
+
 def part_largest(args) -> str:
+    from zeroshard.models import GPTConfig
+
     total_ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    threads = args.rank_threads
     lines = [
-        f"2 ranks (gloo, 1 thread each), seq 32, micro-batch 1, fp32 AdamW, 3 steps; "
-        f"machine RAM {total_ram / GiB:.1f} GiB; NVMe path `{args.nvme_path}`",
+        f"{args.nproc} rank(s) (gloo, {threads} thread(s) each), seq 32, micro-batch 1, fp32 "
+        f"AdamW (lr {args.lr:g}, linear warm-up from lr/10 over the first "
+        f"{max(args.train_steps - 1, 1)} steps), one batch repeated, {args.train_steps} steps; "
+        f"machine RAM {total_ram / GiB:.1f} GiB, {os.cpu_count()} cores; NVMe path "
+        f"`{args.nvme_path}`; layout `plan`: what `zeroshard plan --this-host --cpu-only "
+        f"--host-memory {args.host_memory / GiB:g}GiB --precision fp32 --seq 32 --nproc "
+        f"{args.nproc}` proposes. Peak RSS: each rank's ru_maxrss (building included); disk: "
+        "the swap files' allocated bytes while training. Measured / estimated (estimate's "
+        "error).",
         "",
-        "| layout | GPT | params | 16 B/param states (GiB) | step s (3 steps) | "
-        "peak RSS r0+r1 (GiB) | memory_stats r0 by location (GiB) | init s | result |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| layout | GPT | params | step s | loss per step | peak RSS per rank, GiB | "
+        "peak RSS all ranks, GiB | swap files, GiB | init s | result |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for layout in args.layouts.split(","):
         for preset in args.models.split(","):
-            res = _run_largest(args, layout, preset)
-            from zeroshard.models import GPTConfig
-
             n = GPTConfig.preset(preset, vocab_size=256, seq_len=32).num_params()
+            if layout == "plan":
+                planned = _planned(args, preset)
+                if planned is None:
+                    lines.append(f"| plan | {preset} | {n / 1e9:.2f}B | | | | | | | nothing fits |")
+                    print(lines[-1])
+                    continue
+                zc, _, peak = planned
+            else:
+                zc = json.loads(json.dumps(LAYOUTS[layout]))
+                zc.setdefault("stage3_param_persistence_threshold", 0)
+                _, peak = _estimated(preset, zc, args.nproc)
+            print(f"{layout} {preset}: zero_optimization {json.dumps(zc)}; estimate: peak RSS "
+                  f"{peak.rss / GiB:.2f} GiB per rank ({peak.parts}), swap {peak.disk / GiB:.2f} GiB")  # fmt: skip
+            if args.max_rss and peak.total_rss > args.max_rss:
+                lines.append(
+                    f"| {layout} | {preset} | {n / 1e9:.2f}B | | | | estimate "
+                    f"{peak.total_rss / GiB:.2f} | | | not run: over --max-rss |"
+                )
+                print(lines[-1])
+                continue
+            res = _run_largest(args, layout, preset, zc)
             if not res["ok"]:
                 lines.append(
-                    f"| {layout} | {preset} | {n / 1e9:.2f}B | {16 * n / GiB:.1f} | | | | | "
+                    f"| {layout} | {preset} | {n / 1e9:.2f}B | | | | | | | "
                     f"failed ({res['why']}, {res['wall']:.0f} s) |"
                 )
                 print(lines[-1])
                 continue
-            r0, r1 = res["ranks"]
+            ranks = res["ranks"]
             steps = " / ".join(
-                f"{max(a, b):.1f}" for a, b in zip(r0["step_s"], r1["step_s"], strict=True)
+                f"{max(t):.1f}" for t in zip(*(r["step_s"] for r in ranks), strict=True)
             )
-            where = ", ".join(f"{k} {v / GiB:.2f}" for k, v in r0["memory"]["by_location"].items())
+            losses = " / ".join(f"{x:.3f}" for x in ranks[0]["losses"])
+            per_rank = max(r["peak_rss"] for r in ranks)
+            total = sum(r["peak_rss"] for r in ranks)
+            disk = max(r["disk"] for r in ranks)  # every rank sees every rank's files
+            falling = all(
+                b < a for a, b in zip(ranks[0]["losses"], ranks[0]["losses"][1:], strict=False)
+            )
             lines.append(
-                f"| {layout} | {preset} | {n / 1e9:.2f}B | {16 * n / GiB:.1f} | {steps} | "
-                f"{(r0['peak_rss'] + r1['peak_rss']) / GiB:.1f} | {where} | "
-                f"{max(r0['init_s'], r1['init_s']):.0f} | trained; loss "
-                f"{r0['losses'][0]:.3f} -> {r0['losses'][-1]:.3f} |"
+                f"| {layout} | {preset} | {n / 1e9:.2f}B | {steps} | {losses} | "
+                f"{_vs(per_rank, peak.rss)} | {_vs(total, peak.total_rss)} | "
+                f"{_vs(disk, peak.total_disk)} | {max(r['init_s'] for r in ranks):.0f} | "
+                f"trained; loss {'falling' if falling else 'NOT falling'} |"
             )
             print(lines[-1])
+            print("memory_stats r0:", ranks[0]["memory"])
             if not args.all_models:
                 break
     return "\n".join(lines)
@@ -577,14 +714,25 @@ def main() -> None:
     p.add_argument("--nvme-path", default=os.path.join(ROOT, "runs", "nvme"))
     p.add_argument("--gib", type=float, default=4.0)
     p.add_argument("--block-mib", type=int, default=64)
-    p.add_argument("--layouts", default="s3,s3+cpu,s3+nvme")
+    p.add_argument("--layouts", default="s3,s3+cpu,s3+nvme", help="or plan: zeroshard plan's")
     p.add_argument("--models", default="1.6B,1B,350M", help="presets, tried in this order")
+    p.add_argument("--nproc", type=int, default=2, help="ranks of the largest runs")
+    p.add_argument("--rank-threads", type=int, default=0, help="per rank (0: cores / nproc)")
+    p.add_argument("--train-steps", type=int, default=3, help="steps of the largest runs")
+    p.add_argument("--lr", type=float, default=1e-4, help="peak lr of the largest runs")
+    p.add_argument(
+        "--host-memory", type=parse_size, default=15 * GiB, help="RAM the plan may use (all ranks)"
+    )
+    p.add_argument(
+        "--max-rss", type=parse_size, default=0, help="skip a run whose estimate is above this"
+    )
     p.add_argument("--all-models", action="store_true", help="run every preset, not the first fit")
     p.add_argument("--timeout", type=float, default=1800)
     p.add_argument("--results", default=os.path.join(HERE, "RESULTS.md"))
     p.add_argument("--no-record", action="store_true")
     _smoke.add_flag(p)
     args = p.parse_args()
+    args.rank_threads = args.rank_threads or max(1, (os.cpu_count() or 1) // args.nproc)
     if args.smoke:  # every part, tiny: 4096 elements, a 16 MiB swap file, GPT tiny on NVMe
         args.numel, args.steps, args.rounds, args.threads = 4096, 1, 1, 1
         args.nvme_path, args.gib, args.block_mib = _smoke.scratch("offload"), 1 / 64, 1

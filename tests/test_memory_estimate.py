@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 
 import multirank
@@ -420,3 +421,105 @@ def test_tensor_and_sequence_parallel_estimates() -> None:
     assert sp.model_states == estimate(psi, 8, stage=3, precision="bf16").model_states
     with pytest.raises(ValueError, match="must divide"):
         estimate(psi, 6, stage=1, tp=4)
+
+
+def test_host_peak_of_nvme_offload_on_a_cpu_only_host() -> None:
+    """The host side of stage 3 with parameters and optimizer in swap files: RAM holds
+    the fp32 gradient shard, the swap buffers and the units at work; disk 16 bytes per
+    parameter (fp32 parameter file, master, two moments). Each part is the config's."""
+    from zeroshard.monitor.host_memory import RANK_BASELINE, SwapTuning, host_peak
+    from zeroshard.tools.estimate import facts_from_args
+
+    facts = facts_from_args(argparse.Namespace(model="3B", params=None, seq=32))
+    psi, unit = facts["params"], facts["largest_unit"]
+    assert psi >= 3e9 and unit == 4 * 2560 * 2560 + 4 * 2560  # the MLP's first Linear
+    e = estimate(psi, 1, stage=3, precision="fp32", offload="nvme", offload_params=True,
+                 largest_unit=unit, reuse_numel=0)  # fmt: skip
+    swap = SwapTuning(sub_group_numel=20_000_000, pipelined=True, param_buffers=5)
+    h = host_peak(e, params=psi, ranks=1, cpu_only=True, largest_unit=unit, swap=swap)
+    assert h.disk == 16 * psi
+    assert h.parts == {
+        "baseline": RANK_BASELINE,
+        "cpu": 4 * psi,  # the gradient shard, fp32
+        "optimizer swap buffers": 2 * 3 * 4 * 20_000_000,
+        "parameter swap buffers": 5 * 4 * unit,
+        "device": 2 * 4 * unit,  # two gradient staging buckets of the largest unit
+        "gathered units": 4 * unit * 3,  # computing + two prefetched (5e7 elements)
+        "unit gradients": 4 * unit,
+    }
+    assert h.train_rss == sum(h.parts.values()) and h.rss == h.train_rss
+    assert h.build_rss == RANK_BASELINE + 4 * psi + 8 * unit < h.train_rss
+    assert h.rss < 15 * 2**30  # what issue 31's 3B run on the 24 GiB machine may use
+    # not pipelined: one set of sub-group buffers; 2 ranks: half the shard each, and
+    # every rank gathers whole units
+    flat = host_peak(e, params=psi, ranks=1, cpu_only=True, largest_unit=unit,
+                     swap=SwapTuning(sub_group_numel=20_000_000))  # fmt: skip
+    assert flat.parts["optimizer swap buffers"] == 3 * 4 * 20_000_000
+    e2 = estimate(psi, 2, stage=3, precision="fp32", offload="nvme", offload_params=True,
+                  largest_unit=unit, reuse_numel=0)  # fmt: skip
+    h2 = host_peak(e2, params=psi, ranks=2, cpu_only=True, largest_unit=unit, swap=swap)
+    assert h2.parts["cpu"] == 4 * e2.shard_numel and h2.total_disk == pytest.approx(16 * psi, 1e-6)
+    assert h2.parts["gathered units"] == h.parts["gathered units"]
+    assert h2.total_rss > h.total_rss  # two ranks duplicate what is not sharded
+    # on a GPU host the device's part is not RSS, and zero.Init builds on the device
+    gpu = host_peak(e, params=psi, ranks=1, cpu_only=False, largest_unit=unit, swap=swap)
+    assert "device" not in gpu.parts and gpu.build_rss == 0
+
+
+def test_plan_for_issue_31s_cpu_machine_proposes_the_3b_nvme_run(capsys) -> None:
+    """This project's machine: 2 cores, 23.5 GiB RAM of which the run may use 15 GiB,
+    ~70 GB of disk. In memory a 3B model needs 47 GiB: the plan is stage 3 with both
+    sides in swap files, one rank (nothing duplicated, no communication), each unit
+    freed after its forward, and the buffers the estimate assumed, in a config that
+    loads with nothing inert."""
+    from zeroshard.config import load_config
+
+    argv = ["--model", "3B", "--precision", "fp32", "--seq", "32", "--cpu-only",
+            "--host-memory", "15GiB", "--disk", "70GB", "--nvme-path", "/nvme"]  # fmt: skip
+    code, out = _cli(capsys, "plan", *argv)
+    assert code == 0, out
+    lines = _plan_lines(out)
+    assert lines["plan"].startswith(
+        "plan: stage 3, offload nvme, each unit freed after its forward: CPU-only"
+    ), out
+    rss = float(lines["plan"].split("peak RSS ")[1].split(" GiB")[0])
+    swap = float(lines["plan"].split("swap files ")[1].split(" GiB")[0])
+    assert 12 < rss < 15 and swap == round(16 * 3_148_375_040 / 2**30, 2), lines["plan"]
+    pasted = _pasted_config(out)
+    zc = pasted["zero_optimization"]
+    assert zc["sub_group_size"] == 20_000_000 and zc["stage3_max_reuse_distance"] == 0
+    assert zc["offload_param"] == {"device": "nvme", "nvme_path": "/nvme", "buffer_count": 5}
+    cfg = load_config(pasted, world_size=1)
+    opt = cfg.zero_optimization.offload_optimizer
+    assert opt.device == "nvme" and opt.pipeline_read and opt.pipeline_write
+    assert not cfg.inert, cfg.inert
+    # 10 GiB of RAM cannot hold the 11.7 GiB gradient shard; 40 GB of disk not the files
+    for limits in (["--host-memory", "10GiB", "--disk", "70GB"],
+                   ["--host-memory", "15GiB", "--disk", "40GB"]):  # fmt: skip
+        code, out = _cli(capsys, "plan", *argv[:7], *limits)
+        assert code == 1 and "nothing fits" in out, out
+
+
+def test_cli_estimate_host_columns_are_the_host_estimate(capsys) -> None:
+    """`zeroshard estimate --cpu-only` adds each layout's peak RSS per rank, for the
+    node's ranks and its swap files: those of ``host_peak`` with the buffers given."""
+    from zeroshard.monitor.host_memory import SwapTuning, host_peak
+    from zeroshard.tools.estimate import facts_from_args
+
+    code, out = _cli(
+        capsys, "estimate", "--model", "3B", "--precision", "fp32", "--nproc", "2",
+        "--cpu-only", "--reuse-distance", "0", "--sub-group-size", "2e7", "--pipeline",
+    )  # fmt: skip
+    assert code == 0, out
+    row = next(r for r in out.splitlines() if r.startswith("fp32          3    nvme"))
+    rss, node, swap = (float(x) for x in row.split("|")[3].split())
+    facts = facts_from_args(argparse.Namespace(model="3B", params=None, seq=0))
+    e = estimate(facts["params"], 2, stage=3, precision="fp32", offload="nvme",
+                 offload_params=True, largest_unit=facts["largest_unit"], reuse_numel=0)  # fmt: skip
+    h = host_peak(e, params=facts["params"], ranks=2, cpu_only=True,
+                  largest_unit=facts["largest_unit"], largest_param=facts["largest_param"],
+                  swap=SwapTuning(sub_group_numel=20_000_000, pipelined=True))  # fmt: skip
+    assert (rss, node, swap) == tuple(
+        round(x / 2**30, 2) for x in (h.rss, h.total_rss, h.total_disk)
+    )
+    assert "CPU-only: the device's bytes are in RAM too" in out

@@ -190,3 +190,52 @@ def test_nvme_ram_holds_only_the_buffer_pool(tmp_path, monkeypatch) -> None:
             f"peak RSS above baseline: in memory {a['delta_mib']:.0f} MiB, NVMe "
             f"{b['delta_mib']:.0f} MiB (states off RAM: {expected:.0f} MiB)"
         )
+
+
+def test_swap_writer_writes_each_chunk_once(tmp_path) -> None:
+    """The NVMe optimizer writes its new masters sub-group after sub-group: the swapped
+    parameter store's writer assembles each chunk and writes it once, whole, where a
+    write per piece read, patched and wrote the whole chunk each time. Runs that start
+    or stop inside a chunk keep the stored values around them."""
+    from zeroshard.offload.nvme import BufferPool, SwapSpace
+    from zeroshard.offload.store import SwapShard
+    from zeroshard.zero.layout.partition import FlatLayout
+
+    layout = FlatLayout([3000, 5000, 1000, 2500], 1, groups=[[0], [1], [2, 3]], align=1024)
+    n = layout.shard_numel
+    space = SwapSpace(str(tmp_path), "t")
+    try:
+        chunk_bytes = max(seg.chunk for seg in layout.segments) * 4
+        shard = SwapShard(
+            space.file("params", n * 4), BufferPool(2, chunk_bytes, "b"), layout, torch.float32
+        )
+        before = torch.randn(n)
+        shard.write("param", 0, before)
+        moves = {"read": 0, "write": 0}
+        for op in moves:
+            real = getattr(shard.file, op)
+
+            def counted(buf, offset, real=real, op=op) -> None:
+                moves[op] += buf.numel()
+                real(buf, offset)
+
+            setattr(shard.file, op, counted)
+        new = torch.randn(n)
+        writer = shard.writer()
+        for a in range(0, n, 700):  # sub-groups of 700 elements, smaller than any chunk
+            writer.put(a, new[a : a + 700])
+        writer.close()
+        assert torch.equal(shard.read("param", 0, n), new)
+        assert moves == {"read": n * 4, "write": n * 4}, moves  # the read: shard.read
+        # a run from inside one chunk to inside another keeps the values around it
+        s1, s2 = layout.segments[1], layout.segments[2]
+        a, b = s1.shard_start + 100, s2.shard_start + 50
+        writer = shard.writer()
+        writer.put(a, before[a:b])
+        writer.close()
+        expect = new.clone()
+        expect[a:b] = before[a:b]
+        assert torch.equal(shard.read("param", 0, n), expect)
+        assert shard.pool.lent == 0
+    finally:
+        space.close()

@@ -27,6 +27,8 @@ PRESETS = {
     "350M": (24, 16, 1024),
     "1B": (24, 16, 1856),
     "1.6B": (32, 16, 2048),
+    "3B": (40, 20, 2560),  # ~3.15B: issue 31's CPU-machine target (NVMe offload)
+    "10B": (50, 32, 4096),  # ~10.07B: issue 31's one-GPU-host target
 }
 
 

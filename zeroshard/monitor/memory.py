@@ -83,6 +83,9 @@ class Estimate:
     comm_bytes_per_step: int = 0
     #: offload_optimizer.ratio: the share of the optimizer side offloaded (Twin-Flow)
     offload_ratio: float = 1.0
+    zero_ranks: int = 1  # the ranks ZeRO shards over
+    offload_params: bool = False  # stage 3's parameter shard offloaded with the optimizer
+    shard_numel: int = 0  # parameters in one rank's shard (after tensor parallelism)
 
     @property
     def model_states(self) -> int:
@@ -224,6 +227,9 @@ def estimate(
         activations=activations,
         comm_bytes_per_step=comm,
         offload_ratio=offload_ratio,
+        zero_ranks=n,
+        offload_params=offload_params and stage == 3 and offload != "none",
+        shard_numel=-(-psi // n),
     )
 
 

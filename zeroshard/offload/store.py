@@ -19,7 +19,11 @@ layout (this rank's chunk of it):
 * ``write_chunk(s, values, lo)``: store ``values`` from element ``lo`` of the chunk,
   casting (and uploading) as needed;
 * ``fill(s)`` / ``commit(s, buf)``: a writable buffer for the chunk and the call that
-  stores it, to build a shard segment by segment.
+  stores it, to build a shard segment by segment;
+* ``writer()``: a :class:`ChunkWriter` taking consecutive shard positions (the NVMe
+  optimizer's write-back, sub-group after sub-group); a swapped store writes each chunk
+  once, whole, when it is complete, instead of reading, patching and writing the whole
+  chunk for every piece (a chunk spanning k sub-groups moved k times each way).
 
 A store's dtype need not be the compute dtype: with CPU optimizer offload on a GPU the
 stage-3 shard *is* the fp32 master (one host copy, as FSDP2's CPU offload keeps), and
@@ -94,6 +98,34 @@ class ShardStore(Store, Protocol):
 
     def write_chunk(self, s: int, values: torch.Tensor, lo: int = 0) -> None:
         """Store ``values`` from element ``lo`` of chunk ``s``, casting as needed."""
+
+    def writer(self) -> ChunkWriter:
+        """A writer of consecutive shard positions (see :class:`ChunkWriter`)."""
+
+
+class ChunkWriter(Protocol):
+    """Writes runs of shard positions that come in increasing order (each ``put``
+    starting where the last one ended, as an optimizer walks its shard); ``close``
+    stores what is still held. Positions not put keep their stored values."""
+
+    def put(self, a: int, values: torch.Tensor) -> None:
+        """Store ``values`` at shard positions ``[a, a + values.numel())``."""
+
+    def close(self) -> None:
+        """Store the chunk still being assembled, if any."""
+
+
+class _DirectWriter:
+    """A memory store's writer: each run is written as it comes (no I/O to save)."""
+
+    def __init__(self, store: ShardStore) -> None:
+        self.store = store
+
+    def put(self, a: int, values: torch.Tensor) -> None:
+        _write_ranges(self.store, a, values)
+
+    def close(self) -> None:
+        pass
 
 
 def _ranges(layout: ChunkLayout, a: int, b: int) -> Iterator[tuple[int, int, int]]:
@@ -198,6 +230,9 @@ class MemoryShard:
     def write(self, kind: str, a: int, values: torch.Tensor) -> None:
         _write_ranges(self, a, values)
 
+    def writer(self) -> ChunkWriter:
+        return _DirectWriter(self)
+
     def buffers(self) -> list[torch.Tensor]:
         return [self.buffer]
 
@@ -264,8 +299,64 @@ class SwapShard:
     def write(self, kind: str, a: int, values: torch.Tensor) -> None:
         _write_ranges(self, a, values)
 
+    def writer(self) -> ChunkWriter:
+        return _SwapWriter(self)
+
     def buffers(self) -> list[torch.Tensor]:
         return self.pool.buffers()
 
     def disk_bytes(self) -> int:
         return self.file.nbytes
+
+
+class _SwapWriter:
+    """A swapped store's writer: a chunk is assembled in one buffer (from the pool when
+    one is free) and written once, whole. A chunk entered past its start has its head
+    read from the file first; one left before its end, its tail."""
+
+    def __init__(self, shard: SwapShard) -> None:
+        self.shard = shard
+        self.s: int | None = None
+        self.raw = torch.empty(0, dtype=torch.uint8)  # the chunk's bytes being assembled
+        self.pooled = False
+        self.end = 0  # chunk elements assembled so far: [0, end)
+
+    def put(self, a: int, values: torch.Tensor) -> None:
+        layout = self.shard.layout
+        for s, lo, hi in _ranges(layout, a, a + values.numel()):
+            if s != self.s or lo != self.end:
+                self.close()
+                self._open(s, lo)
+            start = layout.segments[s].shard_start
+            self._chunk()[lo:hi].copy_(values[start + lo - a : start + hi - a])
+            self.end = hi
+            if hi == layout.segments[s].chunk:
+                self.close()
+
+    def _chunk(self) -> torch.Tensor:
+        assert self.s is not None
+        return self.raw.view(self.shard.dtype)[: self.shard.layout.segments[self.s].chunk]
+
+    def _open(self, s: int, lo: int) -> None:
+        shard = self.shard
+        nbytes = shard.layout.segments[s].chunk * shard.esize
+        raw = shard.pool.acquire(nbytes)
+        self.pooled = raw is not None
+        self.raw = raw if raw is not None else aligned_empty(nbytes)
+        if lo:  # the head is not ours to write: it comes from the file
+            shard.file.read(self.raw, shard._offset(s))
+        self.s, self.end = s, lo
+
+    def close(self) -> None:
+        if self.s is None:
+            return
+        shard, s = self.shard, self.s
+        chunk = shard.layout.segments[s].chunk
+        try:
+            if self.end < chunk:  # the tail keeps its stored values
+                self._chunk()[self.end :].copy_(shard.chunk(s)[self.end :])
+            shard.file.write(self.raw, shard._offset(s))
+        finally:
+            if self.pooled:
+                shard.pool.give_back(self.raw)
+            self.s, self.raw, self.pooled = None, torch.empty(0, dtype=torch.uint8), False

@@ -134,8 +134,11 @@ class SwappedAdam:
         ``[a, b)`` of it) scaled by ``factor``, skipping the parameters
         in ``unused``; each sub-group's new masters go into the parameter store as soon
         as they are computed."""
-        store = self.flat.store
-        self.swapped_step(grads.range, factor, lambda a, b, m: store.write("param", a, m), unused)
+        writer = self.flat.store.writer()  # sub-groups come in shard order
+        try:
+            self.swapped_step(grads.range, factor, lambda a, b, m: writer.put(a, m), unused)
+        finally:
+            writer.close()
 
     def refresh(self, segments: list[int]) -> None:
         """Parameters of ``segments`` were changed from outside: the masters take the

@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterable
 import torch
 
 from zeroshard.config.schema import ConfigError
+from zeroshard.offload.heap import map_large_allocations
 from zeroshard.offload.layout import ChunkLayout
 from zeroshard.offload.nvme import BufferPool, SwapSpace
 from zeroshard.offload.store import SwapShard
@@ -25,6 +26,9 @@ class EngineSwaps:
     def space(self, path: str) -> SwapSpace:
         """One swap directory per rank and ``nvme_path``."""
         if path not in self.spaces:
+            # RAM bounds NVMe-offloaded runs: freed units and gradients must leave it
+            # (offload/heap.py), not stay as holes in the heap
+            map_large_allocations()
             # aio.queue_depth = swap requests in flight = I/O threads (each blocks in one)
             threads = self.config.aio.queue_depth
             self.spaces[path] = SwapSpace(path, f"rank{self.rank}", threads=threads)

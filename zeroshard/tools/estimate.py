@@ -45,6 +45,7 @@ import re
 
 import torch
 
+from zeroshard.monitor.host_memory import SwapTuning, host_peak
 from zeroshard.monitor.memory import (
     OFFLOADS,
     POLICIES,
@@ -84,6 +85,7 @@ def _model_facts(spec: str, seq: int = 0) -> dict:
         )
     numels = [p.numel() for p in model.parameters()]
     facts["params"] = sum(numels)
+    facts["largest_param"] = max(numels, default=0)
     own = [sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules()]
     facts["largest_unit"] = max(own)
     return facts
@@ -206,6 +208,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "optimizer side on the device, and the parameter shard there (default 1: all "
         "offloaded, stage 3's parameter shard with it)",
     )
+    parser.add_argument(
+        "--reuse-distance",
+        type=float,
+        default=1e9,
+        help="stage3_max_reuse_distance (0: each unit freed after its forward)",
+    )
+    host = parser.add_argument_group("host (peak RSS per rank process, swap files)")
+    host.add_argument("--host", action="store_true", help="add the host columns")
+    host.add_argument("--cpu-only", action="store_true", help="no accelerator: RAM holds it all")
+    host.add_argument("--sub-group-size", type=float, default=1e9, help="sub_group_size (NVMe)")
+    host.add_argument("--pipeline", action="store_true", help="pipeline_read/write (NVMe)")
+    host.add_argument("--param-buffers", type=int, default=5, help="offload_param.buffer_count")
     add_parallel_arguments(parser)
 
 
@@ -252,9 +266,16 @@ def main(args: argparse.Namespace) -> int:
         acts[prec], line = activations(facts, args, prec)
         if prec == precisions[0] or acts[prec]:
             print(line)
+    on_host = args.host or args.cpu_only
+    swap = SwapTuning(
+        sub_group_numel=int(args.sub_group_size),
+        pipelined=args.pipeline,
+        param_buffers=args.param_buffers,
+    )
     print(
         f"{'precision':9} {'stage':>5} {'offload':>7} | {'params':>8} {'grads':>8} {'optim':>8} "
         f"{'states':>8} {'+buffers':>8} | {'device':>8} {'cpu':>8} {'nvme':>8}"
+        + (f" | {'rss/rank':>8} {'rss/node':>8} {'swap':>8}" if on_host else "")
     )
     for prec in precisions:
         for stage in range(4):
@@ -277,14 +298,27 @@ def main(args: argparse.Namespace) -> int:
                     sp=args.sp,
                     tp_activation_numel=tp_numel(facts, args),
                     gradient_accumulation=args.gas,
+                    reuse_numel=int(args.reuse_distance),
                 )
                 loc = e.by_location
                 label = f"cpu{ratio:g}" if off == "cpu" and ratio < 1 else off
-                print(
+                row = (
                     f"{prec:9} {stage:>5} {label:>7} | {gib(e.params)} {gib(e.grads)} "
                     f"{gib(e.optimizer_states)} {gib(e.model_states)} {gib(e.buffers)} | "
                     f"{gib(e.device)} {gib(loc.get('cpu', 0))} {gib(loc.get('nvme', 0))}"
                 )
+                if on_host:
+                    h = host_peak(
+                        e,
+                        params=psi,
+                        ranks=args.nproc,
+                        cpu_only=args.cpu_only,
+                        largest_unit=facts.get("largest_unit", 0),
+                        largest_param=facts.get("largest_param", 0),
+                        swap=swap,
+                    )
+                    row += f" | {gib(h.rss)} {gib(h.total_rss)} {gib(h.total_disk)}"
+                print(row)
     print(
         "states: the ZeRO paper's model-state bytes; +buffers: zeroshard's gradient staging "
         "(stages 2-3) and always-gathered small parameters; device: what stays on the "
@@ -298,6 +332,13 @@ def main(args: argparse.Namespace) -> int:
             else ""
         )
     )
+    if on_host:
+        print(
+            "host: rss/rank is a rank process's peak resident set (building under zero.Init "
+            "or training, the larger), rss/node the node's --nproc ranks together, swap "
+            "their swap files; "
+            + ("CPU-only: the device's bytes are in RAM too" if args.cpu_only else "")
+        )
     return 0
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from zeroshard import ArgumentError, InternalError
+from zeroshard.offload.heap import HeapTrimmer
 from zeroshard.offload.store import MemoryShard, ShardStore
 from zeroshard.zero.layout.partition import FlatLayout
 
@@ -91,6 +92,9 @@ class FlatParams:
         owned: dict[int, list] = {}
         for piece in layout.pieces(rank):
             owned.setdefault(piece.param, []).append(piece)
+        # the values taken (zero.Init's slices, all-gathered) are freed as they go into
+        # the store: their holes are given back as they add up (offload/heap.py)
+        trimmer = HeapTrimmer()
         with torch.no_grad():
             for seg in layout.segments:
                 dst = store.fill(seg.index)
@@ -102,7 +106,10 @@ class FlatParams:
                     for piece in owned.get(i, ()):
                         lo = piece.shard_lo - seg.shard_start
                         dst[lo : lo + piece.numel].copy_(value[piece.param_lo : piece.param_hi])
+                    trimmer.freed(value.numel() * value.element_size())
+                    del value
                 store.commit(seg.index, dst)
+        trimmer.flush()
 
     @property
     def chunks(self) -> list[torch.Tensor] | None:

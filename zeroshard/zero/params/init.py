@@ -46,6 +46,7 @@ from zeroshard import ArgumentError, NotBuiltError, UsageError
 from zeroshard.distributed.comm import Comm
 from zeroshard.distributed.device import runtime
 from zeroshard.distributed.process_group import default_device, init_distributed
+from zeroshard.offload.heap import HeapTrimmer, map_large_allocations
 from zeroshard.zero.params.hooks import guard, set_released, set_sealed, unguard
 from zeroshard.zero.params.init_ops import FILLS as _FILLS
 from zeroshard.zero.params.init_ops import PartitionMode, storage_key
@@ -130,6 +131,9 @@ class Init:
         source = config_dict_or_path if config_dict_or_path is not None else config
         if dtype is None and source is not None:
             dtype = config_dtype(source)
+        # NVMe offload: RAM is the limit, and the heap this construction leaves behind
+        # would be reused, and kept, by training's large buffers (offload/heap.py)
+        self._map_large = source is not None and config_swaps(source)
         self.enabled, self.dtype = enabled, dtype
         if mpu is not None:
             data_parallel_group = mpu.get_data_parallel_group()
@@ -141,12 +145,17 @@ class Init:
         self._mode: PartitionMode | None = None
         self._hook: RemovableHandle | None = None
         self._module_hook: RemovableHandle | None = None
+        # each parameter's full value is freed once its slice is kept: give the holes
+        # back as they add up (offload/heap.py), or the host holds about twice the shards
+        self._trimmer = HeapTrimmer()
 
     # -- context ------------------------------------------------------------------
     def __enter__(self) -> Init:
         if not self.enabled:
             return self
         init_distributed()
+        if self._map_large:
+            map_large_allocations()
         self.comm = Comm(self.group)
         self.device = default_device()
         self._keep_on = torch.device("cpu") if self.remote_cpu else self.device
@@ -169,6 +178,7 @@ class Init:
             if param is not None:
                 param.__dict__["_zs_name"] = self._full_name(entry)
         self._parent.clear()
+        self._trimmer.flush()
 
     def _on_module(self, parent, name, child):
         if child is not None:
@@ -193,6 +203,8 @@ class Init:
             return None
         with torch._C.DisableTorchFunction():
             self._seal(param)
+        if self._keep_on.type == "cpu":
+            self._trimmer.freed(param.numel() * param.element_size())
         entry = self.entry(param)
         entry.owner, entry.local_name = weakref.ref(module), name
         guard(param, f"{name} (of a {type(module).__name__})")
@@ -352,6 +364,23 @@ def config_dtype(source) -> torch.dtype | None:
             f"{on[0][0]}.enabled", f"and {on[-1][0]}.enabled are both true; enable one"
         )
     return on[0][1] if on else None
+
+
+def config_swaps(source) -> bool:
+    """Whether a DeepSpeed config (a dict or a JSON path) puts parameters or the
+    optimizer in NVMe swap files."""
+    from collections.abc import Mapping
+
+    from zeroshard.config import read_config_file
+
+    data = source if isinstance(source, Mapping) else read_config_file(source)
+    zero = data.get("zero_optimization") if isinstance(data, Mapping) else None
+    if not isinstance(zero, Mapping):
+        return False
+    return any(
+        isinstance(zero.get(k), Mapping) and zero[k].get("device") == "nvme"
+        for k in ("offload_param", "offload_optimizer")
+    )
 
 
 def _covers(t: torch.Tensor, param: torch.Tensor | None) -> bool:
