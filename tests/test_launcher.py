@@ -19,7 +19,13 @@ from typing import Any
 
 import pytest
 
-from zeroshard.tools.launch.launcher import LaunchError, add_arguments, parse_hostfile, plan_layout
+from zeroshard.tools.launch.launcher import (
+    LaunchError,
+    add_arguments,
+    parse_hostfile,
+    plan_layout,
+    report_failure,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "tests" / "scripts"
@@ -373,3 +379,48 @@ def test_c10d_rendezvous_is_hosted_by_node_zero():
     argv = ["--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", "29500", "t.py"]
     args = parser.parse_args(argv)
     assert "--rdzv-conf" not in torchrun_argv(args, plan_layout(args, device_count=0))
+
+
+class _Failure:
+    """What torchelastic's ProcessFailure gives report_failure: a rank's error file's
+    message (or torch's stand-in text without one), its exit code and when."""
+
+    def __init__(self, exitcode: int, message: Any, timestamp: float, local_rank: int) -> None:
+        self.exitcode, self.message, self.timestamp = exitcode, message, timestamp
+        self.local_rank, self.pid = local_rank, 100 + local_rank
+
+    def signal_name(self) -> str:
+        return signal.Signals(-self.exitcode).name if self.exitcode < 0 else "<N/A>"
+
+
+def _error_file(text: str, when: float) -> dict:
+    return {"message": text, "extraInfo": {"zeroshard_time": str(when), "zeroshard_brief": "1"}}
+
+
+def test_a_rank_stopped_after_its_own_error_is_quoted(capsys) -> None:
+    """A rank that wrote its own error and was then stopped by the launcher (every rank
+    is stopped once one fails: a race under load) is reported with its error, not only
+    as stopped; a rank stopped before it wrote one, as stopped."""
+    no_file = "To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html"
+    err = argparse.Namespace(
+        failures={
+            1: _Failure(
+                2, _error_file("args.py: error: bad --local_rank=1 (exit code 2)", 1.0), 1.0, 1
+            ),
+            0: _Failure(
+                -signal.SIGTERM,
+                _error_file("args.py: error: bad --local_rank=0 (exit code 2)", 1.1),
+                1.2,
+                0,
+            ),
+            2: _Failure(-signal.SIGTERM, no_file, 1.3, 2),
+        }
+    )
+    assert report_failure(err) == 2
+    out = capsys.readouterr().err
+    assert re.search(r"^zeroshard: FAILED: rank 1 .* exited with code 2$", out, re.M), out
+    assert (
+        "zeroshard: also failed: rank 0: args.py: error: bad --local_rank=0 (exit code 2) (then stopped by the launcher (SIGTERM))"
+        in out
+    ), out
+    assert "zeroshard: also failed: rank 2: stopped by the launcher (SIGTERM)" in out, out

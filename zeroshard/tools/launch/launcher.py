@@ -231,13 +231,15 @@ def _failure_details(failure) -> tuple[str, str, float, bool]:
 
 
 def _short(failure) -> str:
-    """One line for a rank that is not the root cause."""
+    """One line for a rank that is not the root cause: its own error where it wrote one
+    (also when the launcher stopped it afterwards, as it stops every rank once one
+    fails: its error is news, the stop is not)."""
     message = _failure_details(failure)[0]
+    own = bool(message) and "elastic/errors.html" not in message  # else torch's text, no file
     if failure.exitcode in (-signal.SIGTERM, -signal.SIGKILL):
-        return f"stopped by the launcher ({failure.signal_name()})"
-    if "elastic/errors.html" in message or not message:  # torch's text without an error file
-        return f"exited with code {failure.exitcode}"
-    return message.splitlines()[0]
+        stopped = f"stopped by the launcher ({failure.signal_name()})"
+        return f"{message.splitlines()[0]} (then {stopped})" if own else stopped
+    return message.splitlines()[0] if own else f"exited with code {failure.exitcode}"
 
 
 def _ranks(ranks: list[int]) -> str:
