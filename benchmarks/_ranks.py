@@ -54,21 +54,7 @@ def run_ranks(
         *args,
         out,
     ]
-    try:
-        proc = subprocess.run(
-            cmd, capture_output=True, text=True, env={**os.environ, **(env or {})}, timeout=timeout
-        )
-        if proc.returncode != 0:
-            raise RanksFailed(proc.returncode, proc.stdout + proc.stderr)
-        ranks = []
-        for r in range(nproc):
-            with open(f"{out}.{r}") as f:
-                ranks.append(json.load(f))
-        return ranks
-    finally:
-        for r in range(nproc):
-            if os.path.exists(f"{out}.{r}"):
-                os.remove(f"{out}.{r}")
+    return _launch(cmd, [out], nproc, env, timeout)[0]
 
 
 def run_ranks_each(
@@ -92,6 +78,13 @@ def run_ranks_each(
         os.path.abspath(script),
         json.dumps([[*a, o] for a, o in zip(argvs, outs, strict=True)]),
     ]
+    return _launch(cmd, outs, nproc, env, timeout)
+
+
+def _launch(
+    cmd: list[str], outs: list[str], nproc: int, env: dict[str, str] | None, timeout: float | None
+) -> list[list[dict]]:
+    """Run ``cmd``; per out path, each rank's JSON (``OUT.RANK``); the files go either way."""
     try:
         proc = subprocess.run(
             cmd, capture_output=True, text=True, env={**os.environ, **(env or {})}, timeout=timeout
